@@ -1,0 +1,255 @@
+"""The paged KV cache: `KVPages` and its pure, jittable update ops.
+
+Layout (head-major, so one attention program reads one head's pages
+contiguously):
+
+    k, v:             [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
+    k_scale, v_scale: f32[num_layers, num_kv_heads, num_blocks, block_size]  (int8/fp8 only)
+
+A *slot* is a flat token position in the pool: `slot = block * block_size +
+offset`, in `[0, num_blocks * block_size)`. Negative slots mean padding and are
+never written. Slots past the pool are dropped as well (JAX's scatter
+`mode="drop"`); the block manager never produces them.
+
+Quantized pages (`int8`, `float8_e4m3fn`) store one f32 scale per token per
+head, computed on write from that token-head's absolute maximum over
+`head_dim`: `scale = absmax / 127` (int8, values rounded and clipped to
+[-127, 127]) or `scale = absmax / 448` (e4m3's largest finite value).
+Dequantized `x = page.astype(f32) * scale[..., None]`.
+
+Every op returns a new `KVPages`; call them inside a `jax.jit` that donates the
+pages (`donate_argnums`) so XLA updates the buffers in place. `write_donated`,
+`copy_blocks_donated` and `zero_blocks_donated` are such jitted entries.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax.config import CacheConfig
+
+_QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
+
+
+@flax.struct.dataclass
+class KVPages:
+  """K/V pages of every layer.
+
+  Attributes:
+    k: [num_layers, num_kv_heads, num_blocks, block_size, head_dim] keys.
+    v: same shape, values.
+    k_scale: f32[num_layers, num_kv_heads, num_blocks, block_size] per-token,
+      per-head key scales for int8 / fp8 pages; None for float pages.
+    v_scale: same for values.
+  """
+  k: jax.Array
+  v: jax.Array
+  k_scale: Optional[jax.Array] = None
+  v_scale: Optional[jax.Array] = None
+
+  @property
+  def num_layers(self) -> int:
+    return self.k.shape[0]
+
+  @property
+  def num_kv_heads(self) -> int:
+    return self.k.shape[1]
+
+  @property
+  def num_blocks(self) -> int:
+    return self.k.shape[2]
+
+  @property
+  def block_size(self) -> int:
+    return self.k.shape[3]
+
+  @property
+  def head_dim(self) -> int:
+    return self.k.shape[4]
+
+  @property
+  def quantized(self) -> bool:
+    return self.k_scale is not None
+
+
+def init(cache_config: CacheConfig) -> KVPages:
+  """Zero-filled pages shaped by `cache_config` (scales too, when quantized)."""
+  if not isinstance(cache_config, CacheConfig):
+    raise TypeError(f"cache_config must be a CacheConfig, got {type(cache_config).__name__}")
+  c = cache_config
+  shape = (c.num_layers, c.num_kv_heads, c.num_blocks, c.block_size, c.head_dim)
+  dtype = jnp.dtype(c.dtype)
+  k_scale = v_scale = None
+  if c.quantized:
+    k_scale = jnp.zeros(shape[:-1], jnp.float32)
+    v_scale = jnp.zeros(shape[:-1], jnp.float32)
+  return KVPages(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                 k_scale=k_scale, v_scale=v_scale)
+
+
+def quantize(x: jax.Array, dtype) -> Tuple[jax.Array, jax.Array]:
+  """Per-row symmetric quantization over the last axis.
+
+  Args:
+    x: [..., head_dim] values (any float dtype).
+    dtype: int8 or float8_e4m3fn.
+  Returns:
+    (q [..., head_dim] of `dtype`, scale f32[...]) with x ~= q * scale[..., None].
+    An all-zero row gets scale 0 and q 0.
+  """
+  name = jnp.dtype(dtype).name
+  if name not in _QMAX:
+    raise ValueError(f"dtype must be int8 or float8_e4m3fn, got {name}")
+  qmax = _QMAX[name]
+  x = x.astype(jnp.float32)
+  scale = jnp.max(jnp.abs(x), axis=-1) / qmax
+  safe = jnp.where(scale > 0, scale, 1.0)[..., None]
+  y = jnp.clip(x / safe, -qmax, qmax)
+  if name == "int8":
+    y = jnp.round(y)
+  return y.astype(dtype), scale
+
+
+def dequantize(q: jax.Array, scale: Optional[jax.Array]) -> jax.Array:
+  """f32 values of pages `q [..., head_dim]` with optional scales `[...]`."""
+  x = q.astype(jnp.float32)
+  return x if scale is None else x * scale[..., None]
+
+
+def _check_layer(pages: KVPages, layer) -> None:
+  if isinstance(layer, bool):
+    raise TypeError("layer must be an int, got bool")
+  if isinstance(layer, (int, np.integer)) and not 0 <= layer < pages.num_layers:
+    raise ValueError(f"layer must be in [0, {pages.num_layers - 1}], got {layer}")
+
+
+def write(pages: KVPages, layer, k_new: jax.Array, v_new: jax.Array,
+          slot_mapping: jax.Array) -> KVPages:
+  """Writes new tokens' K/V into their cache slots of one layer.
+
+  Args:
+    pages: the cache.
+    layer: layer index (Python int, checked against num_layers, or a traced i32).
+    k_new: [T, num_kv_heads, head_dim] keys of T new tokens.
+    v_new: [T, num_kv_heads, head_dim] values.
+    slot_mapping: i32[T] flat slot of each token (`block * block_size + offset`);
+      slot < 0 marks padding, which is not written. Two tokens must not share a
+      slot (which one would win is unspecified).
+  Returns:
+    The updated pages (casts to the page dtype; quantizes int8 / fp8 pages and
+    stores their scales).
+  """
+  _check_layer(pages, layer)
+  num_tokens = slot_mapping.shape[0] if slot_mapping.ndim == 1 else -1
+  want = (num_tokens, pages.num_kv_heads, pages.head_dim)
+  if slot_mapping.ndim != 1 or not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
+    raise ValueError(f"slot_mapping must be an integer [T] array, got {slot_mapping.dtype}"
+                     f"{list(slot_mapping.shape)}")
+  for name, x in (("k_new", k_new), ("v_new", v_new)):
+    if tuple(x.shape) != want:
+      raise ValueError(f"{name} must have shape [T, num_kv_heads, head_dim] = {list(want)}, "
+                       f"got {list(x.shape)}")
+  num_slots = pages.num_blocks * pages.block_size
+  # Padding (and anything out of the pool) goes to an out-of-bounds index: dropped.
+  slots = jnp.where(slot_mapping >= 0, slot_mapping, num_slots).astype(jnp.int32)
+  flat = (pages.num_layers, pages.num_kv_heads, num_slots)
+
+  def put(page, scale_page, x):
+    if scale_page is not None:
+      x, scale = quantize(x, page.dtype)
+      # Integer layer + [T] slots around a slice: indexed dims come first, [T, Hkv].
+      scale_page = scale_page.reshape(flat).at[layer, :, slots].set(
+          scale, mode="drop").reshape(scale_page.shape)
+    page = page.reshape(flat + (pages.head_dim,)).at[layer, :, slots].set(
+        x.astype(page.dtype), mode="drop").reshape(page.shape)
+    return page, scale_page
+
+  k, k_scale = put(pages.k, pages.k_scale, k_new)
+  v, v_scale = put(pages.v, pages.v_scale, v_new)
+  return KVPages(k=k, v=v, k_scale=k_scale, v_scale=v_scale)
+
+
+def _check_ids(name: str, ids: jax.Array, ndim: int) -> None:
+  if ids.ndim != ndim or not jnp.issubdtype(ids.dtype, jnp.integer):
+    shape = "[n, 2]" if ndim == 2 else "[n]"
+    raise ValueError(f"{name} must be an integer {shape} array, got {ids.dtype}"
+                     f"{list(ids.shape)}")
+  if ndim == 2 and ids.shape[1] != 2:
+    raise ValueError(f"{name} must have shape [n, 2], got {list(ids.shape)}")
+
+
+def copy_blocks(pages: KVPages, pairs: jax.Array) -> KVPages:
+  """Copies whole blocks (all layers, heads, scales): copy-on-write.
+
+  Args:
+    pages: the cache.
+    pairs: i32[n, 2] rows (src_block, dst_block); rows with src < 0 or dst < 0
+      are ignored. All sources are read before any destination is written.
+      Destinations must be distinct.
+  """
+  _check_ids("pairs", pairs, 2)
+  nb = pages.num_blocks
+  src, dst = pairs[:, 0], pairs[:, 1]
+  valid = (src >= 0) & (dst >= 0)
+  src = jnp.where(valid, src, 0)
+  dst = jnp.where(valid, dst, nb)   # out of bounds: dropped
+
+  def cp(x):
+    return None if x is None else x.at[:, :, dst].set(x[:, :, src], mode="drop")
+
+  return KVPages(k=cp(pages.k), v=cp(pages.v), k_scale=cp(pages.k_scale),
+                 v_scale=cp(pages.v_scale))
+
+
+def zero_blocks(pages: KVPages, block_ids: jax.Array) -> KVPages:
+  """Zeroes whole blocks (all layers, heads, scales); ids < 0 are ignored."""
+  _check_ids("block_ids", block_ids, 1)
+  ids = jnp.where(block_ids >= 0, block_ids, pages.num_blocks)
+
+  def zero(x):
+    return None if x is None else x.at[:, :, ids].set(0, mode="drop")
+
+  return KVPages(k=zero(pages.k), v=zero(pages.v), k_scale=zero(pages.k_scale),
+                 v_scale=zero(pages.v_scale))
+
+
+def layer(pages: KVPages, layer_index) -> Tuple[jax.Array, jax.Array, Optional[jax.Array],
+                                               Optional[jax.Array]]:
+  """One layer's view for the attention kernels.
+
+  Returns:
+    (k [Hkv, NB, bs, D], v [Hkv, NB, bs, D], k_scale f32[Hkv, NB, bs] | None, v_scale | None)
+  """
+  _check_layer(pages, layer_index)
+  pick = lambda x: None if x is None else x[layer_index]
+  return pick(pages.k), pick(pages.v), pick(pages.k_scale), pick(pages.v_scale)
+
+
+def gather(pages: KVPages, layer_index, block_table: jax.Array) -> Tuple[jax.Array, jax.Array]:
+  """Contiguous f32 K/V of one sequence (the reference path's dense view).
+
+  Args:
+    block_table: i32[P] physical block of each logical block; entries < 0 read
+      block 0 (mask them by length).
+  Returns:
+    (k [P * block_size, Hkv, D], v [...]) dequantized to f32, token-major.
+  """
+  _check_ids("block_table", block_table, 1)
+  k, v, ks, vs = layer(pages, layer_index)
+  table = jnp.maximum(block_table, 0)
+
+  def dense(x, s):
+    x = dequantize(x[:, table], None if s is None else s[:, table])  # [Hkv, P, bs, D]
+    return jnp.transpose(x.reshape(x.shape[0], -1, x.shape[-1]), (1, 0, 2))
+
+  return dense(k, ks), dense(v, vs)
+
+
+write_donated = jax.jit(write, donate_argnums=0)
+copy_blocks_donated = jax.jit(copy_blocks, donate_argnums=0)
+zero_blocks_donated = jax.jit(zero_blocks, donate_argnums=0)

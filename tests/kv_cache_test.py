@@ -1,0 +1,207 @@
+"""KVPages: write / copy_blocks / zero_blocks / gather against a numpy model; donation."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from paged_jax import kv_cache
+from paged_jax.config import CacheConfig
+
+_QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
+
+
+def _cfg(dtype="float32", **kw):
+  base = dict(block_size=4, num_blocks=6, max_seqs=2, max_blocks_per_seq=3, num_layers=2,
+              num_kv_heads=3, head_dim=8, dtype=dtype)
+  base.update(kw)
+  return CacheConfig(**base)
+
+
+def _random_pages(cfg, rng):
+  """Pages filled with random data (never zeros), plus a numpy copy."""
+  pages = kv_cache.init(cfg)
+  shape = pages.k.shape
+  def rand(dt):
+    if dt == jnp.int8:
+      return rng.integers(-127, 128, shape).astype(np.int8)
+    return rng.normal(size=shape).astype(np.float32).astype(dt)
+  k, v = rand(pages.k.dtype), rand(pages.v.dtype)
+  ks = vs = None
+  if cfg.quantized:
+    ks = rng.uniform(0.01, 1.0, shape[:-1]).astype(np.float32)
+    vs = rng.uniform(0.01, 1.0, shape[:-1]).astype(np.float32)
+  pages = kv_cache.KVPages(k=jnp.asarray(k), v=jnp.asarray(v),
+                           k_scale=None if ks is None else jnp.asarray(ks),
+                           v_scale=None if vs is None else jnp.asarray(vs))
+  model = {"k": np.array(k), "v": np.array(v), "k_scale": ks, "v_scale": vs}
+  return pages, model
+
+
+def _np_quantize(x, dtype):
+  qmax = _QMAX[dtype]
+  x = x.astype(np.float32)
+  scale = (np.abs(x).max(-1) / np.float32(qmax)).astype(np.float32)
+  safe = np.where(scale > 0, scale, np.float32(1.0))[..., None]
+  y = np.clip(x / safe, -qmax, qmax)
+  if dtype == "int8":
+    return np.round(y).astype(np.int8), scale
+  return y.astype(ml_dtypes.float8_e4m3fn), scale
+
+
+def _np_write(model, cfg, layer, k_new, v_new, slots):
+  bs = cfg.block_size
+  for name, x in (("k", k_new), ("v", v_new)):
+    if cfg.quantized:
+      q, s = _np_quantize(x, cfg.dtype)
+    else:
+      q, s = x.astype(model[name].dtype), None
+    for t, slot in enumerate(slots):
+      if slot < 0:
+        continue
+      b, o = divmod(int(slot), bs)
+      model[name][layer, :, b, o, :] = q[t]
+      if s is not None:
+        model[name + "_scale"][layer, :, b, o] = s[t]
+
+
+def _assert_same(pages, model):
+  """Float pages: bit-exact. Quantized pages: XLA may divide by the scale as a
+  multiply by its reciprocal (1 ulp), so a code may sit one step away and a scale
+  1e-7 relative away; anything else is a real mismatch."""
+  if model["k_scale"] is None:
+    np.testing.assert_array_equal(np.asarray(pages.k), model["k"])
+    np.testing.assert_array_equal(np.asarray(pages.v), model["v"])
+    assert pages.k_scale is None and pages.v_scale is None
+    return
+  for name in ("k", "v"):
+    got = np.asarray(getattr(pages, name)).astype(np.float32)
+    want = model[name].astype(np.float32)
+    step = 1.0 if model[name].dtype == np.int8 else np.abs(want) / 8 + 2.0**-9
+    assert np.all(np.abs(got - want) <= step), name
+    assert np.mean(got != want) < 0.01, name
+    np.testing.assert_allclose(np.asarray(getattr(pages, name + "_scale")),
+                               model[name + "_scale"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("jit", [False, True])
+def test_write_matches_numpy_model(dtype, jit):
+  rng = np.random.default_rng(hash((dtype, jit)) % 2**32)
+  cfg = _cfg(dtype)
+  pages, model = _random_pages(cfg, rng)
+  write = kv_cache.write_donated if jit else kv_cache.write
+  for step in range(4):
+    num_tokens = int(rng.integers(1, 10))
+    slots = rng.choice(cfg.num_slots, size=num_tokens, replace=False).astype(np.int32)
+    slots[rng.random(num_tokens) < 0.3] = -1   # padding rows: skipped
+    layer = int(rng.integers(0, cfg.num_layers))
+    k_new = (rng.normal(size=(num_tokens, 3, 8)) * rng.uniform(0.1, 50)).astype(np.float32)
+    v_new = rng.normal(size=(num_tokens, 3, 8)).astype(np.float32)
+    if step == 0:
+      k_new[0] = 0.0   # an all-zero token must not divide by zero
+    pages = write(pages, layer, jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(slots))
+    _np_write(model, cfg, layer, k_new, v_new, slots)
+    _assert_same(pages, model)
+
+
+@pytest.mark.parametrize("dtype,rel", [("int8", 0.5 / 127), ("float8_e4m3fn", 1 / 16)])
+def test_quantized_round_trip_error_is_bounded(dtype, rel):
+  rng = np.random.default_rng(7)
+  cfg = _cfg(dtype)
+  pages = kv_cache.init(cfg)
+  slots = np.array([0, 5, 9, 23], np.int32)
+  k_new = (rng.standard_t(3, size=(4, 3, 8)) * 10).astype(np.float32)
+  pages = kv_cache.write(pages, 1, jnp.asarray(k_new), jnp.asarray(k_new), jnp.asarray(slots))
+  k_dense, _ = kv_cache.gather(pages, 1, jnp.arange(cfg.num_blocks, dtype=jnp.int32))
+  got = np.asarray(k_dense)[slots]                      # [4, Hkv, D]
+  absmax = np.abs(k_new).max(-1, keepdims=True)
+  assert np.all(np.abs(got - k_new) <= rel * absmax + 1e-6)
+  assert np.max(np.abs(got - k_new)) > 0              # really quantized
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_copy_and_zero_blocks_match_numpy_model(dtype):
+  rng = np.random.default_rng(3)
+  cfg = _cfg(dtype)
+  pages, model = _random_pages(cfg, rng)
+  # A chain 1->2, 2->3 checks that all sources are read before any write.
+  pairs = np.array([[1, 2], [2, 3], [-1, 0], [5, 4], [0, -1]], np.int32)
+  pages = kv_cache.copy_blocks_donated(pages, jnp.asarray(pairs))
+  before = {k: (None if v is None else v.copy()) for k, v in model.items()}
+  for src, dst in pairs:
+    if src >= 0 and dst >= 0:
+      for name in model:
+        if model[name] is not None:
+          model[name][:, :, dst] = before[name][:, :, src]
+  _assert_same(pages, model)
+  ids = np.array([4, -1, 0], np.int32)
+  pages = kv_cache.zero_blocks_donated(pages, jnp.asarray(ids))
+  for name in model:
+    if model[name] is not None:
+      model[name][:, :, [4, 0]] = 0
+  _assert_same(pages, model)
+
+
+def test_layer_view_and_gather():
+  rng = np.random.default_rng(11)
+  cfg = _cfg("int8")
+  pages, model = _random_pages(cfg, rng)
+  k, v, ks, vs = kv_cache.layer(pages, 1)
+  assert k.shape == (3, 6, 4, 8) and ks.shape == (3, 6, 4)
+  np.testing.assert_array_equal(np.asarray(v), model["v"][1])
+  table = np.array([4, 0, 2], np.int32)
+  kd, vd = kv_cache.gather(pages, 1, jnp.asarray(table))
+  assert kd.shape == (12, 3, 8)
+  want = (model["k"][1].astype(np.float32) * model["k_scale"][1][..., None])[:, table]
+  want = want.reshape(3, 12, 8).transpose(1, 0, 2)
+  np.testing.assert_allclose(np.asarray(kd), want, rtol=1e-6)
+
+
+def _live_bytes(stats):
+  return (stats.argument_size_in_bytes + stats.output_size_in_bytes
+          - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_donated_write_keeps_one_copy_of_the_pages(dtype):
+  cfg = _cfg(dtype, num_blocks=512, block_size=16, head_dim=64, num_layers=2, num_kv_heads=2)
+  pages = kv_cache.init(cfg)
+  page_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(pages))
+  args = (pages, 1, jnp.ones((5, 2, 64)), jnp.ones((5, 2, 64)), jnp.arange(5, dtype=jnp.int32))
+  donated = jax.jit(kv_cache.write, donate_argnums=0).lower(*args)
+  plain = jax.jit(kv_cache.write).lower(*args)
+  d, p = donated.compile().memory_analysis(), plain.compile().memory_analysis()
+  # Donated: the outputs alias the page buffers and nothing page-sized is temporary.
+  assert d.alias_size_in_bytes == page_bytes
+  assert _live_bytes(d) < 1.1 * page_bytes
+  # Not donated: the output is a second copy (this is what the test would catch).
+  assert p.alias_size_in_bytes == 0
+  assert _live_bytes(p) >= 2 * page_bytes
+  num_leaves = len(jax.tree_util.tree_leaves(pages))
+  assert donated.as_text().count("tf.aliasing_output") == num_leaves
+  assert "tf.aliasing_output" not in plain.as_text()
+  # At run time the donated input buffers are really consumed.
+  new = kv_cache.write_donated(*args)
+  assert pages.k.is_deleted() and not new.k.is_deleted()
+
+
+def test_bad_arguments_raise_clear_errors():
+  cfg = _cfg()
+  pages = kv_cache.init(cfg)
+  x = jnp.ones((2, 3, 8))
+  slots = jnp.array([0, 1], jnp.int32)
+  with pytest.raises(ValueError, match="layer must be in"):
+    kv_cache.write(pages, 2, x, x, slots)
+  with pytest.raises(ValueError, match="k_new must have shape"):
+    kv_cache.write(pages, 0, jnp.ones((2, 2, 8)), x, slots)
+  with pytest.raises(ValueError, match="slot_mapping"):
+    kv_cache.write(pages, 0, x, x, slots.astype(jnp.float32))
+  with pytest.raises(ValueError, match="pairs must have shape"):
+    kv_cache.copy_blocks(pages, jnp.zeros((2, 3), jnp.int32))
+  with pytest.raises(ValueError, match="block_ids"):
+    kv_cache.zero_blocks(pages, jnp.zeros((2, 2), jnp.int32))
+  with pytest.raises(TypeError, match="cache_config"):
+    kv_cache.init({"block_size": 4})
