@@ -1,0 +1,83 @@
+"""Synthetic request streams: Table 1 means, clipping, determinism, Poisson arrivals, prefixes."""
+
+import math
+
+import numpy as np
+import pytest
+
+from paged_jax import workloads
+
+# vLLM paper Table 1.
+PAPER_MEANS = {"sharegpt": (161.31, 337.99), "alpaca": (19.31, 58.45)}
+
+
+@pytest.mark.parametrize("dataset", ["sharegpt", "alpaca"])
+def test_length_means_match_paper_within_two_percent(dataset):
+  spec = workloads.DATASETS[dataset]
+  prompts, outputs = workloads.sample_lengths(spec, 200_000, seed=123, max_len=2048)
+  want_in, want_out = PAPER_MEANS[dataset]
+  assert abs(prompts.mean() / want_in - 1) < 0.02
+  assert abs(outputs.mean() / want_out - 1) < 0.02
+  # Heavy right tail: the median sits well below the mean.
+  assert np.median(outputs) < 0.85 * outputs.mean()
+  assert prompts.min() >= 1 and outputs.min() >= 1
+  assert (prompts + outputs).max() <= 2048
+
+
+@pytest.mark.parametrize("max_len", [1024, 1536])
+def test_clipping_to_context_keeps_every_request_inside(max_len):
+  prompts, outputs = workloads.sample_lengths(workloads.DATASETS["sharegpt"], 20_000,
+                                              seed=5, max_len=max_len)
+  assert (prompts + outputs).max() <= max_len
+  assert (prompts + outputs).max() >= 0.9 * max_len   # the tail does reach the limit
+  assert abs(outputs.mean() / 337.99 - 1) < 0.03       # still calibrated after clipping
+
+
+def test_stream_is_deterministic_per_seed_and_differs_across_seeds():
+  a = workloads.sharegpt(300, seed=1, request_rate=5.0, vocab_size=1000)
+  b = workloads.sharegpt(300, seed=1, request_rate=5.0, vocab_size=1000)
+  c = workloads.sharegpt(300, seed=2, request_rate=5.0, vocab_size=1000)
+  for x, y in zip(a, b):
+    assert x.output_len == y.output_len and x.arrival_time == y.arrival_time
+    np.testing.assert_array_equal(x.prompt_token_ids, y.prompt_token_ids)
+  assert [x.prompt_len for x in a] != [x.prompt_len for x in c]
+  assert [x.output_len for x in a] != [x.output_len for x in c]
+  ids = np.concatenate([x.prompt_token_ids for x in a])
+  assert ids.min() >= 0 and ids.max() < 1000 and len(np.unique(ids)) > 900
+  assert [x.request_id for x in a] == list(range(300))
+
+
+def test_poisson_arrivals_have_the_right_rate_and_exponential_gaps():
+  reqs = workloads.alpaca(4000, seed=9, request_rate=20.0)
+  t = np.array([r.arrival_time for r in reqs])
+  gaps = np.diff(np.concatenate([[0.0], t]))
+  assert np.all(gaps >= 0)
+  assert abs(gaps.mean() - 1 / 20.0) < 0.05 / 20.0 * 3   # ~3 standard errors of 1/sqrt(n)
+  # Exponential: coefficient of variation 1 (a fixed-interval stream would give 0).
+  assert abs(gaps.std() / gaps.mean() - 1) < 0.1
+  assert all(r.arrival_time == 0.0 for r in workloads.alpaca(10, request_rate=math.inf))
+
+
+@pytest.mark.parametrize("num_shots,prefix_len", [(1, 80), (5, 341)])
+def test_shared_prefix_stream(num_shots, prefix_len):
+  prefix, reqs = workloads.shared_prefix(200, num_shots=num_shots, seed=4)
+  assert prefix.shape == (prefix_len,)
+  for r in reqs:
+    np.testing.assert_array_equal(r.prompt_token_ids[:prefix_len], prefix)
+    assert r.prompt_len > prefix_len and r.total_len <= 2048
+  suffixes = {tuple(r.prompt_token_ids[prefix_len:]) for r in reqs}
+  assert len(suffixes) == len(reqs)   # distinct suffixes
+  assert abs(np.mean([r.prompt_len - prefix_len for r in reqs]) / 30 - 1) < 0.1
+
+
+def test_bad_arguments_raise_clear_errors():
+  with pytest.raises(ValueError, match="dataset must be one of"):
+    workloads.synthetic("wiki", 3)
+  with pytest.raises(ValueError, match="num_requests"):
+    workloads.sharegpt(-1)
+  with pytest.raises(ValueError, match="request_rate"):
+    workloads.sharegpt(3, request_rate=0.0)
+  with pytest.raises(ValueError, match="num_shots"):
+    workloads.shared_prefix(3, num_shots=2)
+  with pytest.raises(ValueError, match="mean length"):
+    workloads.sharegpt(3, max_len=64)   # mean output 338 cannot fit a 64-token context
