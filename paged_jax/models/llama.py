@@ -1,0 +1,235 @@
+"""Llama-style decoder (Flax linen) whose attention runs over the paged KV cache.
+
+    model = LlamaForCausalLM(config)                 # config: paged_jax.ModelConfig
+    params = init_params(config, jax.random.key(0))
+    logits, kv_pages = model.apply(params, tokens, positions, kv_pages, meta)
+
+`tokens`/`positions` are i32[T] (the new tokens of every sequence in the step,
+packed; padding rows have `meta.slot_mapping == -1`), `kv_pages` is a
+`kv_cache.KVPages`, `meta` an `attention.AttentionMetadata`. Each layer
+projects Q/K/V, applies RoPE, writes K/V into the pages at `meta.slot_mapping`
+and runs `attention.ragged_paged_attention` over the block tables. Logits
+(f32[S, vocab]) are computed only at `meta.logits_indices`. Shapes are static,
+so one jit trace serves every step; the pages are threaded functionally (the
+engine donates them).
+
+Parameter tree (maps 1:1 to Hugging Face names, see `hf_checkpoint.py`):
+
+    model/embed_tokens/embedding            [vocab, hidden]
+    model/layers_N/input_layernorm/weight   [hidden]
+    model/layers_N/self_attn/{q,k,v,o}_proj/kernel   [in, out]
+    model/layers_N/post_attention_layernorm/weight
+    model/layers_N/mlp/{gate,up,down}_proj/kernel    [in, out]
+    model/norm/weight                       [hidden]
+    lm_head/kernel                          [hidden, vocab]   (absent when tied)
+
+RoPE follows Hugging Face's `rotate_half` convention (feature i pairs with
+i + head_dim/2), which is what HF Llama checkpoints' permuted q/k weights expect.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Tuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from paged_jax.config import ModelConfig
+
+_INIT_STD = 0.02  # Hugging Face's initializer_range default for Llama.
+
+
+def _dtype(name: str):
+  return jnp.dtype(name)
+
+
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> Tuple[jax.Array, jax.Array]:
+  """cos, sin f32[T, head_dim] for positions i32[T] (HF layout: halves repeated)."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]   # [T, D/2]
+  emb = jnp.concatenate([freqs, freqs], axis=-1)                         # [T, D]
+  return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """x [T, heads, D] -> x * cos + rotate_half(x) * sin (computed in f32)."""
+  xf = x.astype(jnp.float32)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+  return (xf * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
+
+
+class RMSNorm(nn.Module):
+  """y = x / sqrt(mean(x^2) + eps) * weight; statistics in f32."""
+  eps: float
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    return weight * xf.astype(self.dtype)
+
+
+def _dense(features: int, dtype, name: str) -> nn.Dense:
+  return nn.Dense(features, use_bias=False, dtype=dtype, param_dtype=dtype,
+                  kernel_init=nn.initializers.normal(_INIT_STD), name=name)
+
+
+class LlamaAttention(nn.Module):
+  """GQA self-attention over the paged cache for one layer."""
+  config: ModelConfig
+  layer_index: int
+  attention_backend: str = "auto"
+
+  def setup(self):
+    c, dt = self.config, _dtype(self.config.dtype)
+    self.q_proj = _dense(c.num_heads * c.head_dim, dt, "q_proj")
+    self.k_proj = _dense(c.num_kv_heads * c.head_dim, dt, "k_proj")
+    self.v_proj = _dense(c.num_kv_heads * c.head_dim, dt, "v_proj")
+    self.o_proj = _dense(c.hidden_size, dt, "o_proj")
+
+  def init_weights(self, x):
+    """Touches every projection once (x [1, hidden]) so Flax creates the params."""
+    c = self.config
+    self.k_proj(x), self.v_proj(x)
+    return self.o_proj(self.q_proj(x)[:, :c.num_heads * c.head_dim])
+
+  def __call__(self, x, cos, sin, kv_pages, meta):
+    """x [T, hidden], cos/sin f32[T, D] -> ([T, hidden], new kv_pages)."""
+    # Imported here so the model (and the training script) load without them.
+    from paged_jax import attention, kv_cache  # pylint: disable=g-import-not-at-top
+    c = self.config
+    t = x.shape[0]
+    q = apply_rope(self.q_proj(x).reshape(t, c.num_heads, c.head_dim), cos, sin)
+    k = apply_rope(self.k_proj(x).reshape(t, c.num_kv_heads, c.head_dim), cos, sin)
+    v = self.v_proj(x).reshape(t, c.num_kv_heads, c.head_dim)
+    kv_pages = kv_cache.write(kv_pages, self.layer_index, k, v, meta.slot_mapping)
+    k_pages, v_pages, k_scales, v_scales = kv_cache.layer(kv_pages, self.layer_index)
+    out = attention.ragged_paged_attention(
+        q, k_pages, v_pages, meta.block_tables, meta.kv_lens, meta.cu_q_lens, meta.num_seqs,
+        k_scales=k_scales, v_scales=v_scales, backend=self.attention_backend)
+    out = out.astype(x.dtype).reshape(t, c.num_heads * c.head_dim)
+    return self.o_proj(out), kv_pages
+
+
+class LlamaMLP(nn.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x))."""
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x):
+    c, dt = self.config, _dtype(self.config.dtype)
+    gate = _dense(c.intermediate_size, dt, "gate_proj")(x)
+    up = _dense(c.intermediate_size, dt, "up_proj")(x)
+    return _dense(c.hidden_size, dt, "down_proj")(nn.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+  """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+  config: ModelConfig
+  layer_index: int
+  attention_backend: str = "auto"
+
+  def setup(self):
+    c, dt = self.config, _dtype(self.config.dtype)
+    self.input_layernorm = RMSNorm(c.rms_norm_eps, dt)
+    self.self_attn = LlamaAttention(c, self.layer_index, self.attention_backend)
+    self.post_attention_layernorm = RMSNorm(c.rms_norm_eps, dt)
+    self.mlp = LlamaMLP(c)
+
+  def init_weights(self, x):
+    x = x + self.self_attn.init_weights(self.input_layernorm(x))
+    return x + self.mlp(self.post_attention_layernorm(x))
+
+  def __call__(self, x, cos, sin, kv_pages, meta):
+    attn_out, kv_pages = self.self_attn(self.input_layernorm(x), cos, sin, kv_pages, meta)
+    x = x + attn_out
+    x = x + self.mlp(self.post_attention_layernorm(x))
+    return x, kv_pages
+
+
+class LlamaModel(nn.Module):
+  """Embedding, decoder layers and the final norm (HF's `model.` prefix)."""
+  config: ModelConfig
+  attention_backend: str = "auto"
+
+  def setup(self):
+    c, dt = self.config, _dtype(self.config.dtype)
+    self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=dt, param_dtype=dt,
+                                 embedding_init=nn.initializers.normal(_INIT_STD))
+    self.layers = [LlamaDecoderLayer(c, i, self.attention_backend, name=f"layers_{i}")
+                   for i in range(c.num_layers)]
+    self.norm = RMSNorm(c.rms_norm_eps, dt)
+
+  def init_weights(self, tokens):
+    x = self.embed_tokens(tokens)
+    for layer in self.layers:
+      x = layer.init_weights(x)
+    return self.norm(x)
+
+  def __call__(self, tokens, positions, kv_pages, meta):
+    """-> (hidden [T, hidden] after the final norm, new kv_pages)."""
+    c = self.config
+    x = self.embed_tokens(tokens)
+    cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
+    for layer in self.layers:
+      x, kv_pages = layer(x, cos, sin, kv_pages, meta)
+    return self.norm(x), kv_pages
+
+  def attend(self, x):
+    return self.embed_tokens.attend(x)
+
+
+class LlamaForCausalLM(nn.Module):
+  """The decoder plus LM head; `apply(params, tokens, positions, kv_pages, meta)`.
+
+  Attributes:
+    config: ModelConfig.
+    attention_backend: passed to `attention.ragged_paged_attention`
+      ("auto", "reference", "pallas", "pallas_interpret").
+  """
+  config: ModelConfig
+  attention_backend: str = "auto"
+
+  def setup(self):
+    c = self.config
+    self.model = LlamaModel(c, self.attention_backend)
+    if not c.tie_word_embeddings:
+      self.lm_head = _dense(c.vocab_size, _dtype(c.dtype), "lm_head")
+
+  def _logits(self, h):
+    if self.config.tie_word_embeddings:
+      return self.model.attend(h).astype(jnp.float32)
+    return self.lm_head(h).astype(jnp.float32)
+
+  def init_weights(self, tokens):
+    return self._logits(self.model.init_weights(tokens))
+
+  def __call__(self, tokens, positions, kv_pages, meta):
+    """One paged step.
+
+    Args:
+      tokens: i32[T] new token ids (padding rows: any valid id).
+      positions: i32[T] their positions in their sequences.
+      kv_pages: KVPages holding every sequence's earlier K/V.
+      meta: AttentionMetadata (slot_mapping i32[T], block_tables i32[S, P],
+        kv_lens i32[S] after this step, cu_q_lens i32[S+1], num_seqs, logits_indices i32[S]).
+
+    Returns:
+      (f32[S, vocab] logits of rows `meta.logits_indices`, new KVPages).
+    """
+    h, kv_pages = self.model(tokens, positions, kv_pages, meta)
+    return self._logits(h[meta.logits_indices]), kv_pages
+
+
+def init_params(config: ModelConfig, rng: jax.Array) -> dict:
+  """Fresh parameters (normal(0.02) weights, unit norms), `{"params": {...}}`."""
+  model = LlamaForCausalLM(config)
+  return model.init(rng, jnp.zeros((1,), jnp.int32), method=LlamaForCausalLM.init_weights)
+
+
+def num_params(params) -> int:
+  return sum(int(x.size) for x in jax.tree_util.tree_leaves(params))
