@@ -1,0 +1,417 @@
+"""Functional block manager: the `BlockState` pytree and pure, jittable block ops.
+
+PagedAttention (Kwon et al., SOSP 2023) cuts the KV cache into blocks of
+`block_size` token slots; each sequence slot owns a row of `block_tables`
+mapping its logical blocks to physical ones. Here the whole allocator is an
+immutable pytree and every op is a pure function with static shapes and no host
+sync, so block bookkeeping, copy-on-write and attention can share one `jax.jit`.
+
+Free structure: a stack. `free_stack[:num_free]` holds the free block ids and the
+top (`free_stack[num_free - 1]`) is popped first; entries at and above `num_free`
+are stale and never read. A batch pops its blocks with an exclusive prefix sum
+over the batch, so allocation costs O(batch * max_blocks_per_seq), independent
+of `num_blocks` (no scan or argmin over the pool). Donate the state into the
+jitted op (`donate_argnums`) so the O(num_blocks) arrays are updated in place.
+
+Batch policy (every op): requests are applied as if one at a time in argument
+(slot) order. A request that cannot be satisfied gets a status (`OUT_OF_BLOCKS`,
+`TOO_LONG`, `INVALID` from `paged_jax.config`) and leaves its slot exactly as it
+was; later requests still run and see the blocks it did not take (so a smaller
+later request may succeed after a larger one failed). When the whole batch fits
+this costs one prefix sum; only when blocks run short does an O(batch)
+sequential `lax.scan` decide which requests succeed. Negative slot ids are
+padding: status `INVALID`, no effect.
+
+Invariants kept by every op: a slot holding `L` tokens holds exactly
+`cdiv(L, block_size)` blocks in the first columns of its row and -1 after them;
+an inactive slot has `L == 0`; `ref_count[b]` equals the number of table entries
+pointing at `b`; a block is on the free stack (once) iff its ref count is 0; all
+holders of a shared block hold it at the same logical index with the same fill.
+
+Copy-on-write: `append` into a shared (`ref_count > 1`), partially filled last
+block gives the writer a fresh block and reports `(old, new)` in `cow`; the
+caller applies `kv_cache.copy_blocks(pages, cow)` in the same jit before writing.
+When several holders of one block append in the same batch, each but the last
+remaining holder copies, and the last one (seeing `ref_count == 1`) writes in
+place, exactly as sequential application would.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import flax
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from paged_jax.config import CacheConfig, INVALID, OK, OUT_OF_BLOCKS, TOO_LONG
+
+_I32 = jnp.int32
+_SENTINEL = jnp.iinfo(jnp.int32).max  # sorts after every block / slot id
+
+
+@flax.struct.dataclass
+class BlockState:
+  """Allocator state; all shapes fixed by the `CacheConfig`.
+
+  Attributes:
+    ref_count: i32[num_blocks], table entries pointing at each block.
+    free_stack: i32[num_blocks]; `free_stack[:num_free]` are the free block ids,
+      popped from the top (index `num_free - 1`).
+    num_free: i32[], free blocks.
+    block_tables: i32[max_seqs, max_blocks_per_seq], physical block of each
+      logical block; -1 where the slot holds no block.
+    seq_lens: i32[max_seqs], tokens held by each slot.
+    active: bool[max_seqs], slot holds a sequence.
+    block_size: tokens per block (static).
+  """
+  ref_count: jax.Array
+  free_stack: jax.Array
+  num_free: jax.Array
+  block_tables: jax.Array
+  seq_lens: jax.Array
+  active: jax.Array
+  block_size: int = flax.struct.field(pytree_node=False)
+
+  @property
+  def num_blocks(self) -> int:
+    return self.ref_count.shape[0]
+
+  @property
+  def max_seqs(self) -> int:
+    return self.block_tables.shape[0]
+
+  @property
+  def max_blocks_per_seq(self) -> int:
+    return self.block_tables.shape[1]
+
+  @property
+  def max_seq_len(self) -> int:
+    return self.max_blocks_per_seq * self.block_size
+
+
+def init(cache_config: CacheConfig) -> BlockState:
+  """An empty allocator: every block free, no slot active. Pops blocks 0, 1, ..."""
+  nb, s, p = cache_config.num_blocks, cache_config.max_seqs, cache_config.max_blocks_per_seq
+  return BlockState(
+      ref_count=jnp.zeros((nb,), _I32),
+      free_stack=jnp.arange(nb - 1, -1, -1, dtype=_I32),
+      num_free=jnp.asarray(nb, _I32),
+      block_tables=jnp.full((s, p), -1, _I32),
+      seq_lens=jnp.zeros((s,), _I32),
+      active=jnp.zeros((s,), jnp.bool_),
+      block_size=cache_config.block_size)
+
+
+def num_free_blocks(state: BlockState) -> jax.Array:
+  """i32[]: blocks on the free stack."""
+  return state.num_free
+
+
+def _cdiv(a, b: int):
+  return (a + (b - 1)) // b
+
+
+def _blocks_bound(max_tokens: Optional[int], bs: int, p: int, cow: bool) -> int:
+  """Static bound on blocks one request can pop (width of the pop window)."""
+  if max_tokens is None:
+    return p
+  if cow:  # cdiv(L + n, bs) - cdiv(L, bs) + cow <= cdiv(n - 1, bs) + 1
+    k = _cdiv(max(max_tokens - 1, 0), bs) + 1
+  else:
+    k = _cdiv(max_tokens, bs)
+  return max(1, min(p, k))
+
+
+def _sorted_groups(keys: jax.Array):
+  """Groups equal keys (`_SENTINEL` = not a member), stable in index order.
+
+  Returns (sorted_keys, perm, is_start, is_end, ordinal_sorted): `perm[i]` is
+  the original index of sorted entry i; `ordinal_sorted[i]` counts earlier
+  entries (in original order) with the same key. O(m log m) for m = len(keys).
+  """
+  m = keys.shape[0]
+  iota = lax.iota(_I32, m)
+  sorted_keys, perm = lax.sort((keys, iota), num_keys=2)
+  differs = sorted_keys[1:] != sorted_keys[:-1]
+  is_start = jnp.concatenate([jnp.ones((1,), jnp.bool_), differs])
+  is_end = jnp.concatenate([differs, jnp.ones((1,), jnp.bool_)])
+  start = lax.cummax(jnp.where(is_start, iota, 0))
+  return sorted_keys, perm, is_start, is_end, iota - start
+
+
+def _ordinal(keys: jax.Array):
+  """(ordinal i32[m], group i32[m]): earlier entries sharing each key, and a
+  group id in [0, m) shared by equal keys."""
+  _, perm, is_start, _, ordinal_sorted = _sorted_groups(keys)
+  group_sorted = jnp.cumsum(is_start.astype(_I32)) - 1
+  ordinal = jnp.zeros_like(keys).at[perm].set(ordinal_sorted, unique_indices=True)
+  group = jnp.zeros_like(keys).at[perm].set(group_sorted, unique_indices=True)
+  return ordinal, group
+
+
+def _pop(state: BlockState, need: jax.Array, width: int):
+  """Pops `need[i]` blocks for request i (in order) off the stack.
+
+  Returns (blocks i32[m, width], -1 past need[i]; total popped i32[]). Request
+  i's k-th block is `free_stack[num_free - 1 - off_i - k]`, `off` the exclusive
+  prefix sum of `need`: exactly the order of popping one block at a time.
+  """
+  off = jnp.cumsum(need) - need
+  k = lax.iota(_I32, width)[None, :]
+  take = k < need[:, None]
+  pos = jnp.clip(state.num_free - 1 - off[:, None] - k, 0, state.num_blocks - 1)
+  return jnp.where(take, state.free_stack[pos], -1), jnp.sum(need)
+
+
+def _drop_neg(idx: jax.Array, size: int) -> jax.Array:
+  """Maps negative ids to `size` so `.at[...](mode="drop")` ignores them."""
+  return jnp.where(idx < 0, size, idx)
+
+
+def allocate(state: BlockState, slot, num_tokens):
+  """Activates `slot` holding `num_tokens` tokens in `cdiv(num_tokens, bs)` fresh blocks.
+
+  Args:
+    state: the allocator.
+    slot: i32[] or i32[n]: inactive slots in [0, max_seqs); < 0 is padding.
+    num_tokens: i32, broadcast to `slot`'s shape: prompt length in [1, max_seq_len].
+  Returns:
+    (state, status with `slot`'s shape): INVALID (slot out of range or already
+    active, num_tokens < 1), TOO_LONG (> max_seq_len), OUT_OF_BLOCKS.
+  """
+  bs, s_max, nb, max_len = state.block_size, state.max_seqs, state.num_blocks, state.max_seq_len
+  static_n = num_tokens if isinstance(num_tokens, int) else None
+  slot = jnp.asarray(slot, _I32)
+  shape = slot.shape
+  slots = slot.reshape(-1)
+  n_tok = jnp.broadcast_to(jnp.asarray(num_tokens, _I32), shape).reshape(-1)
+  sc = jnp.clip(slots, 0, s_max - 1)
+  bad = (slots < 0) | (slots >= s_max) | state.active[sc] | (n_tok < 1)
+  too_long = ~bad & (n_tok > max_len)
+  cand = ~bad & ~too_long
+  need = jnp.where(cand, _cdiv(jnp.clip(n_tok, 0, max_len), bs), 0)
+  first = _ordinal(jnp.where(cand, slots, _SENTINEL))[0] == 0
+
+  def fast():  # every candidate fits: only duplicate slots fail
+    return cand & first, cand & ~first
+
+  def slow():  # blocks run short: decide in argument order
+    def body(carry, x):
+      remaining, claimed = carry
+      s, c, nd = x
+      dup = c & claimed[s]
+      ok = c & ~dup & (nd <= remaining)
+      return (remaining - jnp.where(ok, nd, 0), claimed.at[s].set(claimed[s] | ok)), (ok, dup)
+    init_carry = (state.num_free, jnp.zeros((s_max,), jnp.bool_))
+    return lax.scan(body, init_carry, (sc, cand, need))[1]
+
+  fits = jnp.sum(jnp.where(cand & first, need, 0)) <= state.num_free
+  ok, dup = lax.cond(fits, fast, slow)
+  status = jnp.where(bad | dup, INVALID,
+                     jnp.where(too_long, TOO_LONG, jnp.where(ok, OK, OUT_OF_BLOCKS)))
+
+  width = _blocks_bound(static_n, bs, state.max_blocks_per_seq, cow=False)
+  blocks, total = _pop(state, jnp.where(ok, need, 0), width)
+  rows = jnp.where(ok, sc, s_max)
+  state = state.replace(
+      ref_count=state.ref_count.at[_drop_neg(blocks, nb)].set(1, mode="drop"),
+      num_free=state.num_free - total,
+      block_tables=state.block_tables.at[rows, :width].set(blocks, mode="drop"),
+      seq_lens=state.seq_lens.at[rows].set(n_tok, mode="drop"),
+      active=state.active.at[rows].set(True, mode="drop"))
+  return state, status.reshape(shape).astype(_I32)
+
+
+def _append_plan(state: BlockState, slot_mask, num_new_tokens, max_new_tokens):
+  """Decides append per slot. Returns (ok, cow, grow, status, n_new, last_block)."""
+  bs, s_max, max_len = state.block_size, state.max_seqs, state.max_seq_len
+  mask = jnp.broadcast_to(jnp.asarray(slot_mask, jnp.bool_), (s_max,))
+  n_new = jnp.broadcast_to(jnp.asarray(num_new_tokens, _I32), (s_max,))
+  lens = state.seq_lens
+  bad = ~state.active | (n_new < 0)
+  if max_new_tokens is not None:
+    bad = bad | (n_new > max_new_tokens)
+  bad = mask & bad
+  too_long = mask & ~bad & (n_new > max_len - lens)
+  cand = mask & ~bad & ~too_long
+  n_ok = jnp.where(cand, n_new, 0)
+  old_blocks = _cdiv(lens, bs)
+  grow = _cdiv(lens + n_ok, bs) - old_blocks
+  last_block = jnp.take_along_axis(
+      state.block_tables, jnp.maximum(old_blocks - 1, 0)[:, None], axis=1)[:, 0]
+  refs = state.ref_count[jnp.clip(last_block, 0, state.num_blocks - 1)]
+  # Writers into a shared, partially filled last block, grouped by that block.
+  shared = cand & (n_ok > 0) & (lens % bs != 0) & (refs > 1)
+  ordinal, group = _ordinal(jnp.where(shared, last_block, _SENTINEL))
+
+  def fast():  # all candidates succeed: holder k of a block sees refs - k
+    cow = shared & (refs - ordinal > 1)
+    return cand, cow
+
+  def slow():  # blocks run short: decide in slot order, counting done copies
+    def body(carry, x):
+      remaining, copies = carry
+      c, g, sh, r, gid = x
+      cow = sh & (r - copies[gid] > 1)
+      need = g + cow.astype(_I32)
+      ok = c & (need <= remaining)
+      copies = copies.at[gid].add((ok & cow).astype(_I32))
+      return (remaining - jnp.where(ok, need, 0), copies), (ok, cow)
+    init_carry = (state.num_free, jnp.zeros((s_max,), _I32))
+    return lax.scan(body, init_carry, (cand, grow, shared, refs, group))[1]
+
+  fast_need = jnp.sum(grow + (shared & (refs - ordinal > 1)).astype(_I32))
+  ok, cow = lax.cond(fast_need <= state.num_free, fast, slow)
+  cow = ok & cow
+  status = jnp.where(bad, INVALID, jnp.where(
+      too_long, TOO_LONG, jnp.where(cand & ~ok, OUT_OF_BLOCKS, OK)))
+  return ok, cow, grow, status.astype(_I32), n_new, last_block
+
+
+def append(state: BlockState, slot_mask, num_new_tokens, *,
+           max_new_tokens: Optional[int] = None):
+  """Grows the masked slots by `num_new_tokens` tokens (new blocks at boundaries).
+
+  Args:
+    state: the allocator.
+    slot_mask: bool[max_seqs]: slots to grow (must be active).
+    num_new_tokens: i32[max_seqs] or int, tokens to add per slot (>= 0).
+    max_new_tokens: optional static bound on `num_new_tokens` (larger values
+      get INVALID); narrows the per-slot pop window from max_blocks_per_seq to
+      cdiv(max_new_tokens - 1, bs) + 1 blocks. Inferred from an int argument.
+  Returns:
+    (state, status i32[max_seqs], cow i32[max_seqs, 2]): status OK for
+    unmasked slots; INVALID (inactive slot, negative count), TOO_LONG (past
+    max_seq_len), OUT_OF_BLOCKS. cow[s] = (old, new) block to copy before slot
+    s writes, or (-1, -1).
+  """
+  if isinstance(num_new_tokens, int):
+    max_new_tokens = num_new_tokens if max_new_tokens is None else min(
+        max_new_tokens, num_new_tokens)
+  s_max, nb = state.max_seqs, state.num_blocks
+  ok, cow, grow, status, n_new, last_block = _append_plan(
+      state, slot_mask, num_new_tokens, max_new_tokens)
+  cow_i = cow.astype(_I32)
+  need = jnp.where(ok, grow + cow_i, 0)
+  width = _blocks_bound(max_new_tokens, state.block_size, state.max_blocks_per_seq, cow=True)
+  blocks, total = _pop(state, need, width)  # k = 0 is the copy target when cow
+  k = lax.iota(_I32, width)[None, :]
+  old_blocks = _cdiv(state.seq_lens, state.block_size)
+  cols = jnp.where(cow[:, None] & (k == 0), old_blocks[:, None] - 1,
+                   old_blocks[:, None] + k - cow_i[:, None])
+  rows = jnp.where(blocks >= 0, lax.iota(_I32, s_max)[:, None], s_max)
+  cow_src = jnp.where(cow, last_block, -1)
+  ref_count = state.ref_count.at[_drop_neg(blocks, nb)].set(1, mode="drop")
+  ref_count = ref_count.at[_drop_neg(cow_src, nb)].add(-1, mode="drop")
+  state = state.replace(
+      ref_count=ref_count,
+      num_free=state.num_free - total,
+      block_tables=state.block_tables.at[rows, cols].set(blocks, mode="drop"),
+      seq_lens=jnp.where(ok, state.seq_lens + n_new, state.seq_lens))
+  cow_pairs = jnp.stack([cow_src, jnp.where(cow, blocks[:, 0], -1)], axis=-1)
+  return state, status, cow_pairs
+
+
+def free(state: BlockState, slot):
+  """Releases active slots: each held block's ref count drops by one; blocks
+  reaching 0 are pushed on the free stack once, in the order they reach 0.
+
+  Args:
+    state: the allocator.
+    slot: i32[] or i32[n], active slots; < 0 is padding.
+  Returns:
+    (state, status with `slot`'s shape): INVALID for out-of-range or inactive
+    slots (including a slot already freed earlier in the same batch).
+  Cost: a sort of n * max_blocks_per_seq block ids (shared blocks deduplicated).
+  """
+  s_max, p, nb = state.max_seqs, state.max_blocks_per_seq, state.num_blocks
+  slot = jnp.asarray(slot, _I32)
+  shape = slot.shape
+  slots = slot.reshape(-1)
+  sc = jnp.clip(slots, 0, s_max - 1)
+  live = (slots >= 0) & (slots < s_max) & state.active[sc]
+  ok = live & (_ordinal(jnp.where(live, slots, _SENTINEL))[0] == 0)
+  held = jnp.where(ok[:, None], state.block_tables[sc], -1).reshape(-1)  # (request, column) order
+  keys, perm, _, is_end, ordinal = _sorted_groups(jnp.where(held >= 0, held, _SENTINEL))
+  member = keys != _SENTINEL
+  new_ref = state.ref_count[jnp.where(member, keys, 0)] - (ordinal + 1)  # valid at group ends
+  to_free = member & is_end & (new_ref == 0)
+  # Push in order of each block's last occurrence, as one-at-a-time release would.
+  pushed = jnp.zeros(keys.shape, jnp.bool_).at[perm].set(to_free, unique_indices=True)
+  rank = jnp.cumsum(pushed.astype(_I32)) - 1
+  push_at = jnp.where(pushed, state.num_free + rank, nb)
+  rows = jnp.where(ok, sc, s_max)
+  state = state.replace(
+      ref_count=state.ref_count.at[jnp.where(member & is_end, keys, nb)].set(new_ref, mode="drop"),
+      free_stack=state.free_stack.at[push_at].set(held, mode="drop"),
+      num_free=state.num_free + jnp.sum(pushed.astype(_I32)),
+      block_tables=state.block_tables.at[rows].set(jnp.full((p,), -1, _I32), mode="drop"),
+      seq_lens=state.seq_lens.at[rows].set(0, mode="drop"),
+      active=state.active.at[rows].set(False, mode="drop"))
+  return state, jnp.where(ok, OK, INVALID).reshape(shape).astype(_I32)
+
+
+def fork(state: BlockState, src_slot, dst_slot):
+  """Makes each inactive `dst_slot` share every block of `src_slot` (ref_count += 1).
+
+  Args:
+    state: the allocator.
+    src_slot, dst_slot: i32[] or i32[n] (broadcast together). A dst activated
+      by an earlier fork of the batch may be a later src (chains work).
+  Returns:
+    (state, status): INVALID when a slot is out of range, src is inactive, dst
+    is active, or src == dst. Never needs blocks: copy-on-write happens later,
+    in `append`. Cost: an O(n) loop over the requests plus O(n * P) scatters.
+  """
+  s_max, nb = state.max_seqs, state.num_blocks
+  src, dst = jnp.broadcast_arrays(jnp.asarray(src_slot, _I32), jnp.asarray(dst_slot, _I32))
+  shape = src.shape
+  src, dst = src.reshape(-1), dst.reshape(-1)
+  in_range = (src >= 0) & (src < s_max) & (dst >= 0) & (dst < s_max) & (src != dst)
+  sc, dc = jnp.clip(src, 0, s_max - 1), jnp.clip(dst, 0, s_max - 1)
+
+  def body(i, carry):  # tracks which initial slot's row each slot holds
+    active, origin, ok = carry
+    s, d = sc[i], dc[i]
+    good = in_range[i] & active[s] & ~active[d]
+    active = active.at[d].set(active[d] | good)
+    origin = origin.at[d].set(jnp.where(good, origin[s], origin[d]))
+    return active, origin, ok.at[i].set(good)
+
+  carry = (state.active, lax.iota(_I32, s_max), jnp.zeros(src.shape, jnp.bool_))
+  active, origin, ok = lax.fori_loop(0, src.shape[0], body, carry)
+  root = origin[dc]
+  shared_rows = state.block_tables[root]  # [n, P]
+  rows = jnp.where(ok, dc, s_max)
+  bumped = jnp.where(ok[:, None] & (shared_rows >= 0), shared_rows, nb)
+  state = state.replace(
+      ref_count=state.ref_count.at[bumped].add(1, mode="drop"),
+      block_tables=state.block_tables.at[rows].set(shared_rows, mode="drop"),
+      seq_lens=state.seq_lens.at[rows].set(state.seq_lens[root], mode="drop"),
+      active=active)
+  return state, jnp.where(ok, OK, INVALID).reshape(shape).astype(_I32)
+
+
+def token_slots(state: BlockState, seq_slot, positions):
+  """Flat cache slot of each token: `block_tables[s, p // bs] * bs + p % bs`.
+
+  Args:
+    seq_slot: i32[T], sequence slot of each token; < 0 is padding.
+    positions: i32[T], token positions within their sequence.
+  Returns:
+    i32[T]; -1 for padding and for any position the slot does not hold
+    (p < 0 or p >= seq_lens[s]), so such tokens are never written.
+  """
+  bs, s_max, p_max = state.block_size, state.max_seqs, state.max_blocks_per_seq
+  s = jnp.asarray(seq_slot, _I32)
+  pos = jnp.asarray(positions, _I32)
+  sc = jnp.clip(s, 0, s_max - 1)
+  held = (s >= 0) & (s < s_max) & (pos >= 0) & (pos < state.seq_lens[sc])
+  block = state.block_tables[sc, jnp.clip(pos // bs, 0, p_max - 1)]
+  held = held & (block >= 0)
+  return jnp.where(held, block * bs + pos % bs, -1)
+
+
+from paged_jax.block_manager_host import BlockManager  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
