@@ -1,0 +1,315 @@
+"""Ragged paged attention: one Pallas (Triton GPU) call for a mixed prefill + decode batch.
+
+A batch holds S sequences; sequence i brings q_len_i = cu_q_lens[i+1] - cu_q_lens[i] new
+query rows q[cu_q_lens[i]:cu_q_lens[i+1]] at positions kv_lens[i] - q_len_i ..
+kv_lens[i] - 1, whose K/V are already written into the paged cache. A decode sequence
+has q_len 1, a prefill chunk many (a chunk may start mid-block: chunked prefill, prefix
+cache hits). Each new query attends causally within its chunk and fully to the cached
+prefix. Semantics are exactly `reference.ragged_paged_attention_reference`.
+
+Design (Triton backend, chosen explicitly through `plgpu.CompilerParams`):
+  * Query tiles. Outside the kernel (inside jit, plain jnp) each live sequence's rows are
+    cut into tiles of `q_per_tile` rows; tile j is described by (seq, first row, end row,
+    position of its first row). The grid has a static upper bound on the tile count,
+    min(T, T // q_per_tile + S); tiles past the real count do nothing.
+  * Grid (query tile, KV head, KV split). One program holds all G = Hq / Hkv query heads
+    of its KV head for its q_per_tile rows (R = q_per_tile * G logit rows), so every K/V
+    page is read once per (tile, KV head), not once per query head.
+  * KV loop. Keys are visited `kv_per_tile` tokens at a time from the first visible key
+    (0, or the sliding-window start) up to the tile's last query position. The physical
+    page of every key is read from the block table inside the kernel (page =
+    block_tables[seq, pos // block_size], offset pos % block_size) and K/V rows are
+    gathered straight from the paged arrays: no contiguous copy of the cache. This works
+    for any block size, smaller or larger than the KV tile. Table entries past the
+    tile's causal bound are never dereferenced; keys at or past the sequence end are
+    masked out of the logits and their values zeroed (stale NaN pages cannot leak).
+  * Online softmax in base 2 with float32 accumulation; bf16/fp16 operands go to the
+    tensor cores as-is, float32 with IEEE precision. int8 / fp8 pages are converted to
+    the query dtype in registers; their per-token scales multiply the logits (K) and the
+    probabilities (V).
+  * Split-K (`kv_splits`): when the grid is too small to fill the GPU (few long
+    sequences) the KV range of each tile is cut into splits whose partial (acc, max, sum)
+    are merged by a log-sum-exp combine in jnp.
+  * Rows no tile covers (padding past cu_q_lens[num_seqs]) are zero: the output buffer is
+    a zero-initialised input aliased to the output.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import ragged_tiling as tiling
+
+# Finite "minus infinity": exp2(MASK - m) is 0 for any real m and MASK - MASK is not NaN.
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+_LOG2E = math.log2(math.e)
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def _ragged_kernel(
+    # Scalar-like metadata, one entry per query tile (see ragged_tiling.query_tiles).
+    tile_seq_ref,        # i32[num_tiles]   sequence id (clamped into [0, S))
+    tile_row_start_ref,  # i32[num_tiles]   first q row of the tile
+    tile_num_rows_ref,   # i32[num_tiles]   valid rows (0 for idle tiles)
+    tile_pos_start_ref,  # i32[num_tiles]   position of the first row in its sequence
+    block_tables_ref,    # i32[S, P]
+    q_ref,               # [T, G, D]        query heads of this program's KV head
+    k_ref,               # [NB, bs, D]      this KV head's K pages
+    v_ref,               # [NB, bs, D]
+    k_scales_ref,        # f32[NB, bs] | None
+    v_scales_ref,        # f32[NB, bs] | None
+    *refs,               # aliased zero inputs, then outputs (see below)
+    q_per_tile: int,
+    kv_per_tile: int,
+    kv_splits: int,
+    sm_scale: float,
+    soft_cap: Optional[float],
+    sliding_window: Optional[int],
+):
+  # refs: the aliased zero buffers (unused, they only give the outputs their initial
+  # zeros), then the outputs: o_ref [T, G, D] (normalised, q dtype) when kv_splits == 1;
+  # else acc_ref f32[T, G, D], m_ref f32[T, G], l_ref f32[T, G] for this split.
+  num_outs = 1 if kv_splits == 1 else 3
+  out_refs = refs[len(refs) - num_outs:]
+  tile = pl.program_id(0)
+  split = pl.program_id(2)
+  _, group, head_dim = q_ref.shape
+  num_blocks, block_size, _ = k_ref.shape
+  pages_per_seq = block_tables_ref.shape[1]
+  rows = q_per_tile * group
+  compute_dtype = q_ref.dtype
+
+  seq = tile_seq_ref[tile]
+  row_start = tile_row_start_ref[tile]
+  num_rows = tile_num_rows_ref[tile]
+  pos_start = tile_pos_start_ref[tile]
+
+  row_ok = jnp.arange(q_per_tile, dtype=jnp.int32) < num_rows            # [tq]
+  q = plgpu.load(q_ref.at[pl.ds(row_start, q_per_tile)],
+                 mask=row_ok[:, None, None], other=0)                     # [tq, G, D]
+  q = q.reshape(rows, head_dim)
+  # Position of every logit row (row r is token r // G, head r % G).
+  tok_pos = pos_start + jnp.arange(q_per_tile, dtype=jnp.int32)
+  row_pos = jnp.broadcast_to(tok_pos[:, None], (q_per_tile, group)).reshape(rows)
+
+  # Keys [kv_begin, kv_end) can be visible to some row of this tile.
+  kv_end = jnp.where(num_rows > 0, pos_start + num_rows, 0)
+  kv_begin = jnp.int32(0)
+  if sliding_window is not None:
+    kv_begin = jnp.maximum(pos_start - (sliding_window - 1), 0)
+  kv_end = jnp.maximum(kv_end, kv_begin)
+  first_tile = kv_begin // kv_per_tile
+  end_tile = jnp.where(kv_end > kv_begin, (kv_end + kv_per_tile - 1) // kv_per_tile,
+                       first_tile)
+  if kv_splits > 1:
+    per_split = (end_tile - first_tile + kv_splits - 1) // kv_splits
+    first_tile = first_tile + split * per_split
+    end_tile = jnp.minimum(end_tile, first_tile + per_split)
+    end_tile = jnp.maximum(end_tile, first_tile)
+
+  logit_scale = sm_scale if soft_cap is None else 1.0
+
+  def body(kv_tile, carry):
+    acc, m_prev, l_prev = carry
+    key_pos = kv_tile * kv_per_tile + jnp.arange(kv_per_tile, dtype=jnp.int32)  # [tk]
+    key_ok = key_pos < kv_end
+    page_idx = jnp.minimum(key_pos // block_size, pages_per_seq - 1)
+    page = block_tables_ref[seq, page_idx]                                      # [tk]
+    # Keys past the causal bound are never used: point them at page 0 (always in
+    # bounds) and clamp malformed entries so no load can leave the K/V arrays.
+    page = jnp.clip(jnp.where(key_ok, page, 0), 0, num_blocks - 1)
+    offset = key_pos % block_size
+    k = k_ref[page, offset]                                                     # [tk, D]
+    if k.dtype != compute_dtype:
+      k = k.astype(compute_dtype)
+    logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_HIGHEST,
+                             preferred_element_type=jnp.float32)                # [R, tk]
+    if k_scales_ref is not None:
+      logits = logits * (k_scales_ref[page, offset] * logit_scale)[None, :]
+    elif logit_scale != 1.0:
+      logits = logits * logit_scale
+    if soft_cap is not None:
+      logits = jnp.tanh(logits * (sm_scale / soft_cap)) * soft_cap
+    logits = logits * _LOG2E
+    visible = (key_pos[None, :] <= row_pos[:, None]) & key_ok[None, :]
+    if sliding_window is not None:
+      visible &= key_pos[None, :] > row_pos[:, None] - sliding_window
+    logits = jnp.where(visible, logits, _MASK_VALUE)
+    m_next = jnp.maximum(m_prev, jnp.max(logits, axis=1))
+    correction = jnp.exp2(m_prev - m_next)
+    probs = jnp.where(visible, jnp.exp2(logits - m_next[:, None]), 0.0)       # [R, tk]
+    l_next = correction * l_prev + jnp.sum(probs, axis=1)
+    v = v_ref[page, offset]                                                     # [tk, D]
+    v = jnp.where(key_ok[:, None], v, jnp.zeros_like(v))  # 0 * NaN from stale pages
+    if v_scales_ref is not None:
+      v_scale = jnp.where(key_ok, v_scales_ref[page, offset], 0.0)
+      probs = probs * v_scale[None, :]
+    if v.dtype != compute_dtype:
+      v = v.astype(compute_dtype)
+    pv = lax.dot_general(probs.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
+                         precision=_HIGHEST, preferred_element_type=jnp.float32)
+    return correction[:, None] * acc + pv, m_next, l_next
+
+  acc = jnp.zeros((rows, head_dim), jnp.float32)
+  m_i = jnp.full((rows,), _MASK_VALUE, jnp.float32)
+  l_i = jnp.zeros((rows,), jnp.float32)
+  acc, m_i, l_i = lax.fori_loop(first_tile, end_tile, body, (acc, m_i, l_i))
+
+  out_rows = pl.ds(row_start, q_per_tile)
+  if kv_splits == 1:
+    (o_ref,) = out_refs
+    out = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
+    plgpu.store(o_ref.at[out_rows], out.astype(o_ref.dtype).reshape(q_per_tile, group,
+                                                                    head_dim),
+                mask=row_ok[:, None, None])
+  else:
+    acc_ref, m_ref, l_ref = out_refs
+    plgpu.store(acc_ref.at[out_rows], acc.reshape(q_per_tile, group, head_dim),
+                mask=row_ok[:, None, None])
+    plgpu.store(m_ref.at[out_rows], m_i.reshape(q_per_tile, group), mask=row_ok[:, None])
+    plgpu.store(l_ref.at[out_rows], l_i.reshape(q_per_tile, group), mask=row_ok[:, None])
+
+
+def _combine_splits(acc, m, l, out_dtype):
+  """Log-sum-exp merge of split-K partials (base-2 maxima).
+
+  acc: f32[splits, T, Hkv, G, D]; m, l: f32[splits, T, Hkv, G] -> [T, Hkv, G, D].
+  """
+  m_max = jnp.max(m, axis=0)
+  weight = jnp.exp2(m - m_max[None])
+  l_sum = jnp.sum(weight * l, axis=0)
+  acc_sum = jnp.sum(weight[..., None] * acc, axis=0)
+  return (acc_sum / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]).astype(out_dtype)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "soft_cap", "sliding_window", "interpret", "q_per_tile",
+                     "kv_per_tile", "kv_splits", "num_warps", "num_stages"))
+def _ragged_paged_attention_jit(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
+                                num_seqs, k_scales, v_scales, *, sm_scale, soft_cap,
+                                sliding_window, interpret, q_per_tile, kv_per_tile,
+                                kv_splits, num_warps, num_stages):
+  num_tokens, num_q_heads, head_dim = q.shape
+  num_kv_heads, num_blocks, block_size, _ = k_pages.shape
+  num_seqs_max, pages_per_seq = block_tables.shape
+  group = num_q_heads // num_kv_heads
+  group_p = tiling.next_pow2(group)  # Triton tensors need power-of-two sizes.
+
+  tiles = tiling.query_tiles(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens,
+                             q_per_tile=q_per_tile)
+  num_tiles = tiles.seq.shape[0]
+
+  q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+  if group_p != group:
+    q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, group_p - group), (0, 0)))
+
+  grid = (num_tiles, num_kv_heads, kv_splits)
+  full_1d = pl.BlockSpec((num_tiles,), lambda j, h, s: (0,))
+  per_head_q = pl.BlockSpec((num_tokens, None, group_p, head_dim),
+                            lambda j, h, s: (0, h, 0, 0))
+  per_head_pages = pl.BlockSpec((None, num_blocks, block_size, head_dim),
+                                lambda j, h, s: (h, 0, 0, 0))
+  per_head_scales = pl.BlockSpec((None, num_blocks, block_size), lambda j, h, s: (h, 0, 0))
+  in_specs = [
+      full_1d, full_1d, full_1d, full_1d,
+      pl.BlockSpec((num_seqs_max, pages_per_seq), lambda j, h, s: (0, 0)),
+      per_head_q, per_head_pages, per_head_pages,
+      None if k_scales is None else per_head_scales,
+      None if v_scales is None else per_head_scales,
+  ]
+  args = [tiles.seq, tiles.row_start, tiles.num_rows, tiles.pos_start,
+          block_tables.astype(jnp.int32), q4, k_pages, v_pages, k_scales, v_scales]
+  out_shape4 = (num_tokens, num_kv_heads, group_p, head_dim)
+  if kv_splits == 1:
+    out_shapes = [jax.ShapeDtypeStruct(out_shape4, q.dtype)]
+    out_specs = [per_head_q]
+  else:
+    split_acc = pl.BlockSpec((None, num_tokens, None, group_p, head_dim),
+                             lambda j, h, s: (s, 0, h, 0, 0))
+    split_ml = pl.BlockSpec((None, num_tokens, None, group_p), lambda j, h, s: (s, 0, h, 0))
+    out_shapes = [jax.ShapeDtypeStruct((kv_splits, *out_shape4), jnp.float32),
+                  jax.ShapeDtypeStruct((kv_splits, *out_shape4[:-1]), jnp.float32),
+                  jax.ShapeDtypeStruct((kv_splits, *out_shape4[:-1]), jnp.float32)]
+    out_specs = [split_acc, split_ml, split_ml]
+  # Zero-initialised outputs: rows that no tile covers (padding) stay zero.
+  zero_inputs = [jnp.zeros(s.shape, s.dtype) for s in out_shapes]
+  first_alias = len(jax.tree.leaves(args))  # None scales are empty pytrees: no operand
+  in_specs += out_specs
+  args += zero_inputs
+
+  kernel = functools.partial(
+      _ragged_kernel, q_per_tile=q_per_tile, kv_per_tile=kv_per_tile, kv_splits=kv_splits,
+      sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+  outs = pl.pallas_call(
+      kernel,
+      grid=grid,
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shapes,
+      input_output_aliases={first_alias + i: i for i in range(len(out_shapes))},
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name=f"ragged_paged_attention_tq{q_per_tile}_tk{kv_per_tile}_s{kv_splits}",
+  )(*args)
+  if kv_splits == 1:
+    out4 = outs[0]
+  else:
+    out4 = _combine_splits(*outs, q.dtype)
+  out4 = out4[:, :, :group]
+  return out4.reshape(num_tokens, num_q_heads, head_dim)
+
+
+def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
+                           *, sm_scale=None, soft_cap=None, sliding_window=None,
+                           k_scales=None, v_scales=None, interpret=False,
+                           q_per_tile=None, kv_per_tile=None, kv_splits=None,
+                           num_warps=4, num_stages=2):
+  """Mixed prefill + decode paged attention (Pallas, Triton GPU backend).
+
+  Args:
+    q: [T, Hq, D] new queries of all sequences, concatenated (float32/bfloat16/float16).
+    k_pages, v_pages: [Hkv, NB, bs, D] paged cache of one layer (same dtype as q, or
+      int8 / float8_e4m3fn with scales, or any other float dtype, converted to q.dtype).
+    block_tables: i32[S, P]; token p of sequence i is at page block_tables[i, p // bs],
+      offset p % bs. Entries past a sequence's length may hold anything (-1, garbage).
+    kv_lens: i32[S] tokens of each sequence in the cache, this step's new ones included.
+    cu_q_lens: i32[S + 1] cumulative new-query counts (cu_q_lens[0] == 0); sequence i owns
+      rows cu_q_lens[i]:cu_q_lens[i+1] at positions kv_lens[i] - q_len_i .. kv_lens[i]-1.
+    num_seqs: i32 scalar (traced or int): sequences >= num_seqs are ignored; rows at or
+      past cu_q_lens[num_seqs] are padding and come back as zeros.
+    sm_scale: logit scale (None: 1/sqrt(D)). soft_cap: c -> logits = c*tanh(logits/c).
+    sliding_window: W -> a query at position p sees keys in (p - W, p].
+    k_scales, v_scales: f32[Hkv, NB, bs] per-token dequantisation scales or None.
+    interpret: run the Pallas interpreter (CPU tests) instead of compiling for the GPU.
+    q_per_tile: query tokens per tile (power of two; default from T / S and the group).
+    kv_per_tile: keys per inner step (power of two >= 16; default 64, 32 for D > 128).
+    kv_splits: split-K factor (>= 1; default: enough programs to fill ~2 waves of a GPU).
+    num_warps, num_stages: Triton compiler parameters.
+
+  Returns:
+    [T, Hq, D] in q.dtype.
+
+  Raises:
+    ValueError / TypeError naming the argument, before any tracing of the kernel.
+  """
+  cfg = tiling.validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
+                        sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+                        k_scales=k_scales, v_scales=v_scales, q_per_tile=q_per_tile,
+                        kv_per_tile=kv_per_tile, kv_splits=kv_splits, num_warps=num_warps,
+                        num_stages=num_stages, interpret=interpret)
+  return _ragged_paged_attention_jit(
+      q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
+      jnp.asarray(num_seqs, jnp.int32), k_scales, v_scales,
+      sm_scale=cfg.sm_scale, soft_cap=cfg.soft_cap, sliding_window=cfg.sliding_window,
+      interpret=bool(interpret), q_per_tile=cfg.q_per_tile, kv_per_tile=cfg.kv_per_tile,
+      kv_splits=cfg.kv_splits, num_warps=num_warps, num_stages=num_stages)
