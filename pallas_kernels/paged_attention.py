@@ -1,0 +1,368 @@
+"""Paged decode attention as a Pallas kernel on the GPU Triton backend.
+
+One query token per sequence attends to that sequence's K/V, which live in fixed-size
+pages scattered through a shared pool. The kernel reads the sequence's block table
+itself (one small vector load per tile of pages) and loads those pages straight from the
+pool: no gather of the cache into a contiguous copy, and nothing past a sequence's
+length is loaded (every page load is masked by position).
+
+Grid: (batch, num_kv_heads, num_splits). One program serves ALL query heads that share
+one KV head (GQA / MQA), so each K/V page is read once per KV head; its query tile is
+[q_heads_per_kv padded to >= 16 rows, head_dim] because Triton's dot needs 16 rows.
+Split-K ("flash-decoding"): each sequence's live page range is divided evenly between
+the `num_splits` programs of that (sequence, KV head), per sequence at run time, so short
+and long sequences alike use every split; each split writes a normalized partial output
+and its log-sum-exp, and the wrapper combines them stably.
+
+Layout (see paged_jax/kv_cache.py; semantics in pallas_kernels/reference.py):
+  q [B, Hq, D]; k_pages, v_pages [Hkv, NB, bs, D]; k_scales, v_scales f32[Hkv, NB, bs];
+  block_tables i32[B, P]; lengths i32[B]  ->  [B, Hq, D].
+
+Structure follows jax/experimental/pallas/ops/gpu: kernel body, then the pallas_call
+wrapper, then the public entry with keyword-only tuning knobs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+import jax.numpy as jnp
+import numpy as np
+
+# Finite "minus infinity" for masked logits: exp(MASK - m) underflows to exactly 0 while
+# (MASK - MASK) stays 0, never NaN.
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+_MIN_Q_ROWS = 16           # Triton's tl.dot needs M, N, K >= 16.
+_MIN_TILE_TOKENS = 16
+SUPPORTED_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_PAGE_DTYPES = ("float32", "bfloat16", "float16", "int8", "float8_e4m3fn")
+_Q_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _next_pow2(x: int) -> int:
+  return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _load_pages(ref, page_ids, mask):
+  """Masked load of whole pages `ref[page_ids]` -> [ppt, *ref.shape[1:]].
+
+  Every dimension gets an integer index array (page id, then an iota per page
+  dimension): Triton turns this into one pointer tensor, and the Pallas interpreter
+  into a plain gather (it cannot mix array and slice indices). Masked-off elements are
+  never read from memory and come back as 0.
+  """
+  page_shape = ref.shape[1:]
+  rank = 1 + len(page_shape)
+  idx = [page_ids.reshape((-1,) + (1,) * len(page_shape))]
+  for axis, size in enumerate(page_shape, start=1):
+    shape = [1] * rank
+    shape[axis] = size
+    idx.append(jnp.arange(size, dtype=jnp.int32).reshape(shape))
+  full = (page_ids.shape[0],) + tuple(page_shape)
+  idx = [jnp.broadcast_to(i, full) for i in idx]
+  return plgpu.load(ref.at[tuple(idx)], mask=mask, other=jnp.zeros(full, ref.dtype))
+
+
+def _decode_kernel(
+    lengths_ref,  # i32[B] (whole array; this program reads lengths_ref[b])
+    tables_ref,   # i32[P_pad] block-table row of sequence b, zero-padded past P
+    q_ref,        # [G_pad, D] query heads of KV head h (rows >= G are zero padding)
+    k_ref,        # [NB, bs, D] every page of KV head h
+    v_ref,        # [NB, bs, D]
+    k_scale_ref,  # f32[NB, bs] or None
+    v_scale_ref,  # f32[NB, bs] or None
+    o_ref,        # [G_pad, D] this split's output, normalized by its own softmax sum
+    lse_ref,      # f32[G_pad] this split's log-sum-exp (-inf when it saw no key)
+    *,
+    num_splits: int,
+    pages_per_tile: int,
+    pages_per_seq: int,
+    sm_scale: float,
+    soft_cap: Optional[float],
+    sliding_window: Optional[int],
+    compute_dtype,
+    precision,
+):
+  b = pl.program_id(0)
+  split = pl.program_id(2)
+  num_blocks, block_size, head_dim = k_ref.shape
+  q_rows = q_ref.shape[0]
+  tile_tokens = pages_per_tile * block_size
+
+  # Token range [start_tok, end_tok) this query sees, and its pages [first, end).
+  end_tok = jnp.minimum(lengths_ref[b], pages_per_seq * block_size)
+  end_tok = jnp.maximum(end_tok, 0)
+  start_tok = 0 if sliding_window is None else jnp.maximum(end_tok - sliding_window, 0)
+  first_page = start_tok // block_size
+  end_page = pl.cdiv(end_tok, block_size)
+  # Even division of this sequence's live pages between the splits, in whole tiles.
+  tiles_total = pl.cdiv(end_page - first_page, pages_per_tile)
+  pages_per_split = pl.cdiv(tiles_total, num_splits) * pages_per_tile
+  lo = first_page + split * pages_per_split
+  hi = jnp.minimum(lo + pages_per_split, end_page)
+  num_tiles = pl.cdiv(jnp.maximum(hi - lo, 0), pages_per_tile)
+
+  q = q_ref[...].astype(compute_dtype)  # [G_pad, D]
+  page_in_tile = jnp.arange(pages_per_tile, dtype=jnp.int32)
+  tok_in_page = jnp.arange(block_size, dtype=jnp.int32)
+
+  def body(t, carry):
+    o, m, l = carry
+    tile_lo = lo + t * pages_per_tile
+    pages = tile_lo + page_in_tile                                    # [ppt]
+    page_live = pages < hi
+    page_ids = plgpu.load(tables_ref.at[pl.ds(tile_lo, pages_per_tile)],
+                          mask=page_live, other=0)                    # [ppt]
+    pos = pages[:, None] * block_size + tok_in_page[None, :]          # [ppt, bs]
+    live = page_live[:, None] & (pos >= start_tok) & (pos < end_tok)  # [ppt, bs]
+    live3 = jnp.broadcast_to(live[:, :, None], (pages_per_tile, block_size, head_dim))
+    k = _load_pages(k_ref, page_ids, live3)                           # [ppt, bs, D]
+    v = _load_pages(v_ref, page_ids, live3)
+    k = k.reshape(tile_tokens, head_dim).astype(compute_dtype)
+    v = v.reshape(tile_tokens, head_dim).astype(compute_dtype)
+    live_row = live.reshape(1, tile_tokens)
+
+    logits = pl.dot(q, k, trans_b=True, precision=precision)          # f32[G_pad, T]
+    if k_scale_ref is not None:
+      k_scale = _load_pages(k_scale_ref, page_ids, live)
+      logits = logits * k_scale.reshape(1, tile_tokens)
+    logits = logits * sm_scale
+    if soft_cap is not None:
+      logits = soft_cap * jnp.tanh(logits / soft_cap)
+    logits = jnp.where(live_row, logits, _MASK_VALUE)
+
+    m_new = jnp.maximum(m, jnp.max(logits, axis=1))                   # [G_pad]
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(live_row, jnp.exp(logits - m_new[:, None]), 0.0)    # f32[G_pad, T]
+    l_new = alpha * l + jnp.sum(p, axis=1)
+    if v_scale_ref is not None:
+      v_scale = _load_pages(v_scale_ref, page_ids, live)
+      p = p * v_scale.reshape(1, tile_tokens)
+    pv = pl.dot(p.astype(compute_dtype), v, precision=precision)      # f32[G_pad, D]
+    return alpha[:, None] * o + pv, m_new, l_new
+
+  o = jnp.zeros((q_rows, head_dim), jnp.float32)
+  m = jnp.full((q_rows,), _MASK_VALUE, jnp.float32)
+  l = jnp.zeros((q_rows,), jnp.float32)
+  o, m, l = lax.fori_loop(0, num_tiles, body, (o, m, l))
+
+  seen = l > 0
+  o_ref[...] = (o / jnp.where(seen, l, 1.0)[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+
+
+def _combine_splits(o, lse):
+  """Merges split-K partials: o f32[..., S, G, D], lse f32[..., S, G] -> f32[..., G, D]."""
+  lse_max = jnp.max(lse, axis=-2, keepdims=True)
+  lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
+  w = jnp.exp(lse - lse_max)                      # 0 for empty splits (lse = -inf)
+  denom = jnp.sum(w, axis=-2)
+  out = jnp.sum(w[..., None] * o, axis=-3)
+  return out / jnp.where(denom > 0, denom, 1.0)[..., None]
+
+
+def _paged_attention_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, *,
+                          sm_scale, soft_cap, sliding_window, num_splits, pages_per_tile,
+                          num_warps, num_stages, interpret):
+  batch, num_q_heads, head_dim = q.shape
+  num_kv_heads, num_blocks, block_size, _ = k_pages.shape
+  pages_per_seq = block_tables.shape[1]
+  group = num_q_heads // num_kv_heads
+  q_rows = max(_MIN_Q_ROWS, _next_pow2(group))
+
+  q4 = q.reshape(batch, num_kv_heads, group, head_dim)
+  if q_rows != group:
+    q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, q_rows - group), (0, 0)))
+  # Zero-pad the table so every tile's vector load of page ids stays inside the row.
+  tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pages_per_tile)))
+  tables_width = tables.shape[1]
+
+  compute_dtype = q.dtype
+  # fp32 inputs: IEEE fp32 dots (Triton's default would be TF32).
+  precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+  out_dtype = q.dtype if num_splits == 1 else jnp.float32
+
+  kernel = functools.partial(
+      _decode_kernel, num_splits=num_splits, pages_per_tile=pages_per_tile,
+      pages_per_seq=pages_per_seq, sm_scale=sm_scale, soft_cap=soft_cap,
+      sliding_window=sliding_window, compute_dtype=compute_dtype, precision=precision)
+  pages_spec = pl.BlockSpec((None, num_blocks, block_size, head_dim),
+                            lambda b, h, s: (h, 0, 0, 0))
+  scale_spec = pl.BlockSpec((None, num_blocks, block_size), lambda b, h, s: (h, 0, 0))
+  o, lse = pl.pallas_call(
+      kernel,
+      grid=(batch, num_kv_heads, num_splits),
+      in_specs=[
+          pl.BlockSpec(),                                                       # lengths
+          pl.BlockSpec((None, tables_width), lambda b, h, s: (b, 0)),            # tables
+          pl.BlockSpec((None, None, q_rows, head_dim), lambda b, h, s: (b, h, 0, 0)),  # q
+          pages_spec,                                                           # k_pages
+          pages_spec,                                                           # v_pages
+          None if k_scales is None else scale_spec,
+          None if v_scales is None else scale_spec,
+      ],
+      out_specs=[
+          pl.BlockSpec((None, None, None, q_rows, head_dim),
+                       lambda b, h, s: (b, h, s, 0, 0)),
+          pl.BlockSpec((None, None, None, q_rows), lambda b, h, s: (b, h, s, 0)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, q_rows, head_dim),
+                               out_dtype),
+          jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, q_rows), jnp.float32),
+      ],
+      interpret=interpret,
+      # Passing Triton's params pins the Triton backend (not Mosaic GPU) on every JAX.
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      name=f"paged_decode_bs{block_size}_ppt{pages_per_tile}_splits{num_splits}",
+  )(lengths.astype(jnp.int32), tables, q4, k_pages, v_pages, k_scales, v_scales)
+
+  if num_splits == 1:
+    out = o[:, :, 0]
+  else:
+    out = _combine_splits(o, lse)
+  return out[:, :, :group].reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+
+
+_jitted_impl = jax.jit(
+    _paged_attention_impl,
+    static_argnames=("sm_scale", "soft_cap", "sliding_window", "num_splits",
+                     "pages_per_tile", "num_warps", "num_stages", "interpret"))
+
+
+def default_num_splits(batch: int, num_kv_heads: int, pages_per_seq: int,
+                       pages_per_tile: int, target_programs: int = 264,
+                       max_splits: int = 32) -> int:
+  """Split-K heuristic: enough programs to fill the GPU about twice (132 SMs on H100/H200)
+  without splits shorter than two tiles of the longest sequence the table can hold."""
+  max_tiles = -(-pages_per_seq // pages_per_tile)
+  want = -(-target_programs // (batch * num_kv_heads))
+  return int(max(1, min(want, max_tiles // 2, max_splits)))
+
+
+def default_pages_per_tile(block_size: int, head_dim: int) -> int:
+  """Pages loaded per loop step: tiles of 128 tokens (64 for head_dim > 128), >= 1 page."""
+  tile_tokens = 128 if head_dim <= 128 else 64
+  return max(1, tile_tokens // block_size)
+
+
+def _dtype_name(x) -> str:
+  return jnp.dtype(x.dtype).name
+
+
+def _validate(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sm_scale,
+              soft_cap, sliding_window, num_splits, pages_per_tile, num_warps, num_stages):
+  """Shape / dtype / range checks on static information, before any tracing or device work."""
+  if q.ndim != 3:
+    raise ValueError(f"q must be [batch, num_q_heads, head_dim], got shape {q.shape}")
+  if k_pages.ndim != 4:
+    raise ValueError("k_pages must be [num_kv_heads, num_blocks, block_size, head_dim], "
+                     f"got shape {k_pages.shape}")
+  if v_pages.shape != k_pages.shape:
+    raise ValueError(f"v_pages shape {v_pages.shape} must equal k_pages shape {k_pages.shape}")
+  batch, num_q_heads, head_dim = q.shape
+  num_kv_heads, num_blocks, block_size, page_head_dim = k_pages.shape
+  if page_head_dim != head_dim:
+    raise ValueError(f"k_pages head_dim {page_head_dim} must equal q head_dim {head_dim}")
+  if num_q_heads % num_kv_heads:
+    raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_q_heads={num_q_heads}")
+  if block_size not in SUPPORTED_BLOCK_SIZES:
+    raise ValueError(f"block_size must be a power of two in [1, 256], got {block_size}")
+  if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+    raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
+  if _dtype_name(q) not in _Q_DTYPES:
+    raise ValueError(f"q dtype must be one of {_Q_DTYPES}, got {_dtype_name(q)}")
+  page_dtype = _dtype_name(k_pages)
+  if page_dtype not in _PAGE_DTYPES or _dtype_name(v_pages) != page_dtype:
+    raise ValueError(f"k_pages/v_pages dtype must be one (the same) of {_PAGE_DTYPES}, "
+                     f"got {page_dtype} / {_dtype_name(v_pages)}")
+  quantized = page_dtype in ("int8", "float8_e4m3fn")
+  if quantized and (k_scales is None or v_scales is None):
+    raise ValueError(f"{page_dtype} pages need k_scales and v_scales")
+  if not quantized and page_dtype != _dtype_name(q):
+    raise ValueError(f"unquantized pages must have q's dtype {_dtype_name(q)}, "
+                     f"got {page_dtype}")
+  for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
+    if s is not None and (s.shape != k_pages.shape[:3] or _dtype_name(s) != "float32"):
+      raise ValueError(f"{name} must be f32{list(k_pages.shape[:3])}, "
+                       f"got {_dtype_name(s)}{list(s.shape)}")
+  if block_tables.ndim != 2 or block_tables.shape[0] != batch:
+    raise ValueError(f"block_tables must be i32[{batch}, pages_per_seq], "
+                     f"got shape {block_tables.shape}")
+  if lengths.shape != (batch,):
+    raise ValueError(f"lengths must be i32[{batch}], got shape {lengths.shape}")
+  for name, a in (("block_tables", block_tables), ("lengths", lengths)):
+    if not jnp.issubdtype(a.dtype, jnp.integer):
+      raise ValueError(f"{name} must be an integer array, got {a.dtype}")
+  if sm_scale is not None and not (np.isfinite(sm_scale) and sm_scale > 0):
+    raise ValueError(f"sm_scale must be a finite number > 0, got {sm_scale}")
+  if soft_cap is not None and not (np.isfinite(soft_cap) and soft_cap > 0):
+    raise ValueError(f"soft_cap must be a finite number > 0, got {soft_cap}")
+  if sliding_window is not None and (int(sliding_window) != sliding_window
+                                     or sliding_window < 1):
+    raise ValueError(f"sliding_window must be an int >= 1, got {sliding_window}")
+  if num_splits is not None and (int(num_splits) != num_splits or not 1 <= num_splits <= 256):
+    raise ValueError(f"num_splits must be an int in [1, 256], got {num_splits}")
+  if pages_per_tile is not None:
+    if int(pages_per_tile) != pages_per_tile or pages_per_tile < 1 or (
+        pages_per_tile & (pages_per_tile - 1)):
+      raise ValueError(f"pages_per_tile must be a power of two >= 1, got {pages_per_tile}")
+    if pages_per_tile * block_size < _MIN_TILE_TOKENS:
+      raise ValueError(
+          f"pages_per_tile * block_size must be >= {_MIN_TILE_TOKENS} (Triton dot tile), got "
+          f"{pages_per_tile} * {block_size}")
+  if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
+    raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {num_warps}")
+  if num_stages is not None and not 1 <= num_stages <= 8:
+    raise ValueError(f"num_stages must be in [1, 8], got {num_stages}")
+
+
+def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None,
+                    soft_cap=None, sliding_window=None, k_scales=None, v_scales=None,
+                    interpret=False, num_splits=None, pages_per_tile=None, num_warps=None,
+                    num_stages=None):
+  """Decode attention over a paged KV cache (one query token per sequence).
+
+  Args:
+    q: [B, Hq, D] float32 / bfloat16 / float16; D a power of two in [16, 256].
+    k_pages, v_pages: [Hkv, NB, bs, D] in q's dtype, or int8 / float8_e4m3fn with scales;
+      bs a power of two in [1, 256]; Hkv divides Hq.
+    block_tables: i32[B, P]; entries past a sequence's length are never read.
+    lengths: i32[B] tokens per sequence (the query sits at position lengths[b] - 1);
+      0 gives zeros; values above P * bs are clamped to P * bs.
+    sm_scale: logit scale, default 1/sqrt(D). soft_cap: c * tanh(logits / c).
+    sliding_window: W, the query sees the last W tokens only.
+    k_scales, v_scales: f32[Hkv, NB, bs] per-token dequantization scales.
+    interpret: run the Pallas interpreter (CPU) instead of compiling for the GPU.
+    num_splits: split-K partitions per (sequence, KV head); default `default_num_splits`.
+    pages_per_tile: pages per loop step (power of two, tile >= 16 tokens);
+      default `default_pages_per_tile`.
+    num_warps, num_stages: Triton launch parameters (default 4 and 2).
+  Returns:
+    [B, Hq, D] in q's dtype, accumulated in float32.
+  Raises:
+    ValueError naming the argument and its allowed range, before any tracing.
+  """
+  _validate(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sm_scale,
+            soft_cap, sliding_window, num_splits, pages_per_tile, num_warps, num_stages)
+  batch, _, head_dim = q.shape
+  num_kv_heads, _, block_size, _ = k_pages.shape
+  if pages_per_tile is None:
+    pages_per_tile = default_pages_per_tile(block_size, head_dim)
+  if num_splits is None:
+    num_splits = default_num_splits(batch, num_kv_heads, block_tables.shape[1],
+                                    pages_per_tile)
+  return _jitted_impl(
+      q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
+      sm_scale=float(1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale),
+      soft_cap=None if soft_cap is None else float(soft_cap),
+      sliding_window=None if sliding_window is None else int(sliding_window),
+      num_splits=int(num_splits), pages_per_tile=int(pages_per_tile),
+      num_warps=4 if num_warps is None else int(num_warps),
+      num_stages=2 if num_stages is None else int(num_stages), interpret=bool(interpret))
