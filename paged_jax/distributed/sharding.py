@@ -1,0 +1,116 @@
+"""PartitionSpecs and placement for tensor-parallel Llama params and paged KV.
+
+Megatron-style split of each decoder layer over the mesh's `tp` axis:
+
+    q_proj, k_proj, v_proj, gate_proj, up_proj  kernel [in, out]  P(None, 'tp')  column-parallel
+    o_proj, down_proj                           kernel [in, out]  P('tp', None)  row-parallel
+    norms, embedding, lm_head                                     P()            replicated
+
+Column-parallel outputs are whole heads (q/k/v kernels are head-major, `out =
+head * head_dim + d`), so shard i holds query heads [i*Hq/tp, (i+1)*Hq/tp) and KV
+heads [i*Hkv/tp, ...): grouped-query attention stays local (query head h reads
+KV head h // (Hq/Hkv) on the same shard). Row-parallel outputs are partial sums,
+all-reduced once per attention and once per MLP (`tp_forward.py`).
+
+KV pages `[layers, kv_heads, blocks, block_size, head_dim]` are split on the
+KV-head axis, `P(None, 'tp')` (int8 / fp8 scales likewise): each device holds
+1/tp of every block, so at a fixed per-device budget the pool holds tp times
+more blocks. Block-manager state (block tables, ref counts, free stack) and
+attention metadata are replicated: every shard sees the same tables, so
+allocation needs no communication.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from paged_jax import kv_cache
+from paged_jax.distributed.mesh import TP_AXIS
+
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+KV_PAGES_SPEC = P(None, TP_AXIS)       # k / v: [layers, KV heads (split), blocks, bs, D]
+KV_SCALES_SPEC = P(None, TP_AXIS)      # k_scale / v_scale: [layers, KV heads (split), ...]
+
+
+def _path_names(path) -> tuple:
+  return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+
+
+def param_spec(path_names: tuple, ndim: int) -> P:
+  """PartitionSpec of one Llama parameter, from its path in the params tree."""
+  if ndim == 2 and len(path_names) >= 2 and path_names[-1] == "kernel":
+    layer = path_names[-2]
+    if layer in COLUMN_PARALLEL:
+      return P(None, TP_AXIS)
+    if layer in ROW_PARALLEL:
+      return P(TP_AXIS, None)
+  return P()
+
+
+def param_specs(params) -> Any:
+  """Pytree of PartitionSpecs matching `params` (a `LlamaForCausalLM` params tree)."""
+  specs = jax.tree_util.tree_map_with_path(
+      lambda path, leaf: param_spec(_path_names(path), getattr(leaf, "ndim", 0)), params)
+  found = {n for n in _layer_names(params)}
+  if not found & set(COLUMN_PARALLEL) or not found & set(ROW_PARALLEL):
+    raise ValueError(
+        "params do not look like a LlamaForCausalLM tree: no "
+        f"{COLUMN_PARALLEL + ROW_PARALLEL} kernels found (found modules {sorted(found)[:8]})")
+  return specs
+
+
+def _layer_names(params):
+  for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
+    names = _path_names(path)
+    if len(names) >= 2:
+      yield names[-2]
+
+
+def kv_pages_specs(pages: kv_cache.KVPages) -> kv_cache.KVPages:
+  """KVPages of PartitionSpecs: pages and scales split by KV head."""
+  return kv_cache.KVPages(
+      k=KV_PAGES_SPEC, v=KV_PAGES_SPEC,
+      k_scale=None if pages.k_scale is None else KV_SCALES_SPEC,
+      v_scale=None if pages.v_scale is None else KV_SCALES_SPEC)
+
+
+def named(mesh: Mesh, specs) -> Any:
+  """Maps a pytree of PartitionSpecs to NamedShardings on `mesh`."""
+  return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs,
+                                is_leaf=lambda x: isinstance(x, P))
+
+
+def _place(tree, shardings):
+  return jax.tree_util.tree_map(jax.device_put, tree, shardings)
+
+
+def shard_params(params, mesh: Mesh):
+  """Params placed Megatron-style on `mesh` (see the module docstring)."""
+  return _place(params, named(mesh, param_specs(params)))
+
+
+def shard_kv_pages(pages: kv_cache.KVPages, mesh: Mesh) -> kv_cache.KVPages:
+  """KV pages placed on `mesh`, split by KV head over `tp`."""
+  if pages.num_kv_heads % mesh.shape[TP_AXIS]:
+    raise ValueError(f"num_kv_heads={pages.num_kv_heads} is not divisible by "
+                     f"tp={mesh.shape[TP_AXIS]}")
+  return _place(pages, named(mesh, kv_pages_specs(pages)))
+
+
+def replicate(tree, mesh: Mesh):
+  """Every leaf of `tree` fully replicated on `mesh` (block-manager state, metadata)."""
+  rep = NamedSharding(mesh, P())
+  return jax.tree_util.tree_map(lambda x: jax.device_put(x, rep), tree)
+
+
+def per_device_bytes(tree) -> dict:
+  """{device: bytes of `tree`'s shards held on that device} (addressable shards only)."""
+  out = {}
+  for leaf in jax.tree_util.tree_leaves(tree):
+    for shard in leaf.addressable_shards:
+      out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
+  return out
