@@ -1,0 +1,367 @@
+"""Host-side scheduler: waiting / running / swapped queues, FCFS, preemption.
+
+The scheduler decides WHAT runs in a step; the jitted step (`step.py`) does the
+block allocation on device and reports a status per slot. The scheduler keeps a
+conservative estimate of the blocks a step needs (the device's free count is
+authoritative; it is reported back after every step), and when a step reports
+`OUT_OF_BLOCKS` the engine preempts one more group and re-plans (the device
+state is unchanged by contract).
+
+Vocabulary:
+  Sequence  one token stream (prompt + generated) owning one block-table slot.
+  Group     one request: 1 sequence, or n parallel samples, or beam_width beams.
+            A group reserves `slots_needed` slots at admission.
+  chunk     the tokens of one sequence computed in a step (a prefill chunk or
+            one decode token). A sequence's uncomputed tokens are
+            `tokens[num_computed:]`; it samples when its chunk reaches the end.
+
+Policy (vLLM's, arXiv:2309.06180 sec. 4.5):
+  * running groups are served first, oldest first; decodes take 1 token of the
+    per-step token budget, prefills take what is left (chunked prefill);
+  * when the blocks estimate runs out, the newest running group is preempted
+    (all its sequences: "all or nothing"), possibly the one being served;
+  * preempted groups are either recomputed (back to the waiting queue, their
+    K/V dropped) or swapped (K/V copied to host; only single-sequence groups,
+    others fall back to recompute);
+  * swapped groups come back (oldest first) only in steps without preemption;
+  * waiting groups are admitted strictly FCFS when slots, blocks for their whole
+    first sequence and token budget are available.
+Groups with several sequences re-enter by prefilling the prompt once on their
+leader and forking it (`post_forks`) so the prompt blocks are shared again.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import enum
+from typing import Any, List, Optional, Tuple
+
+
+class GroupStatus(enum.Enum):
+  WAITING = "waiting"
+  RUNNING = "running"
+  SWAPPED = "swapped"
+  FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+  """One token stream. `tokens` = prompt + generated (the last may be uncomputed)."""
+  seq_id: int
+  index: int                    # position in the request's outputs (sample j)
+  sample_seed: int              # seed of this sequence's sampling stream
+  tokens: List[int]
+  prompt_len: int
+  num_computed: int = 0         # tokens whose K/V are in the cache (device seq_len)
+  slot: int = -1
+  on_device: bool = False       # the slot is active in the device BlockState
+  pending_fork: bool = False    # must be forked from the group leader at prompt_len
+  last_block_shared: bool = False   # next append may copy-on-write one block
+  cum_logprob: float = 0.0
+  topk: Optional[Tuple[Any, Any]] = None   # beam candidates awaiting selection
+  swapped_kv: Any = None        # host copy of this sequence's pages (swap mode)
+  finish_reason: Optional[str] = None
+
+  @property
+  def num_generated(self) -> int:
+    return len(self.tokens) - self.prompt_len
+
+  @property
+  def num_uncomputed(self) -> int:
+    return len(self.tokens) - self.num_computed
+
+
+@dataclasses.dataclass(eq=False)
+class Group:
+  """One request and its live sequences."""
+  request_id: Any
+  arrival: int
+  params: Any                   # engine.SamplingParams
+  prompt: List[int]
+  seqs: List[Sequence]          # live (unfinished) sequences; seqs[0] leads
+  slots_needed: int
+  finished: List[Sequence] = dataclasses.field(default_factory=list)
+  slots: List[int] = dataclasses.field(default_factory=list)
+  status: GroupStatus = GroupStatus.WAITING
+  num_preemptions: int = 0
+
+  @property
+  def is_beam(self) -> bool:
+    return self.params.beam_width > 1
+
+  @property
+  def leader(self) -> Sequence:
+    return self.seqs[0]
+
+
+@dataclasses.dataclass
+class Chunk:
+  """`num_tokens` tokens of `seq` starting at `seq.num_computed`."""
+  seq: Sequence
+  num_tokens: int
+  samples: bool                 # the chunk ends at the last known token
+  allocate: bool                # the slot is not yet active on device
+
+
+@dataclasses.dataclass
+class Batch:
+  """What one step runs. Applied on device in this order: frees, forks, swap-ins
+  (before the step, by the engine), reservations + model + sampling, post_forks."""
+  chunks: List[Chunk] = dataclasses.field(default_factory=list)
+  frees: List[int] = dataclasses.field(default_factory=list)          # slots
+  forks: List[Tuple[Sequence, Sequence]] = dataclasses.field(default_factory=list)  # (parent, child)
+  post_forks: List[Tuple[Sequence, Sequence]] = dataclasses.field(default_factory=list)
+  swap_out: List[Sequence] = dataclasses.field(default_factory=list)
+  swap_in: List[Sequence] = dataclasses.field(default_factory=list)
+  preempted: List[Group] = dataclasses.field(default_factory=list)
+
+  @property
+  def num_tokens(self) -> int:
+    return sum(c.num_tokens for c in self.chunks)
+
+
+def cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+class Scheduler:
+  """FCFS continuous batching with chunked prefill and preemption (host Python)."""
+
+  def __init__(self, *, block_size: int, max_seqs: int, max_num_batched_tokens: int,
+               preemption_mode: str = "recompute"):
+    if preemption_mode not in ("recompute", "swap"):
+      raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
+    self.block_size = block_size
+    self.max_num_batched_tokens = max_num_batched_tokens
+    self.preemption_mode = preemption_mode
+    self.waiting: List[Group] = []
+    self.running: List[Group] = []
+    self.swapped: List[Group] = []
+    self.free_slots: List[int] = list(range(max_seqs))
+    self.pending_frees: List[int] = []          # device frees not yet committed
+    self.pending_forks: List[Tuple[Sequence, Sequence]] = []   # (parent, child) beam forks
+    self._released_slots: List[int] = []        # back to the pool once frees commit
+    self.pending_swap_outs: List[Tuple[Sequence, int]] = []   # (seq, slot) to copy to host
+    self.num_preemptions = 0
+    self.num_swaps = 0
+
+  # ---- queue management --------------------------------------------------------------
+  def add(self, group: Group) -> None:
+    group.status = GroupStatus.WAITING
+    self._insert_by_arrival(self.waiting, group)
+
+  def has_unfinished(self) -> bool:
+    return bool(self.waiting or self.running or self.swapped)
+
+  @staticmethod
+  def _insert_by_arrival(queue: List[Group], group: Group) -> None:
+    keys = [g.arrival for g in queue]
+    queue.insert(bisect.bisect(keys, group.arrival), group)
+
+  def free_seq(self, seq: Sequence) -> None:
+    """Queues the device free of a finished / dropped sequence's slot."""
+    if seq.on_device:
+      self.pending_frees.append(seq.slot)
+      seq.on_device = False
+
+  def finish_group(self, group: Group) -> None:
+    """Frees every live sequence and returns the group's slots."""
+    for seq in group.seqs:
+      self.free_seq(seq)
+    self.pending_forks = [(p, c) for p, c in self.pending_forks if c not in group.seqs]
+    self._release_slots(group)
+    group.status = GroupStatus.FINISHED
+    if group in self.running:
+      self.running.remove(group)
+
+  def _release_slots(self, group: Group) -> None:
+    self._released_slots.extend(group.slots)
+    group.slots = []
+    for seq in group.seqs:
+      seq.slot = -1
+
+  # ---- block estimates ----------------------------------------------------------------
+  def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+    """Blocks an append of `num_tokens` may take (copy-on-write included)."""
+    bs, n = self.block_size, seq.num_computed
+    need = cdiv(n + num_tokens, bs) - cdiv(n, bs)
+    if seq.last_block_shared and n % bs:
+      need += 1
+    return need
+
+  def _blocks_held(self, group: Group) -> int:
+    """Blocks the device releases when the group is freed (sharing-aware estimate)."""
+    bs, total = self.block_size, 0
+    for i, seq in enumerate(group.seqs):
+      if not seq.on_device:
+        continue
+      held = cdiv(seq.num_computed, bs)
+      if i > 0:  # the prompt's full blocks are shared with the leader
+        held -= min(seq.prompt_len, seq.num_computed) // bs
+      total += max(held, 0)
+    return total
+
+  # ---- preemption -----------------------------------------------------------------------
+  def preempt(self, group: Group, batch: Batch) -> int:
+    """Preempts a running group; returns the blocks its frees should release."""
+    released = self._blocks_held(group)
+    self.running.remove(group)
+    self.pending_forks = [(p, c) for p, c in self.pending_forks if c not in group.seqs]
+    group.num_preemptions += 1
+    self.num_preemptions += 1
+    batch.preempted.append(group)
+    swap = (self.preemption_mode == "swap" and len(group.seqs) == 1
+            and group.leader.on_device and group.leader.num_computed > 0)
+    for seq in group.seqs:
+      seq.topk = None
+      if swap:
+        batch.swap_out.append(seq)
+        self.pending_swap_outs.append((seq, seq.slot))
+      if seq.on_device:
+        self.pending_frees.append(seq.slot)
+        seq.on_device = False
+      seq.last_block_shared = False
+      if not swap:
+        seq.num_computed = 0
+    for seq in group.seqs[1:]:
+      seq.pending_fork = True
+    self._release_slots(group)
+    if swap:
+      self.num_swaps += 1
+      group.status = GroupStatus.SWAPPED
+      self._insert_by_arrival(self.swapped, group)
+    else:
+      group.status = GroupStatus.WAITING
+      self._insert_by_arrival(self.waiting, group)
+    return released
+
+  def preempt_newest(self) -> Group:
+    """After a device OUT_OF_BLOCKS: preempts the newest running group (re-plan next)."""
+    if not self.running:
+      raise RuntimeError("OUT_OF_BLOCKS with no running group to preempt")
+    victim = max(self.running, key=lambda g: g.arrival)
+    self.preempt(victim, Batch())
+    return victim
+
+  # ---- planning -----------------------------------------------------------------------
+  def _chunks_for(self, group: Group, budget: int) -> List[Chunk]:
+    """This step's chunks for a group (leader capped at the prompt while forks pend)."""
+    chunks = []
+    pending = any(s.pending_fork for s in group.seqs)
+    for seq in group.seqs:
+      if seq.pending_fork or seq.topk is not None or budget <= 0:
+        continue
+      end = len(seq.tokens)
+      if pending and seq is group.leader:
+        end = min(end, seq.prompt_len)
+      todo = end - seq.num_computed
+      if todo <= 0:
+        continue
+      n = min(todo, budget)
+      budget -= n
+      forked = any(c is seq for _, c in self.pending_forks)
+      chunks.append(Chunk(seq, n, samples=seq.num_computed + n == len(seq.tokens),
+                          allocate=not seq.on_device and not forked))
+    return chunks
+
+  def _post_forks(self, group: Group, chunks: List[Chunk]) -> List[Tuple[Sequence, Sequence]]:
+    lead = [c for c in chunks if c.seq is group.leader]
+    if not lead or lead[0].seq.num_computed + lead[0].num_tokens != group.leader.prompt_len:
+      return []
+    return [(group.leader, s) for s in group.seqs if s.pending_fork]
+
+  def _take(self, group: Group, batch: Batch, budget: int) -> int:
+    """Adds the group's chunks and post-forks to the batch; returns tokens used."""
+    chunks = self._chunks_for(group, budget)
+    batch.chunks.extend(chunks)
+    batch.post_forks.extend(self._post_forks(group, chunks))
+    return sum(c.num_tokens for c in chunks)
+
+  def _assign_slots(self, group: Group) -> None:
+    group.slots = [self.free_slots.pop(0) for _ in range(group.slots_needed)]
+    for seq, slot in zip(group.seqs, group.slots):
+      seq.slot = slot
+
+  def schedule(self, num_free_blocks: int) -> Batch:
+    """Plans one step given the device's free-block count."""
+    batch = Batch()
+    budget = self.max_num_batched_tokens
+    free = num_free_blocks
+    # 1. Running groups, oldest first; preempt the newest when blocks run out.
+    queue = sorted(self.running, key=lambda g: g.arrival)
+    i = 0
+    while i < len(queue):
+      group = queue[i]
+      need = sum(self.blocks_needed(c.seq, c.num_tokens)
+                 for c in self._chunks_for(group, budget))
+      while need > free and queue[-1] is not group:
+        free += self.preempt(queue.pop(), batch)
+      if need > free:
+        queue.pop()
+        free += self.preempt(group, batch)
+        break
+      budget -= self._take(group, batch, budget)
+      free -= need
+      i += 1
+    # Beam forks decided after the last step run first (they take no block).
+    batch.forks = list(self.pending_forks)
+    # 2. Swapped groups come back only when nothing was preempted.
+    if not batch.preempted:
+      while self.swapped and budget > 0:
+        group = self.swapped[0]
+        seq = group.leader
+        need = cdiv(seq.num_computed, self.block_size)
+        step_need = self.blocks_needed(seq, min(seq.num_uncomputed, budget))
+        if (len(self.free_slots) < group.slots_needed or need + step_need + 1 > free):
+          break
+        self.swapped.pop(0)
+        self._assign_slots(group)
+        batch.swap_in.append(seq)
+        group.status = GroupStatus.RUNNING
+        self.running.append(group)
+        free -= need
+        used = self._take(group, batch, budget)
+        free -= step_need
+        budget -= used
+    # 3. Waiting groups, strict FCFS.
+    if not batch.preempted:
+      while self.waiting and budget > 0:
+        group = self.waiting[0]
+        lead = group.leader
+        if len(self.free_slots) < group.slots_needed:
+          break
+        if cdiv(len(lead.tokens), self.block_size) > free:
+          break
+        self.waiting.pop(0)
+        self._assign_slots(group)
+        group.status = GroupStatus.RUNNING
+        self.running.append(group)
+        chunks = self._chunks_for(group, budget)
+        free -= sum(self.blocks_needed(c.seq, c.num_tokens) for c in chunks)
+        budget -= self._take(group, batch, budget)
+    batch.frees = list(self.pending_frees)
+    return batch
+
+  def commit(self, batch: Batch) -> None:
+    """Marks a successfully executed batch's device effects on the host mirror."""
+    self.pending_frees = []
+    self.pending_forks = []
+    self.free_slots.extend(self._released_slots)
+    self.free_slots.sort()
+    self._released_slots = []
+    for _, child in batch.forks:
+      child.on_device = True
+    for seq in batch.swap_in:
+      seq.on_device = True
+      seq.swapped_kv = None
+    for chunk in batch.chunks:
+      chunk.seq.on_device = True
+      chunk.seq.last_block_shared = False
+    for leader, child in batch.post_forks:
+      child.on_device = True
+      child.pending_fork = False
+      child.num_computed = leader.prompt_len
+      shared = leader.prompt_len % self.block_size != 0
+      child.last_block_shared = shared
+      leader.last_block_shared = shared

@@ -1,0 +1,238 @@
+"""THE engine step: one `jax.jit` doing block reservation, copy-on-write, KV
+writes, attention and sampling, with the allocator state and the KV pages
+donated. Multi-step decoding runs further decode steps in a `lax.while_loop`
+inside the same jit (block allocation included), so the host syncs once per
+`num_decode_steps` tokens.
+
+Order of device effects in one call (the scheduler plans with this order):
+
+  1. free      `free_slots`                  (finished / dropped / preempted sequences)
+  2. fork      `fork_src -> fork_dst`        (beam search: new beams share a parent's blocks)
+  3. reserve   allocate first chunks, append later chunks (copy-on-write pairs)
+     -> if any reservation fails, the whole call is a no-op: the returned state is
+        the input state and `ok` is False (the host preempts and re-plans)
+  4. copy_blocks(cow), model forward (per layer: kv_cache.write, ragged attention)
+  5. sample one token per slot from `sample_row` (n > 1 children sample from
+     their leader's row), beam candidates (top-k log-probs)
+  6. post-fork `post_fork_src -> slot`    (parallel sampling: children share the prompt)
+  7. decode loop, iterations 1 .. num_decode_steps-1, for slots with
+     `multi_step` set that have not finished (stop id / max_tokens): append one
+     token each (stops early, state kept, if a block runs out), forward, sample.
+
+Shapes are fixed by (max_num_batched_tokens T, max_seqs S, num_decode_steps K,
+num_stop_ids, num_candidates), so the step traces once per engine; `TRACE_COUNT`
+counts traces for the no-retracing test.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable
+
+import flax
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from paged_jax import block_manager as bm
+from paged_jax import kv_cache
+from paged_jax.attention import AttentionMetadata
+from paged_jax.config import OK
+from paged_jax.engine import sampling
+
+_I32 = jnp.int32
+TRACE_COUNT = collections.Counter()   # name -> traces of jitted engine functions
+
+
+@flax.struct.dataclass
+class EngineState:
+  """Everything the device keeps between steps (donated into every step)."""
+  blocks: bm.BlockState
+  pages: kv_cache.KVPages
+
+
+@flax.struct.dataclass
+class StepInputs:
+  """One step's plan as fixed-shape arrays (T tokens, S slots = S rows).
+
+  Token level [T]: tokens, positions, token_row (row of each token, -1 = padding).
+  Row level [S]: row_slot (slot of each attention row, -1 = padding; live rows
+    first), row_q_len (new tokens of the row).
+  Slot level [S]: free_slots (-1 pad), fork_src/fork_dst (-1 pad), alloc_tokens
+    (> 0: allocate that many tokens in this inactive slot), append_tokens (> 0:
+    append), sample_row (-1: no sample), post_fork_src (-1: none), temperature,
+    top_k, top_p, seed, sample_index (tokens generated so far), remaining
+    (tokens the sequence may still generate, >= 1 where sampling), stop_ids
+    [S, num_stop_ids] (-1 pad), multi_step (may continue in the decode loop).
+  """
+  tokens: jax.Array
+  positions: jax.Array
+  token_row: jax.Array
+  row_slot: jax.Array
+  row_q_len: jax.Array
+  free_slots: jax.Array
+  fork_src: jax.Array
+  fork_dst: jax.Array
+  alloc_tokens: jax.Array
+  append_tokens: jax.Array
+  sample_row: jax.Array
+  post_fork_src: jax.Array
+  temperature: jax.Array
+  top_k: jax.Array
+  top_p: jax.Array
+  seed: jax.Array
+  sample_index: jax.Array
+  remaining: jax.Array
+  stop_ids: jax.Array
+  multi_step: jax.Array
+
+
+@flax.struct.dataclass
+class StepOutputs:
+  """ok: bool[] (False: reservation failed, nothing changed); status i32[S] of the
+  first reservation; tokens i32[K, S] and valid bool[K, S] (token of slot s at
+  decode iteration k); topk_logprobs f32[S, C] / topk_ids i32[S, C] (candidates
+  from the first iteration's logits); num_free i32[] after the step;
+  loop_out_of_blocks bool[] (the decode loop stopped for want of a block)."""
+  ok: jax.Array
+  status: jax.Array
+  tokens: jax.Array
+  valid: jax.Array
+  topk_logprobs: jax.Array
+  topk_ids: jax.Array
+  num_free: jax.Array
+  loop_out_of_blocks: jax.Array
+
+
+def build_metadata(blocks: bm.BlockState, row_slot, row_q_len, token_row, positions):
+  """AttentionMetadata for packed rows (after the reservation of this step's tokens)."""
+  s_max = blocks.max_seqs
+  live = row_slot >= 0
+  rs = jnp.clip(row_slot, 0, s_max - 1)
+  q_lens = jnp.where(live, row_q_len, 0)
+  cu = jnp.concatenate([jnp.zeros((1,), _I32), jnp.cumsum(q_lens).astype(_I32)])
+  token_slot = jnp.where(token_row >= 0, row_slot[jnp.clip(token_row, 0, s_max - 1)], -1)
+  return AttentionMetadata(
+      slot_mapping=bm.token_slots(blocks, token_slot, positions),
+      block_tables=blocks.block_tables[rs],
+      kv_lens=jnp.where(live, blocks.seq_lens[rs], 0),
+      cu_q_lens=cu,
+      num_seqs=jnp.sum(live).astype(_I32),
+      logits_indices=jnp.maximum(cu[1:] - 1, 0))
+
+
+def _finished(tokens, remaining, stop_ids):
+  """bool[S]: the token just sampled ends its sequence."""
+  is_stop = jnp.any((stop_ids >= 0) & (stop_ids == tokens[:, None]), axis=-1)
+  return is_stop | (remaining <= 1)
+
+
+def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candidates: int,
+              name: str = "engine_step"):
+  """Builds the jitted step.
+
+  Args:
+    apply_fn: (params, tokens i32[T], positions i32[T], pages, meta) ->
+      (logits f32[S, vocab], pages), e.g. `LlamaForCausalLM(...).apply`.
+    num_decode_steps: K >= 1, decode iterations per call (the first included).
+    num_candidates: C, beam candidates returned per slot (<= vocab).
+
+  Returns:
+    step(params, state: EngineState, inputs: StepInputs) -> (EngineState, StepOutputs),
+    jitted with `state` donated.
+  """
+
+  def step(params, state: EngineState, inp: StepInputs):
+    TRACE_COUNT[name] += 1
+    blocks, pages = state.blocks, state.pages
+    s_max = blocks.max_seqs
+    slots = lax.iota(_I32, s_max)
+
+    # 1-3. frees, beam forks, reservations.
+    b, _ = bm.free(blocks, inp.free_slots)
+    b, _ = bm.fork(b, inp.fork_src, inp.fork_dst)
+    alloc = inp.alloc_tokens > 0
+    b, st_alloc = bm.allocate(b, jnp.where(alloc, slots, -1), jnp.maximum(inp.alloc_tokens, 1))
+    grow = inp.append_tokens > 0
+    b, st_append, cow = bm.append(b, grow, inp.append_tokens)
+    status = jnp.where(alloc, st_alloc, jnp.where(grow, st_append, OK))
+    ok = jnp.all(status == OK)
+
+    k_steps = num_decode_steps
+    empty_tokens = jnp.zeros((k_steps, s_max), _I32)
+    empty_valid = jnp.zeros((k_steps, s_max), jnp.bool_)
+    empty_topv = jnp.zeros((s_max, num_candidates), jnp.float32)
+    empty_topi = jnp.zeros((s_max, num_candidates), _I32)
+
+    def rejected():
+      return (blocks, pages, empty_tokens, empty_valid, empty_topv, empty_topi,
+              jnp.zeros((), jnp.bool_))
+
+    def accepted():
+      pg = kv_cache.copy_blocks(pages, cow)
+      meta = build_metadata(b, inp.row_slot, inp.row_q_len, inp.token_row, inp.positions)
+      logits, pg = apply_fn(params, inp.tokens, inp.positions, pg, meta)   # [S rows, V]
+      sampled = inp.sample_row >= 0
+      slot_logits = logits[jnp.clip(inp.sample_row, 0, s_max - 1)]          # [S slots, V]
+      tok = sampling.sample(slot_logits, inp.temperature, inp.top_k, inp.top_p, inp.seed,
+                            inp.sample_index)
+      tok = jnp.where(sampled, tok, 0)
+      topv, topi = sampling.top_logprobs(slot_logits, num_candidates)
+      b2, _ = bm.fork(b, inp.post_fork_src, jnp.where(inp.post_fork_src >= 0, slots, -1))
+      out_tokens = empty_tokens.at[0].set(tok)
+      out_valid = empty_valid.at[0].set(sampled)
+      cont = sampled & inp.multi_step & ~_finished(tok, inp.remaining, inp.stop_ids)
+      if k_steps == 1:
+        return b2, pg, out_tokens, out_valid, topv, topi, jnp.zeros((), jnp.bool_)
+      return _decode_loop(b2, pg, tok, cont, out_tokens, out_valid, topv, topi)
+
+    def _decode_loop(b2, pg, tok, cont, out_tokens, out_valid, topv, topi):
+      def cond(carry):
+        i, _, _, _, cont, _, _, _, _, oob = carry
+        return (i < k_steps) & jnp.any(cont) & ~oob
+
+      def body(carry):
+        i, b_cur, pg_cur, last, cont, out_t, out_v, sidx, remaining, _ = carry
+        b_new, st, cow_i = bm.append(b_cur, cont, 1)
+        oob = jnp.any(cont & (st != OK))
+
+        def run():
+          # Pack the continuing slots into the first rows, one token each.
+          order = jnp.argsort(~cont, stable=True).astype(_I32)
+          row_live = cont[order]
+          row_slot = jnp.where(row_live, order, -1)
+          rs = jnp.clip(row_slot, 0, s_max - 1)
+          positions = jnp.where(row_live, b_new.seq_lens[rs] - 1, 0)
+          token_row = jnp.where(row_live, slots, -1)
+          pg2 = kv_cache.copy_blocks(pg_cur, cow_i)
+          meta = build_metadata(b_new, row_slot, row_live.astype(_I32), token_row, positions)
+          logits, pg2 = apply_fn(params, last[rs], positions, pg2, meta)
+          # Back to slot order: slot s sits in row inv[s].
+          inv = jnp.zeros((s_max,), _I32).at[order].set(slots)
+          slot_logits = logits[inv]
+          new = sampling.sample(slot_logits, inp.temperature, inp.top_k, inp.top_p, inp.seed,
+                                sidx + i)
+          new = jnp.where(cont, new, last)
+          rem = remaining - i
+          fin = _finished(new, rem, inp.stop_ids)
+          return (i + 1, b_new, pg2, new, cont & ~fin, out_t.at[i].set(new),
+                  out_v.at[i].set(cont), sidx, remaining, jnp.zeros((), jnp.bool_))
+
+        def stop():
+          return (i, b_cur, pg_cur, last, cont, out_t, out_v, sidx, remaining,
+                  jnp.ones((), jnp.bool_))
+
+        return lax.cond(oob, stop, run)
+
+      carry = (jnp.ones((), _I32), b2, pg, tok, cont, out_tokens, out_valid, inp.sample_index,
+               inp.remaining, jnp.zeros((), jnp.bool_))
+      _, b2, pg, _, _, out_tokens, out_valid, _, _, oob = lax.while_loop(cond, body, carry)
+      return b2, pg, out_tokens, out_valid, topv, topi, oob
+
+    b_out, pg_out, toks, valid, topv, topi, oob = lax.cond(ok, accepted, rejected)
+    new_state = EngineState(blocks=b_out, pages=pg_out)
+    return new_state, StepOutputs(ok=ok, status=status, tokens=toks, valid=valid,
+                                  topk_logprobs=topv, topk_ids=topi,
+                                  num_free=bm.num_free_blocks(b_out), loop_out_of_blocks=oob)
+
+  return jax.jit(step, donate_argnums=(1,))
