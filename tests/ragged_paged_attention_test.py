@@ -1,0 +1,301 @@
+"""Ragged paged attention kernel vs the plain-jnp reference (the oracle).
+
+Every case draws fresh random inputs (the seed is in the failure message): mixed batches
+of decode rows and prefill chunks of assorted lengths (chunks starting mid-block,
+zero-length sequences, dead sequences past num_seqs, padding rows), randomly permuted
+block tables with -1 or out-of-range garbage past each length, and NaN-filled stale pages
+and slots, so any read of an unowned key shows up as NaN.
+
+Mode: the Pallas interpreter on CPU (CI). With PAGED_JAX_TEST_COMPILED=1, or when JAX's
+default backend is a GPU and the variable is unset, the kernels are compiled with
+Triton instead (experiments/gpu_check.sh). The default grid is small; the wide grid is
+marked slow.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pallas_kernels import ragged_tiling
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.reference import ragged_paged_attention_reference
+
+_MODE = os.environ.get("PAGED_JAX_TEST_COMPILED")
+COMPILED = _MODE == "1" or (_MODE is None and jax.default_backend() == "gpu")
+INTERPRET = not COMPILED
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
+
+
+def _fresh_seed():
+  return int(np.random.SeedSequence().entropy % (2**63))
+
+
+def make_batch(rng, *, seqs, num_kv_heads, group, head_dim, block_size, q_dtype=jnp.float32,
+               page_dtype=None, dead_seqs=1, padding_rows=3, spare_blocks=4):
+  """A random ragged batch over a paged cache.
+
+  Args:
+    seqs: list of (q_len, kv_len) for the live sequences (q_len <= kv_len).
+  Returns:
+    (args tuple for the kernel / reference, kwargs with k_scales / v_scales,
+     row_valid bool[T]: rows that belong to a live sequence).
+  """
+  page_dtype = q_dtype if page_dtype is None else page_dtype
+  num_live = len(seqs)
+  num_seqs_max = num_live + dead_seqs
+  pages_needed = [-(-kv // block_size) for _, kv in seqs]
+  pages_per_seq = max(pages_needed + [1]) + 1
+  num_blocks = sum(pages_needed) + spare_blocks
+  perm = rng.permutation(num_blocks)
+  tables = rng.integers(-num_blocks, 2 * num_blocks, (num_seqs_max, pages_per_seq))
+  tables[rng.random(tables.shape) < 0.5] = -1  # past-the-end entries: -1 or garbage
+  used = 0
+  for i, n in enumerate(pages_needed):
+    tables[i, :n] = perm[used:used + n]
+    used += n
+  kv_lens = np.array([kv for _, kv in seqs] + list(rng.integers(0, 50, dead_seqs)), np.int32)
+  q_lens = [q for q, _ in seqs]
+  cu = np.zeros(num_seqs_max + 1, np.int32)
+  cu[1:num_live + 1] = np.cumsum(q_lens)
+  cu[num_live + 1:] = cu[num_live]
+  num_tokens = int(cu[num_live]) + padding_rows
+  shape = (num_kv_heads, num_blocks, block_size, head_dim)
+  quantized = jnp.dtype(page_dtype) in (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+
+  def pages():
+    if jnp.dtype(page_dtype) == jnp.dtype(jnp.int8):
+      x = rng.integers(-127, 128, shape).astype(np.float32)
+    else:
+      x = rng.standard_normal(shape).astype(np.float32)
+    # Stale data: every slot no live sequence owns is NaN (pages never handed out, and
+    # the tail of each sequence's last page).
+    owned = np.zeros(shape[1:3], bool)
+    for i, (_, kv) in enumerate(seqs):
+      for pos in range(kv):
+        owned[tables[i, pos // block_size], pos % block_size] = True
+    if not quantized or jnp.dtype(page_dtype) != jnp.dtype(jnp.int8):
+      x[:, ~owned] = np.nan
+    return jnp.asarray(x).astype(page_dtype)
+
+  scales = {}
+  if quantized:
+    lo, hi = (0.004, 0.02) if jnp.dtype(page_dtype) == jnp.dtype(jnp.int8) else (0.5, 1.5)
+    for name in ("k_scales", "v_scales"):
+      s = rng.uniform(lo, hi, shape[:3]).astype(np.float32)
+      s[:, perm[used:]] = np.nan  # scales of never-used pages are stale too
+      scales[name] = jnp.asarray(s)
+  q = jnp.asarray(rng.standard_normal((num_tokens, num_kv_heads * group, head_dim)),
+                  jnp.float32).astype(q_dtype)
+  args = (q, pages(), pages(), jnp.asarray(tables, jnp.int32), jnp.asarray(kv_lens),
+          jnp.asarray(cu), jnp.int32(num_live))
+  row_valid = np.arange(num_tokens) < cu[num_live]
+  return args, scales, row_valid
+
+
+def rel_err(out, ref):
+  out = np.asarray(out, np.float64)
+  ref = np.asarray(ref, np.float64)
+  return np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+def check(seed, args, scales, row_valid, q_dtype, *, ref_kw=None, **kernel_kw):
+  ref_kw = dict(ref_kw or {}, **scales)
+  out = ragged_paged_attention(*args, interpret=INTERPRET, **ref_kw, **kernel_kw)
+  ref = ragged_paged_attention_reference(*args, **ref_kw)
+  out, ref = np.asarray(out.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32))
+  assert out.shape == ref.shape and out.dtype == ref.dtype
+  assert np.isfinite(out).all(), f"seed={seed}: non-finite output (stale data leaked?)"
+  assert (out[~row_valid] == 0).all(), f"seed={seed}: padding rows must be zero"
+  err = rel_err(out[row_valid], ref[row_valid])
+  assert err <= TOL[q_dtype], f"seed={seed}: rel err {err:.3g} > {TOL[q_dtype]}"
+  return out
+
+
+def mixed_seqs(rng, block_size, *, num_decode, prefill_q_lens, max_ctx=200):
+  """Decode rows (q_len 1) and prefill chunks; chunk starts are often mid-block."""
+  seqs = []
+  for _ in range(num_decode):
+    seqs.append((1, int(rng.choice([1, block_size - 1 or 1, block_size, block_size + 1,
+                                    int(rng.integers(1, max_ctx))]))))
+  for q_len in prefill_q_lens:
+    prefix = int(rng.choice([0, int(rng.integers(1, max_ctx)), block_size,
+                             3 * block_size - 1]))
+    seqs.append((q_len, q_len + prefix))
+  seqs.append((0, int(rng.integers(0, 40))))  # a sequence with nothing new this step
+  order = rng.permutation(len(seqs))
+  return [seqs[i] for i in order]
+
+
+# ----------------------------------------------------------------------------- fast grid
+
+FAST_CASES = [
+    # (group, head_dim, block_size, q_dtype, page_dtype, extra kernel kwargs)
+    (1, 64, 16, jnp.float32, None, {}),
+    (4, 128, 8, jnp.bfloat16, None, {}),
+    (8, 64, 256, jnp.float32, None, {"kv_per_tile": 32}),
+    (2, 64, 32, jnp.float32, None, {"kv_splits": 3, "q_per_tile": 8}),
+    (2, 64, 16, jnp.float32, jnp.int8, {}),
+    (4, 64, 16, jnp.bfloat16, jnp.float8_e4m3fn, {}),
+    (3, 64, 4, jnp.float32, None, {}),  # group 3 (padded to 4), block size 4
+]
+
+
+@pytest.mark.parametrize("group,head_dim,block_size,q_dtype,page_dtype,kw", FAST_CASES)
+def test_mixed_batch_matches_reference(group, head_dim, block_size, q_dtype, page_dtype, kw):
+  seed = _fresh_seed()
+  rng = np.random.default_rng(seed)
+  seqs = mixed_seqs(rng, block_size, num_decode=3, prefill_q_lens=[int(rng.integers(2, 40)),
+                                                                    int(rng.integers(40, 70))])
+  args, scales, row_valid = make_batch(rng, seqs=seqs, num_kv_heads=2, group=group,
+                                       head_dim=head_dim, block_size=block_size,
+                                       q_dtype=q_dtype, page_dtype=page_dtype)
+  check(seed, args, scales, row_valid, q_dtype, **kw)
+
+
+def test_soft_cap_sliding_window_and_scale():
+  seed = _fresh_seed()
+  rng = np.random.default_rng(seed)
+  seqs = mixed_seqs(rng, 16, num_decode=2, prefill_q_lens=[33])
+  args, scales, row_valid = make_batch(rng, seqs=seqs, num_kv_heads=2, group=2, head_dim=64,
+                                       block_size=16)
+  check(seed, args, scales, row_valid, jnp.float32,
+        ref_kw=dict(soft_cap=3.0, sliding_window=int(rng.integers(5, 40)), sm_scale=0.3),
+        kv_per_tile=16)
+
+
+def test_split_k_decode_long_context():
+  """Few long sequences: the split-K path and its log-sum-exp combine."""
+  seed = _fresh_seed()
+  rng = np.random.default_rng(seed)
+  seqs = [(1, int(rng.integers(400, 520))), (5, int(rng.integers(200, 300))), (1, 3)]
+  args, scales, row_valid = make_batch(rng, seqs=seqs, num_kv_heads=1, group=4, head_dim=64,
+                                       block_size=32)
+  check(seed, args, scales, row_valid, jnp.float32, kv_splits=4)
+
+
+def test_inside_jit_with_traced_num_seqs_and_no_live_rows():
+  """The engine's usage: one jit, num_seqs traced; num_seqs = 0 gives all zeros."""
+  seed = _fresh_seed()
+  rng = np.random.default_rng(seed)
+  seqs = mixed_seqs(rng, 16, num_decode=2, prefill_q_lens=[20])
+  args, scales, row_valid = make_batch(rng, seqs=seqs, num_kv_heads=2, group=2, head_dim=64,
+                                       block_size=16)
+  step = jax.jit(lambda *a: ragged_paged_attention(*a, interpret=INTERPRET))
+  out = np.asarray(step(*args))
+  ref = np.asarray(ragged_paged_attention_reference(*args))
+  assert rel_err(out[row_valid], ref[row_valid]) <= 1e-5, f"seed={seed}"
+  assert (out[~row_valid] == 0).all()
+  empty = np.asarray(step(*args[:-1], jnp.int32(0)))
+  assert (empty == 0).all(), f"seed={seed}: num_seqs=0 must give zeros"
+
+
+def test_query_tiles_match_python_model():
+  """Tiling metadata vs a plain-Python enumeration of every sequence's tiles."""
+  for _ in range(20):
+    seed = _fresh_seed()
+    rng = np.random.default_rng(seed)
+    num_seqs_max = int(rng.integers(1, 9))
+    q_lens = rng.integers(0, 30, num_seqs_max) * (rng.random(num_seqs_max) < 0.8)
+    num_live = int(rng.integers(0, num_seqs_max + 1))
+    kv_lens = q_lens + rng.integers(0, 50, num_seqs_max)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    num_tokens = int(cu[-1]) + int(rng.integers(1, 5))
+    tq = int(rng.choice([1, 2, 4, 8, 16]))
+    tiles = ragged_tiling.query_tiles(jnp.asarray(cu), jnp.asarray(kv_lens, jnp.int32),
+                                      jnp.int32(num_live), num_tokens=num_tokens,
+                                      q_per_tile=tq)
+    got = [(int(s), int(r), int(n), int(p)) for s, r, n, p in zip(*map(np.asarray, tiles))
+           if n > 0]
+    want = []
+    for i in range(num_live):
+      for start in range(0, int(q_lens[i]), tq):
+        want.append((i, int(cu[i]) + start, min(tq, int(q_lens[i]) - start),
+                     int(kv_lens[i] - q_lens[i]) + start))
+    assert got == want, f"seed={seed}"
+    assert len(tiles.seq) == ragged_tiling.max_query_tiles(num_tokens, num_seqs_max, tq)
+
+
+# ------------------------------------------------------------------------------ validation
+
+def _small_args(**over):
+  a = dict(q=jnp.zeros((4, 4, 64)), k_pages=jnp.zeros((2, 8, 16, 64)),
+           v_pages=jnp.zeros((2, 8, 16, 64)), block_tables=jnp.zeros((2, 3), jnp.int32),
+           kv_lens=jnp.zeros((2,), jnp.int32), cu_q_lens=jnp.zeros((3,), jnp.int32),
+           num_seqs=1)
+  kw = {k: over.pop(k) for k in list(over) if k not in a}
+  a.update(over)
+  return a, kw
+
+
+@pytest.mark.parametrize("over,needle", [
+    (dict(q=jnp.zeros((4, 4))), "q must have shape"),
+    (dict(q=jnp.zeros((4, 4, 64), jnp.int32)), "q dtype"),
+    (dict(q=jnp.zeros((4, 3, 64))), "num_kv_heads"),
+    (dict(v_pages=jnp.zeros((2, 8, 8, 64))), "v_pages shape"),
+    (dict(q=jnp.zeros((4, 4, 48)), k_pages=jnp.zeros((2, 8, 16, 48)),
+          v_pages=jnp.zeros((2, 8, 16, 48))), "head_dim"),
+    (dict(q=jnp.zeros((4, 4, 32))), "head_dim of k_pages"),
+    (dict(k_pages=jnp.zeros((2, 8, 2048, 64)), v_pages=jnp.zeros((2, 8, 2048, 64))),
+     "block_size"),
+    (dict(block_tables=jnp.zeros((2, 3), jnp.float32)), "block_tables"),
+    (dict(kv_lens=jnp.zeros((3,), jnp.int32)), "kv_lens"),
+    (dict(cu_q_lens=jnp.zeros((2,), jnp.int32)), "cu_q_lens"),
+    (dict(num_seqs=3), "num_seqs"),
+    (dict(sm_scale=-1.0), "sm_scale"),
+    (dict(soft_cap=0.0), "soft_cap"),
+    (dict(sliding_window=0), "sliding_window"),
+    (dict(k_scales=jnp.ones((2, 8, 8))), "k_scales"),
+    (dict(q_per_tile=3), "q_per_tile"),
+    (dict(q_per_tile=2), "q_per_tile"),  # 2 rows x group 2 < 16 rows for tl.dot
+    (dict(kv_per_tile=8), "kv_per_tile"),
+    (dict(kv_splits=0), "kv_splits"),
+    (dict(num_warps=3), "num_warps"),
+])
+def test_bad_arguments_raise_naming_the_argument(over, needle):
+  args, kw = _small_args(**over)
+  with pytest.raises((ValueError, TypeError), match=needle):
+    ragged_paged_attention(**args, interpret=True, **kw)
+
+
+# ------------------------------------------------------------------------------ wide grid
+
+def _slow_cases():
+  cases = []
+  block_sizes = [8, 16, 32, 64, 128, 256]
+  for i, (bs, group) in enumerate((b, g) for b in block_sizes for g in (1, 2, 4, 8)):
+    head_dim = (64, 128)[i % 2]
+    dtype = (jnp.float32, jnp.bfloat16)[(i // 2) % 2]
+    splits = (1, 2, 1, 4)[(i // 3) % 4]
+    cases.append((group, head_dim, bs, dtype, splits))
+  return cases
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("group,head_dim,block_size,q_dtype,kv_splits", _slow_cases())
+def test_wide_grid(group, head_dim, block_size, q_dtype, kv_splits):
+  seed = _fresh_seed()
+  rng = np.random.default_rng(seed)
+  seqs = mixed_seqs(rng, block_size, num_decode=4,
+                    prefill_q_lens=[int(rng.integers(2, 20)), int(rng.integers(20, 90))],
+                    max_ctx=600)
+  args, scales, row_valid = make_batch(rng, seqs=seqs, num_kv_heads=2, group=group,
+                                       head_dim=head_dim, block_size=block_size,
+                                       q_dtype=q_dtype)
+  check(seed, args, scales, row_valid, q_dtype, kv_splits=kv_splits)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ctx", [513, 1023, 2048])
+@pytest.mark.parametrize("page_dtype", [None, jnp.int8, jnp.float8_e4m3fn])
+def test_long_contexts_and_quantized_pages(ctx, page_dtype):
+  seed = _fresh_seed()
+  rng = np.random.default_rng(seed)
+  seqs = [(1, ctx), (int(rng.integers(30, 70)), ctx), (1, ctx - 1), (0, 7)]
+  args, scales, row_valid = make_batch(rng, seqs=seqs, num_kv_heads=2, group=4, head_dim=128,
+                                       block_size=16, q_dtype=jnp.bfloat16,
+                                       page_dtype=page_dtype)
+  check(seed, args, scales, row_valid, jnp.bfloat16)
