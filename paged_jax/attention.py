@@ -65,9 +65,10 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, backend: str 
     kw = _reference_kwargs(kw)
     return reference.paged_attention_reference(q, k_pages, v_pages, block_tables, lengths,
                                                **kw)
-  from pallas_kernels import paged_attention as kernel  # pylint: disable=g-import-not-at-top
-  return kernel.paged_attention(q, k_pages, v_pages, block_tables, lengths,
-                                interpret=(backend == "pallas_interpret"), **kw)
+  import pallas_kernels  # pylint: disable=g-import-not-at-top
+  # The package binds the name to the kernel function (not the submodule of that name).
+  return pallas_kernels.paged_attention(q, k_pages, v_pages, block_tables, lengths,
+                                        interpret=(backend == "pallas_interpret"), **kw)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
