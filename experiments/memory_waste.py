@@ -1,0 +1,152 @@
+r"""Where the KV memory goes: paged blocks vs Orca's contiguous reservations (paper Fig. 2).
+
+    python -m experiments.memory_waste --workload=sharegpt --num_requests=2000 \
+        --block_size=16 --kv_budget_tokens=14336 --out=results/memory_waste
+
+Serves one seeded synthetic stream (`paged_jax.workloads`) with four allocators
+under the same KV budget of `T = kv_budget_tokens` token slots, in a saturated
+continuous-batching simulation (`paged_jax.baselines.simulate`: all requests
+queued at step 0, FCFS admission, one token per running request per step):
+
+  paged        vLLM: the real `paged_jax.block_manager`, blocks on demand
+  orca_max     Orca(Max): reserves max_len slots per request
+  orca_pow2    Orca(Pow2): reserves the next power of two of prompt + output
+  orca_oracle  Orca(Oracle): reserves exactly prompt + output
+
+Writes `DIR/memory_waste.json` = {"paged": {...}, "orca_max": {...},
+"orca_pow2": {...}, "orca_oracle": {...}}. Each entry's `token_utilization`,
+`reservation`, `internal_fragmentation`, `external_fragmentation` and `free` are
+fractions of the KV budget that partition it (they sum to 1): slot-steps
+in each category over the saturated steps (a request still waiting after
+admission) divided by T * steps; see `paged_jax.metrics` for the exact
+definitions. `max_concurrent` is the peak number of requests in memory at once,
+`mean_concurrent` the mean over the saturated steps; also `steps`,
+`saturated_steps`, `preemptions`. `DIR/memory_waste_meta.json` holds the flags
+and the paper's numbers; `DIR/memory_waste.png` the stacked bars.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, Optional, Sequence
+
+from absl import app
+from absl import flags
+
+from experiments import common
+from paged_jax import workloads
+from paged_jax.baselines import simulate
+from paged_jax.metrics import CATEGORIES
+
+ALLOCATORS = ("orca_max", "orca_pow2", "orca_oracle", "paged")
+LABELS = {"orca_max": "Orca (Max)", "orca_pow2": "Orca (Pow2)",
+          "orca_oracle": "Orca (Oracle)", "paged": "vLLM (paged)"}
+# KV memory holding token states, vLLM paper Fig. 2 (OPT-13B, A100, ShareGPT-like traces).
+PAPER_TOKEN_STATES = {"orca_max": 0.204, "orca_pow2": 0.268, "orca_oracle": 0.382,
+                      "paged": 0.963}
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("workload", "sharegpt", ["sharegpt", "alpaca"], "synthetic request stream")
+flags.DEFINE_integer("num_requests", 500, "requests in the stream", lower_bound=1)
+flags.DEFINE_integer("block_size", 16, "tokens per KV block (paged)", lower_bound=1)
+flags.DEFINE_integer("kv_budget_tokens", 14336,
+                     "KV budget in token slots, the same for every allocator (default: "
+                     "about OPT-13B's ~12 GB of KV on one A100-40GB at 800 KB/token)",
+                     lower_bound=1)
+flags.DEFINE_integer("max_len", 2048, "context limit (Orca(Max) reservation)", lower_bound=2)
+flags.DEFINE_integer("seed", 0, "workload seed")
+flags.DEFINE_float("watermark", 0.01, "fraction of blocks paged admission keeps free")
+flags.DEFINE_string("out", "results/memory_waste", "output directory")
+
+
+def run(requests: Sequence, *, block_size: int, kv_budget_tokens: int, max_len: int = 2048,
+        watermark: float = 0.01, show_progress: Optional[bool] = None) -> Dict[str, Dict]:
+  """The four allocators' memory summaries for one request stream (the JSON's content)."""
+  results = {}
+  for name in ALLOCATORS:
+    bar = common.progress(total=len(requests), desc=name,
+                          disable=None if show_progress is None else not show_progress)
+    with bar:
+      if name == "paged":
+        res = simulate.simulate_paged(requests, block_size, kv_budget_tokens, max_len,
+                                      watermark=watermark, progress=bar)
+      else:
+        res = simulate.simulate_orca(requests, name[len("orca_"):], kv_budget_tokens,
+                                     max_len, progress=bar)
+    results[name] = res
+  return results
+
+
+def summary_table(results: Dict[str, Dict]) -> str:
+  rows = []
+  for name in ALLOCATORS:
+    r = results[name]
+    rows.append([LABELS[name], f"{100 * r['token_utilization']:.1f}%",
+                 f"{100 * PAPER_TOKEN_STATES[name]:.1f}%", f"{100 * r['reservation']:.1f}%",
+                 f"{100 * r['internal_fragmentation']:.1f}%",
+                 f"{100 * r['external_fragmentation']:.1f}%", f"{100 * r['free']:.1f}%",
+                 r["max_concurrent"], f"{r['mean_concurrent']:.1f}", r["preemptions"]])
+  return common.table(rows, ["allocator", "token states", "paper", "reserved", "internal frag",
+                             "external frag", "free", "max conc", "mean conc", "preempt"])
+
+
+def plot(results: Dict[str, Dict], path, title: str):
+  """Stacked bars of the partition per allocator (the paper's Figure 2)."""
+  plt = common.pyplot()
+  colors = {"token_utilization": "#4c9a2a", "reservation": "#f2c14e",
+            "internal_fragmentation": "#e07a5f", "external_fragmentation": "#8d99ae",
+            "free": "#e5e5e5"}
+  names = {"token_utilization": "token states", "reservation": "reserved (future tokens)",
+           "internal_fragmentation": "internal fragmentation",
+           "external_fragmentation": "external fragmentation", "free": "free"}
+  fig, ax = plt.subplots(figsize=(7, 4))
+  xs = range(len(ALLOCATORS))
+  bottom = [0.0] * len(ALLOCATORS)
+  for cat in CATEGORIES:
+    vals = [100 * results[a][cat] for a in ALLOCATORS]
+    ax.bar(xs, vals, bottom=bottom, color=colors[cat], label=names[cat], edgecolor="white")
+    bottom = [b + v for b, v in zip(bottom, vals)]
+  for x, a in zip(xs, ALLOCATORS):
+    ax.text(x, 100 * results[a]["token_utilization"] / 2, f"{100 * results[a]['token_utilization']:.1f}%",
+            ha="center", va="center", fontsize=9, color="white", fontweight="bold")
+  ax.set_xticks(list(xs), [LABELS[a] for a in ALLOCATORS])
+  ax.set_ylabel("KV cache memory (%)")
+  ax.set_ylim(0, 100)
+  ax.set_title(title, fontsize=10)
+  ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+  return common.save_png(fig, path)
+
+
+def main(argv):
+  del argv
+  if FLAGS.kv_budget_tokens % FLAGS.block_size:
+    raise app.UsageError(f"--kv_budget_tokens must be a multiple of --block_size="
+                         f"{FLAGS.block_size}, got {FLAGS.kv_budget_tokens}")
+  if FLAGS.kv_budget_tokens < FLAGS.max_len:
+    raise app.UsageError(f"--kv_budget_tokens must be >= --max_len={FLAGS.max_len}, got "
+                         f"{FLAGS.kv_budget_tokens}")
+  out = common.out_dir(FLAGS.out)
+  requests = workloads.synthetic(FLAGS.workload, FLAGS.num_requests, seed=FLAGS.seed,
+                                 max_len=FLAGS.max_len)
+  start = time.time()
+  results = run(requests, block_size=FLAGS.block_size, kv_budget_tokens=FLAGS.kv_budget_tokens,
+                max_len=FLAGS.max_len, watermark=FLAGS.watermark)
+  seconds = time.time() - start
+  common.write_json(out / "memory_waste.json", results)
+  meta = {flag: FLAGS[flag].value for flag in ("workload", "num_requests", "block_size",
+                                               "kv_budget_tokens", "max_len", "seed",
+                                               "watermark")}
+  meta.update(seconds=round(seconds, 2), paper_token_states=PAPER_TOKEN_STATES,
+              partition=list(CATEGORIES))
+  common.write_json(out / "memory_waste_meta.json", meta)
+  png = plot(results, out / "memory_waste.png",
+             f"{FLAGS.workload}-like, {FLAGS.num_requests} requests, KV budget "
+             f"{FLAGS.kv_budget_tokens} tokens, block size {FLAGS.block_size}")
+  print(f"memory_waste: {FLAGS.workload}-like stream, {FLAGS.num_requests} requests, "
+        f"T={FLAGS.kv_budget_tokens} slots, block_size={FLAGS.block_size} ({seconds:.1f} s)")
+  print(summary_table(results))
+  print(f"wrote {out / 'memory_waste.json'}, {png}")
+
+
+if __name__ == "__main__":
+  app.run(main)
