@@ -209,6 +209,12 @@ def allocate(state: BlockState, slot, num_tokens):
 
   fits = jnp.sum(jnp.where(cand & first, need, 0)) <= state.num_free
   ok, dup = lax.cond(fits, fast, slow)
+  # A slot taken by an earlier request of the batch is active by now: INVALID
+  # takes precedence over TOO_LONG, as in one-at-a-time application.
+  iota = lax.iota(_I32, slots.shape[0])
+  first_ok = jnp.full((s_max,), slots.shape[0], _I32).at[jnp.where(ok, sc, s_max)].min(
+      iota, mode="drop")
+  dup = dup | (too_long & (first_ok[sc] < iota))
   status = jnp.where(bad | dup, INVALID,
                      jnp.where(too_long, TOO_LONG, jnp.where(ok, OK, OUT_OF_BLOCKS)))
 

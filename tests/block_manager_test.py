@@ -1,0 +1,488 @@
+"""Tests for paged_jax.block_manager against a plain-Python sequential model.
+
+The model (`block_manager_model.BlockModel`) predicts exact block ids, ref
+counts, free-stack contents and per-slot statuses; separately, structural
+invariants are checked on the JAX state alone.
+"""
+
+import functools
+
+from absl.testing import absltest
+import chex
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax import block_manager as bm
+from paged_jax.config import (CacheConfig, INVALID, OK, OUT_OF_BLOCKS, OutOfBlocksError,
+                              TOO_LONG)
+
+try:
+  from tests.block_manager_model import BlockModel, cdiv
+except ImportError:  # pytest's rootdir-less import mode puts tests/ itself on sys.path
+  from block_manager_model import BlockModel, cdiv
+
+# 6 slots x 5 blocks could want 30 blocks; only 20 exist, so shortages are common.
+CFG = CacheConfig(block_size=4, num_blocks=20, max_seqs=6, max_blocks_per_seq=5)
+S, P, BS, NB, MAX_LEN = 6, 5, 4, 20, 20
+
+j_allocate = jax.jit(bm.allocate)
+j_append = jax.jit(bm.append, static_argnames=("max_new_tokens",))
+j_free = jax.jit(bm.free)
+j_fork = jax.jit(bm.fork)
+j_token_slots = jax.jit(bm.token_slots)
+
+
+def snapshot(state) -> list:
+  return [np.array(x) for x in jax.tree_util.tree_leaves(state)]
+
+
+def assert_same_state(before: list, state) -> None:
+  after = snapshot(state)
+  assert len(before) == len(after)
+  for a, b in zip(before, after):
+    np.testing.assert_array_equal(a, b)
+    assert a.dtype == b.dtype
+
+
+def assert_matches_model(state, model: BlockModel) -> None:
+  num_free = int(state.num_free)
+  assert num_free == len(model.stack)
+  np.testing.assert_array_equal(np.asarray(state.free_stack)[:num_free], model.stack)
+  np.testing.assert_array_equal(np.asarray(state.ref_count), model.ref)
+  tables = np.full((model.max_seqs, model.max_blocks_per_seq), -1, np.int32)
+  for s, row in enumerate(model.tables):
+    tables[s, :len(row)] = row
+  np.testing.assert_array_equal(np.asarray(state.block_tables), tables)
+  np.testing.assert_array_equal(np.asarray(state.seq_lens), model.lens)
+  np.testing.assert_array_equal(np.asarray(state.active), model.active)
+
+
+def check_invariants(state) -> None:
+  """Structural invariants, from the JAX state alone."""
+  ref = np.asarray(state.ref_count)
+  tables = np.asarray(state.block_tables)
+  lens = np.asarray(state.seq_lens)
+  active = np.asarray(state.active)
+  num_free = int(state.num_free)
+  nb, bs = ref.shape[0], state.block_size
+  free = np.asarray(state.free_stack)[:num_free]
+  assert 0 <= num_free <= nb
+  assert len(set(free.tolist())) == num_free, "a block is on the free stack twice"
+  held = tables[tables >= 0]
+  np.testing.assert_array_equal(np.bincount(held, minlength=nb), ref,
+                                "ref_count != table entries pointing at the block")
+  assert set(free.tolist()) == set(np.nonzero(ref == 0)[0].tolist()), \
+      "free stack != unreferenced blocks (a block is both free and referenced, or leaked)"
+  column_of = {}
+  for s in range(tables.shape[0]):
+    n = cdiv(int(lens[s]), bs)
+    assert active[s] or lens[s] == 0
+    assert (tables[s, :n] >= 0).all() and (tables[s, n:] == -1).all()
+    assert len(set(tables[s, :n].tolist())) == n, "a slot holds one block twice"
+    for c, b in enumerate(tables[s, :n].tolist()):  # sharers agree on the logical index
+      assert column_of.setdefault(b, c) == c
+
+
+def run_random_ops(seed: int, num_steps: int, cfg: CacheConfig = CFG) -> dict:
+  """Random batched ops on JAX and model; compares after every step."""
+  rng = np.random.default_rng(seed)
+  state, model = bm.init(cfg), BlockModel.from_config(cfg)
+  s_max, max_len = cfg.max_seqs, cfg.max_seq_len
+  seen = {"status": set(), "cow": 0}
+  for _ in range(num_steps):
+    op = rng.choice(["allocate", "append", "append_int", "append_bound", "free", "fork"],
+                    p=[0.2, 0.3, 0.1, 0.05, 0.15, 0.2])
+    if op == "allocate":
+      slots = rng.integers(-1, s_max, size=3)
+      counts = np.where(rng.random(3) < 0.9, rng.integers(1, 13, size=3),
+                        rng.integers(-2, max_len + 3, size=3))
+      state, status = j_allocate(state, jnp.asarray(slots, jnp.int32),
+                                 jnp.asarray(counts, jnp.int32))
+      expected = model.allocate(slots.tolist(), counts.tolist())
+    elif op.startswith("append"):
+      mask = rng.random(s_max) < 0.6
+      if op == "append_int":
+        state, status, cow = j_append(state, jnp.asarray(mask), 1)
+        expected, cow_expected = model.append(mask.tolist(), [1] * s_max)
+      else:
+        counts = np.where(rng.random(s_max) < 0.9, rng.integers(0, 6, size=s_max),
+                          rng.integers(-2, max_len + 3, size=s_max))
+        bound = 3 if op == "append_bound" else None
+        state, status, cow = j_append(state, jnp.asarray(mask), jnp.asarray(counts, jnp.int32),
+                                      max_new_tokens=bound)
+        expected, cow_expected = model.append(mask.tolist(), counts.tolist(), bound)
+      np.testing.assert_array_equal(np.asarray(cow), np.asarray(cow_expected, np.int32))
+      seen["cow"] += int((np.asarray(cow)[:, 0] >= 0).sum())
+    elif op == "free":
+      slots = rng.integers(-1, s_max, size=2)
+      state, status = j_free(state, jnp.asarray(slots, jnp.int32))
+      expected = model.free(slots.tolist())
+    else:
+      srcs, dsts = rng.integers(-1, s_max, size=2), rng.integers(-1, s_max, size=2)
+      live = np.flatnonzero(model.active)
+      idle = np.flatnonzero(~np.asarray(model.active))
+      if rng.random() < 0.7 and live.size and idle.size:  # mostly valid forks
+        srcs[0], dsts[0] = rng.choice(live), rng.choice(idle)
+      state, status = j_fork(state, jnp.asarray(srcs, jnp.int32), jnp.asarray(dsts, jnp.int32))
+      expected = model.fork(srcs.tolist(), dsts.tolist())
+    np.testing.assert_array_equal(np.asarray(status), expected, f"op {op}")
+    seen["status"].update(np.asarray(status).tolist())
+    assert_matches_model(state, model)
+    check_invariants(state)
+  # Tear down: freeing every slot returns every block.
+  state, _ = j_free(state, jnp.arange(s_max, dtype=jnp.int32))
+  model.free(list(range(s_max)))
+  assert_matches_model(state, model)
+  assert int(state.num_free) == cfg.num_blocks
+  return seen
+
+
+class RandomOpsTest(chex.TestCase):
+
+  def test_random_sequences_match_model(self):
+    seen = {"status": set(), "cow": 0}
+    for seed in range(3):
+      out = run_random_ops(seed, 200)
+      seen["status"] |= out["status"]
+      seen["cow"] += out["cow"]
+    # The run must actually have exercised every outcome and copy-on-write.
+    self.assertEqual(seen["status"], {OK, OUT_OF_BLOCKS, TOO_LONG, INVALID})
+    self.assertGreater(seen["cow"], 10)
+
+
+class BlockMachine(RuleBasedStateMachine):
+  """Hypothesis-driven op sequences; model and invariants checked after every step."""
+
+  def __init__(self):
+    super().__init__()
+    self.state, self.model = bm.init(CFG), BlockModel.from_config(CFG)
+
+  slot = st.integers(-1, S - 1)
+
+  @rule(slots=st.lists(slot, min_size=3, max_size=3),
+        counts=st.lists(st.integers(0, MAX_LEN + 1), min_size=3, max_size=3))
+  def allocate(self, slots, counts):
+    self.state, status = j_allocate(self.state, jnp.asarray(slots, jnp.int32),
+                                    jnp.asarray(counts, jnp.int32))
+    np.testing.assert_array_equal(status, self.model.allocate(slots, counts))
+
+  @rule(mask=st.lists(st.booleans(), min_size=S, max_size=S),
+        counts=st.lists(st.integers(0, 9), min_size=S, max_size=S))
+  def append(self, mask, counts):
+    self.state, status, cow = j_append(self.state, jnp.asarray(mask),
+                                       jnp.asarray(counts, jnp.int32))
+    expected, cow_expected = self.model.append(mask, counts)
+    np.testing.assert_array_equal(status, expected)
+    np.testing.assert_array_equal(cow, np.asarray(cow_expected, np.int32))
+
+  @rule(slots=st.lists(slot, min_size=2, max_size=2))
+  def free(self, slots):
+    self.state, status = j_free(self.state, jnp.asarray(slots, jnp.int32))
+    np.testing.assert_array_equal(status, self.model.free(slots))
+
+  @rule(srcs=st.lists(slot, min_size=2, max_size=2), dsts=st.lists(slot, min_size=2, max_size=2))
+  def fork(self, srcs, dsts):
+    self.state, status = j_fork(self.state, jnp.asarray(srcs, jnp.int32),
+                                jnp.asarray(dsts, jnp.int32))
+    np.testing.assert_array_equal(status, self.model.fork(srcs, dsts))
+
+  @invariant()
+  def agrees(self):
+    assert_matches_model(self.state, self.model)
+    check_invariants(self.state)
+
+  def teardown(self):
+    state, _ = j_free(self.state, jnp.arange(S, dtype=jnp.int32))
+    assert int(state.num_free) == NB and not np.asarray(state.ref_count).any()
+
+
+BlockMachine.TestCase.settings = settings(max_examples=20, stateful_step_count=30, deadline=None)
+BlockMachineTest = BlockMachine.TestCase
+
+
+def _shared_partial_state(num_holders: int, cfg: CacheConfig = CFG, length: int = 6):
+  """Slot 0 holds `length` tokens; slots 1..num_holders-1 fork it (block 1 partial)."""
+  state, model = bm.init(cfg), BlockModel.from_config(cfg)
+  state, _ = j_allocate(state, jnp.int32(0), jnp.int32(length))
+  model.allocate([0], [length])
+  if num_holders > 1:
+    dsts = list(range(1, num_holders))
+    state, _ = j_fork(state, jnp.zeros(len(dsts), jnp.int32), jnp.asarray(dsts, jnp.int32))
+    model.fork([0] * len(dsts), dsts)
+  return state, model
+
+
+class CopyOnWriteTest(chex.TestCase):
+
+  def test_cow_pair_then_in_place(self):
+    state, _ = _shared_partial_state(2)  # blocks [0, 1], block 1 holds 2 of 4 tokens
+    mask = jnp.array([False, True, False, False, False, False])
+    state, status, cow = j_append(state, mask, 1)
+    self.assertEqual(int(status[1]), OK)
+    np.testing.assert_array_equal(cow[1], [1, 2])  # fresh block 2 replaces shared block 1
+    np.testing.assert_array_equal(state.block_tables[1, :2], [0, 2])
+    np.testing.assert_array_equal(state.ref_count[:3], [2, 1, 1])
+    # Slot 0 is now block 1's only holder: it writes in place.
+    state, status, cow = j_append(state, mask.at[0].set(True).at[1].set(False), 1)
+    np.testing.assert_array_equal(cow, -np.ones((S, 2)))
+    np.testing.assert_array_equal(state.block_tables[0, :2], [0, 1])
+
+  def test_full_shared_block_needs_no_copy(self):
+    state, _ = _shared_partial_state(2, length=8)  # both blocks full
+    state, status, cow = j_append(state, jnp.arange(S) < 2, 1)
+    np.testing.assert_array_equal(status, np.zeros(S))
+    np.testing.assert_array_equal(cow, -np.ones((S, 2)))
+    np.testing.assert_array_equal(state.block_tables[:2, :3], [[0, 1, 2], [0, 1, 3]])
+
+  def test_many_holders_append_together(self):
+    for writers in ([0, 1, 2], [0, 1, 2, 3], [1, 3], [3]):
+      state, model = _shared_partial_state(4)
+      mask = np.isin(np.arange(S), writers)
+      state, status, cow = j_append(state, jnp.asarray(mask), 2)
+      expected, cow_expected = model.append(mask.tolist(), [2] * S)
+      np.testing.assert_array_equal(status, expected)
+      np.testing.assert_array_equal(cow, np.asarray(cow_expected, np.int32))
+      assert_matches_model(state, model)
+      copies = int((np.asarray(cow)[:, 0] >= 0).sum())
+      # All four holders writing: the last one writes in place.
+      self.assertEqual(copies, len(writers) - (len(writers) == 4))
+      self.assertEqual(int(state.ref_count[1]), 4 - copies)
+
+  def test_many_holders_short_of_blocks(self):
+    # 4 holders of blocks [0, 1]; leave exactly one free block, then all append.
+    cfg = CFG.replace(num_blocks=3)
+    state, model = _shared_partial_state(4, cfg)
+    state, status, cow = j_append(state, jnp.arange(S) < 4, 1)
+    expected, cow_expected = model.append([s < 4 for s in range(S)], [1] * S)
+    np.testing.assert_array_equal(status, [OK, OUT_OF_BLOCKS, OUT_OF_BLOCKS, OUT_OF_BLOCKS, OK, OK])
+    np.testing.assert_array_equal(status, expected)
+    np.testing.assert_array_equal(cow, np.asarray(cow_expected, np.int32))
+    assert_matches_model(state, model)
+
+
+class TransactionalTest(chex.TestCase):
+
+  def _busy_state(self):
+    state, model = _shared_partial_state(3)
+    state, _ = j_allocate(state, jnp.int32(4), jnp.int32(9))
+    model.allocate([4], [9])
+    return state, model
+
+  def test_failing_ops_leave_state_bit_identical(self):
+    state, _ = self._busy_state()
+    before = snapshot(state)
+    cases = [
+        lambda s: j_allocate(s, jnp.int32(5), jnp.int32(NB * BS)),   # TOO_LONG
+        lambda s: j_allocate(s, jnp.array([3, 5], jnp.int32), jnp.array([0, -3], jnp.int32)),
+        lambda s: j_allocate(s, jnp.int32(0), jnp.int32(3)),         # active
+        lambda s: j_allocate(s, jnp.int32(-1), jnp.int32(3)),        # padding
+        lambda s: j_free(s, jnp.int32(5)),                           # inactive
+        lambda s: j_fork(s, jnp.int32(5), jnp.int32(3)),             # inactive src
+        lambda s: j_fork(s, jnp.int32(0), jnp.int32(1)),             # active dst
+        lambda s: j_append(s, jnp.arange(S) == 5, 1)[:2],            # inactive
+        lambda s: j_append(s, jnp.arange(S) == 0, MAX_LEN)[:2],      # TOO_LONG
+        lambda s: j_append(s, jnp.arange(S) == 0, jnp.full((S,), -1, jnp.int32))[:2],
+    ]
+    for i, op in enumerate(cases):
+      new_state, status = op(state)
+      self.assertTrue((np.asarray(status) != OK).any(), f"case {i}")
+      assert_same_state(before, new_state)
+
+  def test_out_of_blocks_exact_boundary(self):
+    state = bm.init(CFG)
+    state, _ = j_allocate(state, jnp.array([0, 1, 2, 3], jnp.int32),
+                          jnp.array([MAX_LEN, MAX_LEN, MAX_LEN, 13], jnp.int32))
+    state, _ = j_fork(state, jnp.int32(3), jnp.int32(4))  # share 4 blocks, last holds 1 token
+    self.assertEqual(int(state.num_free), 1)
+    before = snapshot(state)
+    new_state, status = j_allocate(state, jnp.int32(5), jnp.int32(BS + 1))  # needs 2
+    self.assertEqual(int(status), OUT_OF_BLOCKS)
+    assert_same_state(before, new_state)
+    state, status = j_allocate(state, jnp.int32(5), jnp.int32(BS))  # needs exactly 1
+    self.assertEqual(int(status), OK)
+    self.assertEqual(int(state.num_free), 0)
+    before = snapshot(state)
+    # With no block free, writing into the shared partial block needs a copy: fails.
+    for slot, n in ((4, 1), (3, 3)):
+      new_state, status, cow = j_append(state, jnp.arange(S) == slot, n)
+      self.assertEqual(int(status[slot]), OUT_OF_BLOCKS)
+      np.testing.assert_array_equal(cow, -np.ones((S, 2)))
+      assert_same_state(before, new_state)
+    state, _ = j_free(state, jnp.int32(5))
+    state, status, cow = j_append(state, jnp.arange(S) == 4, 1)   # the one free block
+    self.assertEqual(int(status[4]), OK)
+    np.testing.assert_array_equal(cow[4], [int(state.block_tables[3, 3]), 19])
+    self.assertEqual(int(state.num_free), 0)
+    state, status, cow = j_append(state, jnp.arange(S) == 3, 3)   # now sole holder: in place
+    self.assertEqual(int(status[3]), OK)
+    self.assertEqual(int(state.seq_lens[3]), 16)
+    check_invariants(state)
+
+  def test_one_block_left_goes_to_first_slot_in_order(self):
+    cfg = CFG.replace(num_blocks=3)
+    state, model = bm.init(cfg), BlockModel.from_config(cfg)
+    # Later, smaller requests still succeed after a larger one fails (sequential policy).
+    slots, counts = [0, 1, 2, 3], [5, 9, 4, 1]
+    state, status = j_allocate(state, jnp.asarray(slots, jnp.int32), jnp.asarray(counts, jnp.int32))
+    np.testing.assert_array_equal(status, [OK, OUT_OF_BLOCKS, OK, OUT_OF_BLOCKS])
+    np.testing.assert_array_equal(status, model.allocate(slots, counts))
+    assert_matches_model(state, model)
+
+  def test_too_long_boundary(self):
+    state = bm.init(CFG)
+    state, status = j_allocate(state, jnp.array([0, 1], jnp.int32),
+                               jnp.array([MAX_LEN, MAX_LEN + 1], jnp.int32))
+    np.testing.assert_array_equal(status, [OK, TOO_LONG])
+    state, status, _ = j_append(state, jnp.arange(S) == 0, 1)
+    self.assertEqual(int(status[0]), TOO_LONG)
+    self.assertEqual(int(state.seq_lens[0]), MAX_LEN)
+
+  def test_batch_duplicates_and_chains(self):
+    state, model = bm.init(CFG), BlockModel.from_config(CFG)
+    state, status = j_allocate(state, jnp.array([2, 2], jnp.int32), jnp.array([3, 5], jnp.int32))
+    np.testing.assert_array_equal(status, [OK, INVALID])
+    model.allocate([2, 2], [3, 5])
+    state, status = j_fork(state, jnp.array([2, 3, 4], jnp.int32), jnp.array([3, 4, 4], jnp.int32))
+    np.testing.assert_array_equal(status, [OK, OK, INVALID])  # chain 2 -> 3 -> 4
+    np.testing.assert_array_equal(status, model.fork([2, 3, 4], [3, 4, 4]))
+    self.assertEqual(int(state.ref_count[0]), 3)
+    state, status = j_free(state, jnp.array([3, 3, 2, 4], jnp.int32))
+    np.testing.assert_array_equal(status, [OK, INVALID, OK, OK])
+    np.testing.assert_array_equal(status, model.free([3, 3, 2, 4]))
+    assert_matches_model(state, model)
+    self.assertEqual(int(state.num_free), NB)
+
+
+class TokenSlotsTest(chex.TestCase):
+
+  def test_matches_python(self):
+    rng = np.random.default_rng(5)
+    for seed in range(3):
+      state, model = bm.init(CFG), BlockModel.from_config(CFG)
+      # Build a random state with sharing through the ops themselves.
+      for s, n in enumerate(rng.integers(1, 12, size=4)):
+        state, _ = j_allocate(state, jnp.int32(s), jnp.int32(n))
+        model.allocate([s], [int(n)])
+      state, _ = j_fork(state, jnp.int32(seed), jnp.int32(5))
+      model.fork([seed], [5])
+      counts = rng.integers(0, 6, size=S)
+      state, _, _ = j_append(state, jnp.ones(S, bool), jnp.asarray(counts, jnp.int32))
+      model.append([True] * S, counts.tolist())
+      seq = rng.integers(-2, S + 1, size=64)
+      pos = rng.integers(-2, MAX_LEN + 2, size=64)
+      got = j_token_slots(state, jnp.asarray(seq, jnp.int32), jnp.asarray(pos, jnp.int32))
+      np.testing.assert_array_equal(got, model.token_slots(seq.tolist(), pos.tolist()))
+      self.assertGreater(int((np.asarray(got) >= 0).sum()), 10)
+
+
+class TracingTest(chex.TestCase):
+
+  def test_append_traces_once(self):
+    chex.clear_trace_counter()
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(state, mask, counts):
+      return bm.append(state, mask, counts)
+
+    rng = np.random.default_rng(0)
+    state = bm.init(CFG)
+    state, _ = j_allocate(state, jnp.arange(S, dtype=jnp.int32), jnp.int32(1))
+    for _ in range(6):
+      state, _, _ = step(state, jnp.asarray(rng.random(S) < 0.5),
+                         jnp.asarray(rng.integers(0, 3, size=S), jnp.int32))
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_ops_jit_and_eager_agree_with_model(self):
+    allocate, append = self.variant(bm.allocate), self.variant(bm.append)
+    free, fork = self.variant(bm.free), self.variant(bm.fork)
+    state, model = bm.init(CFG), BlockModel.from_config(CFG)
+    state, status = allocate(state, jnp.array([0, 1], jnp.int32), jnp.array([6, 3], jnp.int32))
+    np.testing.assert_array_equal(status, model.allocate([0, 1], [6, 3]))
+    state, status = fork(state, jnp.array([0], jnp.int32), jnp.array([2], jnp.int32))
+    np.testing.assert_array_equal(status, model.fork([0], [2]))
+    counts = jnp.array([1, 5, 2, 0, 0, 0], jnp.int32)
+    state, status, cow = append(state, jnp.arange(S) < 3, counts)
+    expected, cow_expected = model.append([s < 3 for s in range(S)], counts.tolist())
+    np.testing.assert_array_equal(status, expected)
+    np.testing.assert_array_equal(cow, np.asarray(cow_expected, np.int32))
+    state, status = free(state, jnp.array([0, 2], jnp.int32))
+    np.testing.assert_array_equal(status, model.free([0, 2]))
+    assert_matches_model(state, model)
+
+
+class HostManagerTest(chex.TestCase):
+
+  def _mgr(self):
+    mgr = bm.BlockManager(CFG)
+    mgr.allocate(0, 6)
+    return mgr
+
+  def test_errors_name_argument_and_range(self):
+    mgr = self._mgr()
+    cases = [
+        (lambda: mgr.allocate(S, 3), ValueError, r"slot must be in \[0, 5\], got 6"),
+        (lambda: mgr.allocate(-1, 3), ValueError, r"slot must be in \[0, 5\]"),
+        (lambda: mgr.allocate(1, 0), ValueError, r"num_tokens must be in \[1, 20\], got 0"),
+        (lambda: mgr.allocate(1, MAX_LEN + 1), ValueError, r"num_tokens must be in \[1, 20\]"),
+        (lambda: mgr.allocate([1, 2], [3, -4]), ValueError, r"num_tokens\[1\] must be in"),
+        (lambda: mgr.allocate(0, 3), ValueError, r"slot=0 is already active"),
+        (lambda: mgr.allocate([1, 1], 3), ValueError, r"slot\[1\]=1 repeats"),
+        (lambda: mgr.allocate(1.0, 3), TypeError, r"slot must be an int"),
+        (lambda: mgr.append(1), ValueError, r"slot=1 is not active"),
+        (lambda: mgr.append(0, 0), ValueError, r"num_new_tokens must be in \[1, 14\], got 0"),
+        (lambda: mgr.append(0, 15), ValueError, r"num_new_tokens must be in \[1, 14\]"),
+        (lambda: mgr.free(3), ValueError, r"slot=3 is not active"),
+        (lambda: mgr.fork(0, 0), ValueError, r"dst_slot=0 is already active"),
+        (lambda: mgr.fork(2, 1), ValueError, r"src_slot=2 is not active"),
+        (lambda: mgr.fork(0, 9), ValueError, r"dst_slot must be in \[0, 5\]"),
+        (lambda: bm.BlockManager("cfg"), TypeError, r"cache_config"),
+        (lambda: CacheConfig(block_size=12), ValueError, r"block_size must be a power of two"),
+    ]
+    before = snapshot(mgr.state)
+    for i, (call, err, pattern) in enumerate(cases):
+      with self.assertRaisesRegex(err, pattern, msg=f"case {i}"):
+        call()
+      assert_same_state(before, mgr.state)
+
+  def test_out_of_blocks_error_leaves_state(self):
+    mgr = self._mgr()   # 2 blocks used
+    mgr.allocate([1, 2, 3], [MAX_LEN, MAX_LEN, MAX_LEN])  # 15 more: 3 free
+    mgr.fork(0, 4)
+    before = snapshot(mgr.state)
+    with self.assertRaisesRegex(OutOfBlocksError, "needs 4 blocks, only 3 free"):
+      mgr.allocate(5, 13)
+    assert_same_state(before, mgr.state)
+    mgr.allocate(5, 12)
+    before = snapshot(mgr.state)
+    with self.assertRaisesRegex(OutOfBlocksError, r"slots \[0, 4\]"):
+      mgr.append([0, 4], 1)  # slot 0 must copy the shared block; none free
+    assert_same_state(before, mgr.state)
+
+  def test_host_round_trip_matches_model(self):
+    mgr, model = bm.BlockManager(CFG), BlockModel.from_config(CFG)
+    mgr.allocate([0, 1], [6, 9]); model.allocate([0, 1], [6, 9])
+    mgr.fork(0, [2, 3]); model.fork([0, 0], [2, 3])
+    cow = mgr.append([0, 2, 3], [1, 4, 2])
+    _, cow_expected = model.append([s in (0, 2, 3) for s in range(S)], [1, 0, 4, 2, 0, 0])
+    np.testing.assert_array_equal(cow, [c for c in cow_expected if c[0] >= 0])
+    self.assertLen(cow, 2)
+    mgr.free([0, 1]); model.free([0, 1])
+    assert_matches_model(mgr.state, model)
+    self.assertEqual(mgr.block_table(2), model.tables[2])
+    self.assertEqual(mgr.seq_len(3), 8)
+    np.testing.assert_array_equal(mgr.token_slots([2, 3, -1], [0, 7, 0]),
+                                  model.token_slots([2, 3, -1], [0, 7, 0]))
+
+  def test_state_is_donated(self):
+    mgr = self._mgr()
+    old = mgr.state.ref_count
+    mgr.append(0, 1)
+    self.assertTrue(old.is_deleted())
+
+
+if __name__ == "__main__":
+  absltest.main()
