@@ -16,3 +16,5 @@ from paged_jax.distributed.sharding import (kv_pages_specs, param_specs, per_dev
 from paged_jax.distributed.tp_forward import (TensorParallelLlama,
                                               cache_config_for_device_budget,
                                               local_model_config)
+from paged_jax.distributed.tp_engine import make_tp_engine
+from paged_jax.distributed.data_parallel import DataParallelEngine, Router
