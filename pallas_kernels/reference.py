@@ -114,15 +114,29 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, *, sm_
   Returns:
     [B, Hq, D] in q.dtype.
   """
-  _check_heads(q.shape[1], k_pages.shape[0])
-  scale = _resolve_scale(sm_scale, q.shape[-1])
   k = gather_pages(k_pages, block_tables, k_scales)  # [B, Hkv, L, D]
   v = gather_pages(v_pages, block_tables, v_scales)
+  return contiguous_decode_attention(q, k, v, lengths, sm_scale=sm_scale, soft_cap=soft_cap,
+                                     sliding_window=sliding_window)
+
+
+def contiguous_decode_attention(q, k, v, lengths, *, sm_scale=None, soft_cap=None,
+                                sliding_window=None):
+  """Decode attention over a contiguous head-major cache (the paged path minus the gather).
+
+  Args:
+    q: [B, Hq, D]; k, v: [B, Hkv, L, D] (any float dtype; computed in f32);
+    lengths: i32[B], the query sits at position lengths[b] - 1.
+  Returns:
+    [B, Hq, D] in q.dtype.
+  """
+  _check_heads(q.shape[1], k.shape[1])
+  scale = _resolve_scale(sm_scale, q.shape[-1])
   lengths = lengths.astype(jnp.int32)
 
   def one(q_b, k_b, v_b, len_b):
-    return _attend(q_b[None], k_b, v_b, (len_b - 1)[None], len_b, scale, soft_cap,
-                   sliding_window)[0]
+    return _attend(q_b[None], k_b.astype(jnp.float32), v_b.astype(jnp.float32),
+                   (len_b - 1)[None], len_b, scale, soft_cap, sliding_window)[0]
 
   return jax.vmap(one)(q, k, v, lengths).astype(q.dtype)
 
