@@ -110,6 +110,9 @@ def plot(results: Dict[str, Dict], path, title: str):
   for x, a in zip(xs, ALLOCATORS):
     ax.text(x, 100 * results[a]["token_utilization"] / 2, f"{100 * results[a]['token_utilization']:.1f}%",
             ha="center", va="center", fontsize=9, color="white", fontweight="bold")
+  for x, a in zip(xs, ALLOCATORS):   # the paper's token-state share, for comparison
+    ax.plot([x - 0.4, x + 0.4], [100 * PAPER_TOKEN_STATES[a]] * 2, color="black", ls="--",
+            lw=1, label="paper: token states" if x == 0 else None)
   ax.set_xticks(list(xs), [LABELS[a] for a in ALLOCATORS])
   ax.set_ylabel("KV cache memory (%)")
   ax.set_ylim(0, 100)
