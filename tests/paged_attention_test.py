@@ -35,9 +35,13 @@ def boundary_lengths(bs, extra=()):
   return [0, 1, bs - 1, bs, bs + 1, 3 * bs + 2] + list(extra)
 
 
+ON_GPU = jax.default_backend() == "gpu"
+
+
 def run_case(seed, *, block_size, group, head_dim, dtype="float32", lengths=None,
-             num_kv_heads=2, quant=None, check_reference=False, **kw):
-  """Runs the kernel in interpret mode on a random poisoned cache; returns the rel error."""
+             num_kv_heads=2, quant=None, check_reference=False, interpret=True, **kw):
+  """Runs the kernel (interpret mode unless told) on a random poisoned cache; returns the
+  relative error against the float64 oracle."""
   rng = np.random.default_rng(seed)
   lengths = lengths if lengths is not None else boundary_lengths(block_size)
   pages_per_seq = max(1, -(-max(lengths) // block_size)) + int(rng.integers(0, 3))
@@ -55,7 +59,7 @@ def run_case(seed, *, block_size, group, head_dim, dtype="float32", lengths=None
   q = rng.normal(size=(len(lengths), num_kv_heads * group, head_dim)).astype(np_dtype)
   args = [jnp.asarray(x) for x in (q, k, v, tables, np.asarray(lengths, np.int32))]
   scales = {} if ks is None else dict(k_scales=jnp.asarray(ks), v_scales=jnp.asarray(vs))
-  out = paged_attention(*args, interpret=True, **scales, **kw)
+  out = paged_attention(*args, interpret=interpret, **scales, **kw)
   assert out.shape == q.shape and out.dtype == q.dtype
   out = np.asarray(out.astype(jnp.float32))
   assert np.isfinite(out).all(), "NaN/inf: a stale page was read or an output left unwritten"
@@ -235,4 +239,35 @@ def test_wide_grid(block_size, group, head_dim, dtype):
   err = run_case(hash((block_size, group, head_dim, dtype)) % 2**32, block_size=block_size,
                  group=group, head_dim=head_dim, dtype=dtype,
                  lengths=boundary_lengths(block_size, (513, 1023, 2048)))
+  assert err <= TOL[dtype]
+
+
+# Compiled Triton kernel on a real GPU (experiments/gpu_check.sh runs these with
+# JAX_PLATFORMS=cuda). fp32 dots run in IEEE fp32 (precision HIGHEST), so the fp32
+# tolerance holds on the GPU too.
+GPU_GRID = list(itertools.product([8, 16, 32, 64, 128, 256], [1, 4, 8], [64, 128],
+                                  ["float32", "bfloat16"]))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("block_size,group,head_dim,dtype", GPU_GRID)
+def test_compiled_kernel_on_gpu(block_size, group, head_dim, dtype):
+  err = run_case(block_size * 7 + group * 3 + head_dim, block_size=block_size, group=group,
+                 head_dim=head_dim, dtype=dtype, interpret=False,
+                 lengths=boundary_lengths(block_size, (513, 1023, 2048)))
+  assert err <= TOL[dtype]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("opts", [
+    dict(quant="int8", dtype="bfloat16"), dict(quant="fp8", dtype="bfloat16"),
+    dict(dtype="float16"), dict(block_size=1), dict(block_size=4),
+    dict(soft_cap=2.0, sliding_window=100, num_splits=4),
+])
+def test_compiled_kernel_features_on_gpu(opts):
+  opts = dict(opts)
+  block_size = opts.pop("block_size", 16)
+  dtype = opts.pop("dtype", "float32")
+  err = run_case(11, block_size=block_size, group=4, head_dim=128, dtype=dtype,
+                 interpret=False, lengths=boundary_lengths(block_size, (700,)), **opts)
   assert err <= TOL[dtype]

@@ -33,13 +33,15 @@ BS = 8
 LENGTHS = [0, 1, BS - 1, BS, BS + 1, 5 * BS + 3]
 
 
-@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (8, 2), (4, 1)])
-@pytest.mark.parametrize("opts", [
-    dict(),
-    dict(sm_scale=0.3),
-    dict(soft_cap=2.5, sm_scale=1.7),
-    dict(sliding_window=5),
-    dict(sliding_window=1),
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,opts", [
+    (4, 4, dict()),
+    (8, 2, dict()),
+    (4, 1, dict()),
+    (8, 2, dict(sm_scale=0.3)),
+    (4, 1, dict(soft_cap=2.5, sm_scale=1.7)),
+    (4, 4, dict(sliding_window=5)),
+    (8, 2, dict(sliding_window=1)),
+    (4, 1, dict(sliding_window=12, soft_cap=4.0)),
 ])
 def test_decode_reference_matches_oracle(num_q_heads, num_kv_heads, opts):
   rng = np.random.default_rng(hash((num_q_heads, num_kv_heads, str(opts))) % 2**32)
@@ -110,8 +112,12 @@ def ragged_case(rng, q_lens, kv_lens, num_q_heads, num_kv_heads, head_dim, pad_r
   return q, k, v, tables, np.asarray(all_kv, np.int32), cu
 
 
-@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 2), (2, 2), (4, 1)])
-@pytest.mark.parametrize("opts", [dict(), dict(soft_cap=3.0), dict(sliding_window=6)])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,opts", [
+    (4, 2, dict()),
+    (2, 2, dict(soft_cap=3.0)),
+    (4, 1, dict(sliding_window=6)),
+    (4, 2, dict(sliding_window=1, soft_cap=2.0)),
+])
 def test_ragged_reference_matches_oracle(num_q_heads, num_kv_heads, opts):
   rng = np.random.default_rng(hash((num_q_heads, num_kv_heads, str(opts))) % 2**32)
   # decode rows, a full prefill, a chunk on top of a cached prefix, an empty sequence.
