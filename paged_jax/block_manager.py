@@ -48,7 +48,6 @@ import jax.numpy as jnp
 from paged_jax.config import CacheConfig, INVALID, OK, OUT_OF_BLOCKS, TOO_LONG
 
 _I32 = jnp.int32
-_SENTINEL = jnp.iinfo(jnp.int32).max  # sorts after every block / slot id
 
 
 @flax.struct.dataclass
@@ -124,31 +123,15 @@ def _blocks_bound(max_tokens: Optional[int], bs: int, p: int, cow: bool) -> int:
   return max(1, min(p, k))
 
 
-def _sorted_groups(keys: jax.Array):
-  """Groups equal keys (`_SENTINEL` = not a member), stable in index order.
+def _first_of_slot(slots: jax.Array, member: jax.Array, s_max: int) -> jax.Array:
+  """bool[n]: entry i is the first member naming its slot (slots in [0, s_max)).
 
-  Returns (sorted_keys, perm, is_start, is_end, ordinal_sorted): `perm[i]` is
-  the original index of sorted entry i; `ordinal_sorted[i]` counts earlier
-  entries (in original order) with the same key. O(m log m) for m = len(keys).
+  A scatter-min into an s_max-sized array: O(n + max_seqs), no sort.
   """
-  m = keys.shape[0]
-  iota = lax.iota(_I32, m)
-  sorted_keys, perm = lax.sort((keys, iota), num_keys=2)
-  differs = sorted_keys[1:] != sorted_keys[:-1]
-  is_start = jnp.concatenate([jnp.ones((1,), jnp.bool_), differs])
-  is_end = jnp.concatenate([differs, jnp.ones((1,), jnp.bool_)])
-  start = lax.cummax(jnp.where(is_start, iota, 0))
-  return sorted_keys, perm, is_start, is_end, iota - start
-
-
-def _ordinal(keys: jax.Array):
-  """(ordinal i32[m], group i32[m]): earlier entries sharing each key, and a
-  group id in [0, m) shared by equal keys."""
-  _, perm, is_start, _, ordinal_sorted = _sorted_groups(keys)
-  group_sorted = jnp.cumsum(is_start.astype(_I32)) - 1
-  ordinal = jnp.zeros_like(keys).at[perm].set(ordinal_sorted, unique_indices=True)
-  group = jnp.zeros_like(keys).at[perm].set(group_sorted, unique_indices=True)
-  return ordinal, group
+  iota = lax.iota(_I32, slots.shape[0])
+  first = jnp.full((s_max,), slots.shape[0], _I32).at[jnp.where(member, slots, s_max)].min(
+      iota, mode="drop")
+  return member & (first[jnp.clip(slots, 0, s_max - 1)] == iota)
 
 
 def _pop(state: BlockState, need: jax.Array, width: int):
@@ -192,7 +175,7 @@ def allocate(state: BlockState, slot, num_tokens):
   too_long = ~bad & (n_tok > max_len)
   cand = ~bad & ~too_long
   need = jnp.where(cand, _cdiv(jnp.clip(n_tok, 0, max_len), bs), 0)
-  first = _ordinal(jnp.where(cand, slots, _SENTINEL))[0] == 0
+  first = _first_of_slot(slots, cand, s_max)
 
   def fast():  # every candidate fits: only duplicate slots fail
     return cand & first, cand & ~first
@@ -230,8 +213,35 @@ def allocate(state: BlockState, slot, num_tokens):
   return state, status.reshape(shape).astype(_I32)
 
 
+def _writer_groups(ref_count, shared, last_block, refs):
+  """Groups the slots writing into a shared last block, without a sort.
+
+  Uses `ref_count` as scratch: the entries of the writers' blocks are set to
+  the highest writing slot, read back, then restored. With the state donated
+  this is O(max_seqs) work in place, never O(num_blocks). Each scatter's
+  indices depend on the preceding gather, which lets XLA keep the array in
+  place instead of copying it.
+  Returns (ref_count (restored: equal to the input), idle i32[S]: holders of
+  the slot's block that are not writing, rep i32[S]: highest writing slot of
+  the group, used as group id and to spot the group's last writer).
+  """
+  s_max = shared.shape[0]
+  nb, iota = ref_count.shape[0], lax.iota(_I32, s_max)
+  keys = jnp.where(shared, last_block, nb)
+  ref_count = ref_count.at[keys].set(-1, mode="drop").at[keys].max(iota, mode="drop")
+  rep = jnp.where(shared, ref_count[jnp.clip(last_block, 0, nb - 1)], s_max)
+  ref_count = ref_count.at[jnp.where(rep == iota, last_block, nb)].set(refs, mode="drop")
+  writers = jnp.zeros((s_max,), _I32).at[rep].add(1, mode="drop")
+  idle = refs - writers[jnp.clip(rep, 0, s_max - 1)]
+  return ref_count, idle, rep
+
+
 def _append_plan(state: BlockState, slot_mask, num_new_tokens, max_new_tokens):
-  """Decides append per slot. Returns (ok, cow, grow, status, n_new, last_block)."""
+  """Decides append per slot.
+
+  Returns (ref_count: equal to state.ref_count, to be updated in place, ok,
+  cow, grow, status, n_new, last_block), all per slot except ref_count.
+  """
   bs, s_max, max_len = state.block_size, state.max_seqs, state.max_seq_len
   mask = jnp.broadcast_to(jnp.asarray(slot_mask, jnp.bool_), (s_max,))
   n_new = jnp.broadcast_to(jnp.asarray(num_new_tokens, _I32), (s_max,))
@@ -248,15 +258,17 @@ def _append_plan(state: BlockState, slot_mask, num_new_tokens, max_new_tokens):
   last_block = jnp.take_along_axis(
       state.block_tables, jnp.maximum(old_blocks - 1, 0)[:, None], axis=1)[:, 0]
   refs = state.ref_count[jnp.clip(last_block, 0, state.num_blocks - 1)]
-  # Writers into a shared, partially filled last block, grouped by that block.
+  # Writers into a shared (ref > 1), partially filled last block.
   shared = cand & (n_ok > 0) & (lens % bs != 0) & (refs > 1)
-  ordinal, group = _ordinal(jnp.where(shared, last_block, _SENTINEL))
+  ref_count, idle, rep = _writer_groups(state.ref_count, shared, last_block, refs)
+  # If every candidate succeeds, each writer copies except a group's last
+  # writer when no idle holder remains (it then sees ref_count == 1).
+  cow_fast = shared & ((idle > 0) | (rep != lax.iota(_I32, s_max)))
 
-  def fast():  # all candidates succeed: holder k of a block sees refs - k
-    cow = shared & (refs - ordinal > 1)
-    return cand, cow
+  def fast():
+    return cand, cow_fast
 
-  def slow():  # blocks run short: decide in slot order, counting done copies
+  def slow():  # blocks run short: decide in slot order, counting copies per group
     def body(carry, x):
       remaining, copies = carry
       c, g, sh, r, gid = x
@@ -266,14 +278,14 @@ def _append_plan(state: BlockState, slot_mask, num_new_tokens, max_new_tokens):
       copies = copies.at[gid].add((ok & cow).astype(_I32))
       return (remaining - jnp.where(ok, need, 0), copies), (ok, cow)
     init_carry = (state.num_free, jnp.zeros((s_max,), _I32))
-    return lax.scan(body, init_carry, (cand, grow, shared, refs, group))[1]
+    return lax.scan(body, init_carry, (cand, grow, shared, refs, rep))[1]
 
-  fast_need = jnp.sum(grow + (shared & (refs - ordinal > 1)).astype(_I32))
+  fast_need = jnp.sum(grow + cow_fast.astype(_I32))
   ok, cow = lax.cond(fast_need <= state.num_free, fast, slow)
   cow = ok & cow
   status = jnp.where(bad, INVALID, jnp.where(
       too_long, TOO_LONG, jnp.where(cand & ~ok, OUT_OF_BLOCKS, OK)))
-  return ok, cow, grow, status.astype(_I32), n_new, last_block
+  return ref_count, ok, cow, grow, status.astype(_I32), n_new, last_block
 
 
 def append(state: BlockState, slot_mask, num_new_tokens, *,
@@ -297,7 +309,7 @@ def append(state: BlockState, slot_mask, num_new_tokens, *,
     max_new_tokens = num_new_tokens if max_new_tokens is None else min(
         max_new_tokens, num_new_tokens)
   s_max, nb = state.max_seqs, state.num_blocks
-  ok, cow, grow, status, n_new, last_block = _append_plan(
+  ref_count, ok, cow, grow, status, n_new, last_block = _append_plan(
       state, slot_mask, num_new_tokens, max_new_tokens)
   cow_i = cow.astype(_I32)
   need = jnp.where(ok, grow + cow_i, 0)
@@ -309,7 +321,7 @@ def append(state: BlockState, slot_mask, num_new_tokens, *,
                    old_blocks[:, None] + k - cow_i[:, None])
   rows = jnp.where(blocks >= 0, lax.iota(_I32, s_max)[:, None], s_max)
   cow_src = jnp.where(cow, last_block, -1)
-  ref_count = state.ref_count.at[_drop_neg(blocks, nb)].set(1, mode="drop")
+  ref_count = ref_count.at[_drop_neg(blocks, nb)].set(1, mode="drop")
   ref_count = ref_count.at[_drop_neg(cow_src, nb)].add(-1, mode="drop")
   state = state.replace(
       ref_count=ref_count,
@@ -330,7 +342,8 @@ def free(state: BlockState, slot):
   Returns:
     (state, status with `slot`'s shape): INVALID for out-of-range or inactive
     slots (including a slot already freed earlier in the same batch).
-  Cost: a sort of n * max_blocks_per_seq block ids (shared blocks deduplicated).
+  Cost: O(n * max_blocks_per_seq) scatters and gathers, no sort: blocks shared
+  by several freed slots are deduplicated through their ref_count entries.
   """
   s_max, p, nb = state.max_seqs, state.max_blocks_per_seq, state.num_blocks
   slot = jnp.asarray(slot, _I32)
@@ -338,19 +351,25 @@ def free(state: BlockState, slot):
   slots = slot.reshape(-1)
   sc = jnp.clip(slots, 0, s_max - 1)
   live = (slots >= 0) & (slots < s_max) & state.active[sc]
-  ok = live & (_ordinal(jnp.where(live, slots, _SENTINEL))[0] == 0)
+  ok = _first_of_slot(slots, live, s_max)
   held = jnp.where(ok[:, None], state.block_tables[sc], -1).reshape(-1)  # (request, column) order
-  keys, perm, _, is_end, ordinal = _sorted_groups(jnp.where(held >= 0, held, _SENTINEL))
-  member = keys != _SENTINEL
-  new_ref = state.ref_count[jnp.where(member, keys, 0)] - (ordinal + 1)  # valid at group ends
-  to_free = member & is_end & (new_ref == 0)
+  keys = _drop_neg(held, nb)
+  gather_at = jnp.clip(held, 0, nb - 1)
+  pos = lax.iota(_I32, held.shape[0])
+  # Decrement (duplicates accumulate), then mark each block that reached 0 once,
+  # at its last occurrence, using its now-zero ref_count entry as scratch.
+  ref_count = state.ref_count.at[keys].add(-1, mode="drop")
+  zero = (held >= 0) & (ref_count[gather_at] == 0)
+  zero_keys = jnp.where(zero, held, nb)
+  ref_count = ref_count.at[zero_keys].max(pos + 1, mode="drop")
+  pushed = zero & (ref_count[gather_at] == pos + 1)
+  ref_count = ref_count.at[jnp.where(pushed, held, nb)].set(0, mode="drop")  # one per block
   # Push in order of each block's last occurrence, as one-at-a-time release would.
-  pushed = jnp.zeros(keys.shape, jnp.bool_).at[perm].set(to_free, unique_indices=True)
   rank = jnp.cumsum(pushed.astype(_I32)) - 1
   push_at = jnp.where(pushed, state.num_free + rank, nb)
   rows = jnp.where(ok, sc, s_max)
   state = state.replace(
-      ref_count=state.ref_count.at[jnp.where(member & is_end, keys, nb)].set(new_ref, mode="drop"),
+      ref_count=ref_count,
       free_stack=state.free_stack.at[push_at].set(held, mode="drop"),
       num_free=state.num_free + jnp.sum(pushed.astype(_I32)),
       block_tables=state.block_tables.at[rows].set(jnp.full((p,), -1, _I32), mode="drop"),

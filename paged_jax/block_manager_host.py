@@ -32,7 +32,7 @@ _token_slots = jax.jit(bm.token_slots)
 @jax.jit
 def _append_status(state, slot_mask, num_new_tokens):
   """What `append` would return as status, without changing (or donating) state."""
-  return bm._append_plan(state, slot_mask, num_new_tokens, None)[3]  # pylint: disable=protected-access
+  return bm._append_plan(state, slot_mask, num_new_tokens, None)[4]  # pylint: disable=protected-access
 
 
 def _as_list(name: str, value: IntOrInts) -> list:

@@ -1,0 +1,317 @@
+r"""Block-manager scaling: jitted functional append vs a host-side Python allocator.
+
+    python -m experiments.block_manager_bench --batch=256 \
+        --num_blocks_list=1024,16384,262144,1048576 --iters=1000 --out=results/block_manager
+
+A decode-like workload: `batch` sequence slots, each grows by one token per step
+(block_size 16, so about batch/16 slots cross a block boundary every step); a
+sequence that reaches its target length (at most 64 tokens, so even the 1K pool
+never runs dry) is freed and its slot re-allocated with a new prompt. The same
+pre-generated schedule is replayed, side by side in one process, by:
+
+  * jit (donated): `block_manager.append` jitted with the state donated, plus a
+    separate donated recycle op (free + allocate); also the fused step (recycle
+    and append in one jit), which is how the engine uses it;
+  * jit (not donated): the same append without donation, for contrast: every
+    O(num_blocks) array the op updates is copied each step;
+  * host: a Python allocator as vLLM / nano-vllm keep one (a deque free list, a
+    per-block ref-count list, per-sequence block lists); "host + upload" also
+    builds the [batch, max_blocks_per_seq] block-table array and puts it on the
+    device, which a host allocator must do every step before attention.
+
+Each call is timed alone with `block_until_ready`; medians over `--iters` steps
+after `--warmup` steps. Writes DIR/block_manager_bench.json and
+DIR/block_manager_bench.png and prints a table.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import platform
+import time
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import common
+from paged_jax import block_manager as bm
+from paged_jax.config import CacheConfig, OK
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("batch", 256, "Sequence slots, all decoding every step.")
+flags.DEFINE_list("num_blocks_list", ["1024", "16384", "262144", "1048576"],
+                  "Pool sizes (blocks) to time.")
+flags.DEFINE_integer("iters", 1000, "Timed steps per variant.")
+flags.DEFINE_integer("warmup", 100, "Untimed steps before timing (compile + caches).")
+flags.DEFINE_integer("block_size", 16, "Tokens per block.")
+flags.DEFINE_integer("max_len", 64, "Longest sequence (tokens) before it is recycled.")
+flags.DEFINE_integer("recycle_width", 64, "Static width of the free/allocate slot vector.")
+flags.DEFINE_integer("seed", 0, "Schedule seed.")
+flags.DEFINE_string("out", "results/block_manager", "Output directory.")
+
+
+def make_schedule(batch, steps, max_len, width, seed):
+  """Per step: slots to recycle (padded with -1 to `width`) and their new prompt lengths.
+
+  A slot is recycled the step after it reaches its target length; overflow
+  beyond `width` waits a step (its length stays below max_len + steps waited).
+  """
+  rng = np.random.default_rng(seed)
+  prompt = rng.integers(1, 17, size=batch)
+  target = rng.integers(prompt + 1, max_len + 1)
+  lens = rng.integers(prompt, target)  # staggered start
+  init_lens = lens.copy()
+  free_slots = np.full((steps, width), -1, np.int32)
+  prompts = np.zeros((steps, width), np.int32)
+  for t in range(steps):
+    due = np.flatnonzero(lens >= target)[:width]
+    new_prompt = rng.integers(1, 17, size=due.size)
+    free_slots[t, :due.size], prompts[t, :due.size] = due, new_prompt
+    lens[due] = new_prompt
+    target[due] = rng.integers(new_prompt + 1, max_len + 1)
+    lens += 1
+  return init_lens.astype(np.int32), free_slots, prompts
+
+
+class HostAllocator:
+  """The host-side way: deque free list, ref-count list, block list per sequence."""
+
+  def __init__(self, num_blocks, max_seqs, block_size):
+    self.block_size = block_size
+    self.free_ids = collections.deque(range(num_blocks))
+    self.ref = [0] * num_blocks
+    self.tables = [[] for _ in range(max_seqs)]
+    self.lens = [0] * max_seqs
+
+  def allocate(self, slot, num_tokens):
+    need = -(-num_tokens // self.block_size)
+    if need > len(self.free_ids):
+      raise RuntimeError("out of blocks")
+    table = self.tables[slot]
+    for _ in range(need):
+      b = self.free_ids.popleft()
+      self.ref[b] = 1
+      table.append(b)
+    self.lens[slot] = num_tokens
+
+  def free(self, slot):
+    for b in reversed(self.tables[slot]):
+      self.ref[b] -= 1
+      if self.ref[b] == 0:
+        self.free_ids.append(b)
+    self.tables[slot] = []
+    self.lens[slot] = 0
+
+  def append(self, slots):
+    """One token per slot; new block at a boundary, copy-on-write if shared."""
+    bs, ref, tables, lens, free_ids = self.block_size, self.ref, self.tables, self.lens, self.free_ids
+    cow = []
+    for s in slots:
+      n = lens[s]
+      table = tables[s]
+      if n % bs == 0:
+        if not free_ids:
+          raise RuntimeError("out of blocks")
+        b = free_ids.popleft()
+        ref[b] = 1
+        table.append(b)
+      elif ref[table[-1]] > 1:
+        b = free_ids.popleft()
+        ref[b] = 1
+        ref[table[-1]] -= 1
+        cow.append((table[-1], b))
+        table[-1] = b
+      lens[s] = n + 1
+    return cow
+
+  def table_array(self, max_blocks):
+    out = np.full((len(self.tables), max_blocks), -1, np.int32)
+    for s, t in enumerate(self.tables):
+      out[s, :len(t)] = t
+    return out
+
+
+def _median_us(times):
+  return float(np.median(times) * 1e6)
+
+
+def bench_jit(cfg, init_lens, free_slots, prompts, warmup, donate):
+  """Separate append and recycle calls. Returns (append us, recycle us, final state)."""
+  kw = {"donate_argnums": 0} if donate else {}
+  def append(st, mask):
+    st, status, _ = bm.append(st, mask, 1)
+    return st, jnp.max(status)
+
+  append = jax.jit(append, **kw)
+
+  def recycle(st, slots, lens):
+    st, s1 = bm.free(st, slots)
+    st, s2 = bm.allocate(st, slots, lens)
+    return st, jnp.maximum(jnp.max(jnp.where(slots >= 0, s1, OK)),
+                           jnp.max(jnp.where(slots >= 0, s2, OK)))
+
+  recycle = jax.jit(recycle, **kw)
+  state = _initial_state(cfg, init_lens)
+  mask = jnp.ones((cfg.max_seqs,), bool)
+  slots_d, prompts_d = jnp.asarray(free_slots), jnp.asarray(prompts)
+  t_append, t_recycle, statuses = [], [], []
+  for t in common.progress(range(free_slots.shape[0]), desc=f"jit donate={donate}"):
+    s, p = slots_d[t], prompts_d[t]
+    jax.block_until_ready((s, p))
+    t0 = time.perf_counter()
+    state, st_r = jax.block_until_ready(recycle(state, s, p))
+    t1 = time.perf_counter()
+    state, st_a = jax.block_until_ready(append(state, mask))
+    t2 = time.perf_counter()
+    statuses += [st_r, st_a]
+    if t >= warmup:
+      t_recycle.append(t1 - t0)
+      t_append.append(t2 - t1)
+  worst = int(np.max(np.asarray(statuses)))
+  assert worst == OK, f"a jitted op failed with status {worst}"
+  return _median_us(t_append), _median_us(t_recycle), state
+
+
+def bench_fused(cfg, init_lens, free_slots, prompts, warmup):
+  """Recycle + append in one donated jit (the engine's shape of the work)."""
+  def step(st, slots, lens, mask):
+    st, _ = bm.free(st, slots)
+    st, _ = bm.allocate(st, slots, lens)
+    st, status, cow = bm.append(st, mask, 1)
+    return st, status, cow
+
+  step = jax.jit(step, donate_argnums=0)
+  state = _initial_state(cfg, init_lens)
+  mask = jnp.ones((cfg.max_seqs,), bool)
+  slots_d, prompts_d = jnp.asarray(free_slots), jnp.asarray(prompts)
+  times = []
+  for t in common.progress(range(free_slots.shape[0]), desc="jit fused"):
+    s, p = slots_d[t], prompts_d[t]
+    jax.block_until_ready((s, p))
+    t0 = time.perf_counter()
+    state, _, _ = jax.block_until_ready(step(state, s, p, mask))
+    if t >= warmup:
+      times.append(time.perf_counter() - t0)
+  return _median_us(times)
+
+
+def bench_host(cfg, init_lens, free_slots, prompts, warmup):
+  """Returns (append us, recycle us, append + table upload us, allocator)."""
+  host = HostAllocator(cfg.num_blocks, cfg.max_seqs, cfg.block_size)
+  for s, n in enumerate(init_lens.tolist()):
+    host.allocate(s, n)
+  slots = list(range(cfg.max_seqs))
+  t_append, t_recycle, t_upload = [], [], []
+  device = jax.devices()[0]
+  for t in common.progress(range(free_slots.shape[0]), desc="host"):
+    due = [s for s in free_slots[t].tolist() if s >= 0]
+    new = prompts[t, :len(due)].tolist()
+    t0 = time.perf_counter()
+    for s, n in zip(due, new):
+      host.free(s)
+      host.allocate(s, n)
+    t1 = time.perf_counter()
+    host.append(slots)
+    t2 = time.perf_counter()
+    jax.block_until_ready(jax.device_put(host.table_array(cfg.max_blocks_per_seq), device))
+    t3 = time.perf_counter()
+    if t >= warmup:
+      t_recycle.append(t1 - t0)
+      t_append.append(t2 - t1)
+      t_upload.append(t3 - t1)
+  return _median_us(t_append), _median_us(t_recycle), _median_us(t_upload), host
+
+
+def _initial_state(cfg, init_lens):
+  state = bm.init(cfg)
+  state, status = jax.jit(bm.allocate)(state, jnp.arange(cfg.max_seqs, dtype=jnp.int32),
+                                       jnp.asarray(init_lens))
+  assert (np.asarray(status) == OK).all()
+  return state
+
+
+def main(argv):
+  del argv
+  out = common.out_dir(FLAGS.out)
+  batch, bs = FLAGS.batch, FLAGS.block_size
+  steps = FLAGS.warmup + FLAGS.iters
+  init_lens, free_slots, prompts = make_schedule(batch, steps, FLAGS.max_len,
+                                                 FLAGS.recycle_width, FLAGS.seed)
+  # Two blocks of slack: a recycle deferred by a full --recycle_width overshoots max_len.
+  max_blocks = -(-FLAGS.max_len // bs) + 2
+  rows, results = [], []
+  for nb in [int(x) for x in FLAGS.num_blocks_list]:
+    if nb < batch * (-(-FLAGS.max_len // bs)):
+      raise ValueError(f"num_blocks={nb} is too small for batch={batch} at max_len={FLAGS.max_len}")
+    cfg = CacheConfig(block_size=bs, num_blocks=nb, max_seqs=batch, max_blocks_per_seq=max_blocks)
+    j_app, j_rec, state = bench_jit(cfg, init_lens, free_slots, prompts, FLAGS.warmup, True)
+    n_app, n_rec, _ = bench_jit(cfg, init_lens, free_slots, prompts, FLAGS.warmup, False)
+    fused = bench_fused(cfg, init_lens, free_slots, prompts, FLAGS.warmup)
+    h_app, h_rec, h_upload, host = bench_host(cfg, init_lens, free_slots, prompts, FLAGS.warmup)
+    # Both did the same bookkeeping: same lengths, same number of free blocks.
+    np.testing.assert_array_equal(np.asarray(state.seq_lens), host.lens)
+    assert int(state.num_free) == len(host.free_ids), (int(state.num_free), len(host.free_ids))
+    r = {"num_blocks": nb, "jit_append_us": j_app, "jit_append_no_donate_us": n_app,
+         "jit_recycle_us": j_rec, "jit_recycle_no_donate_us": n_rec, "jit_fused_step_us": fused,
+         "host_append_us": h_app, "host_recycle_us": h_rec,
+         "host_append_plus_upload_us": h_upload, "jit_over_host_append": j_app / h_app}
+    results.append(r)
+    rows.append([nb, j_app, n_app, fused, h_app, h_upload, j_app / h_app])
+    print(common.table(rows[-1:], ["num_blocks", "jit append us", "no-donate us", "fused us",
+                                   "host append us", "host+upload us", "jit/host"], digits=1))
+  first, last = results[0], results[-1]
+  summary = {
+      "scaling_jit_append": last["jit_append_us"] / first["jit_append_us"],
+      "scaling_jit_fused_step": last["jit_fused_step_us"] / first["jit_fused_step_us"],
+      "scaling_jit_append_no_donate": last["jit_append_no_donate_us"] / first["jit_append_no_donate_us"],
+      "scaling_host_append": last["host_append_us"] / first["host_append_us"],
+      "scaling_from_to_blocks": [first["num_blocks"], last["num_blocks"]],
+  }
+  meta = {
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+      "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
+      "jax": jax.__version__, "python": platform.python_version(),
+      "flags": {"batch": batch, "block_size": bs, "iters": FLAGS.iters, "warmup": FLAGS.warmup,
+                "max_len": FLAGS.max_len, "recycle_width": FLAGS.recycle_width,
+                "max_blocks_per_seq": max_blocks, "seed": FLAGS.seed},
+  }
+  common.write_json(out / "block_manager_bench.json",
+                    {"meta": meta, "results": results, "summary": summary})
+  _plot(results, out / "block_manager_bench.png", batch)
+  print()
+  print(common.table(rows, ["num_blocks", "jit append us", "no-donate us", "fused us",
+                            "host append us", "host+upload us", "jit/host"], digits=1))
+  print(f"\ntime ratio {last['num_blocks']} / {first['num_blocks']} blocks: "
+        f"jit append {summary['scaling_jit_append']:.2f}x (target <= 2x), "
+        f"fused step {summary['scaling_jit_fused_step']:.2f}x, "
+        f"no donation {summary['scaling_jit_append_no_donate']:.2f}x, "
+        f"host append {summary['scaling_host_append']:.2f}x")
+
+
+def _plot(results, path, batch):
+  plt = common.pyplot()
+  fig, ax = plt.subplots(figsize=(6, 4))
+  nb = [r["num_blocks"] for r in results]
+  for key, label in [("jit_append_us", "jit append (donated)"),
+                     ("jit_append_no_donate_us", "jit append (not donated)"),
+                     ("jit_fused_step_us", "jit recycle+append (donated)"),
+                     ("host_append_us", "host Python append"),
+                     ("host_append_plus_upload_us", "host append + table upload")]:
+    ax.plot(nb, [r[key] for r in results], marker="o", label=label)
+  ax.set_xscale("log", base=2)
+  ax.set_yscale("log")
+  ax.set_xlabel("num_blocks in the pool")
+  ax.set_ylabel("median time per step (us)")
+  ax.set_title(f"Block bookkeeping per decode step, batch {batch}")
+  ax.legend(fontsize=8)
+  ax.grid(True, which="both", alpha=0.3)
+  common.save_png(fig, path)
+
+
+if __name__ == "__main__":
+  app.run(main)
