@@ -19,6 +19,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import time
 from typing import Any, Dict, List, Optional, Sequence as Seq, Union
 
 import jax
@@ -34,6 +35,7 @@ from paged_jax.engine.step import EngineState, StepInputs, make_step
 
 log = logging.getLogger("paged_jax.engine")
 MAX_STOP_IDS = 8
+_STEP_CACHE: Dict[Any, Any] = {}   # (model_config, backend, K, C) -> jitted step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,14 +153,16 @@ class Engine:
     self.max_beam_width = max_beam_width
     self.max_num_batched_tokens = max_num_batched_tokens
     self.max_model_len = min(cache_config.max_seq_len, model_config.max_position_embeddings)
-    model = LlamaForCausalLM(model_config, attention_backend=attention_backend)
     self._num_candidates = min(model_config.vocab_size, 2 * max_beam_width)
-    self._step = make_step(model.apply, num_decode_steps=decode_steps_per_sync,
-                           num_candidates=self._num_candidates)
-    # Token buckets: powers of two from max_seqs up to the budget (few traces, small pads).
+    key = (model_config, attention_backend, decode_steps_per_sync, self._num_candidates)
+    if key not in _STEP_CACHE:  # engines of one model share compiled steps
+      model = LlamaForCausalLM(model_config, attention_backend=attention_backend)
+      _STEP_CACHE[key] = make_step(model.apply, num_decode_steps=decode_steps_per_sync,
+                                   num_candidates=self._num_candidates)
+    self._step = _STEP_CACHE[key]
+    # Two token buckets: decode-sized (max_seqs) and the full budget -> at most 2 traces.
     s = cache_config.max_seqs
-    self._buckets = sorted({min(max_num_batched_tokens, max(s, 1 << k))
-                            for k in range(0, max_num_batched_tokens.bit_length() + 1)})
+    self._buckets = sorted({min(s, max_num_batched_tokens), max_num_batched_tokens})
     self.state = EngineState(blocks=bm.init(cache_config), pages=kv_cache.init(cache_config))
     self.num_free = cache_config.num_blocks
     self.scheduler = Scheduler(block_size=cache_config.block_size, max_seqs=s,
@@ -168,6 +172,7 @@ class Engine:
     self._seq_ids = itertools.count()
     self._groups: Dict[Any, Group] = {}
     self.stats = collections.Counter()
+    self.timing = collections.Counter()
     log.info("paged_jax engine: block_size=%d num_blocks=%d KV capacity=%d tokens "
              "(%.1f MiB %s), max_seqs=%d, max_model_len=%d, budget=%d tokens/step, "
              "decode_steps_per_sync=%d, preemption=%s",
@@ -242,7 +247,18 @@ class Engine:
 
   # ---- the step ------------------------------------------------------------------------
   def step(self) -> List[RequestOutput]:
-    """Schedules and runs one device step; returns requests finished by it."""
+    """Schedules and runs one device step; returns requests finished by it.
+
+    `timing` accumulates wall seconds: "step_s" (all of it) and "device_s" (the
+    jitted call until its outputs reach the host); the rest is host overhead.
+    """
+    t0 = time.perf_counter()
+    try:
+      return self._step_once()
+    finally:
+      self.timing["step_s"] += time.perf_counter() - t0
+
+  def _step_once(self) -> List[RequestOutput]:
     sched = self.scheduler
     for _ in range(self.cache_config.max_seqs + 2):
       batch = sched.schedule(self.num_free)
@@ -253,8 +269,11 @@ class Engine:
           raise RuntimeError("the scheduler cannot make progress: no running request fits "
                              f"the cache ({self.num_free} free blocks)")
         return []
-      self.state, out = self._step(self.params, self.state, self._build_inputs(batch))
+      inputs = self._build_inputs(batch)
+      t0 = time.perf_counter()
+      self.state, out = self._step(self.params, self.state, inputs)
       out = jax.device_get(out)
+      self.timing["device_s"] += time.perf_counter() - t0
       self.stats["device_steps"] += 1
       self.num_free = int(out.num_free)
       if out.ok:
@@ -293,12 +312,11 @@ class Engine:
 
   def _swap_ins(self, batch: Batch) -> None:
     for seq in batch.swap_in:
-      if seq.on_device:
+      if seq.swapped_kv is None:   # already restored by an earlier attempt of this step
         continue
       self.state, status = swap.swap_in(self.state, seq.slot, seq.swapped_kv)
       if int(status) != OK:
         raise RuntimeError(f"swap-in of slot {seq.slot} failed with status {int(status)}")
-      seq.on_device = True
       seq.swapped_kv = None
       self.num_free -= cdiv(seq.num_computed, self.cache_config.block_size)
 

@@ -47,7 +47,8 @@ def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
   in_k = ranks < k[:, None]
   probs = jax.nn.softmax(jnp.where(in_k, sorted_desc, -jnp.inf), axis=-1)
   mass_before = jnp.cumsum(probs, axis=-1) - probs
-  keep_sorted = in_k & ((mass_before < top_p[:, None]) | (ranks == 0))
+  # top_p >= 1 disables the cut exactly (f32 mass can round to 1 before the tail).
+  keep_sorted = in_k & ((mass_before < top_p[:, None]) | (ranks == 0) | (top_p[:, None] >= 1))
   num_keep = jnp.sum(keep_sorted, axis=-1)                                   # >= 1
   cutoff = jnp.take_along_axis(sorted_desc, (num_keep - 1)[:, None], axis=-1)
   cutoff = jnp.maximum(cutoff, kth)

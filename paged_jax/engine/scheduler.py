@@ -318,6 +318,7 @@ class Scheduler:
         self.swapped.pop(0)
         self._assign_slots(group)
         batch.swap_in.append(seq)
+        seq.on_device = True   # the engine swaps in before the step, as planned here
         group.status = GroupStatus.RUNNING
         self.running.append(group)
         free -= need
@@ -352,9 +353,6 @@ class Scheduler:
     self._released_slots = []
     for _, child in batch.forks:
       child.on_device = True
-    for seq in batch.swap_in:
-      seq.on_device = True
-      seq.swapped_kv = None
     for chunk in batch.chunks:
       chunk.seq.on_device = True
       chunk.seq.last_block_shared = False

@@ -1,0 +1,249 @@
+"""Engine end to end against the dense oracle (`models/dense.py`: no cache, full
+recomputation): greedy equality token for token, block sizes, preemption in both
+modes, parallel sampling vs independent runs, beam search vs a reference beam
+search, multi-step decoding, no retracing, bad input, and the generate CLI."""
+
+import contextlib
+import io
+import json
+import os
+import tempfile
+
+import jax
+import numpy as np
+import pytest
+
+from paged_jax.config import ModelConfig
+from paged_jax.engine import Engine, SamplingParams
+from paged_jax.engine import step as step_lib
+from paged_jax.models import dense, llama
+
+# Reruns reuse compiled steps (the first run of a fresh machine compiles them).
+jax.config.update("jax_compilation_cache_dir",
+                  os.path.join(tempfile.gettempdir(), "paged_jax_test_jit_cache"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+VOCAB = 96
+MC = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
+                 num_heads=4, num_kv_heads=2, max_position_embeddings=256)
+ORACLE_LEN = 64          # dense forward length (padded; causal mask hides the padding)
+# One cache shape for (almost) every test so the jitted step compiles once per file:
+# 12 blocks of 16 tokens, 8 slots of up to 64 tokens, 8 tokens per step (one bucket).
+BLOCK_SIZE, NUM_BLOCKS, MAX_SEQS, BUDGET = 16, 12, 8, 8
+
+
+def _params(seed=0):
+  # Weights 8x HF's init scale: peaked next-token distributions, so greedy ties
+  # (where float rounding could legitimately flip an argmax) do not occur.
+  p = llama.init_params(MC, jax.random.key(seed))
+  return jax.tree_util.tree_map(lambda x: x * 8.0 if x.ndim == 2 else x, p)
+
+
+PARAMS = _params()
+_FWD = jax.jit(lambda p, t: dense.forward(p, MC, t))
+
+
+def dense_logprobs(params, ids):
+  buf = np.zeros((ORACLE_LEN,), np.int32)
+  buf[:len(ids)] = ids
+  logits = np.asarray(_FWD(params, buf), np.float64)[len(ids) - 1]
+  return logits - np.log(np.sum(np.exp(logits - logits.max()))) - logits.max()
+
+
+def dense_greedy(params, prompt, max_tokens, stop=()):
+  ids, out = list(prompt), []
+  for _ in range(max_tokens):
+    nxt = int(np.argmax(dense_logprobs(params, ids)))
+    out.append(nxt)
+    ids.append(nxt)
+    if nxt in stop:
+      break
+  return out
+
+
+def random_prompts(seed, count, lo=1, hi=24):
+  rng = np.random.default_rng(seed)
+  return [[int(t) for t in rng.integers(0, VOCAB, size=int(rng.integers(lo, hi + 1)))]
+          for _ in range(count)]
+
+
+def make_engine(**kw):
+  cc = MC.cache_config(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_seqs=MAX_SEQS,
+                       max_blocks_per_seq=ORACLE_LEN // BLOCK_SIZE)
+  return Engine(MC, PARAMS, cc, max_num_batched_tokens=BUDGET, attention_backend="reference",
+                **kw)
+
+
+def greedy(max_tokens, **kw):
+  return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def test_greedy_matches_dense_oracle_with_chunked_prefill_and_queueing():
+  # 10 requests, 8 slots: some wait; prompts of up to 12 tokens, 8-token steps: chunked.
+  prompts = random_prompts(1, 10, hi=12)
+  engine = make_engine()
+  outs = engine.generate(prompts, greedy(8))
+  for p, o in zip(prompts, outs):
+    assert o.outputs[0] == dense_greedy(PARAMS, p, 8)
+  assert engine.num_free == engine.cache_config.num_blocks      # every block returned
+  assert engine.num_preemptions == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_size", [1, 4, 256])   # 16: every other test
+def test_greedy_matches_dense_oracle_block_sizes(block_size):
+  prompts = random_prompts(2, 5)
+  nb = max(8, 5 * -(-40 // block_size))
+  cc = MC.cache_config(block_size=block_size, num_blocks=nb, max_seqs=MAX_SEQS,
+                       max_blocks_per_seq=-(-ORACLE_LEN // block_size))
+  engine = Engine(MC, PARAMS, cc, max_num_batched_tokens=8, attention_backend="reference")
+  outs = engine.generate(prompts, greedy(8))
+  for p, o in zip(prompts, outs):
+    assert o.outputs[0] == dense_greedy(PARAMS, p, 8)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_tiny_kv_budget_preempts_many_times_and_stays_exact(mode):
+  # 12 blocks of 16 tokens for 8 requests of up to 24 + 24 tokens (3 blocks each).
+  prompts = random_prompts(3, 8, lo=10, hi=24)
+  engine = make_engine(preemption_mode=mode)
+  outs = engine.generate(prompts, greedy(24))
+  for p, o in zip(prompts, outs):
+    assert o.outputs[0] == dense_greedy(PARAMS, p, 24)
+  assert engine.num_preemptions >= 3
+  if mode == "swap":
+    assert engine.num_swaps >= 1 and engine.stats["swap_out_bytes"] > 0
+  assert engine.num_free == NUM_BLOCKS
+
+
+def test_parallel_sampling_equals_independent_runs_and_shares_prompt_blocks():
+  prompt = random_prompts(4, 1, lo=14, hi=14)[0]
+  kw = dict(max_tokens=8, temperature=0.9, top_k=40, top_p=0.95)
+  engine = make_engine()
+  forked = engine.generate([prompt], SamplingParams(n=3, seed=11, **kw))[0]
+  singles = engine.generate([prompt] * 3, [SamplingParams(n=1, seed=11 + j, **kw)
+                                           for j in range(3)])
+  assert forked.outputs == [s.outputs[0] for s in singles]
+  assert len({tuple(o) for o in forked.outputs}) > 1     # really sampled
+  # Sharing: after the prompt's step the 3 samples hold the prompt's 3 full blocks once.
+  engine.add_request(prompt, SamplingParams(n=3, seed=1, **kw))
+  while not any(q.num_generated for g in engine.scheduler.running for q in g.seqs):
+    engine.step()
+  used = engine.cache_config.num_blocks - engine.num_free
+  assert used == 1   # the 14-token prompt's one partial block, shared by all 3 samples
+  while engine.has_unfinished():
+    engine.step()
+  engine.flush()
+  assert engine.num_free == engine.cache_config.num_blocks
+
+
+def reference_beam_search(params, prompt, beam_width, max_tokens, stop):
+  """Independent reference of the spec in paged_jax/engine/beam.py, on the dense model."""
+  beams = [(0.0, list(prompt))]
+  finished = []
+  for _ in range(max_tokens):
+    cands = []
+    for b, (score, ids) in enumerate(beams):
+      lp = dense_logprobs(params, ids)
+      order = sorted(range(VOCAB), key=lambda t: (-lp[t], t))[:2 * beam_width]
+      cands += [(score + lp[t], b, r, t) for r, t in enumerate(order)]
+    cands.sort(key=lambda c: (-c[0], c[1], c[2]))
+    new = []
+    for score, b, _, t in cands:
+      if t in stop:
+        finished.append((score, beams[b][1] + [t]))
+      else:
+        new.append((score, beams[b][1] + [t]))
+        if len(new) == beam_width:
+          break
+    beams = new
+    if len(finished) >= beam_width:
+      break
+  else:
+    finished += beams
+  finished.sort(key=lambda f: -f[0])
+  return finished
+
+
+@pytest.mark.parametrize("stop", [(), (7, 21)])
+def test_beam_search_equals_reference(stop):
+  prompts = random_prompts(5, 2, lo=5, hi=9)
+  engine = make_engine()
+  sp = SamplingParams(max_tokens=6, temperature=0.0, beam_width=3, n=3, stop_token_ids=stop)
+  outs = engine.generate(prompts, sp)
+  for p, o in zip(prompts, outs):
+    ref = reference_beam_search(PARAMS, p, 3, 6, stop)[:3]
+    assert o.outputs == [ids[len(p):] for _, ids in ref]
+    np.testing.assert_allclose(o.cumulative_logprobs, [s for s, _ in ref], rtol=1e-4, atol=1e-4)
+  assert engine.num_free == engine.cache_config.num_blocks
+
+
+def test_multi_step_decoding_matches_and_syncs_less():
+  prompts = random_prompts(6, 5)
+  engine = make_engine(decode_steps_per_sync=4)
+  outs = engine.generate(prompts, greedy(12, stop_token_ids=(5,)))
+  for p, o in zip(prompts, outs):
+    assert o.outputs[0] == dense_greedy(PARAMS, p, 12, stop=(5,))
+  assert engine.stats["device_steps"] * 2 < engine.stats["generated_tokens"]
+
+
+def test_no_retracing_over_hundreds_of_steps_of_changing_traffic():
+  engine = make_engine()
+  rng = np.random.default_rng(7)
+  engine.generate(random_prompts(8, 2), greedy(3))          # warm up both token buckets
+  before = sum(step_lib.TRACE_COUNT.values())
+  steps, added = 0, 0
+  while steps < 300:
+    if added < 60 and rng.random() < 0.35:
+      n = int(rng.integers(1, 3))
+      sp = SamplingParams(max_tokens=int(rng.integers(1, 10)), n=n,
+                          temperature=float(rng.choice([0.0, 0.7])), seed=int(rng.integers(99)))
+      engine.add_request(random_prompts(int(rng.integers(1e6)), 1)[0], sp)
+      added += 1
+    if engine.has_unfinished():
+      engine.step()
+    steps += 1
+  assert sum(step_lib.TRACE_COUNT.values()) == before
+  assert engine.num_preemptions > 0       # traffic really changed shape
+
+
+def test_bad_requests_raise_before_running_and_others_go_on():
+  engine = make_engine()
+  bad = [([], greedy(4), "prompt"), ([1, VOCAB], greedy(4), "prompt\\[1\\]"),
+         ([1, -2], greedy(4), "prompt\\[1\\]"), ([1] * 60, greedy(10), "context"),
+         ([1] * 40, SamplingParams(max_tokens=20, n=6, temperature=1.0), "never fit")]
+  engine.add_request([3, 4, 5], greedy(4), request_id="ok")
+  for prompt, sp, msg in bad:
+    with pytest.raises(ValueError, match=msg):
+      engine.add_request(prompt, sp)
+  for kw, msg in [(dict(max_tokens=0), "max_tokens"), (dict(temperature=-1.0), "temperature"),
+                  (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(n=0), "n must"),
+                  (dict(beam_width=2, temperature=1.0), "temperature")]:
+    with pytest.raises(ValueError, match=msg):
+      SamplingParams(**kw)
+  outs = []
+  while engine.has_unfinished():
+    outs += engine.step()
+  assert [o.request_id for o in outs] == ["ok"]
+  assert outs[0].outputs[0] == dense_greedy(PARAMS, [3, 4, 5], 4)
+
+
+def test_generate_cli_on_saved_checkpoint(tmp_path):
+  from experiments import generate
+  from paged_jax.models import save_hf_checkpoint
+  save_hf_checkpoint(str(tmp_path), MC, PARAMS, dtype="float32")
+  # A 50-token prompt: the CLI sizes 4 blocks per sequence, the cache shape of every
+  # other test here, so the compiled step is shared.
+  prompts = random_prompts(9, 1, lo=50, hi=50) + random_prompts(10, 1, lo=7, hi=7)
+  argv = ["generate", f"--checkpoint={tmp_path}",
+          "--prompt_ids=" + ";".join(",".join(map(str, p)) for p in prompts),
+          "--max_tokens=6", "--temperature=0", f"--block_size={BLOCK_SIZE}",
+          f"--num_blocks={NUM_BLOCKS}", f"--max_seqs={MAX_SEQS}",
+          f"--max_num_batched_tokens={BUDGET}", "--attention_backend=reference"]
+  generate.FLAGS.unparse_flags()
+  generate.FLAGS(argv)
+  buf = io.StringIO()
+  with contextlib.redirect_stdout(buf):
+    generate.main(argv[:1])
+  result = json.loads(buf.getvalue())
+  assert result == {"outputs": [dense_greedy(PARAMS, p, 6) for p in prompts]}

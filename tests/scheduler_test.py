@@ -1,0 +1,142 @@
+"""Host scheduler alone, against a simulated device that holds cdiv(len, bs) blocks
+per active slot: token budget, chunked prefill mixed with decodes, strict FCFS,
+newest-first preemption (recompute and swap), and that it never over-commits."""
+
+import numpy as np
+import pytest
+
+from paged_jax.engine.engine import SamplingParams
+from paged_jax.engine.scheduler import Group, GroupStatus, Scheduler, Sequence, cdiv
+
+
+class FakeDevice:
+  """Blocks held per active slot (no sharing: single-sequence requests only)."""
+
+  def __init__(self, num_blocks, block_size):
+    self.num_blocks, self.bs, self.lens = num_blocks, block_size, {}
+
+  def free(self):
+    return self.num_blocks - sum(cdiv(n, self.bs) for n in self.lens.values())
+
+
+def make_group(i, prompt_len, max_tokens):
+  sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+  seq = Sequence(seq_id=i, index=0, sample_seed=0, tokens=list(range(prompt_len)),
+                 prompt_len=prompt_len)
+  return Group(request_id=i, arrival=i, params=sp, prompt=list(range(prompt_len)), seqs=[seq],
+               slots_needed=1)
+
+
+def run_step(sched, dev, log):
+  batch = sched.schedule(dev.free())
+  for seq, _ in sched.pending_swap_outs:
+    seq.swapped_kv = "host"
+  sched.pending_swap_outs = []
+  for slot in batch.frees:
+    del dev.lens[slot]
+  for seq in batch.swap_in:
+    dev.lens[seq.slot] = seq.num_computed
+    seq.on_device = True
+  for ch in batch.chunks:
+    assert ch.allocate == (ch.seq.slot not in dev.lens)
+    dev.lens[ch.seq.slot] = ch.seq.num_computed + ch.num_tokens
+  assert dev.free() >= 0, "scheduler over-committed blocks"
+  assert batch.num_tokens <= sched.max_num_batched_tokens
+  sched.commit(batch)
+  log.append(batch)
+  for ch in batch.chunks:
+    seq = ch.seq
+    seq.num_computed += ch.num_tokens
+    if ch.samples:
+      seq.tokens.append(7)
+      group = next(g for g in sched.running if seq in g.seqs)
+      if seq.num_generated >= group.params.max_tokens:
+        group.seqs.remove(seq)
+        group.finished.append(seq)
+        sched.free_seq(seq)
+        sched.finish_group(group)
+  return batch
+
+
+def drain(sched, dev, groups, max_steps=500):
+  log = []
+  for g in groups:
+    sched.add(g)
+  for _ in range(max_steps):
+    if not sched.has_unfinished():
+      break
+    run_step(sched, dev, log)
+  assert not sched.has_unfinished()
+  for slot in sched.pending_frees:
+    del dev.lens[slot]
+  assert all(g.status == GroupStatus.FINISHED for g in groups)
+  return log
+
+
+def test_chunked_prefill_budget_and_mixing_with_decodes():
+  sched = Scheduler(block_size=4, max_seqs=4, max_num_batched_tokens=8)
+  dev = FakeDevice(64, 4)
+  groups = [make_group(0, 3, 6), make_group(1, 21, 3)]
+  log = drain(sched, dev, groups)
+  # Step 0: all of prompt 0 (3) + the first 5 of prompt 1; then decodes of 0 mixed
+  # with 7-token chunks of prompt 1, until it is done.
+  first = log[0]
+  assert [(c.seq.seq_id, c.num_tokens) for c in first.chunks] == [(0, 3), (1, 5)]
+  assert [(c.seq.seq_id, c.num_tokens, c.samples) for c in log[1].chunks] == [
+      (0, 1, True), (1, 7, False)]
+  long_chunks = [c.num_tokens for b in log for c in b.chunks if c.seq.seq_id == 1]
+  assert long_chunks[:4] == [5, 7, 7, 2] and set(long_chunks[4:]) == {1}
+  assert all(b.num_tokens <= 8 for b in log)
+  assert dev.free() == 64
+
+
+def test_strict_fcfs_admission_by_free_blocks():
+  sched = Scheduler(block_size=4, max_seqs=4, max_num_batched_tokens=64)
+  dev = FakeDevice(10, 4)
+  groups = [make_group(0, 16, 8), make_group(1, 30, 2), make_group(2, 2, 2)]
+  for g in groups:
+    sched.add(g)
+  log = []
+  batch = run_step(sched, dev, log)
+  # Request 1 needs 8 blocks, only 6 are free: request 2 (1 block) must not overtake it.
+  assert [c.seq.seq_id for c in batch.chunks] == [0]
+  admitted = []
+  while sched.has_unfinished():
+    batch = run_step(sched, dev, log)
+    admitted += [c.seq.seq_id for c in batch.chunks if c.allocate]
+  assert admitted == [1, 2]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_newest_first_and_everything_completes(mode):
+  rng = np.random.default_rng(0)
+  sched = Scheduler(block_size=4, max_seqs=4, max_num_batched_tokens=16, preemption_mode=mode)
+  dev = FakeDevice(12, 4)
+  groups = [make_group(i, int(rng.integers(4, 14)), int(rng.integers(8, 20))) for i in range(6)]
+  victims = []
+  original = sched.preempt
+
+  def spy(group, batch):
+    victims.append((group.request_id, sorted(g.request_id for g in sched.running)))
+    return original(group, batch)
+
+  sched.preempt = spy
+  log = drain(sched, dev, groups)
+  assert victims, "the budget was meant to force preemption"
+  for victim, running in victims:
+    assert victim == max(running)           # newest running group first
+  assert sum(len(g.finished[0].tokens) - g.finished[0].prompt_len for g in groups) == sum(
+      g.params.max_tokens for g in groups)
+  assert dev.free() == 12
+  if mode == "swap":
+    assert sched.num_swaps > 0
+    swapped_in = [s for b in log for s in b.swap_in]
+    assert swapped_in and all(s.num_computed > 0 for s in swapped_in)
+  else:
+    assert any(c.allocate and c.seq.num_generated > 0 for b in log for c in b.chunks), (
+        "a recomputed request re-prefills prompt + generated tokens")
+
+
+def test_bad_preemption_mode():
+  with pytest.raises(ValueError, match="preemption_mode"):
+    Scheduler(block_size=4, max_seqs=2, max_num_batched_tokens=8, preemption_mode="drop")
