@@ -35,6 +35,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from paged_jax import attention, kv_cache
 from paged_jax.config import ModelConfig
 
 _INIT_STD = 0.02  # Hugging Face's initializer_range default for Llama.
@@ -99,8 +100,6 @@ class LlamaAttention(nn.Module):
 
   def __call__(self, x, cos, sin, kv_pages, meta):
     """x [T, hidden], cos/sin f32[T, D] -> ([T, hidden], new kv_pages)."""
-    # Imported here so the model (and the training script) load without them.
-    from paged_jax import attention, kv_cache  # pylint: disable=g-import-not-at-top
     c = self.config
     t = x.shape[0]
     q = apply_rope(self.q_proj(x).reshape(t, c.num_heads, c.head_dim), cos, sin)

@@ -1,0 +1,18 @@
+"""Models over the paged KV cache.
+
+    from paged_jax.models import LlamaForCausalLM, init_params, load_hf_checkpoint
+    config, params = load_hf_checkpoint(DEFAULT_CHECKPOINT)
+
+`llama` (Flax model, paged forward), `dense` (plain-jnp full-recompute forward,
+the test oracle), `hf_checkpoint` (safetensors load/save), `train` (training
+loop used by experiments/train_tiny.py).
+"""
+
+import os
+
+from paged_jax.models.hf_checkpoint import load_hf_checkpoint, save_hf_checkpoint
+from paged_jax.models.llama import LlamaForCausalLM, init_params, num_params
+
+# The shipped byte-level model (see experiments/train_tiny.py, paged_jax/tokenizer.py).
+DEFAULT_CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets",
+                                  "tiny_byte_llama")
