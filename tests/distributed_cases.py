@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax import attention, kv_cache
-from paged_jax.config import ModelConfig
+import distributed_fixtures as fx
+from paged_jax import kv_cache
 from paged_jax.distributed import (DataParallelEngine, TensorParallelLlama, make_mesh,
                                    make_tp_engine)
 from paged_jax.engine import Engine, SamplingParams
@@ -31,32 +31,9 @@ def setup_module():
                 f"(found {jax.device_count()} devices)")
 
 
-def model_config(**kw):
-  # 16 query heads over 8 KV heads (GQA, group 2): every tp in {1, 2, 4, 8} divides both.
-  base = dict(vocab_size=97, hidden_size=64, intermediate_size=64, num_layers=2, num_heads=16,
-              num_kv_heads=8, head_dim=8, rope_theta=500.0, max_position_embeddings=256)
-  base.update(kw)
-  return ModelConfig(**base)
-
-
-def random_params(config, seed):
-  """Flax-initialised tree refilled with O(1) random values so logits are well separated."""
-  params = llama.init_params(config, jax.random.key(seed))
-  leaves, treedef = jax.tree_util.tree_flatten(params)
-  keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-  new = [1.0 + 0.3 * jax.random.normal(k, x.shape) if x.ndim == 1 else
-         jax.random.normal(k, x.shape) / np.sqrt(x.shape[0]) * 1.5
-         for k, x in zip(keys, leaves)]
-  return jax.tree_util.tree_unflatten(treedef, new)
-
-
-CONFIG = model_config()
-PARAMS = random_params(CONFIG, seed=7)
-CACHE = CONFIG.cache_config(block_size=4, num_blocks=48, max_seqs=8, max_blocks_per_seq=12)
-ENGINE_KW = dict(max_num_batched_tokens=8, attention_backend="reference")
-GREEDY = SamplingParams(max_tokens=7, temperature=0.0)
-_rng = np.random.default_rng(3)
-PROMPTS = [list(_rng.integers(0, 97, n)) for n in (9, 3, 14, 5)]
+CONFIG, CACHE, ENGINE_KW, PROMPTS = fx.CONFIG, fx.CACHE, fx.ENGINE_KW, fx.PROMPTS
+PARAMS = fx.params()
+GREEDY = fx.greedy()
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,47 +43,20 @@ def single_device_outputs():
   return [o.outputs[0] for o in outs], np.asarray(engine.state.pages.k)
 
 
-def ragged_step(rng, tables, lens, new_counts, t_rows=16):
-  """Host-built metadata for one ragged step appending new_counts[i] tokens to seq i."""
-  bs = CACHE.block_size
-  toks, pos, slots, cu = [], [], [], [0]
-  for i, n in enumerate(new_counts):
-    for p in range(lens[i], lens[i] + n):
-      toks.append(int(rng.integers(0, 97)))
-      pos.append(p)
-      slots.append(tables[i][p // bs] * bs + p % bs)
-    lens[i] += n
-    cu.append(len(toks))
-  s, pad = len(new_counts), t_rows - len(toks)
-  meta = attention.AttentionMetadata(
-      slot_mapping=jnp.asarray(slots + [-1] * pad, jnp.int32),
-      block_tables=jnp.asarray(tables, jnp.int32),
-      kv_lens=jnp.asarray(lens, jnp.int32),
-      cu_q_lens=jnp.asarray(cu, jnp.int32),
-      num_seqs=jnp.asarray(s, jnp.int32),
-      logits_indices=jnp.asarray([c - 1 for c in cu[1:]], jnp.int32))
-  return (jnp.asarray(toks + [1] * pad, jnp.int32), jnp.asarray(pos + [0] * pad, jnp.int32),
-          meta, toks)
-
-
-@pytest.mark.parametrize("tp", [2, 8])
+@pytest.mark.parametrize("tp", [8, pytest.param(2, marks=pytest.mark.slow)])
 def test_tp_forward_logits_match_single_device(tp):
-  rng = np.random.default_rng(tp)
-  # Two sequences on shuffled, disjoint blocks; a prefill step, then mixed steps.
-  perm = rng.permutation(CACHE.num_blocks)
-  tables = [list(perm[:12]), list(perm[12:24])]
-  lens = [0, 0]
   single = jax.jit(llama.LlamaForCausalLM(CONFIG, attention_backend="reference").apply)
   tp_model = TensorParallelLlama(CONFIG, make_mesh(tp=tp), attention_backend="reference")
   sharded = jax.jit(tp_model.apply)
   params = tp_model.shard_params(PARAMS)
   pages_1, pages_tp = kv_cache.init(CACHE), tp_model.init_pages(CACHE)
-  for counts in ([7, 5], [1, 6], [1, 1], [3, 1]):
-    tokens, positions, meta, toks = ragged_step(rng, tables, lens, counts)
+  for tokens, positions, fields in fx.forward_inputs(seed=tp):
+    meta = fx.as_meta(fields)
     want, pages_1 = single(PARAMS, tokens, positions, pages_1, meta)
     got, pages_tp = sharded(params, tokens, positions, pages_tp, meta)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.argmax(got, -1), np.argmax(want, -1))
+    assert np.std(np.asarray(want)) > 0.5   # well-separated logits: a sharp comparison
   # Same K/V, each shard holding its own KV heads.
   np.testing.assert_allclose(np.asarray(pages_tp.k), np.asarray(pages_1.k), rtol=1e-5, atol=1e-5)
   assert pages_tp.k.sharding.spec[1] == "tp"
@@ -137,27 +87,34 @@ def test_tp_engine_greedy_matches_single_device_and_pages_are_sharded(tp):
   assert tables.sharding.is_fully_replicated and len(tables.addressable_shards) == tp
 
 
-@pytest.mark.parametrize("tp,routing", [(4, "least_loaded"), (1, "prefix_affinity")])
+@pytest.mark.parametrize("tp,routing", [(4, "prefix_affinity"),
+                                        pytest.param(1, "least_loaded", marks=pytest.mark.slow)])
 def test_dp2_greedy_matches_single_device(tp, routing):
   want, _ = single_device_outputs()
   front = DataParallelEngine(CONFIG, PARAMS, CACHE, mesh=make_mesh(tp=tp, dp=2),
                              routing=routing, **ENGINE_KW)
   try:
+    # Prompts 4 and 5 share their first block with prompt 2.
     prompts = PROMPTS + [PROMPTS[2][:8] + [1, 2], PROMPTS[2]]
-    outs = front.generate(prompts, GREEDY)
-    assert [o.outputs[0] for o in outs[:4]] == want
-    assert outs[5].outputs[0] == want[2]
+    ids = [front.add_request(p, GREEDY) for p in prompts]
+    replica = [front.replica_of(i) for i in ids]
+    done = {}
+    while front.has_unfinished():
+      done.update((o.request_id, o.outputs[0]) for o in front.step())
+    front.flush()
+    outs = [done[i] for i in ids]
+    assert outs[:4] == want and outs[5] == want[2]
     m = front.metrics()
     routed = [r["routed"] for r in m["replicas"]]
-    assert sum(routed) == len(prompts) and min(routed) >= 1       # both replicas served
-    assert m["combined"]["finished"] == len(prompts)
-    assert m["combined"]["generated_tokens"] == sum(r.get("generated_tokens", 0)
-                                                    for r in m["replicas"]) == 7 * len(prompts)
+    assert routed == [replica.count(0), replica.count(1)] and min(routed) >= 1
+    assert m["combined"]["finished"] == len(prompts) == sum(r["finished"] for r in m["replicas"])
+    assert m["combined"]["generated_tokens"] == fx.MAX_TOKENS * len(prompts)
+    assert m["combined"]["num_free_blocks"] == 2 * CACHE.num_blocks   # all freed after flush
     devices = [set(r["devices"]) for r in m["replicas"]]
     assert not devices[0] & devices[1] and all(len(d) == tp for d in devices)
-    if routing == "prefix_affinity":  # prompts 2, 4, 5 share their first two blocks
-      assert front.replica_of  # (mapping dropped on finish; checked via router)
-      assert m["combined"]["affinity_hits"] >= 2
+    if routing == "prefix_affinity":
+      assert replica[2] == replica[4] == replica[5]
+      assert m["combined"]["affinity_hits"] == 2
   finally:
     front.close()
 
@@ -168,9 +125,9 @@ def test_bad_mesh_shapes_raise_clear_errors():
   with pytest.raises(ValueError, match=r"dp=2 x tp=8 needs 16 devices"):
     make_mesh(tp=8, dp=2)
   with pytest.raises(ValueError, match=r"tp=4 does not divide the model's num_kv_heads=2"):
-    make_mesh(tp=4, model_config=model_config(num_heads=8, num_kv_heads=2))
+    make_mesh(tp=4, model_config=fx.model_config(num_heads=8, num_kv_heads=2))
   with pytest.raises(ValueError, match=r"intermediate_size=66"):
-    make_tp_engine(model_config(intermediate_size=66), PARAMS, CACHE, mesh=make_mesh(tp=4))
+    make_tp_engine(fx.model_config(intermediate_size=66), PARAMS, CACHE, mesh=make_mesh(tp=4))
   with pytest.raises(ValueError, match=r"1-D \('tp',\) mesh"):
     TensorParallelLlama(CONFIG, make_mesh(tp=2, dp=2))
   with pytest.raises(ValueError, match=r"tp must be >= 1"):
