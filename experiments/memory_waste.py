@@ -27,6 +27,7 @@ and the paper's numbers; `DIR/memory_waste.png` the stacked bars.
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Dict, Optional, Sequence
 
@@ -45,19 +46,38 @@ LABELS = {"orca_max": "Orca (Max)", "orca_pow2": "Orca (Pow2)",
 PAPER_TOKEN_STATES = {"orca_max": 0.204, "orca_pow2": 0.268, "orca_oracle": 0.382,
                       "paged": 0.963}
 
-FLAGS = flags.FLAGS
-flags.DEFINE_enum("workload", "sharegpt", ["sharegpt", "alpaca"], "synthetic request stream")
-flags.DEFINE_integer("num_requests", 500, "requests in the stream", lower_bound=1)
-flags.DEFINE_integer("block_size", 16, "tokens per KV block (paged)", lower_bound=1)
+# A private flag registry: importing this module next to other experiments (which
+# define --seed, --block_size, --out ... on the global absl FLAGS) must not clash.
+FLAGS = flags.FlagValues()
+flags.DEFINE_enum("workload", "sharegpt", ["sharegpt", "alpaca"], "synthetic request stream",
+                  flag_values=FLAGS)
+flags.DEFINE_integer("num_requests", 500, "requests in the stream", lower_bound=1,
+                     flag_values=FLAGS)
+flags.DEFINE_integer("block_size", 16, "tokens per KV block (paged)", lower_bound=1,
+                     flag_values=FLAGS)
 flags.DEFINE_integer("kv_budget_tokens", 14336,
                      "KV budget in token slots, the same for every allocator (default: "
                      "about OPT-13B's ~12 GB of KV on one A100-40GB at 800 KB/token)",
-                     lower_bound=1)
-flags.DEFINE_integer("max_len", 2048, "context limit (Orca(Max) reservation)", lower_bound=2)
-flags.DEFINE_integer("seed", 0, "workload seed")
-flags.DEFINE_float("watermark", 0.01, "fraction of blocks paged admission keeps free")
-flags.DEFINE_string("out", "results/memory_waste", "output directory")
+                     lower_bound=1, flag_values=FLAGS)
+flags.DEFINE_integer("max_len", 2048, "context limit (Orca(Max) reservation)", lower_bound=2,
+                     flag_values=FLAGS)
+flags.DEFINE_integer("seed", 0, "workload seed", flag_values=FLAGS)
+flags.DEFINE_float("watermark", 0.01, "fraction of blocks paged admission keeps free",
+                   flag_values=FLAGS)
+flags.DEFINE_string("out", "results/memory_waste", "output directory", flag_values=FLAGS)
 
+
+def parse_flags(argv):
+  """Parses this experiment's flags from `argv` (argv[0] is the program); returns the rest."""
+  if any(a in ("-h", "--help", "--helpfull") for a in argv[1:]):
+    print(__doc__)
+    print(FLAGS.get_help())
+    sys.exit(0)
+  FLAGS.unparse_flags()
+  rest = FLAGS(argv)
+  if not flags.FLAGS.is_parsed():   # absl logging reads the global flags
+    flags.FLAGS(argv[:1], known_only=True)
+  return rest
 
 def run(requests: Sequence, *, block_size: int, kv_budget_tokens: int, max_len: int = 2048,
         watermark: float = 0.01, max_seqs: Optional[int] = None,
@@ -156,5 +176,12 @@ def main(argv):
   print(f"wrote {out / 'memory_waste.json'}, {png}")
 
 
+def _cli_flags(argv):
+  try:
+    return parse_flags(argv)
+  except flags.Error as e:
+    sys.exit(f"FATAL flags parsing error: {e}\nPass --help to see the flags.")
+
+
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_cli_flags)

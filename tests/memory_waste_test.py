@@ -114,12 +114,11 @@ def test_cli_writes_contract_json_png_and_table(tmp_path, capsys):
   # Saturated Alpaca-like run: 300 requests, 4096 slots (~8 Orca(Max) reservations of 512).
   argv = ["memory_waste", "--workload=alpaca", "--num_requests=300", "--block_size=16",
           "--kv_budget_tokens=4096", "--max_len=512", f"--out={tmp_path}"]
-  flags.FLAGS.unparse_flags()
-  flags.FLAGS(argv)
+  memory_waste.parse_flags(argv)
   try:
     memory_waste.main([])
   finally:
-    flags.FLAGS.unparse_flags()
+    memory_waste.FLAGS.unparse_flags()
   results = json.loads((tmp_path / "memory_waste.json").read_text())
   _check_schema(results)
   png = (tmp_path / "memory_waste.png").read_bytes()
@@ -146,13 +145,20 @@ def test_paper_scale_run(workload):
 
 def test_bad_flags_raise_usage_errors(tmp_path):
   from absl import app
-  flags.FLAGS.unparse_flags()
-  flags.FLAGS(["memory_waste", "--block_size=16", "--kv_budget_tokens=1000",
-               f"--out={tmp_path}"])
+  memory_waste.parse_flags(["memory_waste", "--block_size=16", "--kv_budget_tokens=1000",
+                            f"--out={tmp_path}"])
   try:
     with pytest.raises(app.UsageError, match="multiple of --block_size"):
       memory_waste.main([])
   finally:
-    flags.FLAGS.unparse_flags()
+    memory_waste.FLAGS.unparse_flags()
+  with pytest.raises(flags.Error):   # unknown flags are rejected, not ignored
+    memory_waste.parse_flags(["memory_waste", "--num_request=5"])
+
+
+def test_importing_next_to_other_experiments_does_not_clash():
+  """Its flags live in a private registry: --seed/--block_size/--out stay free globally."""
+  for name in ("seed", "block_size", "out", "workload", "num_requests"):
+    assert name not in flags.FLAGS or flags.FLAGS[name].module_name != memory_waste.__name__
   with pytest.raises(ValueError, match="multiple of block_size"):
     simulate.simulate_paged([(0, 3, 4)], 16, 1000, 64)
