@@ -208,7 +208,8 @@ def main(argv):
     except Exception as e:  # pylint: disable=broad-except
       results.append({"scenario": name, "block_size": bs,
                       "error": f"{type(e).__name__}: {str(e)[:300]}"})
-  path = common.write_json(out_dir / "ragged_bench.json", {"meta": meta, "results": results})
+    # Rewritten after every scenario: a run cut short by a timeout keeps what it measured.
+    path = common.write_json(out_dir / "ragged_bench.json", {"meta": meta, "results": results})
   rows = []
   for r in results:
     if "error" in r:

@@ -149,12 +149,12 @@ def _ragged_kernel(
     probs = jnp.where(visible, jnp.exp2(logits - m_next[:, None]), 0.0)       # [R, tk]
     l_next = correction * l_prev + jnp.sum(probs, axis=1)
     v = v_ref[page, offset]                                                     # [tk, D]
+    if v.dtype != compute_dtype:
+      v = v.astype(compute_dtype)
     v = jnp.where(key_ok[:, None], v, jnp.zeros_like(v))  # 0 * NaN from stale pages
     if v_scales_ref is not None:
       v_scale = jnp.where(key_ok, v_scales_ref[page, offset], 0.0)
       probs = probs * v_scale[None, :]
-    if v.dtype != compute_dtype:
-      v = v.astype(compute_dtype)
     pv = lax.dot_general(probs.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
                          precision=_HIGHEST, preferred_element_type=jnp.float32)
     return correction[:, None] * acc + pv, m_next, l_next

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# GPU check: the kernel tests compiled for the real GPU, then the kernel benchmarks, in
+# under 5 minutes. Logs and JSON go to $OUT (7 files); a short table is printed last.
+#
+#   OUT=/some/dir bash experiments/gpu_check.sh            # on the GPU machine (python3)
+#   OUT=/tmp/gc PYTHON=.venv/bin/python bash experiments/gpu_check.sh --dry-run
+#
+# --dry-run runs the same steps on CPU: interpreted kernels, fast tests only, tiny bench
+# sizes (checks this script without a GPU). Every step has its own timeout; a failing or
+# timed-out step is recorded and the next one still runs. Exit status: 0 only if every
+# step passed.
+#
+# Files in $OUT: env.txt, tests.log, kernel_bench.log, kernel_bench.json, ragged_bench.log,
+# ragged_bench.json, summary.txt.
+# Knobs (environment): PYTHON (default python3), PYTEST_WORKERS (default 8),
+# KERNEL_BENCH_FLAGS, RAGGED_BENCH_FLAGS (replace the default benchmark flags).
+
+set -u -o pipefail
+
+DRY_RUN=0
+if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; fi
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu_check_out}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+WORK="$(mktemp -d)"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# Several pytest workers and the benchmarks share one GPU: allocate on demand.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+export TF_CPP_MIN_LOG_LEVEL=1
+
+if [[ $DRY_RUN == 1 ]]; then
+  export JAX_PLATFORMS=cpu PAGED_JAX_TEST_COMPILED=0
+  TEST_MARK=(-m "not slow")
+  WORKERS="${PYTEST_WORKERS:-2}"
+  T_TESTS=900; T_KB=600; T_RB=600
+  KB_FLAGS="${KERNEL_BENCH_FLAGS:---batch=1 --context=512 --block_size=16 --repeats=2}"
+  RB_FLAGS="${RAGGED_BENCH_FLAGS:---dry_run --scenarios=decode64,mixed --block_size=16 --repeats=2}"
+else
+  export JAX_PLATFORMS=cuda PAGED_JAX_TEST_COMPILED=1
+  TEST_MARK=()
+  WORKERS="${PYTEST_WORKERS:-8}"
+  T_TESTS=125; T_KB=75; T_RB=75
+  KB_FLAGS="${KERNEL_BENCH_FLAGS:---batch=1,8,64,256 --context=4096 --block_size=16,128}"
+  RB_FLAGS="${RAGGED_BENCH_FLAGS:-}"
+fi
+
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+FAILED=0
+
+# step NAME SECONDS LOGFILE CMD...: runs CMD under timeout, appends to LOGFILE, records rc.
+step() {
+  local name=$1 limit=$2 log=$3
+  shift 3
+  local t0=$SECONDS rc
+  echo "=== $name: $* (timeout ${limit}s)" >> "$log"
+  timeout --kill-after=10 "$limit" "$@" >> "$log" 2>&1
+  rc=$?
+  local status=ok
+  if [[ $rc == 124 || $rc == 137 ]]; then status=TIMEOUT; elif [[ $rc != 0 ]]; then status=FAIL; fi
+  if [[ $status != ok ]]; then FAILED=1; fi
+  printf '%-22s %-8s rc=%-4s %4ss\n' "$name" "$status" "$rc" "$((SECONDS - t0))" >> "$SUMMARY"
+  echo "[gpu_check] $name: $status (rc=$rc, $((SECONDS - t0))s)"
+}
+
+# 1. Environment.
+{
+  date -u
+  git rev-parse HEAD 2>/dev/null || true
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem \
+    --format=csv 2>&1 || echo "nvidia-smi unavailable"
+} > "$OUT/env.txt"
+step env 60 "$OUT/env.txt" "$PY" -c "import sys, jax, jaxlib; \
+print(sys.version); print('jax', jax.__version__, 'jaxlib', jaxlib.__version__); \
+print(jax.devices())"
+
+# 2. Kernel tests: compiled on the GPU (interpreted in --dry-run), slow grid included,
+#    plus the CUDA lowering tests under this machine's JAX.
+step tests "$T_TESTS" "$OUT/tests.log" "$PY" -m pytest -q -rfE -p no:cacheprovider \
+  -n "$WORKERS" "${TEST_MARK[@]}" \
+  tests/ragged_paged_attention_test.py tests/paged_attention_test.py \
+  tests/cuda_lowering_ragged_test.py tests/cuda_lowering_test.py
+
+# 3. Decode kernel benchmark (experiments/kernel_bench.py).
+# shellcheck disable=SC2086
+step kernel_bench "$T_KB" "$OUT/kernel_bench.log" "$PY" -m experiments.kernel_bench \
+  --out="$WORK/kernel_bench" $KB_FLAGS
+cp "$WORK/kernel_bench/kernel_bench.json" "$OUT/" 2>/dev/null || true
+
+# 4. Ragged (mixed prefill + decode) benchmark.
+# shellcheck disable=SC2086
+step ragged_bench "$T_RB" "$OUT/ragged_bench.log" "$PY" -m experiments.ragged_bench \
+  --out="$WORK/ragged_bench" $RB_FLAGS
+cp "$WORK/ragged_bench/ragged_bench.json" "$OUT/" 2>/dev/null || true
+rm -rf "$WORK"
+
+# Short table last.
+echo
+echo "---- tests ----"
+grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | head -20 || true
+grep -E "(passed|failed|error)" "$OUT/tests.log" | tail -1 || true
+echo "---- kernel_bench ----"
+grep -E "^\|" "$OUT/kernel_bench.log" | tail -12 || true
+echo "---- ragged_bench ----"
+grep -E "^\|" "$OUT/ragged_bench.log" | tail -12 || true
+echo "---- steps ($SECONDS s total) ----"
+cat "$SUMMARY"
+exit $FAILED
