@@ -20,9 +20,10 @@ Methods, on the same content in the same run:
 Reported: median time; K/V bytes the attention needs (kv_len * Hkv * D * 2 * itemsize over
 sequences) over that time, also as a fraction of the measured copy bandwidth; attention
 TFLOP/s (4 * D * visible query-key pairs * Hq). Timing and copy bandwidth come from
-experiments.kernel_bench (warm-up, interleaved samples, median), whose flags this shares
-(--repeats, --calls_per_sample, --seed, --num_q_heads, --num_kv_heads, --head_dim,
---block_size, --dtype). On CPU (or --dry_run) sizes shrink and the kernel runs interpreted.
+experiments.kernel_bench (warm-up, interleaved samples, median), imported only when the
+benchmark runs. On CPU (or --dry_run) sizes shrink and the kernel runs interpreted.
+Flags live in a private registry, so importing this module (the lowering tests read its
+scenarios) next to other experiments cannot clash on --seed / --out / --block_size.
 """
 
 from __future__ import annotations
@@ -39,13 +40,26 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import common
-from experiments import kernel_bench  # shared flags and timing helpers
 import pallas_kernels
 from pallas_kernels import reference
 
-FLAGS = flags.FLAGS
-flags.DEFINE_list("scenarios", None, "subset of scenario names (default: all)")
-flags.DEFINE_bool("dry_run", False, "tiny sizes, interpreted kernel (checks the script on CPU)")
+FLAGS = flags.FlagValues()
+flags.DEFINE_string("out", "results/ragged_bench", "output directory", flag_values=FLAGS)
+flags.DEFINE_list("scenarios", None, "subset of scenario names (default: all)",
+                  flag_values=FLAGS)
+flags.DEFINE_bool("dry_run", False, "tiny sizes, interpreted kernel (checks the script on CPU)",
+                  flag_values=FLAGS)
+flags.DEFINE_list("block_size", ["16", "128"], "KV-cache block sizes", flag_values=FLAGS)
+flags.DEFINE_integer("num_q_heads", 32, "query heads (GPU)", flag_values=FLAGS)
+flags.DEFINE_integer("num_kv_heads", 8, "KV heads (GPU)", flag_values=FLAGS)
+flags.DEFINE_integer("head_dim", 128, "features per head (GPU)", flag_values=FLAGS)
+flags.DEFINE_string("dtype", None, "q / page dtype (default: GPU bfloat16, CPU float32)",
+                    flag_values=FLAGS)
+flags.DEFINE_integer("repeats", None, "timing samples per method (default GPU 10, CPU 3)",
+                     flag_values=FLAGS)
+flags.DEFINE_integer("calls_per_sample", None, "calls per sample (default GPU 5, CPU 1)",
+                     flag_values=FLAGS)
+flags.DEFINE_integer("seed", 0, "PRNG seed", flag_values=FLAGS)
 
 # name -> list of (number of sequences, new tokens each, context after this step).
 GPU_SCENARIOS = {
@@ -130,6 +144,7 @@ def work(seqs, hq, hkv, d, itemsize):
 
 
 def bench_scenario(name, seqs, bs, cfg, interpret, repeats, calls, key):
+  from experiments import kernel_bench  # pylint: disable=g-import-not-at-top
   paged, contiguous = make_inputs(key, seqs, bs, cfg["hq"], cfg["hkv"], cfg["d"], cfg["dtype"])
   kernel = jax.jit(functools.partial(pallas_kernels.ragged_paged_attention,
                                      interpret=interpret))
@@ -189,13 +204,14 @@ def main(argv):
   block_sizes = [int(b) for b in FLAGS.block_size]
   repeats = FLAGS.repeats or (10 if on_gpu else 3)
   calls = FLAGS.calls_per_sample or (5 if on_gpu else 1)
-  out_dir = common.out_dir(FLAGS.out if FLAGS["out"].present else "results/ragged_bench")
+  out_dir = common.out_dir(FLAGS.out)
   cfg = {**heads, "dtype": dtype}
   meta = {"backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
           "jax": jax.__version__, "python": platform.python_version(), "interpret": interpret,
           "dtype": dtype.name, **heads, "repeats": repeats, "calls_per_sample": calls,
           "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
   if on_gpu:
+    from experiments import kernel_bench  # pylint: disable=g-import-not-at-top
     cfg["copy_GBps"] = meta["copy_bandwidth_GBps"] = (
         kernel_bench.copy_bandwidth(repeats, calls) / 1e9)
   key = jax.random.PRNGKey(FLAGS.seed)
@@ -227,5 +243,12 @@ def main(argv):
   print(f"wrote {path}")
 
 
+def _cli_flags(argv):
+  rest = FLAGS(argv)
+  if not flags.FLAGS.is_parsed():  # absl logging reads the global flags
+    flags.FLAGS(argv[:1], known_only=True)
+  return rest
+
+
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_cli_flags)
