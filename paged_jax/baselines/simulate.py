@@ -17,9 +17,10 @@ p, p+1, ..., p+o tokens at steps s..s+o and finishes at s+o+1.
 Paged (vLLM): the real `paged_jax.block_manager` pure ops, jitted with the state
 donated; blocks on demand (`allocate` for the prompt, `append` by one token per
 step), admission while free blocks minus a watermark (vLLM: 1% of blocks) cover
-the prompt, and preemption by recompute of the latest-admitted request when an
-append runs out of blocks (it rejoins the head of the queue and is re-admitted
-holding the tokens it had).
+the prompt, and preemption by recompute of the latest-admitted requests when the
+step's appends would run out of blocks (checked on the host before the append,
+as vLLM's scheduler does; a victim rejoins the head of the queue and is
+re-admitted holding the tokens it had).
 
 Orca: one contiguous span per request, reserved at admission by policy
 (`orca.reservation_tokens`), first-fit in a `ContiguousArena`; admission stops at
@@ -40,7 +41,7 @@ import numpy as np
 
 from paged_jax import block_manager
 from paged_jax.baselines.orca import OrcaAllocator
-from paged_jax.config import OK, OUT_OF_BLOCKS, CacheConfig
+from paged_jax.config import OK, CacheConfig
 from paged_jax.metrics import MemoryAccount, compacting_admission, request_usage
 
 
@@ -123,19 +124,16 @@ def simulate_orca(requests: Sequence, policy: str, kv_budget_tokens: int, max_le
   return out
 
 
-_FREE_PER_STEP = 64   # finishing slots freed inside the step op; more go through _free
-
-
 @functools.partial(jax.jit, donate_argnums=0)
 def _step(state, finish_slots, grow_mask):
-  """One paged step's block work: snapshot, free finished slots, grow the others by one.
+  """One paged step's block work: snapshot, free slots, grow the others by one.
 
   Args:
-    finish_slots: i32[_FREE_PER_STEP] slots to free first, then -1 padding.
+    finish_slots: i32[max_seqs] slots to free (finished or preempted) first, then -1.
     grow_mask: bool[max_seqs] slots to grow.
   Returns:
     (state, snapshot of the state BEFORE this op: (free blocks, blocks held per slot,
-    seq_lens), free status i32[_FREE_PER_STEP], append status, free blocks after).
+    seq_lens), free status i32[max_seqs], append status, free blocks after).
   """
   held = jnp.sum((state.block_tables >= 0).astype(jnp.int32), axis=1)
   snapshot = (block_manager.num_free_blocks(state), held, state.seq_lens)
@@ -153,7 +151,6 @@ def _step(state, finish_slots, grow_mask):
 
 
 _allocate = jax.jit(block_manager.allocate, donate_argnums=0)
-_free = jax.jit(block_manager.free, donate_argnums=0)
 
 
 def simulate_paged(requests: Sequence, block_size: int, kv_budget_tokens: int,
@@ -198,74 +195,60 @@ def simulate_paged(requests: Sequence, block_size: int, kv_budget_tokens: int,
   admitted = preemptions = 0
   num_free = num_blocks
   pending = None      # the previous step, accounted from the next op's snapshot
+  cdiv = lambda n: -(-n // bs)
   alloc_status = []   # device scalars, checked at the next sync
 
   def account(snapshot):
     nf, held, seq_lens = snapshot
     p_free, p_slots, p_cur, p_fin, p_waiting = pending
-    if int(nf) != p_free or seq_lens[p_slots].tolist() != p_cur or any(
-        st != OK for st in jax.device_get(alloc_status)):
+    if (int(nf) != p_free or seq_lens[p_slots].tolist() != p_cur
+        or (held[p_slots] != [cdiv(c) for c in p_cur]).any()
+        or any(st != OK for st in jax.device_get(alloc_status))):
       raise RuntimeError("block manager state disagrees with the simulation")
     alloc_status.clear()
     tokens, reserved, internal = request_usage((held[p_slots] * bs).tolist(), p_cur, p_fin)
     acct.record(tokens=tokens, reservation=reserved, internal=internal, external=0,
                 num_running=len(p_slots), saturated=p_waiting)
 
-  def release_now(slot):
-    nonlocal state
-    state, status = _free(state, np.int32(slot))
-    if int(status) != OK:
-      raise RuntimeError(f"block_manager.free(slot={slot}) returned {int(status)}")
-    free_slots.append(slot)
-    return running.pop(slot)
-
   while waiting or running:
     done = [s for s, (_, c, f, _) in running.items() if c == f]          # 1. finish
-    finish = np.full(_FREE_PER_STEP, -1, np.int32)
-    finish[:len(done[:_FREE_PER_STEP])] = done[:_FREE_PER_STEP]
-    for slot in done[:_FREE_PER_STEP]:
-      running.pop(slot)
-      free_slots.append(slot)
     if progress is not None and done:
       progress.update(len(done))
-    mask = np.zeros(max_seqs, bool)                                       # 2. grow
-    mask[list(running)] = True
-    for slot in done[_FREE_PER_STEP:]:
-      mask[slot] = False
-    stale = False   # frees after the last _step make its free-block count stale
-    while True:
-      out = _step(state, finish, mask)
-      state = out[0]
-      snapshot, free_status, status, nf = jax.device_get(out[1:])   # one host sync
-      if pending is not None:
-        account(snapshot)
-        pending = None
-      for slot in done[_FREE_PER_STEP:]:   # past the op's free capacity (after the snapshot)
-        release_now(slot)
-        stale = True
-      done = done[:_FREE_PER_STEP]
-      if (free_status[finish >= 0] != OK).any():
-        raise RuntimeError(f"block_manager.free returned {free_status}")
-      finish[:] = -1
-      for slot in np.flatnonzero(mask & (status == OK)):
-        running[slot][1] += 1
-      failed = mask & (status != OK)
-      if (status[failed] != OUT_OF_BLOCKS).any():
-        raise RuntimeError(f"block_manager.append returned {status[failed]}")
-      if not failed.any():
-        break
-      # Out of blocks: preempt (recompute) the latest-admitted request, then retry.
+    free_blocks = num_free + sum(cdiv(running[s][2]) for s in done)
+    for slot in done:
+      running.pop(slot)
+    # 2. grow. Like vLLM's scheduler, check on the host that the appends fit; if
+    # not, preempt (recompute) the latest-admitted requests until they do. The
+    # victims are freed in the same op, before the append (which then never fails).
+    need = sum(1 for s, r in running.items() if r[1] % bs == 0)
+    victims = []
+    while need > free_blocks:
       victim = max(running, key=lambda s: running[s][3])
-      rid, cur, fin, _ = release_now(victim)
-      waiting.appendleft([rid, cur - (not failed[victim]), fin])
+      rid, cur, fin, _ = running.pop(victim)
+      victims.append(victim)
+      free_blocks += cdiv(cur)
+      need -= cur % bs == 0
+      waiting.appendleft([rid, cur, fin])
       preemptions += 1
-      failed[victim] = False
-      mask = failed
-      stale = True
-      if not mask.any():
-        break
-      stale = False   # the retry's count includes the victim's blocks
-    num_free = int(block_manager.num_free_blocks(state)) if stale else int(nf)
+    finish = np.full(max_seqs, -1, np.int32)
+    finish[:len(done) + len(victims)] = done + victims
+    free_slots.extend(done + victims)
+    mask = np.zeros(max_seqs, bool)
+    mask[list(running)] = True
+    out = _step(state, finish, mask)
+    state = out[0]
+    snapshot, free_status, status, nf = jax.device_get(out[1:])   # one host sync per step
+    if pending is not None:
+      account(snapshot)
+      pending = None
+    if (free_status[finish >= 0] != OK).any() or (status[mask] != OK).any():
+      raise RuntimeError(f"block_manager free/append failed: {free_status[finish >= 0]}, "
+                         f"{status[mask]}")
+    for slot in running:
+      running[slot][1] += 1
+    num_free = free_blocks - need
+    if int(nf) != num_free:
+      raise RuntimeError(f"block manager has {int(nf)} free blocks, the simulation {num_free}")
     while waiting and free_slots:                                          # 3. admit
       rid, cur, fin = waiting[0]
       need = -(-cur // bs)
