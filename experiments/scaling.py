@@ -1,0 +1,244 @@
+r"""Tensor-parallel memory scaling of the paged KV cache (simulated devices on CPU).
+
+    python -m experiments.scaling --tp=1,2,4,8 --kv_mib_per_device=1 \
+        --num_requests=48 --out=results/scaling
+
+For each tp, on a mesh of tp simulated CPU devices (this module sets
+XLA_FLAGS=--xla_force_host_platform_device_count=--num_devices before JAX starts):
+
+  kv_bytes_per_device   MEASURED: bytes of the KV pages' shards on each device
+                        (addressable shards of the engine's real state), for a
+                        pool sized from a FIXED per-device budget.
+  num_blocks            blocks that budget buys: tp times the tp=1 pool, since a
+                        device holds 1/tp of every block (its KV heads).
+  fixed_pool_bytes      MEASURED per-device bytes of one fixed pool (the tp=1
+                        pool) split tp ways: 1/tp of it.
+  fit_full_length       COMPUTED: requests of the stream (in order) whose full
+                        prompt + output blocks fit the pool at once.
+  peak_running          MEASURED: most requests running at once in the real
+                        tensor-parallel Engine serving the stream (all queued at
+                        t=0, greedy, outputs capped at --max_output).
+  step_time_ratio       MEASURED: median time of one jitted tensor-parallel decode
+                        forward (--decode_batch sequences) over tp=1's, side by
+                        side in this run. CPU "devices" here are threads sharing
+                        this machine's cores, so this ratio says little about
+                        accelerators; the memory figures are the result.
+
+Also writes computed rows for a production shape (--prod_*: Llama-3-8B-like,
+32 layers, 8 KV heads, head_dim 128, bf16) at --prod_gib_per_device.
+
+Writes DIR/scaling.json and DIR/scaling.png; prints a table.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+
+from absl import app
+from absl import flags
+
+flags.DEFINE_list("tp", ["1", "2", "4", "8"], "tensor-parallel sizes")
+flags.DEFINE_integer("num_devices", 8, "simulated CPU devices (>= max tp)")
+flags.DEFINE_float("kv_mib_per_device", 1.0, "KV page budget per device, MiB (measured model)")
+flags.DEFINE_integer("block_size", 16, "tokens per KV block")
+flags.DEFINE_enum("workload", "alpaca", ["alpaca", "sharegpt"], "synthetic request stream")
+flags.DEFINE_integer("num_requests", 48, "requests served per tp")
+flags.DEFINE_integer("max_len", 256, "context limit of the stream (prompt + output)")
+flags.DEFINE_integer("max_output", 48, "cap on generated tokens per request")
+flags.DEFINE_integer("max_seqs", 64, "engine sequence slots (above the block-bound concurrency)")
+flags.DEFINE_integer("decode_batch", 8, "sequences in the timed decode forward")
+flags.DEFINE_integer("timing_iters", 20, "timed forward calls per tp (median reported)")
+flags.DEFINE_bool("serve", True, "serve the stream with the real engine (peak_running)")
+flags.DEFINE_float("prod_gib_per_device", 16.0, "KV budget per device for the computed rows")
+flags.DEFINE_string("out", "results/scaling", "output directory")
+FLAGS = flags.FLAGS
+
+
+def _force_devices(argv) -> None:
+  """Sets the CPU device count from --num_devices before JAX initializes."""
+  n = 8
+  for a in argv:
+    m = re.match(r"--num_devices=(\d+)$", a)
+    if m:
+      n = int(m.group(1))
+  flags_env = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+                     os.environ.get("XLA_FLAGS", ""))
+  os.environ["XLA_FLAGS"] = f"{flags_env} --xla_force_host_platform_device_count={n}".strip()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+if __name__ == "__main__":
+  _force_devices(sys.argv)
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import jax
+import numpy as np
+
+from experiments import common
+from paged_jax import workloads
+from paged_jax.config import CacheConfig, ModelConfig
+from paged_jax.distributed import (TensorParallelLlama, cache_config_for_device_budget,
+                                   make_mesh, make_tp_engine, per_device_bytes)
+from paged_jax.models import llama
+
+MODEL = ModelConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=2,
+                    num_heads=16, num_kv_heads=8, head_dim=16, max_position_embeddings=1024)
+PROD = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                   num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=8192,
+                   dtype="bfloat16")
+
+
+def fit_full_length(requests, cache: CacheConfig) -> int:
+  """Requests (in order) whose full-length blocks fit the pool together."""
+  used = 0
+  for i, r in enumerate(requests):
+    used += cache.blocks_for(r.total_len)
+    if used > cache.num_blocks:
+      return i
+  return len(requests)
+
+
+def serve(engine, requests) -> dict:
+  from paged_jax.engine import SamplingParams
+  for r in requests:
+    engine.add_request([int(t) for t in r.prompt_token_ids],
+                       SamplingParams(max_tokens=r.output_len, temperature=0.0))
+  peak, steps, t0 = 0, 0, time.perf_counter()
+  while engine.has_unfinished():
+    engine.step()
+    peak = max(peak, len(engine.scheduler.running))
+    steps += 1
+  engine.flush()
+  return dict(peak_running=peak, engine_steps=steps, preemptions=engine.num_preemptions,
+              generated_tokens=int(engine.stats["generated_tokens"]),
+              serve_seconds=time.perf_counter() - t0)
+
+
+def time_decode(tp_model, params, cache: CacheConfig, batch: int, iters: int) -> float:
+  """Median seconds of one jitted decode forward: `batch` sequences, 1 new token each."""
+  from paged_jax.attention import AttentionMetadata
+  import jax.numpy as jnp
+  ctx = 4 * cache.block_size
+  per_seq = cache.blocks_for(ctx)
+  tables = np.arange(batch * per_seq, dtype=np.int32).reshape(batch, per_seq) % cache.num_blocks
+  slots = tables[:, -1] * cache.block_size + (ctx - 1) % cache.block_size
+  meta = AttentionMetadata(slot_mapping=jnp.asarray(slots), block_tables=jnp.asarray(tables),
+                           kv_lens=jnp.full((batch,), ctx, jnp.int32),
+                           cu_q_lens=jnp.arange(batch + 1, dtype=jnp.int32),
+                           num_seqs=jnp.asarray(batch, jnp.int32),
+                           logits_indices=jnp.arange(batch, dtype=jnp.int32))
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, MODEL.vocab_size, batch), jnp.int32)
+  positions = jnp.full((batch,), ctx - 1, jnp.int32)
+  step = jax.jit(tp_model.apply, donate_argnums=(3,))
+  pages = tp_model.init_pages(cache)
+  logits, pages = step(params, tokens, positions, pages, meta)
+  logits.block_until_ready()
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    logits, pages = step(params, tokens, positions, pages, meta)
+    logits.block_until_ready()
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
+
+
+def prod_rows(tps, gib: float, block_size: int) -> list:
+  rows = []
+  for tp in tps:
+    cache = cache_config_for_device_budget(PROD, tp, int(gib * 2**30), block_size=block_size,
+                                           max_seqs=256, dtype="bfloat16")
+    rows.append(dict(tp=tp, kv_bytes_per_token_per_device=cache.kv_bytes_per_token // tp,
+                     num_blocks=cache.num_blocks, tokens=cache.num_slots,
+                     full_context_seqs=cache.num_slots // PROD.max_position_embeddings))
+  return rows
+
+
+def main(argv):
+  del argv
+  tps = [int(t) for t in FLAGS.tp]
+  if max(tps) > jax.device_count():
+    raise ValueError(f"--tp holds {max(tps)} but only {jax.device_count()} devices; raise "
+                     "--num_devices")
+  out = common.out_dir(FLAGS.out)
+  budget = int(FLAGS.kv_mib_per_device * 2**20)
+  params = llama.init_params(MODEL, jax.random.key(0))
+  stream = workloads.synthetic(FLAGS.workload, FLAGS.num_requests, seed=0,
+                               max_len=FLAGS.max_len, vocab_size=MODEL.vocab_size)
+  stream = [workloads.Request(r.request_id, r.prompt_token_ids,
+                              min(r.output_len, FLAGS.max_output)) for r in stream]
+  base_cache = None
+  rows = []
+  for tp in common.progress(tps, desc="tp"):
+    mesh = make_mesh(tp=tp, devices=jax.devices()[:tp], model_config=MODEL)
+    cache = cache_config_for_device_budget(MODEL, tp, budget, block_size=FLAGS.block_size,
+                                           max_seqs=FLAGS.max_seqs, max_model_len=FLAGS.max_len)
+    base_cache = base_cache or cache
+    engine = make_tp_engine(MODEL, params, cache, mesh=mesh, attention_backend="reference",
+                            max_num_batched_tokens=2 * FLAGS.max_seqs)
+    kv = per_device_bytes(engine.state.pages)
+    tp_model = engine.tp_model
+    fixed = per_device_bytes(tp_model.init_pages(base_cache))
+    row = dict(tp=tp, devices=len(kv), num_blocks=cache.num_blocks, kv_tokens=cache.num_slots,
+               kv_bytes_per_device=max(kv.values()), kv_bytes_per_device_min=min(kv.values()),
+               kv_bytes_total=sum(kv.values()), fixed_pool_bytes_per_device=max(fixed.values()),
+               fit_full_length=fit_full_length(stream, cache))
+    row["step_seconds"] = time_decode(tp_model, engine.params, cache, FLAGS.decode_batch,
+                                      FLAGS.timing_iters)
+    if FLAGS.serve:
+      row.update(serve(engine, stream))
+    rows.append(row)
+  t1 = rows[0]["step_seconds"]
+  for r in rows:
+    r["step_time_ratio"] = r["step_seconds"] / t1
+  result = dict(
+      machine="CPU, simulated devices (XLA host platform) sharing this machine's cores",
+      jax_version=jax.__version__, model=MODEL.__dict__, workload=FLAGS.workload,
+      num_requests=FLAGS.num_requests, max_output=FLAGS.max_output,
+      kv_mib_per_device=FLAGS.kv_mib_per_device, block_size=FLAGS.block_size,
+      rows=rows, production_shape=dict(model=PROD.__dict__, gib_per_device=FLAGS.prod_gib_per_device,
+                                       rows=prod_rows(tps, FLAGS.prod_gib_per_device,
+                                                      FLAGS.block_size)),
+      note=("step_time_ratio: CPU 'devices' share the host's cores, so it does not predict "
+            "accelerator speed; memory figures are the result."))
+  common.write_json(out / "scaling.json", result)
+  _plot(rows, out / "scaling.png")
+  headers = ["tp", "KV MiB/device", "blocks", "fixed-pool MiB/device", "fit full-length",
+             "peak running", "preemptions", "step time / tp=1"]
+  print(common.table([[r["tp"], r["kv_bytes_per_device"] / 2**20, r["num_blocks"],
+                       r["fixed_pool_bytes_per_device"] / 2**20, r["fit_full_length"],
+                       r.get("peak_running", "-"), r.get("preemptions", "-"),
+                       r["step_time_ratio"]] for r in rows], headers))
+  print(common.table([[r["tp"], r["kv_bytes_per_token_per_device"], r["num_blocks"], r["tokens"],
+                       r["full_context_seqs"]] for r in result["production_shape"]["rows"]],
+                     ["tp", "KV bytes/token/device", "blocks", "tokens", "8K-context seqs"]))
+  print(f"wrote {out / 'scaling.json'} and {out / 'scaling.png'}")
+
+
+def _plot(rows, path):
+  plt = common.pyplot()
+  tps = [r["tp"] for r in rows]
+  fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+  axes[0].plot(tps, [r["fixed_pool_bytes_per_device"] / 2**20 for r in rows], "o-",
+               label="fixed pool (tp=1 size)")
+  axes[0].plot(tps, [r["kv_bytes_per_device"] / 2**20 for r in rows], "s--",
+               label="fixed per-device budget")
+  axes[0].set(xlabel="tp", ylabel="KV MiB per device", xscale="log", xticks=tps,
+              xticklabels=tps, title="KV bytes per device (measured)")
+  axes[0].legend(fontsize=8)
+  axes[1].plot(tps, [r["fit_full_length"] for r in rows], "o-", label="fit full length")
+  if "peak_running" in rows[0]:
+    axes[1].plot(tps, [r["peak_running"] for r in rows], "s--", label="engine peak running")
+  axes[1].set(xlabel="tp", ylabel="concurrent requests", xscale="log", xticks=tps,
+              xticklabels=tps, title="Concurrency at a fixed per-device budget")
+  axes[1].legend(fontsize=8)
+  axes[2].bar([str(t) for t in tps], [r["step_time_ratio"] for r in rows])
+  axes[2].set(xlabel="tp", ylabel="decode step time / tp=1",
+              title="Step time (CPU threads: not indicative)")
+  common.save_png(fig, path)
+
+
+if __name__ == "__main__":
+  app.run(main)
