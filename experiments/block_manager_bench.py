@@ -135,12 +135,17 @@ class HostAllocator:
     return out
 
 
-def _median_us(times):
-  return float(np.median(times) * 1e6)
+def _median_us(times, spread=None, key=None):
+  """Median in us; with `spread`, also records p10 / p90 under `key` (noise check)."""
+  us = np.asarray(times) * 1e6
+  if spread is not None:
+    spread[key] = {"p10": float(np.percentile(us, 10)), "median": float(np.median(us)),
+                   "p90": float(np.percentile(us, 90)), "n": int(us.size)}
+  return float(np.median(us))
 
 
 def bench_jit(cfg, init_lens, free_slots, prompts, warmup, donate):
-  """Separate append and recycle calls. Returns (append us, recycle us, final state)."""
+  """Separate append and recycle calls. Returns (append s, recycle s per step, final state)."""
   kw = {"donate_argnums": 0} if donate else {}
   def append(st, mask):
     st, status, _ = bm.append(st, mask, 1)
@@ -173,7 +178,7 @@ def bench_jit(cfg, init_lens, free_slots, prompts, warmup, donate):
       t_append.append(t2 - t1)
   worst = int(np.max(np.asarray(statuses)))
   assert worst == OK, f"a jitted op failed with status {worst}"
-  return _median_us(t_append), _median_us(t_recycle), state
+  return t_append, t_recycle, state
 
 
 def bench_fused(cfg, init_lens, free_slots, prompts, warmup):
@@ -196,11 +201,11 @@ def bench_fused(cfg, init_lens, free_slots, prompts, warmup):
     state, _, _ = jax.block_until_ready(step(state, s, p, mask))
     if t >= warmup:
       times.append(time.perf_counter() - t0)
-  return _median_us(times)
+  return times
 
 
 def bench_host(cfg, init_lens, free_slots, prompts, warmup):
-  """Returns (append us, recycle us, append + table upload us, allocator)."""
+  """Returns per-step seconds (append, recycle, append + table upload) and the allocator."""
   host = HostAllocator(cfg.num_blocks, cfg.max_seqs, cfg.block_size)
   for s, n in enumerate(init_lens.tolist()):
     host.allocate(s, n)
@@ -223,7 +228,7 @@ def bench_host(cfg, init_lens, free_slots, prompts, warmup):
       t_recycle.append(t1 - t0)
       t_append.append(t2 - t1)
       t_upload.append(t3 - t1)
-  return _median_us(t_append), _median_us(t_recycle), _median_us(t_upload), host
+  return t_append, t_recycle, t_upload, host
 
 
 def _initial_state(cfg, init_lens):
@@ -248,17 +253,26 @@ def main(argv):
     if nb < batch * (-(-FLAGS.max_len // bs)):
       raise ValueError(f"num_blocks={nb} is too small for batch={batch} at max_len={FLAGS.max_len}")
     cfg = CacheConfig(block_size=bs, num_blocks=nb, max_seqs=batch, max_blocks_per_seq=max_blocks)
+    spread = {}
     j_app, j_rec, state = bench_jit(cfg, init_lens, free_slots, prompts, FLAGS.warmup, True)
     n_app, n_rec, _ = bench_jit(cfg, init_lens, free_slots, prompts, FLAGS.warmup, False)
     fused = bench_fused(cfg, init_lens, free_slots, prompts, FLAGS.warmup)
     h_app, h_rec, h_upload, host = bench_host(cfg, init_lens, free_slots, prompts, FLAGS.warmup)
+    j_app, j_rec = _median_us(j_app, spread, "jit_append"), _median_us(j_rec, spread, "jit_recycle")
+    n_app, n_rec = (_median_us(n_app, spread, "jit_append_no_donate"),
+                    _median_us(n_rec, spread, "jit_recycle_no_donate"))
+    fused = _median_us(fused, spread, "jit_fused_step")
+    h_app, h_rec = _median_us(h_app, spread, "host_append"), _median_us(h_rec, spread, "host_recycle")
+    h_upload = _median_us(h_upload, spread, "host_append_plus_upload")
     # Both did the same bookkeeping: same lengths, same number of free blocks.
     np.testing.assert_array_equal(np.asarray(state.seq_lens), host.lens)
     assert int(state.num_free) == len(host.free_ids), (int(state.num_free), len(host.free_ids))
     r = {"num_blocks": nb, "jit_append_us": j_app, "jit_append_no_donate_us": n_app,
          "jit_recycle_us": j_rec, "jit_recycle_no_donate_us": n_rec, "jit_fused_step_us": fused,
          "host_append_us": h_app, "host_recycle_us": h_rec,
-         "host_append_plus_upload_us": h_upload, "jit_over_host_append": j_app / h_app}
+         "host_append_plus_upload_us": h_upload, "jit_over_host_append": j_app / h_app,
+         "host_step_us": h_app + h_rec, "jit_fused_over_host_step": fused / (h_app + h_rec),
+         "spread_us": spread}
     results.append(r)
     rows.append([nb, j_app, n_app, fused, h_app, h_upload, j_app / h_app])
     print(common.table(rows[-1:], ["num_blocks", "jit append us", "no-donate us", "fused us",

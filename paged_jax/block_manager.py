@@ -260,7 +260,12 @@ def _append_plan(state: BlockState, slot_mask, num_new_tokens, max_new_tokens):
   refs = state.ref_count[jnp.clip(last_block, 0, state.num_blocks - 1)]
   # Writers into a shared (ref > 1), partially filled last block.
   shared = cand & (n_ok > 0) & (lens % bs != 0) & (refs > 1)
-  ref_count, idle, rep = _writer_groups(state.ref_count, shared, last_block, refs)
+  # Most steps share nothing: skip the scratch scatters then (each scatter over
+  # a num_blocks-long array is a separate, thread-split kernel on XLA:CPU).
+  ref_count, idle, rep = lax.cond(
+      jnp.any(shared), _writer_groups,
+      lambda r, sh, lb, rf: (r, jnp.zeros_like(rf), jnp.full_like(rf, s_max)),
+      state.ref_count, shared, last_block, refs)
   # If every candidate succeeds, each writer copies except a group's last
   # writer when no idle holder remains (it then sees ref_count == 1).
   cow_fast = shared & ((idle > 0) | (rep != lax.iota(_I32, s_max)))
@@ -321,8 +326,11 @@ def append(state: BlockState, slot_mask, num_new_tokens, *,
                    old_blocks[:, None] + k - cow_i[:, None])
   rows = jnp.where(blocks >= 0, lax.iota(_I32, s_max)[:, None], s_max)
   cow_src = jnp.where(cow, last_block, -1)
-  ref_count = ref_count.at[_drop_neg(blocks, nb)].set(1, mode="drop")
-  ref_count = ref_count.at[_drop_neg(cow_src, nb)].add(-1, mode="drop")
+  # One scatter: popped blocks go 0 -> 1, copied-from blocks lose this holder.
+  ref_count = ref_count.at[jnp.concatenate([_drop_neg(blocks, nb).reshape(-1),
+                                            _drop_neg(cow_src, nb)])].add(
+      jnp.concatenate([jnp.ones((blocks.size,), _I32), jnp.full((s_max,), -1, _I32)]),
+      mode="drop")
   state = state.replace(
       ref_count=ref_count,
       num_free=state.num_free - total,
