@@ -33,6 +33,7 @@ from concurrent import futures
 import hashlib
 from typing import Any, Dict, List, Optional, Sequence as Seq, Union
 
+import jax
 import numpy as np
 from jax.sharding import Mesh
 
@@ -139,6 +140,12 @@ class DataParallelEngine:
     if routing == "auto":
       routing = "prefix_affinity" if cache_config.enable_prefix_caching else "least_loaded"
     self.submeshes = dp_submeshes(mesh)
+    for r, sub in enumerate(self.submeshes):
+      if not any(d.process_index == jax.process_index() for d in sub.devices.flat):
+        raise ValueError(
+            f"replica {r} has no device in this process (process {jax.process_index()}): "
+            "DataParallelEngine is a single-controller front; across hosts run one engine "
+            "(or one DataParallelEngine) per host, see docs/distributed.md")
     self.replicas = [make_tp_engine(model_config, params, cache_config, mesh=sub,
                                     **engine_kwargs) for sub in self.submeshes]
     self.router = Router(len(self.replicas), cache_config.block_size, routing, affinity_blocks)
