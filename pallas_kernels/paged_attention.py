@@ -6,6 +6,10 @@ itself (one small vector load per tile of pages) and loads those pages straight 
 pool: no gather of the cache into a contiguous copy, and nothing past a sequence's
 length is loaded (every page load is masked by position).
 
+Each loop step handles `tile_tokens` tokens (default 128): several whole pages when pages
+are small (block_size 1..64: the tile stays big enough for Triton's 16-wide dot), or one
+slice of a page when a page is bigger than the tile (block_size 256).
+
 Grid: (batch, num_kv_heads, num_splits). One program serves ALL query heads that share
 one KV head (GQA / MQA), so each K/V page is read once per KV head; its query tile is
 [q_heads_per_kv padded to >= 16 rows, head_dim] because Triton's dot needs 16 rows.
@@ -49,23 +53,27 @@ def _next_pow2(x: int) -> int:
   return 1 << max(0, int(x) - 1).bit_length()
 
 
-def _load_pages(ref, page_ids, mask):
-  """Masked load of whole pages `ref[page_ids]` -> [ppt, *ref.shape[1:]].
+def _load_pages(ref, page_ids, tok_ids, mask):
+  """Masked load of tokens `tok_ids` of pages `page_ids`: ref [NB, bs, *rest] ->
+  [ppt, tpp, *rest] (ppt = len(page_ids), tpp = len(tok_ids)).
 
-  Every dimension gets an integer index array (page id, then an iota per page
-  dimension): Triton turns this into one pointer tensor, and the Pallas interpreter
-  into a plain gather (it cannot mix array and slice indices). Masked-off elements are
-  never read from memory and come back as 0.
+  Every dimension gets an integer index array (page id, token in page, then an iota per
+  remaining dimension): Triton turns this into one pointer tensor, and the Pallas
+  interpreter into a plain gather (it cannot mix array and slice indices). Masked-off
+  elements are never read from memory and come back as 0.
   """
-  page_shape = ref.shape[1:]
-  rank = 1 + len(page_shape)
-  idx = [page_ids.reshape((-1,) + (1,) * len(page_shape))]
-  for axis, size in enumerate(page_shape, start=1):
+  rest = ref.shape[2:]
+  full = (page_ids.shape[0], tok_ids.shape[0]) + tuple(rest)
+  rank = len(full)
+
+  def along(axis, values):
     shape = [1] * rank
-    shape[axis] = size
-    idx.append(jnp.arange(size, dtype=jnp.int32).reshape(shape))
-  full = (page_ids.shape[0],) + tuple(page_shape)
-  idx = [jnp.broadcast_to(i, full) for i in idx]
+    shape[axis] = values.shape[0]
+    return jnp.broadcast_to(values.reshape(shape), full)
+
+  idx = [along(0, page_ids), along(1, tok_ids)]
+  idx += [along(axis, jnp.arange(size, dtype=jnp.int32))
+          for axis, size in enumerate(rest, start=2)]
   return plgpu.load(ref.at[tuple(idx)], mask=mask, other=jnp.zeros(full, ref.dtype))
 
 
@@ -81,7 +89,7 @@ def _decode_kernel(
     lse_ref,      # f32[G_pad] this split's log-sum-exp (-inf when it saw no key)
     *,
     num_splits: int,
-    pages_per_tile: int,
+    tile_tokens: int,
     pages_per_seq: int,
     sm_scale: float,
     soft_cap: Optional[float],
@@ -93,7 +101,11 @@ def _decode_kernel(
   split = pl.program_id(2)
   num_blocks, block_size, head_dim = k_ref.shape
   q_rows = q_ref.shape[0]
-  tile_tokens = pages_per_tile * block_size
+  # A loop step covers `tile_tokens` tokens: several whole pages when pages are small, or
+  # one slice of a page when a page is bigger than the tile (`subtiles` steps per page).
+  pages_per_tile = max(1, tile_tokens // block_size)
+  tokens_per_page = min(block_size, tile_tokens)
+  subtiles = block_size // tokens_per_page
 
   # Token range [start_tok, end_tok) this query sees, and its pages [first, end).
   end_tok = jnp.minimum(lengths_ref[b], pages_per_seq * block_size)
@@ -101,36 +113,42 @@ def _decode_kernel(
   start_tok = 0 if sliding_window is None else jnp.maximum(end_tok - sliding_window, 0)
   first_page = start_tok // block_size
   end_page = pl.cdiv(end_tok, block_size)
-  # Even division of this sequence's live pages between the splits, in whole tiles.
+  # Even division of this sequence's live pages between the splits, in whole page tiles.
   tiles_total = pl.cdiv(end_page - first_page, pages_per_tile)
   pages_per_split = pl.cdiv(tiles_total, num_splits) * pages_per_tile
   lo = first_page + split * pages_per_split
   hi = jnp.minimum(lo + pages_per_split, end_page)
-  num_tiles = pl.cdiv(jnp.maximum(hi - lo, 0), pages_per_tile)
+  num_steps = pl.cdiv(jnp.maximum(hi - lo, 0), pages_per_tile) * subtiles
 
   q = q_ref[...].astype(compute_dtype)  # [G_pad, D]
   page_in_tile = jnp.arange(pages_per_tile, dtype=jnp.int32)
-  tok_in_page = jnp.arange(block_size, dtype=jnp.int32)
+  tok_in_tile = jnp.arange(tokens_per_page, dtype=jnp.int32)
 
   def body(t, carry):
     o, m, l = carry
-    tile_lo = lo + t * pages_per_tile
+    if subtiles == 1:
+      tile_lo, tok_ids = lo + t * pages_per_tile, tok_in_tile
+    else:  # one page per step (pages_per_tile == 1), `subtiles` slices of it
+      sub = jnp.int32(subtiles)
+      tile_lo = lo + lax.div(t, sub)
+      tok_ids = lax.rem(t, sub) * tokens_per_page + tok_in_tile        # [tpp] within page
     pages = tile_lo + page_in_tile                                    # [ppt]
     page_live = pages < hi
     page_ids = plgpu.load(tables_ref.at[pl.ds(tile_lo, pages_per_tile)],
                           mask=page_live, other=0)                    # [ppt]
-    pos = pages[:, None] * block_size + tok_in_page[None, :]          # [ppt, bs]
-    live = page_live[:, None] & (pos >= start_tok) & (pos < end_tok)  # [ppt, bs]
-    live3 = jnp.broadcast_to(live[:, :, None], (pages_per_tile, block_size, head_dim))
-    k = _load_pages(k_ref, page_ids, live3)                           # [ppt, bs, D]
-    v = _load_pages(v_ref, page_ids, live3)
+    pos = pages[:, None] * block_size + tok_ids[None, :]              # [ppt, tpp]
+    live = page_live[:, None] & (pos >= start_tok) & (pos < end_tok)  # [ppt, tpp]
+    live3 = jnp.broadcast_to(live[:, :, None],
+                             (pages_per_tile, tokens_per_page, head_dim))
+    k = _load_pages(k_ref, page_ids, tok_ids, live3)                  # [ppt, tpp, D]
+    v = _load_pages(v_ref, page_ids, tok_ids, live3)
     k = k.reshape(tile_tokens, head_dim).astype(compute_dtype)
     v = v.reshape(tile_tokens, head_dim).astype(compute_dtype)
     live_row = live.reshape(1, tile_tokens)
 
     logits = pl.dot(q, k, trans_b=True, precision=precision)          # f32[G_pad, T]
     if k_scale_ref is not None:
-      k_scale = _load_pages(k_scale_ref, page_ids, live)
+      k_scale = _load_pages(k_scale_ref, page_ids, tok_ids, live)
       logits = logits * k_scale.reshape(1, tile_tokens)
     logits = logits * sm_scale
     if soft_cap is not None:
@@ -142,7 +160,7 @@ def _decode_kernel(
     p = jnp.where(live_row, jnp.exp(logits - m_new[:, None]), 0.0)    # f32[G_pad, T]
     l_new = alpha * l + jnp.sum(p, axis=1)
     if v_scale_ref is not None:
-      v_scale = _load_pages(v_scale_ref, page_ids, live)
+      v_scale = _load_pages(v_scale_ref, page_ids, tok_ids, live)
       p = p * v_scale.reshape(1, tile_tokens)
     pv = pl.dot(p.astype(compute_dtype), v, precision=precision)      # f32[G_pad, D]
     return alpha[:, None] * o + pv, m_new, l_new
@@ -150,7 +168,7 @@ def _decode_kernel(
   o = jnp.zeros((q_rows, head_dim), jnp.float32)
   m = jnp.full((q_rows,), _MASK_VALUE, jnp.float32)
   l = jnp.zeros((q_rows,), jnp.float32)
-  o, m, l = lax.fori_loop(0, num_tiles, body, (o, m, l))
+  o, m, l = lax.fori_loop(0, num_steps, body, (o, m, l))
 
   seen = l > 0
   o_ref[...] = (o / jnp.where(seen, l, 1.0)[:, None]).astype(o_ref.dtype)
@@ -168,7 +186,7 @@ def _combine_splits(o, lse):
 
 
 def _paged_attention_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, *,
-                          sm_scale, soft_cap, sliding_window, num_splits, pages_per_tile,
+                          sm_scale, soft_cap, sliding_window, num_splits, tile_tokens,
                           num_warps, num_stages, interpret):
   batch, num_q_heads, head_dim = q.shape
   num_kv_heads, num_blocks, block_size, _ = k_pages.shape
@@ -180,6 +198,7 @@ def _paged_attention_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, 
   if q_rows != group:
     q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, q_rows - group), (0, 0)))
   # Zero-pad the table so every tile's vector load of page ids stays inside the row.
+  pages_per_tile = max(1, tile_tokens // block_size)
   tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pages_per_tile)))
   tables_width = tables.shape[1]
 
@@ -189,7 +208,7 @@ def _paged_attention_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, 
   out_dtype = q.dtype if num_splits == 1 else jnp.float32
 
   kernel = functools.partial(
-      _decode_kernel, num_splits=num_splits, pages_per_tile=pages_per_tile,
+      _decode_kernel, num_splits=num_splits, tile_tokens=tile_tokens,
       pages_per_seq=pages_per_seq, sm_scale=sm_scale, soft_cap=soft_cap,
       sliding_window=sliding_window, compute_dtype=compute_dtype, precision=precision)
   pages_spec = pl.BlockSpec((None, num_blocks, block_size, head_dim),
@@ -220,7 +239,7 @@ def _paged_attention_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, 
       interpret=interpret,
       # Passing Triton's params pins the Triton backend (not Mosaic GPU) on every JAX.
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-      name=f"paged_decode_bs{block_size}_ppt{pages_per_tile}_splits{num_splits}",
+      name=f"paged_decode_bs{block_size}_tile{tile_tokens}_splits{num_splits}",
   )(lengths.astype(jnp.int32), tables, q4, k_pages, v_pages, k_scales, v_scales)
 
   if num_splits == 1:
@@ -233,23 +252,27 @@ def _paged_attention_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, 
 _jitted_impl = jax.jit(
     _paged_attention_impl,
     static_argnames=("sm_scale", "soft_cap", "sliding_window", "num_splits",
-                     "pages_per_tile", "num_warps", "num_stages", "interpret"))
+                     "tile_tokens", "num_warps", "num_stages", "interpret"))
 
 
-def default_num_splits(batch: int, num_kv_heads: int, pages_per_seq: int,
-                       pages_per_tile: int, target_programs: int = 264,
+def default_num_splits(batch: int, num_kv_heads: int, pages_per_seq: int, block_size: int,
+                       tile_tokens: int, target_programs: int = 264,
                        max_splits: int = 32) -> int:
   """Split-K heuristic: enough programs to fill the GPU about twice (132 SMs on H100/H200)
-  without splits shorter than two tiles of the longest sequence the table can hold."""
-  max_tiles = -(-pages_per_seq // pages_per_tile)
+  without splits shorter than two page tiles of the longest sequence the table can hold."""
+  max_tiles = -(-pages_per_seq // max(1, tile_tokens // block_size))
   want = -(-target_programs // (batch * num_kv_heads))
   return int(max(1, min(want, max_tiles // 2, max_splits)))
 
 
-def default_pages_per_tile(block_size: int, head_dim: int) -> int:
-  """Pages loaded per loop step: tiles of 128 tokens (64 for head_dim > 128), >= 1 page."""
-  tile_tokens = 128 if head_dim <= 128 else 64
-  return max(1, tile_tokens // block_size)
+def default_tile_tokens(block_size: int, head_dim: int) -> int:
+  """Tokens per loop step: 128 (64 for head_dim > 128), and at least 16 (Triton dot)."""
+  del block_size  # Pages smaller than the tile are grouped, bigger ones sliced.
+  return 128 if head_dim <= 128 else 64
+
+
+def default_num_warps(tile_tokens: int, head_dim: int) -> int:
+  return 8 if tile_tokens * head_dim >= 128 * 128 else 4
 
 
 def _dtype_name(x) -> str:
@@ -257,7 +280,7 @@ def _dtype_name(x) -> str:
 
 
 def _validate(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sm_scale,
-              soft_cap, sliding_window, num_splits, pages_per_tile, num_warps, num_stages):
+              soft_cap, sliding_window, num_splits, tile_tokens, num_warps, num_stages):
   """Shape / dtype / range checks on static information, before any tracing or device work."""
   if q.ndim != 3:
     raise ValueError(f"q must be [batch, num_q_heads, head_dim], got shape {q.shape}")
@@ -309,14 +332,11 @@ def _validate(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sm
     raise ValueError(f"sliding_window must be an int >= 1, got {sliding_window}")
   if num_splits is not None and (int(num_splits) != num_splits or not 1 <= num_splits <= 256):
     raise ValueError(f"num_splits must be an int in [1, 256], got {num_splits}")
-  if pages_per_tile is not None:
-    if int(pages_per_tile) != pages_per_tile or pages_per_tile < 1 or (
-        pages_per_tile & (pages_per_tile - 1)):
-      raise ValueError(f"pages_per_tile must be a power of two >= 1, got {pages_per_tile}")
-    if pages_per_tile * block_size < _MIN_TILE_TOKENS:
-      raise ValueError(
-          f"pages_per_tile * block_size must be >= {_MIN_TILE_TOKENS} (Triton dot tile), got "
-          f"{pages_per_tile} * {block_size}")
+  if tile_tokens is not None and (int(tile_tokens) != tile_tokens or not
+                                  _MIN_TILE_TOKENS <= tile_tokens <= 1024 or
+                                  tile_tokens & (tile_tokens - 1)):
+    raise ValueError(f"tile_tokens must be a power of two in [{_MIN_TILE_TOKENS}, 1024] "
+                     f"(Triton dot tile), got {tile_tokens}")
   if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
     raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {num_warps}")
   if num_stages is not None and not 1 <= num_stages <= 8:
@@ -325,7 +345,7 @@ def _validate(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sm
 
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None,
                     soft_cap=None, sliding_window=None, k_scales=None, v_scales=None,
-                    interpret=False, num_splits=None, pages_per_tile=None, num_warps=None,
+                    interpret=False, num_splits=None, tile_tokens=None, num_warps=None,
                     num_stages=None):
   """Decode attention over a paged KV cache (one query token per sequence).
 
@@ -341,28 +361,29 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None
     k_scales, v_scales: f32[Hkv, NB, bs] per-token dequantization scales.
     interpret: run the Pallas interpreter (CPU) instead of compiling for the GPU.
     num_splits: split-K partitions per (sequence, KV head); default `default_num_splits`.
-    pages_per_tile: pages per loop step (power of two, tile >= 16 tokens);
-      default `default_pages_per_tile`.
-    num_warps, num_stages: Triton launch parameters (default 4 and 2).
+    tile_tokens: tokens per loop step (power of two in [16, 1024]): whole pages when
+      block_size <= tile_tokens, else slices of one page; default `default_tile_tokens`.
+    num_warps, num_stages: Triton launch parameters (default `default_num_warps`, 2).
   Returns:
     [B, Hq, D] in q's dtype, accumulated in float32.
   Raises:
     ValueError naming the argument and its allowed range, before any tracing.
   """
   _validate(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sm_scale,
-            soft_cap, sliding_window, num_splits, pages_per_tile, num_warps, num_stages)
+            soft_cap, sliding_window, num_splits, tile_tokens, num_warps, num_stages)
   batch, _, head_dim = q.shape
   num_kv_heads, _, block_size, _ = k_pages.shape
-  if pages_per_tile is None:
-    pages_per_tile = default_pages_per_tile(block_size, head_dim)
+  if tile_tokens is None:
+    tile_tokens = default_tile_tokens(block_size, head_dim)
   if num_splits is None:
-    num_splits = default_num_splits(batch, num_kv_heads, block_tables.shape[1],
-                                    pages_per_tile)
+    num_splits = default_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size,
+                                    tile_tokens)
+  if num_warps is None:
+    num_warps = default_num_warps(tile_tokens, head_dim)
   return _jitted_impl(
       q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
       sm_scale=float(1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale),
       soft_cap=None if soft_cap is None else float(soft_cap),
       sliding_window=None if sliding_window is None else int(sliding_window),
-      num_splits=int(num_splits), pages_per_tile=int(pages_per_tile),
-      num_warps=4 if num_warps is None else int(num_warps),
+      num_splits=int(num_splits), tile_tokens=int(tile_tokens), num_warps=int(num_warps),
       num_stages=2 if num_stages is None else int(num_stages), interpret=bool(interpret))

@@ -85,7 +85,9 @@ def test_benchmark_configs_lower(batch, context, block_size):
     dict(batch=2, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=1,
          pages_per_seq=512),
     dict(batch=2, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=4,
-         pages_per_seq=128, pages_per_tile=8, num_warps=8, num_stages=3),
+         pages_per_seq=128, tile_tokens=32, num_warps=8, num_stages=3),
+    dict(batch=2, num_q_heads=8, num_kv_heads=2, head_dim=128, block_size=256,
+         pages_per_seq=16, tile_tokens=64),
     # Quantized pages.
     dict(batch=8, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
          pages_per_seq=64, page_dtype=jnp.int8),

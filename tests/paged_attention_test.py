@@ -126,8 +126,9 @@ def test_quantized_pages(quant, dtype):
 
 @pytest.mark.parametrize("block_size", [1, 2, 4])
 def test_small_block_sizes_use_several_pages_per_tile(block_size):
+  # tile_tokens=16 -> 16 / block_size pages per loop step.
   err = run_case(block_size, block_size=block_size, group=2, head_dim=32,
-                 lengths=[0, 1, 3, 4, 5, 37], num_splits=2)
+                 lengths=[0, 1, 3, 4, 5, 37], num_splits=2, tile_tokens=16)
   assert err <= 1e-5
 
 
@@ -138,8 +139,8 @@ def test_split_count_does_not_change_result():
                                   head_dim=64, lengths=lengths, pages_per_seq=20)
   q = jnp.asarray(rng.normal(size=(3, 8, 64)), jnp.float32)
   args = (q, jnp.asarray(k), jnp.asarray(v), jnp.asarray(tables), jnp.asarray(lengths))
-  outs = [np.asarray(paged_attention(*args, interpret=True, num_splits=s, pages_per_tile=p))
-          for s, p in ((1, 1), (3, 2), (8, 1), (2, 8))]
+  outs = [np.asarray(paged_attention(*args, interpret=True, num_splits=s, tile_tokens=t))
+          for s, t in ((1, 16), (3, 32), (8, 16), (2, 128))]
   for o in outs[1:]:
     np.testing.assert_allclose(o, outs[0], rtol=2e-6, atol=2e-6)
 
@@ -200,8 +201,8 @@ def _shapes(b=2, hq=4, hkv=2, d=32, nb=8, bs=8, p=4, dtype=jnp.float32, pdtype=N
     (_shapes(pdtype=jnp.int8), {}, "k_scales"),
     (_shapes(dtype=jnp.int32), {}, "q dtype"),
     (_shapes(), dict(num_splits=0), "num_splits"),
-    (_shapes(bs=4), dict(pages_per_tile=2), "pages_per_tile"),
-    (_shapes(), dict(pages_per_tile=3), "pages_per_tile"),
+    (_shapes(bs=4), dict(tile_tokens=8), "tile_tokens"),
+    (_shapes(), dict(tile_tokens=48), "tile_tokens"),
     (_shapes(), dict(sliding_window=0), "sliding_window"),
     (_shapes(), dict(soft_cap=-1.0), "soft_cap"),
     (_shapes(), dict(sm_scale=float("nan")), "sm_scale"),
@@ -222,11 +223,22 @@ def test_lengths_shape_checked():
 
 def test_split_heuristic():
   # Small batch, long context: many splits; big batch: one split.
-  assert kernel_module.default_num_splits(1, 8, 2048, 8) >= 16
-  assert kernel_module.default_num_splits(256, 8, 256, 8) == 1
-  assert kernel_module.default_num_splits(1, 1, 1, 1) == 1
-  assert kernel_module.default_pages_per_tile(16, 128) * 16 == 128
-  assert kernel_module.default_pages_per_tile(256, 128) == 1
+  assert kernel_module.default_num_splits(1, 8, 2048, 16, 128) >= 16
+  assert kernel_module.default_num_splits(256, 8, 256, 16, 128) == 1
+  assert kernel_module.default_num_splits(1, 1, 1, 256, 128) == 1
+  assert kernel_module.default_tile_tokens(16, 128) == 128
+  assert kernel_module.default_tile_tokens(16, 256) == 64
+
+
+@pytest.mark.parametrize("block_size,tile_tokens", [(64, 16), (256, 64), (32, 32)])
+def test_pages_bigger_than_the_tile_are_sliced(block_size, tile_tokens):
+  err = run_case(block_size + tile_tokens, block_size=block_size, group=2, head_dim=32,
+                 lengths=[0, 1, block_size - 1, block_size + 1, 2 * block_size + 7],
+                 tile_tokens=tile_tokens, num_splits=2)
+  assert err <= 1e-5
+  err = run_case(3, block_size=block_size, group=2, head_dim=32, tile_tokens=tile_tokens,
+                 lengths=[5, 3 * block_size], sliding_window=block_size // 2 + 3)
+  assert err <= 1e-5
 
 
 SLOW_GRID = list(itertools.product([8, 16, 32, 64, 128, 256], [1, 2, 4, 8], [64, 128],
