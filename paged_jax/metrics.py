@@ -95,7 +95,6 @@ class MemoryAccount:
     grows: tokens rise and reservation falls by `token_growth` slots per step.
     """
     free = self.budget_tokens - tokens - reservation - internal - external
-    last_tokens = tokens + token_growth * (steps - 1)
     last_reserved = reservation - token_growth * (steps - 1)
     if min(tokens, reservation, internal, external, free, last_reserved, steps) < 0:
       raise ValueError(f"slot counts must be >= 0 and fit the budget {self.budget_tokens}: "
@@ -105,7 +104,6 @@ class MemoryAccount:
     add = {"token_utilization": steps * tokens + ramp, "reservation": steps * reservation - ramp,
            "internal_fragmentation": steps * internal, "external_fragmentation": steps * external,
            "free": steps * free}
-    assert last_tokens + last_reserved == tokens + reservation
     for key, value in add.items():
       self._all[key] += value
       if saturated:
