@@ -11,6 +11,7 @@ loss_curve.json / loss_curve.png and a greedy sample to --out.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -92,13 +93,15 @@ def main(argv):
   params, history = train.train(config, train_stream, eval_stream, tc, log=log)
   print(f"{llama.num_params(params)} parameters")
   os.makedirs(FLAGS.out, exist_ok=True)
-  hf_checkpoint.save_hf_checkpoint(FLAGS.out, config, params, dtype=FLAGS.save_dtype)
+  hf_checkpoint.save_hf_checkpoint(
+      FLAGS.out, config, params, dtype=FLAGS.save_dtype,
+      extra_config={"bos_token_id": tokenizer.BOS_ID, "eos_token_id": tokenizer.EOS_ID})
   prompt = tokenizer.encode(FLAGS.sample_prompt)
   sample = dense.greedy_generate(params, config, prompt, 160, stop_token_ids=(tokenizer.EOS_ID,))
   text = FLAGS.sample_prompt + tokenizer.decode(sample)
   with open(os.path.join(FLAGS.out, "loss_curve.json"), "w") as f:
-    json.dump({"model": config.to_hf_config(), "train": vars(tc) if hasattr(tc, "__dict__")
-               else {}, "num_params": llama.num_params(params), "history": history,
+    json.dump({"model": config.to_hf_config(), "train": dataclasses.asdict(tc),
+               "num_params": llama.num_params(params), "history": history,
                "train_tokens": int(len(train_stream)), "eval_tokens": int(len(eval_stream)),
                "greedy_sample": text, "backend": jax.default_backend()}, f, indent=1)
   plot_curve(history, os.path.join(FLAGS.out, "loss_curve.png"))

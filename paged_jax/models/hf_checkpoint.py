@@ -239,10 +239,12 @@ def load_hf_checkpoint(directory: str, dtype: str = "float32") -> Tuple[ModelCon
 
 
 def save_hf_checkpoint(directory: str, config: ModelConfig, params: Mapping,
-                       dtype: str = "bfloat16", max_shard_bytes: Optional[int] = None) -> list:
+                       dtype: str = "bfloat16", max_shard_bytes: Optional[int] = None,
+                       extra_config: Optional[Mapping] = None) -> list:
   """Writes config.json + safetensors (sharded with an index past `max_shard_bytes`).
 
-  Returns the list of files written. `dtype` is the stored dtype of every tensor.
+  Returns the list of files written. `dtype` is the stored dtype of every tensor;
+  `extra_config` adds keys to config.json (e.g. bos_token_id / eos_token_id).
   """
   if dtype not in _SAVE_DTYPES:
     raise ValueError(f"dtype must be one of {_SAVE_DTYPES}, got {dtype!r}")
@@ -265,6 +267,7 @@ def save_hf_checkpoint(directory: str, config: ModelConfig, params: Mapping,
   os.makedirs(directory, exist_ok=True)
   hf = config.to_hf_config()
   hf["torch_dtype"] = dtype
+  hf.update(extra_config or {})
   with open(os.path.join(directory, "config.json"), "w") as f:
     json.dump(hf, f, indent=2)
   written = [os.path.join(directory, "config.json")]
