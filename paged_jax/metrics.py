@@ -137,3 +137,23 @@ class MemoryAccount:
     out["saturated_steps"] = self._sat_steps
     out["averaged_over"] = "saturated" if use_sat else "all"
     return out
+
+
+def sharing_savings(state) -> Dict[str, float]:
+  """KV blocks saved by sharing (fork / prefix reuse) in a `block_manager.BlockState`.
+
+  Without sharing every active slot would own `cdiv(seq_len, block_size)` blocks;
+  with sharing the pool holds `num_blocks - num_free` distinct blocks. The
+  paper reports savings = 1 - shared / unshared (e.g. 37.6-55.2% for beam search
+  on Alpaca).
+
+  Returns:
+    {"unshared_blocks", "used_blocks", "savings"} (savings 0.0 when nothing is held).
+  """
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  seq_lens = np.asarray(state.seq_lens)
+  active = np.asarray(state.active)
+  unshared = int((-(-seq_lens[active] // state.block_size)).sum())
+  used = int(np.asarray(state.ref_count).shape[0] - int(state.num_free))
+  return {"unshared_blocks": unshared, "used_blocks": used,
+          "savings": 1.0 - used / unshared if unshared else 0.0}

@@ -159,3 +159,31 @@ def test_orca_simulation_rejects_bad_inputs():
     simulate.simulate_orca([(0, 3, 4)], "max", 16, 32)
   with pytest.raises(ValueError, match="request 0"):
     simulate.simulate_orca([(0, 30, 4)], "max", 64, 32)
+
+
+def test_sharing_savings_counts_forked_blocks_once():
+  import jax.numpy as jnp
+  from paged_jax import block_manager
+  from paged_jax.config import CacheConfig
+  from paged_jax.metrics import sharing_savings
+  rng = np.random.default_rng(5)
+  cfg = CacheConfig(block_size=4, num_blocks=64, max_seqs=6, max_blocks_per_seq=8)
+  state = block_manager.init(cfg)
+  prompt = int(rng.integers(5, 20))
+  state, status = block_manager.allocate(state, jnp.int32(0), jnp.int32(prompt))
+  assert int(status) == 0
+  for dst in (1, 2, 3):   # three forks share every block of slot 0
+    state, status = block_manager.fork(state, jnp.int32(0), jnp.int32(dst))
+    assert int(status) == 0
+  mask = jnp.zeros(6, bool).at[jnp.array([1, 2])].set(True)
+  state, status, _ = block_manager.append(state, mask, 3)   # two writers diverge
+  assert (np.asarray(status) == 0).all()
+  s = sharing_savings(state)
+  blocks = lambda n: -(-n // 4)
+  # Independent count: distinct block ids referenced by any table row.
+  tables = np.asarray(state.block_tables)
+  distinct = len(set(tables[tables >= 0].tolist()))
+  unshared = 2 * blocks(prompt) + 2 * blocks(prompt + 3)
+  assert s["unshared_blocks"] == unshared and s["used_blocks"] == distinct
+  assert s["savings"] == pytest.approx(1 - distinct / unshared)
+  assert 0 < s["savings"] < 1
