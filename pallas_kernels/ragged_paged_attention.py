@@ -9,9 +9,12 @@ prefix. Semantics are exactly `reference.ragged_paged_attention_reference`.
 
 Design (Triton backend, chosen explicitly through `plgpu.CompilerParams`):
   * Query tiles. Outside the kernel (inside jit, plain jnp) each live sequence's rows are
-    cut into tiles of `q_per_tile` rows; tile j is described by (seq, first row, end row,
-    position of its first row). The grid has a static upper bound on the tile count,
-    min(T, T // q_per_tile + S); tiles past the real count do nothing.
+    cut into tiles; tile j is described by (seq, first row, row count, position of its
+    first row). Two launches share one output buffer: sequences with at most
+    `short_q_per_tile` new queries (decode rows) get one small tile each (grid S), the
+    others (prefill chunks) tiles of `q_per_tile` rows (grid with the static bound
+    T // q_per_tile + number of sequences that can be that long). Tiles past the real
+    count do nothing. A decode row so costs a 16-row tile, not a 64-row one.
   * Grid (query tile, KV head, KV split). One program holds all G = Hq / Hkv query heads
     of its KV head for its q_per_tile rows (R = q_per_tile * G logit rows), so every K/V
     page is read once per (tile, KV head), not once per query head.
@@ -191,28 +194,18 @@ def _combine_splits(acc, m, l, out_dtype):
   return (acc_sum / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]).astype(out_dtype)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("sm_scale", "soft_cap", "sliding_window", "interpret", "q_per_tile",
-                     "kv_per_tile", "kv_splits", "num_warps", "num_stages"))
-def _ragged_paged_attention_jit(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
-                                num_seqs, k_scales, v_scales, *, sm_scale, soft_cap,
-                                sliding_window, interpret, q_per_tile, kv_per_tile,
-                                kv_splits, num_warps, num_stages):
-  num_tokens, num_q_heads, head_dim = q.shape
-  num_kv_heads, num_blocks, block_size, _ = k_pages.shape
+def _kernel_call(q4, k_pages, v_pages, block_tables, k_scales, v_scales, tiles, init, *,
+                 q_per_tile, kv_per_tile, kv_splits, sm_scale, soft_cap, sliding_window,
+                 num_warps, num_stages, interpret):
+  """One pallas_call over `tiles`; returns [T, Hkv, G, D] in q4.dtype.
+
+  Rows of the tiles are (re)written; every other row keeps its value from `init` (the
+  output buffer is `init`, aliased), or is zero when the tiles are split (kv_splits > 1).
+  """
+  num_tokens, num_kv_heads, group_p, head_dim = q4.shape
+  _, num_blocks, block_size, _ = k_pages.shape
   num_seqs_max, pages_per_seq = block_tables.shape
-  group = num_q_heads // num_kv_heads
-  group_p = tiling.next_pow2(group)  # Triton tensors need power-of-two sizes.
-
-  tiles = tiling.query_tiles(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens,
-                             q_per_tile=q_per_tile)
   num_tiles = tiles.seq.shape[0]
-
-  q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-  if group_p != group:
-    q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, group_p - group), (0, 0)))
-
   grid = (num_tiles, num_kv_heads, kv_splits)
   full_1d = pl.BlockSpec((num_tiles,), lambda j, h, s: (0,))
   per_head_q = pl.BlockSpec((num_tokens, None, group_p, head_dim),
@@ -227,53 +220,78 @@ def _ragged_paged_attention_jit(q, k_pages, v_pages, block_tables, kv_lens, cu_q
       None if k_scales is None else per_head_scales,
       None if v_scales is None else per_head_scales,
   ]
-  args = [tiles.seq, tiles.row_start, tiles.num_rows, tiles.pos_start,
-          block_tables.astype(jnp.int32), q4, k_pages, v_pages, k_scales, v_scales]
-  out_shape4 = (num_tokens, num_kv_heads, group_p, head_dim)
+  args = [tiles.seq, tiles.row_start, tiles.num_rows, tiles.pos_start, block_tables, q4,
+          k_pages, v_pages, k_scales, v_scales]
   if kv_splits == 1:
-    out_shapes = [jax.ShapeDtypeStruct(out_shape4, q.dtype)]
+    out_shapes = [jax.ShapeDtypeStruct(q4.shape, q4.dtype)]
     out_specs = [per_head_q]
+    inits = [init]
   else:
     split_acc = pl.BlockSpec((None, num_tokens, None, group_p, head_dim),
                              lambda j, h, s: (s, 0, h, 0, 0))
     split_ml = pl.BlockSpec((None, num_tokens, None, group_p), lambda j, h, s: (s, 0, h, 0))
-    out_shapes = [jax.ShapeDtypeStruct((kv_splits, *out_shape4), jnp.float32),
-                  jax.ShapeDtypeStruct((kv_splits, *out_shape4[:-1]), jnp.float32),
-                  jax.ShapeDtypeStruct((kv_splits, *out_shape4[:-1]), jnp.float32)]
+    out_shapes = [jax.ShapeDtypeStruct((kv_splits, *q4.shape), jnp.float32),
+                  jax.ShapeDtypeStruct((kv_splits, *q4.shape[:-1]), jnp.float32),
+                  jax.ShapeDtypeStruct((kv_splits, *q4.shape[:-1]), jnp.float32)]
     out_specs = [split_acc, split_ml, split_ml]
-  # Zero-initialised outputs: rows that no tile covers (padding) stay zero.
-  zero_inputs = [jnp.zeros(s.shape, s.dtype) for s in out_shapes]
+    inits = [jnp.zeros(o.shape, o.dtype) for o in out_shapes]
   first_alias = len(jax.tree.leaves(args))  # None scales are empty pytrees: no operand
-  in_specs += out_specs
-  args += zero_inputs
-
   kernel = functools.partial(
       _ragged_kernel, q_per_tile=q_per_tile, kv_per_tile=kv_per_tile, kv_splits=kv_splits,
       sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
   outs = pl.pallas_call(
       kernel,
       grid=grid,
-      in_specs=in_specs,
+      in_specs=in_specs + out_specs,
       out_specs=out_specs,
       out_shape=out_shapes,
       input_output_aliases={first_alias + i: i for i in range(len(out_shapes))},
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name=f"ragged_paged_attention_tq{q_per_tile}_tk{kv_per_tile}_s{kv_splits}",
-  )(*args)
+  )(*args, *inits)
   if kv_splits == 1:
-    out4 = outs[0]
-  else:
-    out4 = _combine_splits(*outs, q.dtype)
-  out4 = out4[:, :, :group]
-  return out4.reshape(num_tokens, num_q_heads, head_dim)
+    return outs[0]
+  return _combine_splits(*outs, q4.dtype)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "soft_cap", "sliding_window", "interpret", "q_per_tile",
+                     "short_q_per_tile", "kv_per_tile", "kv_splits", "num_warps",
+                     "num_stages"))
+def _ragged_paged_attention_jit(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
+                                num_seqs, k_scales, v_scales, *, sm_scale, soft_cap,
+                                sliding_window, interpret, q_per_tile, short_q_per_tile,
+                                kv_per_tile, kv_splits, num_warps, num_stages):
+  num_tokens, num_q_heads, head_dim = q.shape
+  num_kv_heads = k_pages.shape[0]
+  group = num_q_heads // num_kv_heads
+  group_p = tiling.next_pow2(group)  # Triton tensors need power-of-two sizes.
+  q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+  if group_p != group:
+    q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, group_p - group), (0, 0)))
+  block_tables = block_tables.astype(jnp.int32)
+  common = dict(kv_per_tile=kv_per_tile, sm_scale=sm_scale, soft_cap=soft_cap,
+                sliding_window=sliding_window, num_warps=num_warps, num_stages=num_stages,
+                interpret=interpret)
+  out4 = jnp.zeros(q4.shape, q4.dtype)  # rows no tile covers (padding) stay zero
+  for tile_class in tiling.tile_classes(num_tokens, q_per_tile, short_q_per_tile, kv_splits):
+    tiles = tiling.query_tiles(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens,
+                               q_per_tile=tile_class.q_per_tile,
+                               min_q_len=tile_class.min_q_len,
+                               max_q_len=tile_class.max_q_len)
+    out4 = _kernel_call(q4, k_pages, v_pages, block_tables, k_scales, v_scales, tiles, out4,
+                        q_per_tile=tile_class.q_per_tile, kv_splits=tile_class.kv_splits,
+                        **common)
+  return out4[:, :, :group].reshape(num_tokens, num_q_heads, head_dim)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
                            *, sm_scale=None, soft_cap=None, sliding_window=None,
                            k_scales=None, v_scales=None, interpret=False,
-                           q_per_tile=None, kv_per_tile=None, kv_splits=None,
-                           num_warps=4, num_stages=2):
+                           q_per_tile=None, short_q_per_tile=None, kv_per_tile=None,
+                           kv_splits=None, num_warps=4, num_stages=2):
   """Mixed prefill + decode paged attention (Pallas, Triton GPU backend).
 
   Args:
@@ -291,9 +309,15 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens
     sliding_window: W -> a query at position p sees keys in (p - W, p].
     k_scales, v_scales: f32[Hkv, NB, bs] per-token dequantisation scales or None.
     interpret: run the Pallas interpreter (CPU tests) instead of compiling for the GPU.
-    q_per_tile: query tokens per tile (power of two; default from T / S and the group).
+    q_per_tile: query tokens per prefill tile (power of two; default 64 // G, so a tile
+      holds ~64 logit rows; at least 16 // G).
+    short_q_per_tile: sequences with at most this many new queries (decode rows, short
+      chunks) get one tile of this size in a first launch, so a decode row does not pay
+      for a 64-row tile (power of two <= q_per_tile; default max(1, 16 // G); equal to
+      q_per_tile: a single launch for every sequence).
     kv_per_tile: keys per inner step (power of two >= 16; default 64, 32 for D > 128).
-    kv_splits: split-K factor (>= 1; default: enough programs to fill ~2 waves of a GPU).
+    kv_splits: split-K factor of the short-sequence launch (>= 1; default: enough
+      programs to fill ~2 waves of a GPU; 1 in interpret mode).
     num_warps, num_stages: Triton compiler parameters.
 
   Returns:
@@ -305,11 +329,13 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens
   cfg = tiling.validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
                         sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
                         k_scales=k_scales, v_scales=v_scales, q_per_tile=q_per_tile,
-                        kv_per_tile=kv_per_tile, kv_splits=kv_splits, num_warps=num_warps,
-                        num_stages=num_stages, interpret=interpret)
+                        short_q_per_tile=short_q_per_tile, kv_per_tile=kv_per_tile,
+                        kv_splits=kv_splits, num_warps=num_warps, num_stages=num_stages,
+                        interpret=interpret)
   return _ragged_paged_attention_jit(
       q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
       jnp.asarray(num_seqs, jnp.int32), k_scales, v_scales,
       sm_scale=cfg.sm_scale, soft_cap=cfg.soft_cap, sliding_window=cfg.sliding_window,
-      interpret=bool(interpret), q_per_tile=cfg.q_per_tile, kv_per_tile=cfg.kv_per_tile,
+      interpret=bool(interpret), q_per_tile=cfg.q_per_tile,
+      short_q_per_tile=cfg.short_q_per_tile, kv_per_tile=cfg.kv_per_tile,
       kv_splits=cfg.kv_splits, num_warps=num_warps, num_stages=num_stages)

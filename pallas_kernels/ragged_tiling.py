@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple, Optional
+from typing import List, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -73,25 +73,49 @@ class RaggedConfig:
   soft_cap: Optional[float]
   sliding_window: Optional[int]
   q_per_tile: int
+  short_q_per_tile: int
   kv_per_tile: int
   kv_splits: int
 
 
-def max_query_tiles(num_tokens: int, num_seqs: int, q_per_tile: int) -> int:
-  """Static bound on sum_i cdiv(q_len_i, q_per_tile) given sum_i q_len_i <= num_tokens.
+def max_query_tiles(num_tokens: int, num_seqs: int, q_per_tile: int, min_q_len: int = 1,
+                    max_q_len: Optional[int] = None) -> int:
+  """Static bound on sum_i cdiv(q_len_i, q_per_tile) over sequences with
+  min_q_len <= q_len_i <= max_q_len, given sum_i q_len_i <= num_tokens.
 
-  Each sequence adds at most one partial tile, and no tile is empty.
+  At most min(S, T // min_q_len) sequences qualify; each adds at most one partial tile,
+  and no tile is empty.
   """
-  return max(1, min(num_tokens, num_tokens // q_per_tile + num_seqs))
+  num_qualifying = min(num_seqs, num_tokens // max(1, min_q_len))
+  if max_q_len is not None and max_q_len <= q_per_tile:
+    return max(1, num_qualifying)
+  return max(1, min(num_tokens, num_tokens // q_per_tile + num_qualifying))
 
 
-def default_q_per_tile(num_tokens: int, num_seqs: int, group: int) -> int:
-  """Query tokens per tile: about the mean new-query count, R = tq * G rows in [16, 64]."""
+class TileClass(NamedTuple):
+  """One kernel launch: the sequences with min_q_len <= q_len <= max_q_len."""
+  q_per_tile: int
+  min_q_len: int
+  max_q_len: Optional[int]
+  kv_splits: int
+
+
+def tile_classes(num_tokens: int, q_per_tile: int, short_q_per_tile: int,
+                 kv_splits: int) -> List[TileClass]:
+  """Short sequences (decode) first, in small split-K tiles; then the long ones."""
+  if short_q_per_tile >= q_per_tile:
+    return [TileClass(q_per_tile, 1, None, kv_splits)]
+  classes = [TileClass(short_q_per_tile, 1, short_q_per_tile, kv_splits)]
+  if num_tokens > short_q_per_tile:  # else no sequence can be long: skip the launch
+    classes.append(TileClass(q_per_tile, short_q_per_tile + 1, None, 1))
+  return classes
+
+
+def default_q_per_tile(group: int) -> Tuple[int, int]:
+  """(q_per_tile, short_q_per_tile): ~64 logit rows per prefill tile, 16 per short one."""
   group_p = next_pow2(group)
-  lo = max(1, MIN_DOT_ROWS // group_p)
-  hi = max(lo, 64 // group_p)
-  mean_q = -(-num_tokens // max(1, num_seqs))
-  return int(min(max(next_pow2(mean_q), lo), hi))
+  short = max(1, MIN_DOT_ROWS // group_p)
+  return max(short, 64 // group_p), short
 
 
 def default_kv_splits(num_tiles: int, num_kv_heads: int, max_kv_tokens: int,
@@ -106,8 +130,8 @@ def default_kv_splits(num_tiles: int, num_kv_heads: int, max_kv_tokens: int,
 
 
 def validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, *, sm_scale,
-             soft_cap, sliding_window, k_scales, v_scales, q_per_tile, kv_per_tile,
-             kv_splits, num_warps, num_stages, interpret=False) -> RaggedConfig:
+             soft_cap, sliding_window, k_scales, v_scales, q_per_tile, short_q_per_tile,
+             kv_per_tile, kv_splits, num_warps, num_stages, interpret=False) -> RaggedConfig:
   """Checks shapes, dtypes and knobs; resolves defaults. Raises ValueError / TypeError."""
   for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages),
                   ("block_tables", block_tables), ("kv_lens", kv_lens),
@@ -167,9 +191,13 @@ def validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, *,
 
   group = num_q_heads // num_kv_heads
   group_p = next_pow2(group)
-  if q_per_tile is None:
-    q_per_tile = default_q_per_tile(num_tokens, num_seqs_max, group)
-  _check_int("q_per_tile", q_per_tile, max(1, MIN_DOT_ROWS // group_p), 1024, pow2=True)
+  min_tile = max(1, MIN_DOT_ROWS // group_p)
+  default_long, default_short = default_q_per_tile(group)
+  q_per_tile = default_long if q_per_tile is None else q_per_tile
+  _check_int("q_per_tile", q_per_tile, min_tile, 1024, pow2=True)
+  if short_q_per_tile is None:
+    short_q_per_tile = min(default_short, q_per_tile)
+  _check_int("short_q_per_tile", short_q_per_tile, min_tile, q_per_tile, pow2=True)
   if kv_per_tile is None:
     kv_per_tile = 64 if head_dim <= 128 else 32
   _check_int("kv_per_tile", kv_per_tile, 16, 1024, pow2=True)
@@ -177,15 +205,19 @@ def validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, *,
     if interpret:
       kv_splits = 1  # the interpreter runs programs one by one: splitting only costs time
     else:
-      kv_splits = default_kv_splits(max_query_tiles(num_tokens, num_seqs_max, q_per_tile),
-                                    num_kv_heads, pages_per_seq * block_size, kv_per_tile)
+      first = tile_classes(num_tokens, q_per_tile, short_q_per_tile, 1)[0]
+      kv_splits = default_kv_splits(
+          max_query_tiles(num_tokens, num_seqs_max, first.q_per_tile, first.min_q_len,
+                          first.max_q_len),
+          num_kv_heads, pages_per_seq * block_size, kv_per_tile)
   _check_int("kv_splits", kv_splits, 1, 256)
   _check_int("num_warps", num_warps, 1, 16)
   if num_warps not in NUM_WARPS:
     raise ValueError(f"num_warps must be one of {NUM_WARPS}, got {num_warps}")
   _check_int("num_stages", num_stages, 1, 8)
   return RaggedConfig(sm_scale=scale, soft_cap=cap, sliding_window=sliding_window,
-                      q_per_tile=int(q_per_tile), kv_per_tile=int(kv_per_tile),
+                      q_per_tile=int(q_per_tile), short_q_per_tile=int(short_q_per_tile),
+                      kv_per_tile=int(kv_per_tile),
                       kv_splits=int(kv_splits))
 
 
@@ -197,22 +229,28 @@ class QueryTiles(NamedTuple):
   pos_start: jax.Array  # position of the first row within its sequence
 
 
-def query_tiles(cu_q_lens, kv_lens, num_seqs, *, num_tokens: int,
-                q_per_tile: int) -> QueryTiles:
-  """Cuts each live sequence's query rows into tiles of q_per_tile rows (jnp, jittable).
+def query_tiles(cu_q_lens, kv_lens, num_seqs, *, num_tokens: int, q_per_tile: int,
+                min_q_len: int = 1, max_q_len: Optional[int] = None) -> QueryTiles:
+  """Cuts the query rows of each live sequence with min_q_len <= q_len <= max_q_len
+  into tiles of q_per_tile rows (jnp, jittable).
 
   Args:
     cu_q_lens: i32[S + 1]; kv_lens: i32[S]; num_seqs: i32[] live sequences.
     num_tokens: T, rows of q (static). q_per_tile: rows per tile (static).
+    min_q_len, max_q_len: the class of sequences to tile (static; None: no upper bound).
   Returns:
-    QueryTiles with max_query_tiles(T, S, q_per_tile) entries. Rows past T (malformed
-    cu_q_lens) are dropped; tiles beyond the real count are idle.
+    QueryTiles with max_query_tiles(T, S, q_per_tile, min_q_len, max_q_len) entries.
+    Rows past T (malformed cu_q_lens) are dropped; tiles beyond the real count are idle.
   """
   num_seqs_max = kv_lens.shape[0]
-  num_tiles = max_query_tiles(num_tokens, num_seqs_max, q_per_tile)
+  num_tiles = max_query_tiles(num_tokens, num_seqs_max, q_per_tile, min_q_len, max_q_len)
   cu = jnp.clip(cu_q_lens.astype(jnp.int32), 0, num_tokens)
   live = jnp.arange(num_seqs_max, dtype=jnp.int32) < jnp.reshape(num_seqs, ())
-  q_lens = jnp.where(live, jnp.maximum(cu[1:] - cu[:-1], 0), 0)
+  q_lens = jnp.maximum(cu[1:] - cu[:-1], 0)
+  in_class = live & (q_lens >= min_q_len)
+  if max_q_len is not None:
+    in_class &= q_lens <= max_q_len
+  q_lens = jnp.where(in_class, q_lens, 0)
   tiles_per_seq = (q_lens + q_per_tile - 1) // q_per_tile
   tile_ends = jnp.cumsum(tiles_per_seq).astype(jnp.int32)           # [S]
   tile = jnp.arange(num_tiles, dtype=jnp.int32)

@@ -3,7 +3,8 @@
 `jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))` runs the Pallas -> Triton
 lowering (tensor shapes, supported ops, dtype casts, 64-bit offsets) from shapes alone.
 For every configuration the engine and the benchmarks use, and for each feature of the
-kernel, the module must hold exactly one Triton custom call, carrying our kernel, and the
+kernel, the module must hold only Triton custom calls (one or two launches) carrying our
+kernel, and the
 paged K/V arrays must enter it untouched: no gather or slice outside the kernel makes a
 contiguous copy of the cache. (Triton -> PTX happens only on a GPU: experiments/gpu_check.sh.)
 """
@@ -57,10 +58,12 @@ def lower_ragged(*, num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim, b
 
 def assert_triton_kernel(text, pages_type):
   calls = re.findall(r"stablehlo\.custom_call @([\w$.]+)", text)
-  assert calls == [TRITON_CALL], calls
+  # One launch for short (decode) sequences, one for prefill chunks (or a single one).
+  assert calls in ([TRITON_CALL], [TRITON_CALL] * 2), calls
   assert "ragged_paged_attention_tq" in text  # our kernel, by its pallas_call name
   call_lines = [l for l in text.splitlines() if TRITON_CALL in l]
-  assert pages_type in call_lines[0], "the pages must be operands of the kernel"
+  for line in call_lines:
+    assert pages_type in line, "the pages must be operands of the kernel"
   for line in text.splitlines():
     if any(op in line for op in ("stablehlo.gather", "slice", "stablehlo.transpose",
                                  "stablehlo.convert", "stablehlo.pad")):

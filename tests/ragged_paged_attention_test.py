@@ -144,6 +144,7 @@ FAST_CASES = [
     (2, 64, 16, jnp.float32, jnp.int8, {}),
     (4, 64, 16, jnp.bfloat16, jnp.float8_e4m3fn, {}),
     (3, 64, 4, jnp.float32, None, {}),  # group 3 (padded to 4), block size 4
+    (8, 64, 16, jnp.float32, None, {"short_q_per_tile": 4, "q_per_tile": 8}),
 ]
 
 
@@ -197,29 +198,45 @@ def test_inside_jit_with_traced_num_seqs_and_no_live_rows():
 
 
 def test_query_tiles_match_python_model():
-  """Tiling metadata vs a plain-Python enumeration of every sequence's tiles."""
+  """Tiling metadata vs a plain-Python enumeration of each class's sequences and tiles."""
   num_seqs_max, num_tokens = 6, 200
-  tile_fn = jax.jit(ragged_tiling.query_tiles, static_argnames=("num_tokens", "q_per_tile"))
+  tile_fn = jax.jit(ragged_tiling.query_tiles,
+                    static_argnames=("num_tokens", "q_per_tile", "min_q_len", "max_q_len"))
+  classes = [(1, None), (1, 4), (5, None), (2, 16)]
   for _ in range(30):
     seed = _fresh_seed()
     rng = np.random.default_rng(seed)
     q_lens = rng.integers(0, 30, num_seqs_max) * (rng.random(num_seqs_max) < 0.8)
+    q_lens[rng.random(num_seqs_max) < 0.3] = 1  # decode rows
     num_live = int(rng.integers(0, num_seqs_max + 1))
     kv_lens = q_lens + rng.integers(0, 50, num_seqs_max)
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     tq = int(rng.choice([1, 4, 16]))
-    tiles = tile_fn(jnp.asarray(cu), jnp.asarray(kv_lens, jnp.int32),
-                                      jnp.int32(num_live), num_tokens=num_tokens,
-                                      q_per_tile=tq)
+    lo, hi = classes[int(rng.integers(len(classes)))]
+    tiles = tile_fn(jnp.asarray(cu), jnp.asarray(kv_lens, jnp.int32), jnp.int32(num_live),
+                    num_tokens=num_tokens, q_per_tile=tq, min_q_len=lo, max_q_len=hi)
     got = [(int(s), int(r), int(n), int(p)) for s, r, n, p in zip(*map(np.asarray, tiles))
            if n > 0]
     want = []
     for i in range(num_live):
+      if q_lens[i] < lo or (hi is not None and q_lens[i] > hi):
+        continue
       for start in range(0, int(q_lens[i]), tq):
         want.append((i, int(cu[i]) + start, min(tq, int(q_lens[i]) - start),
                      int(kv_lens[i] - q_lens[i]) + start))
     assert got == want, f"seed={seed}"
-    assert len(tiles.seq) == ragged_tiling.max_query_tiles(num_tokens, num_seqs_max, tq)
+    bound = ragged_tiling.max_query_tiles(num_tokens, num_seqs_max, tq, lo, hi)
+    assert len(tiles.seq) == bound >= len(want), f"seed={seed}"
+
+
+def test_tile_classes_cover_every_sequence_once():
+  for tokens, tq, short in [(64, 16, 4), (64, 16, 16), (3, 16, 4), (1, 8, 2)]:
+    classes = ragged_tiling.tile_classes(tokens, tq, short, kv_splits=3)
+    for q_len in range(1, tokens + 1):
+      owners = [c for c in classes
+                if c.min_q_len <= q_len and (c.max_q_len is None or q_len <= c.max_q_len)]
+      assert len(owners) == 1, (tokens, tq, short, q_len, classes)
+    assert classes[0].kv_splits == 3 and all(c.kv_splits == 1 for c in classes[1:])
 
 
 # ------------------------------------------------------------------------------ validation
@@ -254,6 +271,7 @@ def _small_args(**over):
     (dict(k_scales=jnp.ones((2, 8, 8))), "k_scales"),
     (dict(q_per_tile=3), "q_per_tile"),
     (dict(q_per_tile=2), "q_per_tile"),  # 2 rows x group 2 < 16 rows for tl.dot
+    (dict(short_q_per_tile=64), "short_q_per_tile"),  # > q_per_tile (32 for group 2)
     (dict(kv_per_tile=8), "kv_per_tile"),
     (dict(kv_splits=0), "kv_splits"),
     (dict(num_warps=3), "num_warps"),
