@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import collections
 import datetime
+import os
 import platform
+import sys
 import time
 
 from absl import app
@@ -51,6 +53,11 @@ flags.DEFINE_integer("block_size", 16, "Tokens per block.")
 flags.DEFINE_integer("max_len", 64, "Longest sequence (tokens) before it is recycled.")
 flags.DEFINE_integer("recycle_width", 64, "Static width of the free/allocate slot vector.")
 flags.DEFINE_integer("seed", 0, "Schedule seed.")
+flags.DEFINE_integer("cpu_cores", 1,
+                     "Pin the process to this many cores before JAX starts (0: leave as is). "
+                     "One core matches the single-threaded host allocator, and stops XLA:CPU "
+                     "from splitting each in-place scatter over a num_blocks-long array into "
+                     "thread-pool tasks (its cost model counts the array, not the updates).")
 flags.DEFINE_string("out", "results/block_manager", "Output directory.")
 
 
@@ -239,8 +246,26 @@ def _initial_state(cfg, init_lens):
   return state
 
 
+def _pin_cores(n):
+  """Restricts this process to its first `n` allowed cores; returns the core list."""
+  cores = sorted(os.sched_getaffinity(0))
+  if n > 0:
+    cores = cores[:n]
+    os.sched_setaffinity(0, cores)
+  return cores
+
+
+def _thread_split_ops(cfg):
+  """Ops XLA:CPU splits across threads in the compiled donated append (0 = none)."""
+  state = bm.init(cfg)
+  lowered = jax.jit(lambda st, m: bm.append(st, m, 1), donate_argnums=0).lower(
+      state, jnp.ones((cfg.max_seqs,), bool))
+  return lowered.compile().as_text().count("outer_dimension_partitions")
+
+
 def main(argv):
   del argv
+  cores = _pin_cores(FLAGS.cpu_cores)
   out = common.out_dir(FLAGS.out)
   batch, bs = FLAGS.batch, FLAGS.block_size
   steps = FLAGS.warmup + FLAGS.iters
@@ -272,7 +297,7 @@ def main(argv):
          "host_append_us": h_app, "host_recycle_us": h_rec,
          "host_append_plus_upload_us": h_upload, "jit_over_host_append": j_app / h_app,
          "host_step_us": h_app + h_rec, "jit_fused_over_host_step": fused / (h_app + h_rec),
-         "spread_us": spread}
+         "xla_thread_split_ops_in_append": _thread_split_ops(cfg), "spread_us": spread}
     results.append(r)
     rows.append([nb, j_app, n_app, fused, h_app, h_upload, j_app / h_app])
     print(common.table(rows[-1:], ["num_blocks", "jit append us", "no-donate us", "fused us",
@@ -289,7 +314,8 @@ def main(argv):
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
       "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
-      "jax": jax.__version__, "python": platform.python_version(),
+      "jax": jax.__version__, "python": platform.python_version(), "cpu_cores_used": cores,
+      "command": " ".join(sys.argv),
       "flags": {"batch": batch, "block_size": bs, "iters": FLAGS.iters, "warmup": FLAGS.warmup,
                 "max_len": FLAGS.max_len, "recycle_width": FLAGS.recycle_width,
                 "max_blocks_per_seq": max_blocks, "seed": FLAGS.seed},

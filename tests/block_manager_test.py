@@ -414,6 +414,33 @@ class TracingTest(chex.TestCase):
     assert_matches_model(state, model)
 
 
+class InPlaceTest(chex.TestCase):
+  """With the state donated, no op copies an O(num_blocks) array (cost independent of the pool)."""
+
+  def test_no_num_blocks_sized_copy_when_donated(self):
+    nb = 4099  # a length no other array has, to find it in the compiled HLO
+    cfg = CacheConfig(block_size=4, num_blocks=nb, max_seqs=8, max_blocks_per_seq=6)
+    state = bm.init(cfg)
+    slots = jnp.arange(3, dtype=jnp.int32)
+    ops = {
+        "allocate": (bm.allocate, (state, slots, jnp.ones(3, jnp.int32))),
+        "append": (bm.append, (state, jnp.ones(8, bool), jnp.ones(8, jnp.int32))),
+        "append_int": (lambda st, m: bm.append(st, m, 1), (state, jnp.ones(8, bool))),
+        "free": (bm.free, (state, slots)),
+        "fork": (bm.fork, (state, slots, slots + 3)),
+    }
+
+    def big_copies(fn, args, donate):
+      kw = {"donate_argnums": 0} if donate else {}
+      text = jax.jit(fn, **kw).lower(*args).compile().as_text()
+      return [l for l in text.splitlines() if f"s32[{nb}]" in l and " copy(" in l]
+
+    for name, (fn, args) in ops.items():
+      self.assertEqual(big_copies(fn, args, donate=True), [], name)
+    # The check can fail: without donation the updated ref_count must be copied.
+    self.assertNotEmpty(big_copies(bm.free, ops["free"][1], donate=False))
+
+
 class HostManagerTest(chex.TestCase):
 
   def _mgr(self):
