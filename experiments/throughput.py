@@ -1,0 +1,163 @@
+r"""Serving throughput: paged blocks vs a contiguous Orca(Max) reservation, equal KV budget.
+
+    python -m experiments.throughput --workloads=sharegpt,alpaca --num_requests=48 \
+        --kv_budget_tokens=2048 --block_size=16 --out=results/throughput
+
+One engine (`paged_jax.engine.Engine`, the shipped tiny model), one KV pool of
+`kv_budget_tokens` token slots, the same request stream (all queued at t = 0,
+greedy, each runs to its stream output length), two configurations run side by
+side in one process:
+
+  paged      block_size tokens per block, blocks allocated on demand (vLLM).
+  orca_max   block_size = max_len: every sequence reserves one contiguous
+             max_len-token span at admission (Orca(Max) / FasterTransformer-style),
+             so at most kv_budget_tokens / max_len sequences run at once.
+
+Both share every other knob (max_seqs, token budget per step, scheduler,
+attention backend), so the ratio isolates the allocator. Reports requests/s,
+generated tokens/s, mean / p90 latency (finish time, all arriving at 0) and the
+running-sequence count, and generated tokens per engine step (independent of
+the machine's speed and load); `DIR/throughput.json`, `DIR/throughput.png`.
+The paper reports 2-4x throughput at equal latency (Figure 12, OPT on A100).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Dict, Sequence
+
+from experiments import common
+from experiments import serving
+
+PAPER_SPEEDUP = "2-4x (vLLM vs Orca/FasterTransformer at equal latency, Fig. 12)"
+CONFIGS = ("orca_max", "paged")
+
+
+def run(workload_names: Sequence[str] = ("sharegpt", "alpaca"), *, num_requests: int = 48,
+        kv_budget_tokens: int = 2048, block_size: int = 16,
+        max_len: int = serving.ENGINE_MAX_LEN, max_seqs: int = 64, seed: int = 0,
+        attention_backend: str = "auto", repeats: int = 1, show_progress=None) -> Dict:
+  """{workload: {"paged": serve-result, "orca_max": serve-result, "speedup_*": ratios}}.
+
+  With `repeats` > 1 the two configurations alternate and each keeps its fastest
+  run (the machine is shared; alternation exposes both to the same load).
+  """
+  if max_len & (max_len - 1):
+    raise ValueError(f"max_len must be a power of two (it is the Orca block size), got {max_len}")
+  if block_size > max_len:
+    raise ValueError(f"block_size must be <= max_len={max_len}, got {block_size}")
+  results = {}
+  for name in workload_names:
+    requests = serving.scaled_requests(name, num_requests, seed=seed, max_len=max_len)
+    row = {}
+    for rep in range(repeats):
+      for config in CONFIGS:
+        bs = max_len if config == "orca_max" else block_size
+        engine = serving.make_engine(block_size=bs, kv_budget_tokens=kv_budget_tokens,
+                                     max_seqs=max_seqs, max_len=max_len,
+                                     attention_backend=attention_backend)
+        bar = common.progress(total=num_requests, desc=f"{name} {config} #{rep}",
+                              disable=None if show_progress is None else not show_progress)
+        with bar:
+          res = serving.serve(engine, requests, progress=bar)
+        res["block_size"] = bs
+        if config not in row or res["seconds"] < row[config]["seconds"]:
+          row[config] = res
+    row["speedup_requests_per_s"] = (row["paged"]["requests_per_s"]
+                                     / row["orca_max"]["requests_per_s"])
+    row["speedup_tokens_per_s"] = row["paged"]["tokens_per_s"] / row["orca_max"]["tokens_per_s"]
+    row["speedup_tokens_per_step"] = (row["paged"]["tokens_per_step"]
+                                      / row["orca_max"]["tokens_per_step"])
+    row["latency_ratio"] = row["paged"]["mean_latency_s"] / row["orca_max"]["mean_latency_s"]
+    row["concurrency_ratio"] = (row["paged"]["mean_running_seqs"]
+                                / row["orca_max"]["mean_running_seqs"])
+    results[name] = row
+  return results
+
+
+def summary_rows(results: Dict):
+  rows = []
+  for name, row in results.items():
+    for config in CONFIGS:
+      r = row[config]
+      rows.append([name, config, r["block_size"], f"{r['requests_per_s']:.2f}",
+                   f"{r['tokens_per_s']:.0f}", f"{r['mean_latency_s']:.2f}",
+                   f"{r['tokens_per_step']:.1f}", f"{r['mean_running_seqs']:.1f}",
+                   r["preemptions"]])
+    rows.append([name, "paged / orca_max", "", f"{row['speedup_requests_per_s']:.2f}x",
+                 f"{row['speedup_tokens_per_s']:.2f}x", f"{row['latency_ratio']:.2f}x",
+                 f"{row['speedup_tokens_per_step']:.2f}x", f"{row['concurrency_ratio']:.2f}x", ""])
+  return rows
+
+
+HEADERS = ["workload", "config", "block", "req/s", "tok/s", "mean latency s", "tok/step",
+           "mean running",
+           "preempt"]
+
+
+def plot(results: Dict, path):
+  plt = common.pyplot()
+  fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+  names = list(results)
+  width = 0.38
+  for i, (metric, label) in enumerate((("requests_per_s", "requests / s"),
+                                       ("tokens_per_s", "generated tokens / s"))):
+    ax = axes[i]
+    for j, config in enumerate(CONFIGS):
+      vals = [results[n][config][metric] for n in names]
+      ax.bar([k + (j - 0.5) * width for k in range(len(names))], vals, width,
+             label={"paged": "paged (vLLM)", "orca_max": "contiguous Orca(Max)"}[config],
+             color={"paged": "#4c9a2a", "orca_max": "#8d99ae"}[config])
+    for k, n in enumerate(names):
+      ax.text(k + 0.5 * width, results[n]["paged"][metric],
+              f"{results[n]['paged'][metric] / results[n]['orca_max'][metric]:.2f}x",
+              ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(names)), [f"{n}-like" for n in names])
+    ax.set_ylabel(label)
+  axes[0].legend(fontsize=8, frameon=False)
+  fig.suptitle("Throughput at equal KV budget (tiny model, CPU); paper: 2-4x", fontsize=10)
+  return common.save_png(fig, path)
+
+
+def _define_flags():
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  flags.DEFINE_list("workloads", ["sharegpt", "alpaca"], "streams to serve")
+  flags.DEFINE_integer("num_requests", 48, "requests per stream", lower_bound=1)
+  flags.DEFINE_integer("kv_budget_tokens", 2048, "KV pool in token slots (both configs)",
+                       lower_bound=1)
+  flags.DEFINE_integer("block_size", 16, "paged block size", lower_bound=1)
+  flags.DEFINE_integer("max_len", serving.ENGINE_MAX_LEN, "context limit = Orca block size",
+                       lower_bound=2)
+  flags.DEFINE_integer("max_seqs", 64, "sequence slots (both configs)", lower_bound=1)
+  flags.DEFINE_integer("seed", 0, "stream seed")
+  flags.DEFINE_string("attention_backend", "auto", "auto|reference|pallas|pallas_interpret")
+  flags.DEFINE_integer("repeats", 1, "alternating runs per config; the fastest is kept",
+                       lower_bound=1)
+  flags.DEFINE_string("out", "results/throughput", "output directory")
+
+
+def main(argv):
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  if len(argv) > 1:
+    sys.exit(f"unexpected arguments {argv[1:]}")
+  f = flags.FLAGS
+  out = common.out_dir(f.out)
+  start = time.time()
+  results = run(f.workloads, num_requests=f.num_requests, kv_budget_tokens=f.kv_budget_tokens,
+                block_size=f.block_size, max_len=f.max_len, max_seqs=f.max_seqs, seed=f.seed,
+                attention_backend=f.attention_backend, repeats=f.repeats)
+  common.write_json(out / "throughput.json", {
+      "results": results, "paper": PAPER_SPEEDUP, "seconds": time.time() - start,
+      "flags": {k: f[k].value for k in ("workloads", "num_requests", "kv_budget_tokens",
+                                        "block_size", "max_len", "max_seqs", "seed",
+                                        "attention_backend", "repeats")}})
+  png = plot(results, out / "throughput.png")
+  print(common.table(summary_rows(results), HEADERS))
+  print(f"paper: {PAPER_SPEEDUP}\nwrote {out / 'throughput.json'}, {png}")
+
+
+if __name__ == "__main__":
+  from absl import app  # pylint: disable=g-import-not-at-top
+  _define_flags()
+  app.run(main)
