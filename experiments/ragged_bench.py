@@ -14,6 +14,7 @@ Methods, on the same content in the same run:
   ragged_contiguous  the same kernel, pages laid out in order (identity table): the cost
                      of paging itself
   decode_kernel      pallas_kernels.paged_attention (decode scenarios)
+  ragged_<variant>   knob variants of the kernel (SWEEP, with --sweep) on a few scenarios
   dense              jax.nn.dot_product_attention on a contiguous [S, L, Hkv, D] cache with
                      the causal-with-offset mask (uniform scenarios; cuDNN when it accepts
                      the call, else XLA)
@@ -60,6 +61,17 @@ flags.DEFINE_integer("repeats", None, "timing samples per method (default GPU 10
 flags.DEFINE_integer("calls_per_sample", None, "calls per sample (default GPU 5, CPU 1)",
                      flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "PRNG seed", flag_values=FLAGS)
+flags.DEFINE_bool("sweep", True, "also time knob variants (SWEEP) on SWEEP_SCENARIOS at the "
+                  "first block size", flag_values=FLAGS)
+
+# Knob variants timed beside the defaults (to pick defaults from GPU measurements).
+SWEEP = {
+    "ragged_tk128_w8": dict(kv_per_tile=128, num_warps=8),
+    "ragged_tk32": dict(kv_per_tile=32),
+    "ragged_stages3": dict(num_stages=3),
+    "ragged_one_launch": dict(single_launch=True),  # decode rows in prefill-sized tiles
+}
+SWEEP_SCENARIOS = ("decode64", "prefill2k", "mixed")
 
 # name -> list of (number of sequences, new tokens each, context after this step).
 GPU_SCENARIOS = {
@@ -143,12 +155,30 @@ def work(seqs, hq, hkv, d, itemsize):
   return kv_bytes, 4 * d * pairs * hq
 
 
-def bench_scenario(name, seqs, bs, cfg, interpret, repeats, calls, key):
+def _variant(knobs, interpret):
+  knobs = dict(knobs)
+  if knobs.pop("single_launch", False):
+    knobs["short_q_per_tile"] = knobs["q_per_tile"] = None  # resolved below
+
+  def f(*args):
+    kw = dict(knobs)
+    if "q_per_tile" in kw:  # one launch: short tiles as large as the prefill tiles
+      from pallas_kernels import ragged_tiling  # pylint: disable=g-import-not-at-top
+      group = args[0].shape[1] // args[1].shape[0]
+      kw["q_per_tile"] = kw["short_q_per_tile"] = ragged_tiling.default_q_per_tile(group)[0]
+    return pallas_kernels.ragged_paged_attention(*args, interpret=interpret, **kw)
+  return jax.jit(f)
+
+
+def bench_scenario(name, seqs, bs, cfg, interpret, repeats, calls, key, sweep=False):
   from experiments import kernel_bench  # pylint: disable=g-import-not-at-top
   paged, contiguous = make_inputs(key, seqs, bs, cfg["hq"], cfg["hkv"], cfg["d"], cfg["dtype"])
   kernel = jax.jit(functools.partial(pallas_kernels.ragged_paged_attention,
                                      interpret=interpret))
   fns = {"ragged_paged": (kernel, paged), "ragged_contiguous": (kernel, contiguous)}
+  if sweep:
+    for variant, knobs in SWEEP.items():
+      fns[variant] = (_variant(knobs, interpret), paged)
   checks = {}
   out = kernel(*paged)
   ref_out = jax.jit(reference.ragged_paged_attention_reference)(*paged) if interpret else None
@@ -219,8 +249,9 @@ def main(argv):
   results = []
   for i, (name, bs) in enumerate(common.progress(runs, desc="scenarios")):
     try:
+      sweep = FLAGS.sweep and bs == block_sizes[0] and name in SWEEP_SCENARIOS
       results.append(bench_scenario(name, _expand(scenarios[name]), bs, cfg, interpret,
-                                    repeats, calls, jax.random.fold_in(key, i)))
+                                    repeats, calls, jax.random.fold_in(key, i), sweep=sweep))
     except Exception as e:  # pylint: disable=broad-except
       results.append({"scenario": name, "block_size": bs,
                       "error": f"{type(e).__name__}: {str(e)[:300]}"})
@@ -240,6 +271,16 @@ def main(argv):
                  ms("dense") / ms("ragged_paged"), ms("decode_kernel") / ms("ragged_paged")])
   print(common.table(rows, ["scenario", "bs", "ms", "GB/s", "frac bw", "TFLOP/s",
                             "paged/contig", "dense/ours", "decode/ours"]))
+  sweep_rows = []
+  for r in results:
+    t = r.get("timings", {})
+    base = t.get("ragged_paged", {}).get("median_s")
+    if base and any(v in t for v in SWEEP):
+      sweep_rows.append([r["scenario"], r["block_size"]] + [
+          t.get(v, {}).get("median_s", float("nan")) / base for v in SWEEP])
+  if sweep_rows:
+    print("variant time / default time:")
+    print(common.table(sweep_rows, ["scenario", "bs"] + [v[len("ragged_"):] for v in SWEEP]))
   print(f"wrote {path}")
 
 
