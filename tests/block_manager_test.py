@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from paged_jax import block_manager as bm
 from paged_jax.config import (CacheConfig, INVALID, OK, OUT_OF_BLOCKS, OutOfBlocksError,
@@ -145,7 +146,7 @@ class RandomOpsTest(chex.TestCase):
   def test_random_sequences_match_model(self):
     seen = {"status": set(), "cow": 0}
     for seed in range(3):
-      out = run_random_ops(seed, 200)
+      out = run_random_ops(seed, 150)
       seen["status"] |= out["status"]
       seen["cow"] += out["cow"]
     # The run must actually have exercised every outcome and copy-on-write.
@@ -199,8 +200,21 @@ class BlockMachine(RuleBasedStateMachine):
     assert int(state.num_free) == NB and not np.asarray(state.ref_count).any()
 
 
-BlockMachine.TestCase.settings = settings(max_examples=20, stateful_step_count=30, deadline=None)
-BlockMachineTest = BlockMachine.TestCase
+class BlockMachineTest(BlockMachine.TestCase):
+  settings = settings(max_examples=20, stateful_step_count=30, deadline=None)  # ~600 steps
+
+
+@pytest.mark.slow
+class BlockMachineLongTest(BlockMachine.TestCase):
+  settings = settings(max_examples=150, stateful_step_count=40, deadline=None)  # ~6000 steps
+
+
+@pytest.mark.slow
+class RandomOpsLongTest(chex.TestCase):
+
+  def test_long_random_sequences_match_model(self):
+    for seed in range(100, 110):
+      run_random_ops(seed, 500)
 
 
 def _shared_partial_state(num_holders: int, cfg: CacheConfig = CFG, length: int = 6):
