@@ -230,3 +230,16 @@ def test_shipped_checkpoint_writes_recognisable_text():
   common = {"there", "was", "a", "little", "named", "in", "the", "lived", "called", "small",
             "house", "near", "by", "girl", "boy", "cat", "dog", "bird", "bear", "rabbit", "mouse"}
   assert sum(w.lower() in common for w in words) >= 4, text
+
+
+def test_tokenizer_round_trip_and_errors():
+  text = "Once upon a time, naïve café — 猫. \n"
+  ids = tokenizer.encode(text, add_bos=True, add_eos=True)
+  assert ids[0] == tokenizer.BOS_ID and ids[-1] == tokenizer.EOS_ID
+  assert max(ids[1:-1]) < 256 and len(ids) == len(text.encode("utf-8")) + 2
+  assert tokenizer.decode(ids) == text
+  assert tokenizer.decode(ids + [65], stop_at_eos=True) == text
+  assert tokenizer.decode(ids + [65], stop_at_eos=False) == text + "A"
+  assert tokenizer.decode([0xE7, 0x8C]) == "\ufffd"  # truncated UTF-8 from a model
+  with pytest.raises(ValueError, match=r"ids\[1\]=258"):
+    tokenizer.decode([65, 258])

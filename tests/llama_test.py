@@ -240,3 +240,19 @@ def test_shipped_model_paged_greedy_equals_dense_greedy():
     got.append(new[0])
   assert got == want, (tokenizer.decode(got), tokenizer.decode(want))
   assert tokenizer.decode(got).startswith(", there was")  # recognisable story opening
+
+
+def test_bad_shapes_name_the_argument():
+  config = _config()
+  params = _random_params(config, 5)
+  cache = config.cache_config(block_size=4, num_blocks=8, max_seqs=2, max_blocks_per_seq=4)
+  alloc = _Allocator(cache, np.random.default_rng(0))
+  tokens, positions, meta = _step_inputs(alloc, None, [(0, [1, 2, 3])], 8, 2)
+  model = llama.LlamaForCausalLM(config, attention_backend="reference")
+  pages = kv_cache.init(cache)
+  with pytest.raises(ValueError, match="positions"):
+    model.apply(params, tokens, positions[:5], pages, meta)
+  with pytest.raises(ValueError, match="tokens"):
+    model.apply(params, tokens[None], positions, pages, meta)
+  with pytest.raises(ValueError, match="kv_pages"):
+    model.apply(params, tokens, positions, kv_cache.init(cache.replace(num_layers=3)), meta)

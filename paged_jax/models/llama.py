@@ -220,8 +220,26 @@ class LlamaForCausalLM(nn.Module):
     Returns:
       (f32[S, vocab] logits of rows `meta.logits_indices`, new KVPages).
     """
+    _check_step_shapes(self.config, tokens, positions, kv_pages, meta)
     h, kv_pages = self.model(tokens, positions, kv_pages, meta)
     return self._logits(h[meta.logits_indices]), kv_pages
+
+
+def _check_step_shapes(c: ModelConfig, tokens, positions, kv_pages, meta) -> None:
+  """Trace-time (static shape) checks; raise ValueError naming the argument."""
+  if tokens.ndim != 1 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"tokens must be an integer [T] array, got {tokens.dtype}{list(tokens.shape)}")
+  t = tokens.shape[0]
+  for name, x in (("positions", positions), ("meta.slot_mapping", meta.slot_mapping)):
+    if tuple(x.shape) != (t,):
+      raise ValueError(f"{name} must have shape [T] = [{t}] like tokens, got {list(x.shape)}")
+  if meta.logits_indices.ndim != 1:
+    raise ValueError(f"meta.logits_indices must be [S], got {list(meta.logits_indices.shape)}")
+  want = (c.num_layers, c.num_kv_heads)
+  if tuple(kv_pages.k.shape[:2]) != want or kv_pages.k.shape[-1] != c.head_dim:
+    raise ValueError(
+        f"kv_pages.k must be [num_layers={c.num_layers}, num_kv_heads={c.num_kv_heads}, "
+        f"num_blocks, block_size, head_dim={c.head_dim}], got {list(kv_pages.k.shape)}")
 
 
 def init_params(config: ModelConfig, rng: jax.Array) -> dict:

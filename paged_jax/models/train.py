@@ -42,7 +42,8 @@ def stream_from_documents(docs: Sequence[Sequence[int]]) -> np.ndarray:
   return np.concatenate([np.asarray(d, np.int32) for d in docs])
 
 
-def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+def make_optimizer(tc: TrainConfig):
+  """-> (optax transformation, learning-rate schedule)."""
   schedule = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=tc.peak_lr, warmup_steps=tc.warmup_steps,
       decay_steps=tc.steps, end_value=tc.peak_lr * tc.end_lr_fraction)
