@@ -87,18 +87,17 @@ def _step_inputs(alloc, seqs_tokens, chunk, num_rows, num_seq_rows):
 
 def _poisoned_pages(cache, seed):
   pages = kv_cache.init(cache)
-  k = jax.random.normal(jax.random.key(seed), pages.k.shape, pages.k.dtype) * 10
-  v = jax.random.normal(jax.random.key(seed + 1), pages.v.shape, pages.v.dtype) * 10
-  return pages.replace(k=k, v=v)
+  noise = lambda s, x: (jax.random.normal(jax.random.key(s), x.shape) * 10).astype(x.dtype)
+  return pages.replace(k=noise(seed, pages.k), v=noise(seed + 1, pages.v))
 
 
-def _run_schedule(config, params, block_size, schedule, prompts, seed):
+def _run_schedule(config, params, block_size, schedule, prompts, seed, cache_dtype="float32"):
   """Runs `schedule` (list of steps, each a list of (seq, num_new)) through the paged model.
 
   Returns a list of (seq, position, logits) for every logits row produced.
   """
   cache = config.cache_config(block_size=block_size, num_blocks=64, max_seqs=4,
-                              max_blocks_per_seq=64 // block_size * 2)
+                              max_blocks_per_seq=64 // block_size * 2, dtype=cache_dtype)
   rng = np.random.default_rng(seed)
   alloc = _Allocator(cache, rng)
   pages = _poisoned_pages(cache, seed)
@@ -256,3 +255,17 @@ def test_bad_shapes_name_the_argument():
     model.apply(params, tokens[None], positions, pages, meta)
   with pytest.raises(ValueError, match="kv_pages"):
     model.apply(params, tokens, positions, kv_cache.init(cache.replace(num_layers=3)), meta)
+
+
+def test_int8_kv_cache_close_to_dense():
+  """Quantized pages: the model passes the per-token scales through to attention."""
+  config = _config()
+  params = _random_params(config, 21)
+  prompts = [np.random.default_rng(4).integers(0, 97, 20)]
+  results = _run_schedule(config, params, 4, [[(0, 12)], [(0, 1)], [(0, 1)]], prompts, 0,
+                          cache_dtype="int8")
+  full = np.asarray(_dense_jit(params, config, jnp.asarray(prompts[0], jnp.int32)))
+  for _, fed, logits in results:
+    want = full[fed - 1]
+    err = np.abs(logits - want).max() / np.abs(want).max()
+    assert 0 < err < 0.05, err
