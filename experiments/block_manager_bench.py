@@ -53,6 +53,9 @@ flags.DEFINE_integer("block_size", 16, "Tokens per block.")
 flags.DEFINE_integer("max_len", 64, "Longest sequence (tokens) before it is recycled.")
 flags.DEFINE_integer("recycle_width", 64, "Static width of the free/allocate slot vector.")
 flags.DEFINE_integer("seed", 0, "Schedule seed.")
+flags.DEFINE_float("fork_prob", 0.0,
+                   "Chance that a recycled slot restarts as a fork of a running sequence "
+                   "(sharing, then copy-on-write) instead of a new prompt.")
 flags.DEFINE_integer("cpu_cores", 1,
                      "Pin the process to this many cores before JAX starts (0: leave as is). "
                      "One core matches the single-threaded host allocator, and stops XLA:CPU "
@@ -61,27 +64,39 @@ flags.DEFINE_integer("cpu_cores", 1,
 flags.DEFINE_string("out", "results/block_manager", "Output directory.")
 
 
-def make_schedule(batch, steps, max_len, width, seed):
-  """Per step: slots to recycle (padded with -1 to `width`) and their new prompt lengths.
+def make_schedule(batch, steps, max_len, width, seed, fork_prob=0.0):
+  """Per step, the slots to recycle and what they restart as, padded with -1 to `width`.
 
-  A slot is recycled the step after it reaches its target length; overflow
-  beyond `width` waits a step (its length stays below max_len + steps waited).
+  A slot is recycled the step after it reaches its target length (overflow
+  beyond `width` waits a step). It restarts as a new prompt, or with
+  probability `fork_prob` as a fork of another running sequence (parallel
+  sampling), which then triggers copy-on-write at the next append when the
+  shared last block is partially filled. Returns (init_lens i32[batch], dict of
+  i32[steps, width]: free, alloc, prompt, fork_src, fork_dst).
   """
   rng = np.random.default_rng(seed)
   prompt = rng.integers(1, 17, size=batch)
   target = rng.integers(prompt + 1, max_len + 1)
   lens = rng.integers(prompt, target)  # staggered start
   init_lens = lens.copy()
-  free_slots = np.full((steps, width), -1, np.int32)
-  prompts = np.zeros((steps, width), np.int32)
+  sched = {k: np.full((steps, width), -1, np.int32)
+           for k in ("free", "alloc", "prompt", "fork_src", "fork_dst")}
   for t in range(steps):
     due = np.flatnonzero(lens >= target)[:width]
+    forked = rng.random(due.size) < fork_prob
+    running = np.setdiff1d(np.arange(batch), due)
+    src = rng.choice(running, size=due.size)
     new_prompt = rng.integers(1, 17, size=due.size)
-    free_slots[t, :due.size], prompts[t, :due.size] = due, new_prompt
-    lens[due] = new_prompt
-    target[due] = rng.integers(new_prompt + 1, max_len + 1)
+    new_len = np.where(forked, lens[src], new_prompt)
+    sched["free"][t, :due.size] = due
+    sched["alloc"][t, :(~forked).sum()] = due[~forked]
+    sched["prompt"][t, :(~forked).sum()] = new_prompt[~forked]
+    sched["fork_src"][t, :forked.sum()] = src[forked]
+    sched["fork_dst"][t, :forked.sum()] = due[forked]
+    lens[due] = new_len
+    target[due] = rng.integers(new_len + 1, max_len + 1)
     lens += 1
-  return init_lens.astype(np.int32), free_slots, prompts
+  return init_lens.astype(np.int32), sched
 
 
 class HostAllocator:
@@ -112,6 +127,12 @@ class HostAllocator:
         self.free_ids.append(b)
     self.tables[slot] = []
     self.lens[slot] = 0
+
+  def fork(self, src, dst):
+    self.tables[dst] = list(self.tables[src])
+    for b in self.tables[dst]:
+      self.ref[b] += 1
+    self.lens[dst] = self.lens[src]
 
   def append(self, slots):
     """One token per slot; new block at a boundary, copy-on-write if shared."""
@@ -151,83 +172,102 @@ def _median_us(times, spread=None, key=None):
   return float(np.median(us))
 
 
-def bench_jit(cfg, init_lens, free_slots, prompts, warmup, donate):
-  """Separate append and recycle calls. Returns (append s, recycle s per step, final state)."""
+def _recycle_fn(with_fork):
+  """free -> allocate (-> fork): the slot turnover of one step; returns worst status."""
+  def recycle(st, sched):
+    worst = jnp.int32(OK)
+    st, status = bm.free(st, sched["free"])
+    worst = jnp.maximum(worst, jnp.max(jnp.where(sched["free"] >= 0, status, OK)))
+    st, status = bm.allocate(st, sched["alloc"], sched["prompt"])
+    worst = jnp.maximum(worst, jnp.max(jnp.where(sched["alloc"] >= 0, status, OK)))
+    if with_fork:  # static: the no-sharing run does not pay for fork's loop
+      st, status = bm.fork(st, sched["fork_src"], sched["fork_dst"])
+      worst = jnp.maximum(worst, jnp.max(jnp.where(sched["fork_dst"] >= 0, status, OK)))
+    return st, worst
+  return recycle
+
+
+def _steps(sched):
+  """Per-step device copies of the schedule rows (staged before timing)."""
+  on_device = {k: jnp.asarray(v) for k, v in sched.items()}
+  steps = next(iter(sched.values())).shape[0]
+  return [{k: v[t] for k, v in on_device.items()} for t in range(steps)]
+
+
+def bench_jit(cfg, init_lens, sched, warmup, donate, with_fork):
+  """Separate recycle and append calls. Returns (append s, recycle s per step, copies, state)."""
   kw = {"donate_argnums": 0} if donate else {}
+
   def append(st, mask):
-    st, status, _ = bm.append(st, mask, 1)
-    return st, jnp.max(status)
+    st, status, cow = bm.append(st, mask, 1)
+    return st, jnp.max(status), jnp.sum(cow[:, 0] >= 0)
 
   append = jax.jit(append, **kw)
-
-  def recycle(st, slots, lens):
-    st, s1 = bm.free(st, slots)
-    st, s2 = bm.allocate(st, slots, lens)
-    return st, jnp.maximum(jnp.max(jnp.where(slots >= 0, s1, OK)),
-                           jnp.max(jnp.where(slots >= 0, s2, OK)))
-
-  recycle = jax.jit(recycle, **kw)
+  recycle = jax.jit(_recycle_fn(with_fork), **kw)
   state = _initial_state(cfg, init_lens)
   mask = jnp.ones((cfg.max_seqs,), bool)
-  slots_d, prompts_d = jnp.asarray(free_slots), jnp.asarray(prompts)
-  t_append, t_recycle, statuses = [], [], []
-  for t in common.progress(range(free_slots.shape[0]), desc=f"jit donate={donate}"):
-    s, p = slots_d[t], prompts_d[t]
-    jax.block_until_ready((s, p))
+  rows = jax.block_until_ready(_steps(sched))
+  t_append, t_recycle, statuses, copies = [], [], [], []
+  for t in common.progress(range(len(rows)), desc=f"jit donate={donate}"):
     t0 = time.perf_counter()
-    state, st_r = jax.block_until_ready(recycle(state, s, p))
+    state, st_r = jax.block_until_ready(recycle(state, rows[t]))
     t1 = time.perf_counter()
-    state, st_a = jax.block_until_ready(append(state, mask))
+    state, st_a, n_cow = jax.block_until_ready(append(state, mask))
     t2 = time.perf_counter()
     statuses += [st_r, st_a]
+    copies.append(n_cow)
     if t >= warmup:
       t_recycle.append(t1 - t0)
       t_append.append(t2 - t1)
   worst = int(np.max(np.asarray(statuses)))
   assert worst == OK, f"a jitted op failed with status {worst}"
-  return t_append, t_recycle, state
+  return t_append, t_recycle, int(np.sum(np.asarray(copies))), state
 
 
-def bench_fused(cfg, init_lens, free_slots, prompts, warmup):
+def bench_fused(cfg, init_lens, sched, warmup, with_fork):
   """Recycle + append in one donated jit (the engine's shape of the work)."""
-  def step(st, slots, lens, mask):
-    st, _ = bm.free(st, slots)
-    st, _ = bm.allocate(st, slots, lens)
+  recycle = _recycle_fn(with_fork)
+
+  def step(st, row, mask):
+    st, _ = recycle(st, row)
     st, status, cow = bm.append(st, mask, 1)
     return st, status, cow
 
   step = jax.jit(step, donate_argnums=0)
   state = _initial_state(cfg, init_lens)
   mask = jnp.ones((cfg.max_seqs,), bool)
-  slots_d, prompts_d = jnp.asarray(free_slots), jnp.asarray(prompts)
+  rows = jax.block_until_ready(_steps(sched))
   times = []
-  for t in common.progress(range(free_slots.shape[0]), desc="jit fused"):
-    s, p = slots_d[t], prompts_d[t]
-    jax.block_until_ready((s, p))
+  for t in common.progress(range(len(rows)), desc="jit fused"):
     t0 = time.perf_counter()
-    state, _, _ = jax.block_until_ready(step(state, s, p, mask))
+    state, _, _ = jax.block_until_ready(step(state, rows[t], mask))
     if t >= warmup:
       times.append(time.perf_counter() - t0)
   return times
 
 
-def bench_host(cfg, init_lens, free_slots, prompts, warmup):
-  """Returns per-step seconds (append, recycle, append + table upload) and the allocator."""
+def bench_host(cfg, init_lens, sched, warmup):
+  """Returns per-step seconds (append, recycle, append + table upload), copies, allocator."""
   host = HostAllocator(cfg.num_blocks, cfg.max_seqs, cfg.block_size)
   for s, n in enumerate(init_lens.tolist()):
     host.allocate(s, n)
   slots = list(range(cfg.max_seqs))
-  t_append, t_recycle, t_upload = [], [], []
+  t_append, t_recycle, t_upload, copies = [], [], [], 0
   device = jax.devices()[0]
-  for t in common.progress(range(free_slots.shape[0]), desc="host"):
-    due = [s for s in free_slots[t].tolist() if s >= 0]
-    new = prompts[t, :len(due)].tolist()
+  plain = {k: v.tolist() for k, v in sched.items()}
+  for t in common.progress(range(len(plain["free"])), desc="host"):
+    free = [s for s in plain["free"][t] if s >= 0]
+    alloc = [(s, n) for s, n in zip(plain["alloc"][t], plain["prompt"][t]) if s >= 0]
+    forks = [(s, d) for s, d in zip(plain["fork_src"][t], plain["fork_dst"][t]) if d >= 0]
     t0 = time.perf_counter()
-    for s, n in zip(due, new):
+    for s in free:
       host.free(s)
+    for s, n in alloc:
       host.allocate(s, n)
+    for s, d in forks:
+      host.fork(s, d)
     t1 = time.perf_counter()
-    host.append(slots)
+    copies += len(host.append(slots))
     t2 = time.perf_counter()
     jax.block_until_ready(jax.device_put(host.table_array(cfg.max_blocks_per_seq), device))
     t3 = time.perf_counter()
@@ -235,7 +275,7 @@ def bench_host(cfg, init_lens, free_slots, prompts, warmup):
       t_recycle.append(t1 - t0)
       t_append.append(t2 - t1)
       t_upload.append(t3 - t1)
-  return t_append, t_recycle, t_upload, host
+  return t_append, t_recycle, t_upload, copies, host
 
 
 def _initial_state(cfg, init_lens):
@@ -269,8 +309,9 @@ def main(argv):
   out = common.out_dir(FLAGS.out)
   batch, bs = FLAGS.batch, FLAGS.block_size
   steps = FLAGS.warmup + FLAGS.iters
-  init_lens, free_slots, prompts = make_schedule(batch, steps, FLAGS.max_len,
-                                                 FLAGS.recycle_width, FLAGS.seed)
+  with_fork = FLAGS.fork_prob > 0
+  init_lens, sched = make_schedule(batch, steps, FLAGS.max_len, FLAGS.recycle_width,
+                                   FLAGS.seed, FLAGS.fork_prob)
   # Two blocks of slack: a recycle deferred by a full --recycle_width overshoots max_len.
   max_blocks = -(-FLAGS.max_len // bs) + 2
   rows, results = [], []
@@ -279,10 +320,12 @@ def main(argv):
       raise ValueError(f"num_blocks={nb} is too small for batch={batch} at max_len={FLAGS.max_len}")
     cfg = CacheConfig(block_size=bs, num_blocks=nb, max_seqs=batch, max_blocks_per_seq=max_blocks)
     spread = {}
-    j_app, j_rec, state = bench_jit(cfg, init_lens, free_slots, prompts, FLAGS.warmup, True)
-    n_app, n_rec, _ = bench_jit(cfg, init_lens, free_slots, prompts, FLAGS.warmup, False)
-    fused = bench_fused(cfg, init_lens, free_slots, prompts, FLAGS.warmup)
-    h_app, h_rec, h_upload, host = bench_host(cfg, init_lens, free_slots, prompts, FLAGS.warmup)
+    j_app, j_rec, j_copies, state = bench_jit(cfg, init_lens, sched, FLAGS.warmup, True,
+                                              with_fork)
+    n_app, n_rec, _, _ = bench_jit(cfg, init_lens, sched, FLAGS.warmup, False, with_fork)
+    fused = bench_fused(cfg, init_lens, sched, FLAGS.warmup, with_fork)
+    h_app, h_rec, h_upload, h_copies, host = bench_host(cfg, init_lens, sched, FLAGS.warmup)
+    assert j_copies == h_copies, (j_copies, h_copies)  # same copy-on-write work
     j_app, j_rec = _median_us(j_app, spread, "jit_append"), _median_us(j_rec, spread, "jit_recycle")
     n_app, n_rec = (_median_us(n_app, spread, "jit_append_no_donate"),
                     _median_us(n_rec, spread, "jit_recycle_no_donate"))
@@ -297,6 +340,7 @@ def main(argv):
          "host_append_us": h_app, "host_recycle_us": h_rec,
          "host_append_plus_upload_us": h_upload, "jit_over_host_append": j_app / h_app,
          "host_step_us": h_app + h_rec, "jit_fused_over_host_step": fused / (h_app + h_rec),
+         "copy_on_write_copies": j_copies,
          "xla_thread_split_ops_in_append": _thread_split_ops(cfg), "spread_us": spread}
     results.append(r)
     rows.append([nb, j_app, n_app, fused, h_app, h_upload, j_app / h_app])
@@ -318,6 +362,7 @@ def main(argv):
       "command": " ".join(sys.argv),
       "flags": {"batch": batch, "block_size": bs, "iters": FLAGS.iters, "warmup": FLAGS.warmup,
                 "max_len": FLAGS.max_len, "recycle_width": FLAGS.recycle_width,
+                "fork_prob": FLAGS.fork_prob,
                 "max_blocks_per_seq": max_blocks, "seed": FLAGS.seed},
   }
   common.write_json(out / "block_manager_bench.json",
