@@ -94,10 +94,18 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens
 
 
 _REFERENCE_KWARGS = ("sm_scale", "soft_cap", "sliding_window", "k_scales", "v_scales")
+# Tuning knobs of the Pallas kernels (decode, ragged): meaningless to the reference.
+_TUNING_KWARGS = ("num_splits", "tile_tokens", "num_warps", "num_stages", "q_per_tile",
+                  "kv_per_tile", "kv_splits")
 
 
 def _reference_kwargs(kw):
-  """Keeps the semantic arguments; kernel tuning knobs mean nothing to the reference."""
+  """Keeps the semantic arguments, drops kernel tuning knobs, rejects anything else (so a
+  misspelled argument fails on CPU too, not only on the GPU backend)."""
+  unknown = sorted(set(kw) - set(_REFERENCE_KWARGS) - set(_TUNING_KWARGS))
+  if unknown:
+    raise TypeError(f"unexpected attention arguments {unknown}; semantic arguments are "
+                    f"{_REFERENCE_KWARGS}, tuning knobs {_TUNING_KWARGS}")
   return {k: v for k, v in kw.items() if k in _REFERENCE_KWARGS}
 
 

@@ -182,6 +182,11 @@ def test_dispatch_backends_agree():
   np.testing.assert_array_equal(np.asarray(auto), np.asarray(ref))
   with pytest.raises(ValueError, match="tpu_please"):
     attention.paged_attention(*args, backend="tpu_please")
+  # Tuning knobs are ignored by the reference; a misspelled argument is not.
+  tuned = attention.paged_attention(*args, backend="reference", soft_cap=2.0, num_splits=3)
+  np.testing.assert_array_equal(np.asarray(tuned), np.asarray(ref))
+  with pytest.raises(TypeError, match="softcap"):
+    attention.paged_attention(*args, backend="reference", softcap=2.0)
 
 
 def _shapes(b=2, hq=4, hkv=2, d=32, nb=8, bs=8, p=4, dtype=jnp.float32, pdtype=None):
