@@ -36,6 +36,15 @@ class TrainConfig:
   eval_batches: int = 4
   seed: int = 0
 
+  def __post_init__(self):
+    for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if not 0 <= self.warmup_steps < self.steps:
+      raise ValueError(f"warmup_steps must be in [0, steps={self.steps}), got {self.warmup_steps}")
+    if not self.peak_lr > 0 or not self.clip_norm > 0:
+      raise ValueError(f"peak_lr and clip_norm must be > 0, got {self.peak_lr}, {self.clip_norm}")
+
 
 def stream_from_documents(docs: Sequence[Sequence[int]]) -> np.ndarray:
   """Concatenates already-framed documents (e.g. BOS ... EOS) into one i32 stream."""
