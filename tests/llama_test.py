@@ -269,3 +269,19 @@ def test_int8_kv_cache_close_to_dense():
     want = full[fed - 1]
     err = np.abs(logits - want).max() / np.abs(want).max()
     assert 0 < err < 0.05, err
+
+
+def test_training_learns_a_repeating_stream():
+  from paged_jax.models import train  # pylint: disable=g-import-not-at-top
+  config = _config(vocab_size=tokenizer.VOCAB_SIZE, num_layers=1)
+  text = "the cat sat on the mat. " * 60
+  stream = np.asarray(tokenizer.encode(text), np.int32)
+  tc = train.TrainConfig(steps=40, batch_size=8, seq_len=32, warmup_steps=5, eval_every=20,
+                         eval_batches=1, peak_lr=1e-2)
+  params, history = train.train(config, stream, stream, tc)
+  assert [h["step"] for h in history] == [1, 20, 40]
+  assert history[-1]["eval_loss"] < 0.3 * history[0]["eval_loss"]
+  got = dense.greedy_generate(params, config, tokenizer.encode("the cat sat on the mat. the"), 4)
+  assert tokenizer.decode(got) == " cat", tokenizer.decode(got)
+  with pytest.raises(ValueError, match="seq_len"):
+    train.train(config, stream[:20], stream, tc)
