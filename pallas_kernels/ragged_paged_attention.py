@@ -34,7 +34,8 @@ Design (Triton backend, chosen explicitly through `plgpu.CompilerParams`):
     sequences) the KV range of each tile is cut into splits whose partial (acc, max, sum)
     are merged by a log-sum-exp combine in jnp.
   * Rows no tile covers (padding past cu_q_lens[num_seqs]) are zero: the output buffer is
-    a zero-initialised input aliased to the output.
+    a zero-initialised input aliased to the output (the second launch aliases the
+    first launch's result).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from pallas_kernels import ragged_tiling as tiling
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _LOG2E = math.log2(math.e)
 _HIGHEST = lax.Precision.HIGHEST
+_SQ = pl.Squeezed()  # a block dimension indexed by the grid and squeezed out of the ref
 
 
 def _ragged_kernel(
@@ -70,7 +72,7 @@ def _ragged_kernel(
     v_ref,               # [NB, bs, D]
     k_scales_ref,        # f32[NB, bs] | None
     v_scales_ref,        # f32[NB, bs] | None
-    *refs,               # aliased zero inputs, then outputs (see below)
+    *refs,               # aliased initial outputs, then the outputs (see below)
     q_per_tile: int,
     kv_per_tile: int,
     kv_splits: int,
@@ -78,9 +80,10 @@ def _ragged_kernel(
     soft_cap: Optional[float],
     sliding_window: Optional[int],
 ):
-  # refs: the aliased zero buffers (unused, they only give the outputs their initial
-  # zeros), then the outputs: o_ref [T, G, D] (normalised, q dtype) when kv_splits == 1;
-  # else acc_ref f32[T, G, D], m_ref f32[T, G], l_ref f32[T, G] for this split.
+  # refs: the aliased input buffers (never read here: they only give the outputs their
+  # initial content, zeros or the previous launch's rows), then the outputs: o_ref
+  # [T, G, D] (normalised, q dtype) when kv_splits == 1; else acc_ref f32[T, G, D],
+  # m_ref f32[T, G], l_ref f32[T, G] for this split.
   num_outs = 1 if kv_splits == 1 else 3
   out_refs = refs[len(refs) - num_outs:]
   tile = pl.program_id(0)
@@ -208,11 +211,11 @@ def _kernel_call(q4, k_pages, v_pages, block_tables, k_scales, v_scales, tiles, 
   num_tiles = tiles.seq.shape[0]
   grid = (num_tiles, num_kv_heads, kv_splits)
   full_1d = pl.BlockSpec((num_tiles,), lambda j, h, s: (0,))
-  per_head_q = pl.BlockSpec((num_tokens, None, group_p, head_dim),
+  per_head_q = pl.BlockSpec((num_tokens, _SQ, group_p, head_dim),
                             lambda j, h, s: (0, h, 0, 0))
-  per_head_pages = pl.BlockSpec((None, num_blocks, block_size, head_dim),
+  per_head_pages = pl.BlockSpec((_SQ, num_blocks, block_size, head_dim),
                                 lambda j, h, s: (h, 0, 0, 0))
-  per_head_scales = pl.BlockSpec((None, num_blocks, block_size), lambda j, h, s: (h, 0, 0))
+  per_head_scales = pl.BlockSpec((_SQ, num_blocks, block_size), lambda j, h, s: (h, 0, 0))
   in_specs = [
       full_1d, full_1d, full_1d, full_1d,
       pl.BlockSpec((num_seqs_max, pages_per_seq), lambda j, h, s: (0, 0)),
@@ -227,9 +230,9 @@ def _kernel_call(q4, k_pages, v_pages, block_tables, k_scales, v_scales, tiles, 
     out_specs = [per_head_q]
     inits = [init]
   else:
-    split_acc = pl.BlockSpec((None, num_tokens, None, group_p, head_dim),
+    split_acc = pl.BlockSpec((_SQ, num_tokens, _SQ, group_p, head_dim),
                              lambda j, h, s: (s, 0, h, 0, 0))
-    split_ml = pl.BlockSpec((None, num_tokens, None, group_p), lambda j, h, s: (s, 0, h, 0))
+    split_ml = pl.BlockSpec((_SQ, num_tokens, _SQ, group_p), lambda j, h, s: (s, 0, h, 0))
     out_shapes = [jax.ShapeDtypeStruct((kv_splits, *q4.shape), jnp.float32),
                   jax.ShapeDtypeStruct((kv_splits, *q4.shape[:-1]), jnp.float32),
                   jax.ShapeDtypeStruct((kv_splits, *q4.shape[:-1]), jnp.float32)]
