@@ -1,0 +1,199 @@
+r"""`make demo`: the headline experiments at small default sizes, one summary table at the end.
+
+    python -m experiments.demo --out=results
+
+Runs, in one process, side by side: memory waste (paged vs Orca reservations),
+the block-size sweep, serving throughput (paged vs contiguous Orca(Max) at equal
+KV budget), prefix caching (when `experiments.prefix_caching` is present) and
+sharing (parallel sampling / beam search). Each writes its JSON / PNG under
+`--out/<experiment>/`; `--out/summary.json` and `--out/summary.md` hold the
+closing table, our figures beside the paper's. Sizes are scaled down so the
+whole run takes about 10 minutes on 2 CPU cores (see README "What is synthetic").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+import time
+from typing import Dict, List, Optional
+
+from experiments import block_size_sweep
+from experiments import common
+from experiments import sharing
+from experiments import throughput
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoSizes:
+  """Default sizes of each experiment in the demo."""
+  memory_requests: int = 1000
+  sweep_requests: Optional[Dict[str, int]] = None      # block_size_sweep default
+  sweep_engine_block_sizes: tuple = (16, 64, 256)
+  sweep_engine_requests: int = 32
+  throughput_requests: int = 48
+  sharing_requests: int = 8
+  sharing_widths: tuple = (2, 4, 6)
+
+
+def _pct(x: float) -> str:
+  return f"{100 * x:.1f}%"
+
+
+def _range(values, fmt) -> str:
+  lo, hi = min(values), max(values)
+  return fmt(lo) if fmt(lo) == fmt(hi) else f"{fmt(lo)}-{fmt(hi)}"
+
+
+def summary_rows(results: Dict) -> List[List[str]]:
+  """[what, ours, paper] rows from the experiments' results (missing ones skipped)."""
+  rows = []
+  mw = results.get("memory_waste")
+  if mw:
+    from experiments import memory_waste  # pylint: disable=g-import-not-at-top
+    for name in memory_waste.ALLOCATORS:
+      rows.append([f"KV memory holding token states, {memory_waste.LABELS[name]} (ShareGPT-like)",
+                   _pct(mw[name]["token_utilization"]),
+                   _pct(memory_waste.PAPER_TOKEN_STATES[name])])
+    rows.append(["mean concurrent requests, paged / Orca(Oracle); / Orca(Max)",
+                 f"{mw['paged']['mean_concurrent'] / mw['orca_oracle']['mean_concurrent']:.2f}x; "
+                 f"{mw['paged']['mean_concurrent'] / mw['orca_max']['mean_concurrent']:.2f}x",
+                 "2.2x; 4.3x"])
+  tp = results.get("throughput")
+  if tp:
+    for name, row in tp.items():
+      rows.append([f"throughput paged / contiguous Orca(Max), {name}-like (req/s; tok/step)",
+                   f"{row['speedup_requests_per_s']:.2f}x; {row['speedup_tokens_per_step']:.2f}x",
+                   "2-4x"])
+  pc = results.get("prefix_caching")
+  if pc and pc.get("summary_rows"):
+    rows.extend(pc["summary_rows"])
+  elif "prefix_caching" in results:
+    rows.append(["shared-prefix speed-up (1-shot; 5-shot)", "not measured: "
+                 + str(results["prefix_caching"].get("note", "")), "1.67x; 3.58x"])
+  sh = results.get("sharing")
+  if sh:
+    for name in dict.fromkeys(r["workload"] for r in sh):
+      for mode in sharing.MODES:
+        sel = [r["savings"] for r in sh if r["workload"] == name and r["mode"] == mode]
+        lo, hi = sharing.PAPER_SAVINGS[(name, mode)]
+        widths = [r["width"] for r in sh if r["workload"] == name and r["mode"] == mode]
+        rows.append([f"blocks saved by sharing, {mode} n/width {min(widths)}-{max(widths)}, "
+                     f"{name}-like", _range(sel, _pct), f"{_pct(lo)}-{_pct(hi)}"])
+  sweep = results.get("block_size_sweep")
+  if sweep:
+    for name, b in block_size_sweep.best_block_sizes(sweep).items():
+      rows.append([f"best block size, {name}-like (by {b['by']}; measured "
+                   f"{','.join(map(str, b['measured_block_sizes']))})",
+                   f"{b['best']} (within 5%: {b['good_range'][0]}-{b['good_range'][1]})",
+                   f"{b['paper'][0]}-{b['paper'][1]}"])
+    for name in dict.fromkeys(r["workload"] for r in sweep):
+      r16 = next((r for r in sweep if r["workload"] == name and r["block_size"] == 16), None)
+      if r16:
+        rows.append([f"KV memory holding token states, paged block 16, {name}-like "
+                     "(sweep budget)", _pct(r16["token_utilization"]),
+                     "96.3%" if name == "sharegpt" else ""])
+  return rows
+
+
+def _prefix_caching(out, show_progress):
+  """Runs experiments.prefix_caching's `run()` if that module exists (another issue owns it)."""
+  try:
+    module = importlib.import_module("experiments.prefix_caching")
+  except ImportError as e:
+    return {"note": f"experiments.prefix_caching is not available ({e.name} missing)"}
+  if not hasattr(module, "run"):
+    return {"note": "experiments.prefix_caching has no run()"}
+  # Contract with that module: run(show_progress=...) -> JSON-able results, and
+  # demo_summary_rows(results) -> [[what, ours, paper], ...] for the closing table.
+  result = module.run(show_progress=show_progress)
+  common.write_json(out / "prefix_caching" / "prefix_caching.json", result)
+  rows = module.demo_summary_rows(result) if hasattr(module, "demo_summary_rows") else None
+  return {"result": result, "summary_rows": rows,
+          "note": None if rows else "experiments.prefix_caching has no demo_summary_rows()"}
+
+
+def run_all(out, sizes: DemoSizes = DemoSizes(), show_progress=None) -> Dict:
+  """Runs every experiment; writes per-experiment files; returns their results + seconds."""
+  from experiments import memory_waste  # pylint: disable=g-import-not-at-top
+  from paged_jax import workloads  # pylint: disable=g-import-not-at-top
+  results, seconds = {}, {}
+
+  def stage(name):
+    print(f"== {name}", flush=True)
+    return time.time()
+
+  t = stage("memory waste (paged vs Orca, ShareGPT-like)")
+  reqs = workloads.synthetic("sharegpt", sizes.memory_requests, seed=0)
+  mw = memory_waste.run(reqs, block_size=16, kv_budget_tokens=14336, show_progress=show_progress)
+  common.write_json(out / "memory_waste" / "memory_waste.json", mw)
+  memory_waste.plot(mw, out / "memory_waste" / "memory_waste.png",
+                    f"ShareGPT-like, {sizes.memory_requests} requests, KV budget 14336 tokens, "
+                    "block size 16")
+  print(memory_waste.summary_table(mw))
+  results["memory_waste"], seconds["memory_waste"] = mw, time.time() - t
+
+  t = stage("block-size sweep")
+  rows = block_size_sweep.run(num_requests=sizes.sweep_requests,
+                              engine_block_sizes=sizes.sweep_engine_block_sizes,
+                              engine_num_requests=sizes.sweep_engine_requests,
+                              show_progress=show_progress)
+  block_size_sweep.write_jsonl(rows, out / "block_size_sweep" / "block_size_sweep.jsonl")
+  best = block_size_sweep.best_block_sizes(rows)
+  common.write_json(out / "block_size_sweep" / "block_size_sweep_best.json", best)
+  block_size_sweep.plot(rows, out / "block_size_sweep" / "block_size_sweep.png", best)
+  print(common.table(block_size_sweep.summary_rows(rows), block_size_sweep.HEADERS))
+  results["block_size_sweep"], seconds["block_size_sweep"] = rows, time.time() - t
+
+  t = stage("throughput (paged vs contiguous Orca(Max), equal KV budget)")
+  tp = throughput.run(num_requests=sizes.throughput_requests, show_progress=show_progress)
+  common.write_json(out / "throughput" / "throughput.json",
+                    {"results": tp, "paper": throughput.PAPER_SPEEDUP})
+  throughput.plot(tp, out / "throughput" / "throughput.png")
+  print(common.table(throughput.summary_rows(tp), throughput.HEADERS))
+  results["throughput"], seconds["throughput"] = tp, time.time() - t
+
+  t = stage("prefix caching")
+  results["prefix_caching"] = _prefix_caching(out, show_progress)
+  seconds["prefix_caching"] = time.time() - t
+
+  t = stage("sharing (parallel sampling, beam search)")
+  sh = sharing.run(widths=sizes.sharing_widths, num_requests=sizes.sharing_requests,
+                   show_progress=show_progress)
+  common.write_json(out / "sharing" / "sharing.json", {"rows": sh})
+  sharing.plot(sh, out / "sharing" / "sharing.png")
+  print(common.table(sharing.summary_rows(sh), sharing.HEADERS))
+  results["sharing"], seconds["sharing"] = sh, time.time() - t
+  results["seconds"] = seconds
+  return results
+
+
+def _define_flags():
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  flags.DEFINE_string("out", "results", "output directory")
+
+
+def main(argv):
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  if len(argv) > 1:
+    sys.exit(f"unexpected arguments {argv[1:]}")
+  out = common.out_dir(flags.FLAGS.out)
+  start = time.time()
+  results = run_all(out)
+  total = time.time() - start
+  rows = summary_rows(results)
+  table = common.table(rows, ["what", "ours", "paper"])
+  machine = f"jax {jax.__version__} on {jax.default_backend()} ({jax.devices()[0].device_kind})"
+  common.write_json(out / "summary.json", {"rows": rows, "seconds": results["seconds"],
+                                           "total_seconds": total, "machine": machine})
+  (out / "summary.md").write_text(f"{table}\n\n{machine}; {total:.0f} s in all\n")
+  print(f"\n== summary ({total:.0f} s; {machine})")
+  print(table)
+
+
+if __name__ == "__main__":
+  from absl import app  # pylint: disable=g-import-not-at-top
+  _define_flags()
+  app.run(main)
