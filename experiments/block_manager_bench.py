@@ -194,68 +194,88 @@ def _steps(sched):
   return [{k: v[t] for k, v in on_device.items()} for t in range(steps)]
 
 
-def bench_jit(cfg, init_lens, sched, warmup, donate, with_fork):
-  """Separate recycle and append calls. Returns (append s, recycle s per step, copies, state)."""
-  kw = {"donate_argnums": 0} if donate else {}
+class JitRunner:
+  """Separate recycle and append calls per step, the state donated or not."""
 
-  def append(st, mask):
-    st, status, cow = bm.append(st, mask, 1)
-    return st, jnp.max(status), jnp.sum(cow[:, 0] >= 0)
+  def __init__(self, cfg, init_lens, rows, with_fork, donate):
+    kw = {"donate_argnums": 0} if donate else {}
 
-  append = jax.jit(append, **kw)
-  recycle = jax.jit(_recycle_fn(with_fork), **kw)
-  state = _initial_state(cfg, init_lens)
-  mask = jnp.ones((cfg.max_seqs,), bool)
-  rows = jax.block_until_ready(_steps(sched))
-  t_append, t_recycle, statuses, copies = [], [], [], []
-  for t in common.progress(range(len(rows)), desc=f"jit donate={donate}"):
+    def append(st, mask):
+      st, status, cow = bm.append(st, mask, 1)
+      return st, jnp.max(status), jnp.sum(cow[:, 0] >= 0)
+
+    self.append = jax.jit(append, **kw)
+    self.recycle = jax.jit(_recycle_fn(with_fork), **kw)
+    self.state = _initial_state(cfg, init_lens)
+    self.mask = jnp.ones((cfg.max_seqs,), bool)
+    self.rows = rows
+    self.times = {"append": [], "recycle": []}
+    self.statuses, self.copies = [], []
+
+  def step(self, t, record):
     t0 = time.perf_counter()
-    state, st_r = jax.block_until_ready(recycle(state, rows[t]))
+    self.state, st_r = jax.block_until_ready(self.recycle(self.state, self.rows[t]))
     t1 = time.perf_counter()
-    state, st_a, n_cow = jax.block_until_ready(append(state, mask))
+    self.state, st_a, n_cow = jax.block_until_ready(self.append(self.state, self.mask))
     t2 = time.perf_counter()
-    statuses += [st_r, st_a]
-    copies.append(n_cow)
-    if t >= warmup:
-      t_recycle.append(t1 - t0)
-      t_append.append(t2 - t1)
-  worst = int(np.max(np.asarray(statuses)))
-  assert worst == OK, f"a jitted op failed with status {worst}"
-  return t_append, t_recycle, int(np.sum(np.asarray(copies))), state
+    self.statuses += [st_r, st_a]
+    self.copies.append(n_cow)
+    if record:
+      self.times["recycle"].append(t1 - t0)
+      self.times["append"].append(t2 - t1)
+
+  def finish(self):
+    """Checks every op succeeded; returns the number of copy-on-write copies."""
+    worst = int(np.max(np.asarray(self.statuses)))
+    assert worst == OK, f"a jitted op failed with status {worst}"
+    return int(np.sum(np.asarray(self.copies)))
 
 
-def bench_fused(cfg, init_lens, sched, warmup, with_fork):
+class FusedRunner:
   """Recycle + append in one donated jit (the engine's shape of the work)."""
-  recycle = _recycle_fn(with_fork)
 
-  def step(st, row, mask):
-    st, _ = recycle(st, row)
-    st, status, cow = bm.append(st, mask, 1)
-    return st, status, cow
+  def __init__(self, cfg, init_lens, rows, with_fork):
+    recycle = _recycle_fn(with_fork)
 
-  step = jax.jit(step, donate_argnums=0)
-  state = _initial_state(cfg, init_lens)
-  mask = jnp.ones((cfg.max_seqs,), bool)
-  rows = jax.block_until_ready(_steps(sched))
-  times = []
-  for t in common.progress(range(len(rows)), desc="jit fused"):
+    def step(st, row, mask):
+      st, worst = recycle(st, row)
+      st, status, _ = bm.append(st, mask, 1)
+      return st, jnp.maximum(worst, jnp.max(status))
+
+    self.fn = jax.jit(step, donate_argnums=0)
+    self.state = _initial_state(cfg, init_lens)
+    self.mask = jnp.ones((cfg.max_seqs,), bool)
+    self.rows = rows
+    self.times = {"step": []}
+    self.statuses = []
+
+  def step(self, t, record):
     t0 = time.perf_counter()
-    state, _, _ = jax.block_until_ready(step(state, rows[t], mask))
-    if t >= warmup:
-      times.append(time.perf_counter() - t0)
-  return times
+    self.state, worst = jax.block_until_ready(self.fn(self.state, self.rows[t], self.mask))
+    if record:
+      self.times["step"].append(time.perf_counter() - t0)
+    self.statuses.append(worst)
+
+  def finish(self):
+    assert int(np.max(np.asarray(self.statuses))) == OK
 
 
-def bench_host(cfg, init_lens, sched, warmup):
-  """Returns per-step seconds (append, recycle, append + table upload), copies, allocator."""
-  host = HostAllocator(cfg.num_blocks, cfg.max_seqs, cfg.block_size)
-  for s, n in enumerate(init_lens.tolist()):
-    host.allocate(s, n)
-  slots = list(range(cfg.max_seqs))
-  t_append, t_recycle, t_upload, copies = [], [], [], 0
-  device = jax.devices()[0]
-  plain = {k: v.tolist() for k, v in sched.items()}
-  for t in common.progress(range(len(plain["free"])), desc="host"):
+class HostRunner:
+  """The host allocator on the same schedule; "upload" adds the block-table transfer."""
+
+  def __init__(self, cfg, init_lens, sched):
+    self.cfg = cfg
+    self.host = HostAllocator(cfg.num_blocks, cfg.max_seqs, cfg.block_size)
+    for s, n in enumerate(init_lens.tolist()):
+      self.host.allocate(s, n)
+    self.slots = list(range(cfg.max_seqs))
+    self.plain = {k: v.tolist() for k, v in sched.items()}
+    self.device = jax.devices()[0]
+    self.times = {"append": [], "recycle": [], "upload": []}
+    self.copies = 0
+
+  def step(self, t, record):
+    plain, host = self.plain, self.host
     free = [s for s in plain["free"][t] if s >= 0]
     alloc = [(s, n) for s, n in zip(plain["alloc"][t], plain["prompt"][t]) if s >= 0]
     forks = [(s, d) for s, d in zip(plain["fork_src"][t], plain["fork_dst"][t]) if d >= 0]
@@ -267,15 +287,15 @@ def bench_host(cfg, init_lens, sched, warmup):
     for s, d in forks:
       host.fork(s, d)
     t1 = time.perf_counter()
-    copies += len(host.append(slots))
+    self.copies += len(host.append(self.slots))
     t2 = time.perf_counter()
-    jax.block_until_ready(jax.device_put(host.table_array(cfg.max_blocks_per_seq), device))
+    tables = host.table_array(self.cfg.max_blocks_per_seq)
+    jax.block_until_ready(jax.device_put(tables, self.device))
     t3 = time.perf_counter()
-    if t >= warmup:
-      t_recycle.append(t1 - t0)
-      t_append.append(t2 - t1)
-      t_upload.append(t3 - t1)
-  return t_append, t_recycle, t_upload, copies, host
+    if record:
+      self.times["recycle"].append(t1 - t0)
+      self.times["append"].append(t2 - t1)
+      self.times["upload"].append(t3 - t1)
 
 
 def _initial_state(cfg, init_lens):
@@ -314,38 +334,53 @@ def main(argv):
                                    FLAGS.seed, FLAGS.fork_prob)
   # Two blocks of slack: a recycle deferred by a full --recycle_width overshoots max_len.
   max_blocks = -(-FLAGS.max_len // bs) + 2
-  rows, results = [], []
-  for nb in [int(x) for x in FLAGS.num_blocks_list]:
+  sizes = [int(x) for x in FLAGS.num_blocks_list]
+  runners, split_ops = {}, {}
+  rows = jax.block_until_ready(_steps(sched))
+  for nb in sizes:
     if nb < batch * (-(-FLAGS.max_len // bs)):
       raise ValueError(f"num_blocks={nb} is too small for batch={batch} at max_len={FLAGS.max_len}")
     cfg = CacheConfig(block_size=bs, num_blocks=nb, max_seqs=batch, max_blocks_per_seq=max_blocks)
-    spread = {}
-    j_app, j_rec, j_copies, state = bench_jit(cfg, init_lens, sched, FLAGS.warmup, True,
-                                              with_fork)
-    n_app, n_rec, _, _ = bench_jit(cfg, init_lens, sched, FLAGS.warmup, False, with_fork)
-    fused = bench_fused(cfg, init_lens, sched, FLAGS.warmup, with_fork)
-    h_app, h_rec, h_upload, h_copies, host = bench_host(cfg, init_lens, sched, FLAGS.warmup)
-    assert j_copies == h_copies, (j_copies, h_copies)  # same copy-on-write work
-    j_app, j_rec = _median_us(j_app, spread, "jit_append"), _median_us(j_rec, spread, "jit_recycle")
-    n_app, n_rec = (_median_us(n_app, spread, "jit_append_no_donate"),
-                    _median_us(n_rec, spread, "jit_recycle_no_donate"))
-    fused = _median_us(fused, spread, "jit_fused_step")
-    h_app, h_rec = _median_us(h_app, spread, "host_append"), _median_us(h_rec, spread, "host_recycle")
-    h_upload = _median_us(h_upload, spread, "host_append_plus_upload")
+    runners[nb] = {"jit": JitRunner(cfg, init_lens, rows, with_fork, donate=True),
+                   "no_donate": JitRunner(cfg, init_lens, rows, with_fork, donate=False),
+                   "fused": FusedRunner(cfg, init_lens, rows, with_fork),
+                   "host": HostRunner(cfg, init_lens, sched)}
+    split_ops[nb] = _thread_split_ops(cfg)
+  # Interleaved: every step runs every pool size and variant, in a rotating order,
+  # so load from other processes hits all of them alike.
+  order = [(nb, name) for nb in sizes for name in runners[nb]]
+  for t in common.progress(range(steps), desc="steps"):
+    k = t % len(order)
+    for nb, name in order[k:] + order[:k]:
+      runners[nb][name].step(t, record=t >= FLAGS.warmup)
+  table_rows, results = [], []
+  for nb in sizes:
+    jit, nod, fused, host = (runners[nb][k] for k in ("jit", "no_donate", "fused", "host"))
+    j_copies = jit.finish()
+    nod.finish()
+    fused.finish()
+    assert j_copies == host.copies, (j_copies, host.copies)  # same copy-on-write work
     # Both did the same bookkeeping: same lengths, same number of free blocks.
-    np.testing.assert_array_equal(np.asarray(state.seq_lens), host.lens)
-    assert int(state.num_free) == len(host.free_ids), (int(state.num_free), len(host.free_ids))
-    r = {"num_blocks": nb, "jit_append_us": j_app, "jit_append_no_donate_us": n_app,
-         "jit_recycle_us": j_rec, "jit_recycle_no_donate_us": n_rec, "jit_fused_step_us": fused,
-         "host_append_us": h_app, "host_recycle_us": h_rec,
-         "host_append_plus_upload_us": h_upload, "jit_over_host_append": j_app / h_app,
-         "host_step_us": h_app + h_rec, "jit_fused_over_host_step": fused / (h_app + h_rec),
-         "copy_on_write_copies": j_copies,
-         "xla_thread_split_ops_in_append": _thread_split_ops(cfg), "spread_us": spread}
-    results.append(r)
-    rows.append([nb, j_app, n_app, fused, h_app, h_upload, j_app / h_app])
-    print(common.table(rows[-1:], ["num_blocks", "jit append us", "no-donate us", "fused us",
-                                   "host append us", "host+upload us", "jit/host"], digits=1))
+    np.testing.assert_array_equal(np.asarray(jit.state.seq_lens), host.host.lens)
+    assert int(jit.state.num_free) == len(host.host.free_ids)
+    spread = {}
+    j_app = _median_us(jit.times["append"], spread, "jit_append")
+    j_rec = _median_us(jit.times["recycle"], spread, "jit_recycle")
+    n_app = _median_us(nod.times["append"], spread, "jit_append_no_donate")
+    n_rec = _median_us(nod.times["recycle"], spread, "jit_recycle_no_donate")
+    f_step = _median_us(fused.times["step"], spread, "jit_fused_step")
+    h_app = _median_us(host.times["append"], spread, "host_append")
+    h_rec = _median_us(host.times["recycle"], spread, "host_recycle")
+    h_upload = _median_us(host.times["upload"], spread, "host_append_plus_upload")
+    results.append({
+        "num_blocks": nb, "jit_append_us": j_app, "jit_append_no_donate_us": n_app,
+        "jit_recycle_us": j_rec, "jit_recycle_no_donate_us": n_rec, "jit_fused_step_us": f_step,
+        "host_append_us": h_app, "host_recycle_us": h_rec,
+        "host_append_plus_upload_us": h_upload, "jit_over_host_append": j_app / h_app,
+        "host_step_us": h_app + h_rec, "jit_fused_over_host_step": f_step / (h_app + h_rec),
+        "copy_on_write_copies": j_copies, "xla_thread_split_ops_in_append": split_ops[nb],
+        "spread_us": spread})
+    table_rows.append([nb, j_app, n_app, f_step, h_app, h_upload, j_app / h_app])
   first, last = results[0], results[-1]
   summary = {
       "scaling_jit_append": last["jit_append_us"] / first["jit_append_us"],
@@ -369,7 +404,7 @@ def main(argv):
                     {"meta": meta, "results": results, "summary": summary})
   _plot(results, out / "block_manager_bench.png", batch)
   print()
-  print(common.table(rows, ["num_blocks", "jit append us", "no-donate us", "fused us",
+  print(common.table(table_rows, ["num_blocks", "jit append us", "no-donate us", "fused us",
                             "host append us", "host+upload us", "jit/host"], digits=1))
   print(f"\ntime ratio {last['num_blocks']} / {first['num_blocks']} blocks: "
         f"jit append {summary['scaling_jit_append']:.2f}x (target <= 2x), "
