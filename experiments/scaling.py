@@ -1,7 +1,7 @@
 r"""Tensor-parallel memory scaling of the paged KV cache (simulated devices on CPU).
 
     python -m experiments.scaling --tp=1,2,4,8 --kv_mib_per_device=1 \
-        --num_requests=48 --out=results/scaling
+        --num_requests=96 --out=results/scaling
 
 For each tp, on a mesh of tp simulated CPU devices (this module sets
 XLA_FLAGS=--xla_force_host_platform_device_count=--num_devices before JAX starts):
@@ -13,8 +13,8 @@ XLA_FLAGS=--xla_force_host_platform_device_count=--num_devices before JAX starts
                         device holds 1/tp of every block (its KV heads).
   fixed_pool_bytes      MEASURED per-device bytes of one fixed pool (the tp=1
                         pool) split tp ways: 1/tp of it.
-  fit_full_length       COMPUTED: requests of the stream (in order) whose full
-                        prompt + output blocks fit the pool at once.
+  fit_full_length       COMPUTED: requests of a long (1000-request) stream, in
+                        order, whose full prompt + output blocks fit the pool at once.
   peak_running          MEASURED: most requests running at once in the real
                         tensor-parallel Engine serving the stream (all queued at
                         t=0, greedy, outputs capped at --max_output).
@@ -45,10 +45,10 @@ flags.DEFINE_integer("num_devices", 8, "simulated CPU devices (>= max tp)")
 flags.DEFINE_float("kv_mib_per_device", 1.0, "KV page budget per device, MiB (measured model)")
 flags.DEFINE_integer("block_size", 16, "tokens per KV block")
 flags.DEFINE_enum("workload", "alpaca", ["alpaca", "sharegpt"], "synthetic request stream")
-flags.DEFINE_integer("num_requests", 48, "requests served per tp")
+flags.DEFINE_integer("num_requests", 96, "requests served per tp")
 flags.DEFINE_integer("max_len", 256, "context limit of the stream (prompt + output)")
 flags.DEFINE_integer("max_output", 48, "cap on generated tokens per request")
-flags.DEFINE_integer("max_seqs", 64, "engine sequence slots (above the block-bound concurrency)")
+flags.DEFINE_integer("max_seqs", 128, "engine sequence slots (above the block-bound concurrency)")
 flags.DEFINE_integer("decode_batch", 8, "sequences in the timed decode forward")
 flags.DEFINE_integer("timing_iters", 20, "timed forward calls per tp (median reported)")
 flags.DEFINE_bool("serve", True, "serve the stream with the real engine (peak_running)")
@@ -169,6 +169,10 @@ def main(argv):
                                max_len=FLAGS.max_len, vocab_size=MODEL.vocab_size)
   stream = [workloads.Request(r.request_id, r.prompt_token_ids,
                               min(r.output_len, FLAGS.max_output)) for r in stream]
+  long_stream = workloads.synthetic(FLAGS.workload, 1000, seed=0, max_len=FLAGS.max_len,
+                                    vocab_size=MODEL.vocab_size)
+  long_stream = [workloads.Request(r.request_id, r.prompt_token_ids,
+                                   min(r.output_len, FLAGS.max_output)) for r in long_stream]
   base_cache = None
   rows = []
   for tp in common.progress(tps, desc="tp"):
@@ -184,7 +188,7 @@ def main(argv):
     row = dict(tp=tp, devices=len(kv), num_blocks=cache.num_blocks, kv_tokens=cache.num_slots,
                kv_bytes_per_device=max(kv.values()), kv_bytes_per_device_min=min(kv.values()),
                kv_bytes_total=sum(kv.values()), fixed_pool_bytes_per_device=max(fixed.values()),
-               fit_full_length=fit_full_length(stream, cache))
+               fit_full_length=fit_full_length(long_stream, cache))
     row["step_seconds"] = time_decode(tp_model, engine.params, cache, FLAGS.decode_batch,
                                       FLAGS.timing_iters)
     if FLAGS.serve:
@@ -237,6 +241,9 @@ def _plot(rows, path):
   axes[2].bar([str(t) for t in tps], [r["step_time_ratio"] for r in rows])
   axes[2].set(xlabel="tp", ylabel="decode step time / tp=1",
               title="Step time (CPU threads: not indicative)")
+  from matplotlib.ticker import NullFormatter
+  for ax in axes[:2]:
+    ax.xaxis.set_minor_formatter(NullFormatter())
   common.save_png(fig, path)
 
 
