@@ -109,7 +109,8 @@ def warm_up(engine) -> None:
 
 
 def serve(engine, requests: Sequence, params_fn: Callable = greedy, *,
-          track_sharing: bool = False, warmup: bool = True, progress=None) -> Dict:
+          track_sharing: bool = False, warmup: bool = True, keep_outputs: bool = False,
+          progress=None) -> Dict:
   """Serves `requests` (all arriving at t = 0) to completion on `engine`; measures it.
 
   Args:
@@ -119,6 +120,8 @@ def serve(engine, requests: Sequence, params_fn: Callable = greedy, *,
     track_sharing: read `metrics.sharing_savings` of the block state after every
       step (one host read per step) and report its step-summed ratio.
     warmup: compile first (`warm_up`) so the timing excludes tracing.
+    keep_outputs: also return "outputs": per request (stream order), the generated ids
+      of each sample / hypothesis.
     progress: optional object with `update(n)` (a tqdm bar), called per finished request.
   Returns:
     {"requests", "seconds", "requests_per_s", "tokens_per_s" (generated tokens, every
@@ -135,6 +138,7 @@ def serve(engine, requests: Sequence, params_fn: Callable = greedy, *,
                                       engine.num_swaps)
   ids = [engine.add_request(list(map(int, r.prompt_token_ids)), params_fn(r)) for r in requests]
   latency: Dict = {}
+  outputs: Dict = {}
   running_sum = running_max = 0
   used = unshared = 0
   start = time.perf_counter()
@@ -144,6 +148,8 @@ def serve(engine, requests: Sequence, params_fn: Callable = greedy, *,
     now = time.perf_counter() - start
     for out in finished:
       latency[out.request_id] = now
+      if keep_outputs:
+        outputs[out.request_id] = [list(map(int, o)) for o in out.outputs]
     if progress is not None and finished:
       progress.update(len(finished))
     running = sum(len(g.seqs) for g in engine.scheduler.running)
@@ -160,7 +166,7 @@ def serve(engine, requests: Sequence, params_fn: Callable = greedy, *,
     raise RuntimeError(f"{len(set(ids) - set(latency))} requests never finished")
   lat = np.array([latency[i] for i in ids])
   generated = engine.stats["generated_tokens"] - base_tokens
-  return {
+  result = {
       "requests": len(requests),
       "seconds": seconds,
       "requests_per_s": len(requests) / seconds,
@@ -176,3 +182,6 @@ def serve(engine, requests: Sequence, params_fn: Callable = greedy, *,
       "max_running_seqs": int(running_max),
       "sharing_savings": (1.0 - used / unshared if unshared else 0.0) if track_sharing else None,
   }
+  if keep_outputs:
+    result["outputs"] = [outputs[i] for i in ids]
+  return result

@@ -65,7 +65,7 @@ def run(workload_names: Sequence[str] = ("sharegpt", "alpaca"), *,
       with bar:
         res = serving.serve(engine, requests, params_fn, track_sharing=True, progress=bar)
       paper = PAPER_SAVINGS.get((name, mode))
-      rows.append(dict(workload=name, mode=mode, width=width, block_size=block_size,
+      rows.append(dict(workload=name, mode=mode, width=width, block_size=block_size, seed=seed,
                        savings=res["sharing_savings"], paper_savings=paper, **{
                            k: res[k] for k in ("tokens_per_s", "requests_per_s",
                                                "generated_tokens", "seconds", "steps",

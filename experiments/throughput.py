@@ -14,7 +14,8 @@ side in one process:
              so at most kv_budget_tokens / max_len sequences run at once.
 
 Both share every other knob (max_seqs, token budget per step, scheduler,
-attention backend), so the ratio isolates the allocator. Reports requests/s,
+attention backend), so the ratio isolates the allocator; decoding is greedy and
+`outputs_identical` records that both produced the same tokens. Reports requests/s,
 generated tokens/s, mean / p90 latency (finish time, all arriving at 0) and the
 running-sequence count, and generated tokens per engine step (independent of
 the machine's speed and load); `DIR/throughput.json`, `DIR/throughput.png`.
@@ -60,10 +61,12 @@ def run(workload_names: Sequence[str] = ("sharegpt", "alpaca"), *, num_requests:
         bar = common.progress(total=num_requests, desc=f"{name} {config} #{rep}",
                               disable=None if show_progress is None else not show_progress)
         with bar:
-          res = serving.serve(engine, requests, progress=bar)
+          res = serving.serve(engine, requests, keep_outputs=True, progress=bar)
         res["block_size"] = bs
         if config not in row or res["seconds"] < row[config]["seconds"]:
           row[config] = res
+    # Greedy decoding: the allocator must not change a single token.
+    row["outputs_identical"] = row["paged"].pop("outputs") == row["orca_max"].pop("outputs")
     row["speedup_requests_per_s"] = (row["paged"]["requests_per_s"]
                                      / row["orca_max"]["requests_per_s"])
     row["speedup_tokens_per_s"] = row["paged"]["tokens_per_s"] / row["orca_max"]["tokens_per_s"]
