@@ -1,0 +1,518 @@
+"""Automatic prefix caching as pure, jittable ops over `BlockState`.
+
+A *full* block of a sequence is registered under a chained 64-bit hash (two
+u32 lanes) of its parent block's hash and its own `block_size` token ids. A
+later request walks its prompt block by block from the root; block j is a hit
+only when a cached block has the same hash AND the same stored token ids AND
+the same depth j AND its recorded parent is exactly the block hit at j - 1 in
+that block's current generation. So a hash collision can never share wrong
+K/V (the hash only finds candidates), and a stale child of an evicted and
+reused parent is never reachable (the parent's generation moved on).
+
+Reference counting: the cache holds ONE reference on every cached block, on
+top of the block-table references. A cached block no sequence uses therefore
+has `ref_count == 1` (the paper's "ref count 0, content kept") and is never on
+the free stack: `block_manager.free` needs no change. When an allocation finds
+too few free blocks, `ensure_free` evicts cache-only blocks, least recently
+used first and, among blocks last used at the same time, the deepest (a
+sequence's tail) first, pushing them on the free stack. Never-cached free
+blocks are thus used before any cached one.
+
+Lookup: an open-addressing table `table i32[H]` (H = power of two >= 2 *
+num_blocks) maps a hash to block ids; a block is searched in the window of
+`max_probe` slots starting at `hash & (H - 1)`, so one looked-up block costs
+O(max_probe * block_size), independent of num_blocks. Insertion takes the
+window's first empty slot; a full window leaves the block uncached (a miss
+later, never a wrong hit). Eviction needs the LRU order, an O(num_blocks)
+`lax.top_k`, run only when blocks are short (under `lax.cond`).
+
+Per-slot registration chain: `chain_*[slot]` remember the canonical cached
+block for the slot's last registered logical block. When a slot's newly full
+block duplicates an already cached one (two requests computed the same prefix
+at once), the cached one becomes the chain's parent and the duplicate stays
+private (freed normally), so the children still register.
+
+Ops (all return new states; jit them with both states donated):
+  init(cache_config, ...)                      -> PrefixCacheState
+  lookup(cache, tokens, length)                -> (num_hit_blocks i32[], block_ids i32[P])
+  attach(cache, blocks, slot, tokens, length)  -> (cache, blocks, hit_tokens, status)
+  register(cache, blocks, item_slot, item_block, item_tokens, num_items) -> (cache, blocks)
+  fork_chain(cache, src_slot, dst_slot)        -> cache
+  touch(cache, blocks, slot_mask)              -> cache (LRU time of the slots' blocks)
+  free(cache, blocks, slots)                   -> (cache, blocks, status)  touch + block_manager.free
+  ensure_free(cache, blocks, num_needed, max_evict=...) -> (cache, blocks, num_evicted)
+  reset(cache, blocks)                         -> (cache, blocks)
+  num_cached_blocks(cache), num_evictable(cache, blocks), hit_rate(cache)
+"""
+
+from __future__ import annotations
+
+import flax
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax import block_manager as bm
+from paged_jax.config import CacheConfig, INVALID, OK, TOO_LONG
+
+_I32, _U32 = jnp.int32, jnp.uint32
+_INT_MAX = np.iinfo(np.int32).max
+HASH_MODES = ("chained", "constant")
+_ROOT = (0x2545F491, 0x6A09E667)          # parent hash of a depth-0 block
+_SEEDS = (0x9E3779B9, 0x7F4A7C15)
+_MULS = (0x85EBCA6B, 0xC2B2AE35)
+
+
+@flax.struct.dataclass
+class PrefixCacheState:
+  """Prefix-cache metadata beside a `BlockState` (NB blocks, S slots, H table slots).
+
+  Attributes:
+    block_hash: u32[NB, 2], chained hash of each cached block.
+    block_tokens: i32[NB, block_size], token ids held (exact verification).
+    block_parent: i32[NB], physical parent block in the chain (-1 at depth 0).
+    block_parent_gen: i32[NB], parent's generation when this block registered.
+    block_gen: i32[NB], bumped on every (re)registration of the block.
+    block_depth: i32[NB], logical block index within its sequence.
+    cached: bool[NB], block is registered (holds the cache's reference).
+    last_used: i32[NB], `clock` value of the last hit / register / release.
+    table_pos: i32[NB], the block's slot in `table` (-1 when not cached).
+    table: i32[H], block id per hash-table slot, -1 empty.
+    chain_block, chain_gen: i32[S], canonical cached block (and its generation)
+      of the slot's last registered logical block; -1 / 0 before the first.
+    chain_hash: u32[S, 2], its hash (the root hash before the first).
+    chain_len: i32[S], logical blocks of the slot registered or hit so far.
+    chain_ok: bool[S], the slot may register further blocks.
+    clock: i32[], logical time, advanced by every op that uses blocks.
+    hit_blocks, query_blocks: i32[], blocks hit / looked up by `attach`.
+    evictions: i32[], cached blocks evicted so far.
+    block_size, max_probe, hash_mode: static.
+  """
+  block_hash: jax.Array
+  block_tokens: jax.Array
+  block_parent: jax.Array
+  block_parent_gen: jax.Array
+  block_gen: jax.Array
+  block_depth: jax.Array
+  cached: jax.Array
+  last_used: jax.Array
+  table_pos: jax.Array
+  table: jax.Array
+  chain_block: jax.Array
+  chain_gen: jax.Array
+  chain_hash: jax.Array
+  chain_len: jax.Array
+  chain_ok: jax.Array
+  clock: jax.Array
+  hit_blocks: jax.Array
+  query_blocks: jax.Array
+  evictions: jax.Array
+  block_size: int = flax.struct.field(pytree_node=False)
+  max_probe: int = flax.struct.field(pytree_node=False)
+  hash_mode: str = flax.struct.field(pytree_node=False)
+
+  @property
+  def num_blocks(self) -> int:
+    return self.cached.shape[0]
+
+  @property
+  def table_size(self) -> int:
+    return self.table.shape[0]
+
+
+def init(cache_config: CacheConfig, *, max_probe: int = 16, table_factor: int = 2,
+         hash_mode: str = "chained") -> PrefixCacheState:
+  """An empty cache for `cache_config`'s block pool.
+
+  Args:
+    max_probe: hash-table slots searched per block (1..1024).
+    table_factor: table slots per block, rounded up to a power of two (>= 1).
+    hash_mode: "chained" (the 64-bit chained hash) or "constant" (every block
+      hashes alike: for tests showing collisions never share wrong K/V).
+  """
+  if not isinstance(cache_config, CacheConfig):
+    raise TypeError(f"cache_config must be a CacheConfig, got {type(cache_config).__name__}")
+  if not isinstance(max_probe, int) or not 1 <= max_probe <= 1024:
+    raise ValueError(f"max_probe must be an int in [1, 1024], got {max_probe!r}")
+  if not isinstance(table_factor, int) or not 1 <= table_factor <= 64:
+    raise ValueError(f"table_factor must be an int in [1, 64], got {table_factor!r}")
+  if hash_mode not in HASH_MODES:
+    raise ValueError(f"hash_mode must be one of {HASH_MODES}, got {hash_mode!r}")
+  nb, s, bs = cache_config.num_blocks, cache_config.max_seqs, cache_config.block_size
+  h = 1 << max(int(np.ceil(np.log2(table_factor * nb))), int(np.ceil(np.log2(max_probe))), 1)
+  z = lambda *shape: jnp.zeros(shape, _I32)
+  return PrefixCacheState(
+      block_hash=jnp.zeros((nb, 2), _U32), block_tokens=z(nb, bs),
+      block_parent=jnp.full((nb,), -1, _I32), block_parent_gen=z(nb), block_gen=z(nb),
+      block_depth=z(nb), cached=jnp.zeros((nb,), jnp.bool_), last_used=z(nb),
+      table_pos=jnp.full((nb,), -1, _I32), table=jnp.full((h,), -1, _I32),
+      chain_block=jnp.full((s,), -1, _I32), chain_gen=z(s),
+      chain_hash=jnp.broadcast_to(jnp.asarray(_ROOT, _U32), (s, 2)),
+      chain_len=z(s), chain_ok=jnp.zeros((s,), jnp.bool_), clock=z(), hit_blocks=z(),
+      query_blocks=z(), evictions=z(), block_size=bs, max_probe=max_probe,
+      hash_mode=hash_mode)
+
+
+# ---- hashing ---------------------------------------------------------------------------
+
+def _fmix32(h):
+  """MurmurHash3's 32-bit finalizer (a bijection with full avalanche)."""
+  h = h ^ (h >> 16)
+  h = h * _U32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * _U32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+def chain_hash(parent_hash, tokens, hash_mode: str = "chained"):
+  """u32[..., 2]: hash of a block given its parent's hash u32[..., 2] and ids i32[..., bs].
+
+  Each lane sums position-tagged, avalanche-mixed token terms (order
+  sensitive, vectorized over the block) and folds in both parent lanes.
+  """
+  if hash_mode == "constant":
+    return jnp.zeros(jnp.broadcast_shapes(parent_hash.shape[:-1], tokens.shape[:-1]) + (2,),
+                     _U32)
+  t = tokens.astype(_U32)
+  pos = lax.iota(_U32, tokens.shape[-1]) + _U32(1)
+  p0, p1 = parent_hash[..., 0], parent_hash[..., 1]
+  lanes = []
+  for lane in range(2):
+    terms = _fmix32(t * _U32(_MULS[lane]) + pos * _U32(_SEEDS[1 - lane]) + _U32(_SEEDS[lane]))
+    body = jnp.sum(terms, axis=-1, dtype=_U32)
+    parent = _fmix32((p0 if lane == 0 else p1) ^ _fmix32((p1 if lane == 0 else p0)
+                                                         + _U32(_SEEDS[lane])))
+    lanes.append(_fmix32(body ^ parent ^ _U32((tokens.shape[-1] * 0x27D4EB2F) & 0xFFFFFFFF)))
+  return jnp.stack(lanes, axis=-1)
+
+
+def _window(cache: PrefixCacheState, h):
+  """i32[max_probe]: table slots searched for hash `h` (u32[2])."""
+  start = (h[0] & _U32(cache.table_size - 1)).astype(_I32)
+  return (start + lax.iota(_I32, cache.max_probe)) & (cache.table_size - 1)
+
+
+def _probe(cache: PrefixCacheState, h, tokens, depth, parent, parent_gen):
+  """The cached block equal to (h, tokens, depth, parent, parent_gen), or -1."""
+  cand = cache.table[_window(cache, h)]
+  c = jnp.clip(cand, 0, cache.num_blocks - 1)
+  match = ((cand >= 0) & cache.cached[c] & jnp.all(cache.block_hash[c] == h, axis=-1)
+           & (cache.block_depth[c] == depth)
+           & (cache.block_parent[c] == parent) & (cache.block_parent_gen[c] == parent_gen)
+           & jnp.all(cache.block_tokens[c] == tokens[None, :], axis=-1))
+  return jnp.where(jnp.any(match), cand[jnp.argmax(match)], -1)
+
+
+# ---- lookup / attach -----------------------------------------------------------------
+
+def lookup(cache: PrefixCacheState, tokens, length):
+  """Longest cached prefix of a prompt, in whole blocks; changes nothing.
+
+  Args:
+    tokens: i32[L] prompt ids (padded; entries past `length` ignored).
+    length: i32[] prompt length. At most `(length - 1) // block_size` blocks
+      can hit, so at least the last prompt token is recomputed (its logits
+      are needed) and it lands in a fresh, uncached block.
+  Returns:
+    (num_hit_blocks i32[], block_ids i32[L // block_size], -1 past the hits,
+    hashes u32[L // block_size, 2] of the hit blocks).
+  Cost: one window probe per hit block plus one for the first miss.
+  """
+  bs = cache.block_size
+  n_max_static = tokens.shape[0] // bs
+  blocks_tok = tokens[:n_max_static * bs].reshape(n_max_static, bs)
+  limit = jnp.clip((jnp.asarray(length, _I32) - 1) // bs, 0, n_max_static)
+
+  def cond(c):
+    j, _, _, _, _, go = c
+    return go & (j < limit)
+
+  def body(c):
+    j, parent, pgen, h_par, ids, _ = c
+    tok = blocks_tok[j]
+    h = chain_hash(h_par, tok, cache.hash_mode)
+    hit = _probe(cache, h, tok, j, parent, pgen)
+    ok = hit >= 0
+    hc = jnp.clip(hit, 0, cache.num_blocks - 1)
+    ids = ids.at[j].set(hit)
+    return (j + ok.astype(_I32), jnp.where(ok, hit, parent),
+            jnp.where(ok, cache.block_gen[hc], pgen), jnp.where(ok, h, h_par), ids, ok)
+
+  root = jnp.asarray(_ROOT, _U32)
+  init_c = (jnp.zeros((), _I32), jnp.full((), -1, _I32), jnp.zeros((), _I32), root,
+            jnp.full((n_max_static,), -1, _I32), jnp.ones((), jnp.bool_))
+  n_hit, _, _, _, ids, _ = lax.while_loop(cond, body, init_c)
+  ids = jnp.where(lax.iota(_I32, n_max_static) < n_hit, ids, -1)
+  return n_hit, ids
+
+
+def attach(cache: PrefixCacheState, blocks: bm.BlockState, slot, tokens, length):
+  """Activates inactive `slot` holding its prompt's longest cached prefix.
+
+  The hit blocks join the slot's table (ref_count += 1 each), `seq_lens[slot]
+  = hits * block_size`; the caller then appends (prefills) the rest. With no
+  hit the slot is active and empty. The slot's registration chain starts after
+  the hits.
+
+  Args:
+    slot: i32[] in [0, max_seqs), inactive.
+    tokens: i32[L] prompt ids (L >= length, static); length: i32[] in [1, max_seq_len].
+  Returns:
+    (cache, blocks, hit_tokens i32[], status i32[]): INVALID (slot out of range
+    or active, length < 1 or > L), TOO_LONG (length > max_seq_len); on failure
+    both states are returned unchanged.
+  """
+  bs, s_max, p = cache.block_size, blocks.max_seqs, blocks.max_blocks_per_seq
+  slot = jnp.asarray(slot, _I32)
+  length = jnp.asarray(length, _I32)
+  sc = jnp.clip(slot, 0, s_max - 1)
+  bad = (slot < 0) | (slot >= s_max) | blocks.active[sc] | (length < 1) | (
+      length > tokens.shape[0])
+  too_long = ~bad & (length > blocks.max_seq_len)
+  ok = ~bad & ~too_long
+  status = jnp.where(bad, INVALID, jnp.where(too_long, TOO_LONG, OK)).astype(_I32)
+  n_hit, ids = lookup(cache, tokens, jnp.where(ok, length, 0))
+  n_hit = jnp.minimum(n_hit, p)
+  ids = ids[:p] if ids.shape[0] >= p else jnp.pad(ids, (0, p - ids.shape[0]), constant_values=-1)
+  ids = jnp.where(lax.iota(_I32, p) < n_hit, ids, -1)
+  nb = blocks.num_blocks
+  keys = jnp.where(ids >= 0, ids, nb)
+  row = jnp.where(ok, sc, s_max)
+  last = jnp.where(n_hit > 0, ids[jnp.maximum(n_hit - 1, 0)], -1)
+  lc = jnp.clip(last, 0, nb - 1)
+  queried = jnp.where(ok, jnp.clip((length - 1) // bs, 0, p), 0)
+  h_last = jnp.where(n_hit > 0, cache.block_hash[lc], jnp.asarray(_ROOT, _U32))
+  blocks = blocks.replace(
+      ref_count=blocks.ref_count.at[keys].add(1, mode="drop"),
+      block_tables=blocks.block_tables.at[row].set(ids, mode="drop"),
+      seq_lens=blocks.seq_lens.at[row].set(n_hit * bs, mode="drop"),
+      active=blocks.active.at[row].set(True, mode="drop"))
+  cache = cache.replace(
+      last_used=cache.last_used.at[keys].set(cache.clock, mode="drop"),
+      chain_block=cache.chain_block.at[row].set(last, mode="drop"),
+      chain_gen=cache.chain_gen.at[row].set(
+          jnp.where(n_hit > 0, cache.block_gen[lc], 0), mode="drop"),
+      chain_hash=cache.chain_hash.at[row].set(h_last, mode="drop"),
+      chain_len=cache.chain_len.at[row].set(n_hit, mode="drop"),
+      chain_ok=cache.chain_ok.at[row].set(True, mode="drop"),
+      clock=cache.clock + 1,
+      hit_blocks=cache.hit_blocks + n_hit,
+      query_blocks=cache.query_blocks + queried)
+  return cache, blocks, jnp.where(ok, n_hit * bs, 0), status
+
+
+# ---- register ------------------------------------------------------------------------
+
+def register(cache: PrefixCacheState, blocks: bm.BlockState, item_slot, item_block,
+             item_tokens, num_items):
+  """Registers newly full blocks, item by item in order.
+
+  Item i says: logical block `item_block[i]` of slot `item_slot[i]` is full
+  and holds ids `item_tokens[i]`. It is taken only if it continues the slot's
+  chain (`item_block == chain_len[slot]`, chain intact), the slot is active
+  and holds that block completely (`seq_lens // block_size` > item_block), and
+  the block is not cached yet. An equal cached block (same content and parent)
+  becomes the chain's next link instead (no duplicate entry). A full probe
+  window, a block already cached elsewhere or a stale parent ends the slot's
+  chain (its later blocks stay private: misses, never wrong hits).
+
+  Args:
+    item_slot, item_block: i32[R]; item_tokens: i32[R, block_size];
+    num_items: i32[], items used (the rest are padding).
+  Returns:
+    (cache, blocks): registered blocks gain the cache's reference.
+  """
+  bs, s_max, nb, p = cache.block_size, blocks.max_seqs, blocks.num_blocks, blocks.max_blocks_per_seq
+  num_items = jnp.minimum(jnp.asarray(num_items, _I32), item_slot.shape[0])
+
+  def body(i, carry):
+    c, b = carry
+    s, j, tok = item_slot[i], item_block[i], item_tokens[i]
+    sc, jc = jnp.clip(s, 0, s_max - 1), jnp.clip(j, 0, p - 1)
+    parent, pgen = c.chain_block[sc], c.chain_gen[sc]
+    pc = jnp.clip(parent, 0, nb - 1)
+    parent_live = (parent < 0) | (c.cached[pc] & (c.block_gen[pc] == pgen))
+    go = ((s >= 0) & (s < s_max) & b.active[sc] & c.chain_ok[sc] & (j == c.chain_len[sc])
+          & (j < p) & (j < b.seq_lens[sc] // bs) & parent_live)
+    h = chain_hash(c.chain_hash[sc], tok, c.hash_mode)
+    same = _probe(c, h, tok, j, parent, pgen)
+    own = b.block_tables[sc, jc]
+    oc = jnp.clip(own, 0, nb - 1)
+    win = _window(c, h)
+    empty = c.table[win] < 0
+    pos = win[jnp.argmax(empty)]
+    insert = go & (same < 0) & (own >= 0) & ~c.cached[oc] & jnp.any(empty)
+    link = jnp.where(same >= 0, same, own)
+    lc = jnp.clip(link, 0, nb - 1)
+    linked = go & ((same >= 0) | insert)
+    put = jnp.where(insert, oc, nb)
+    gen = c.block_gen[oc] + 1
+    c = c.replace(
+        block_hash=c.block_hash.at[put].set(h, mode="drop"),
+        block_tokens=c.block_tokens.at[put].set(tok, mode="drop"),
+        block_parent=c.block_parent.at[put].set(parent, mode="drop"),
+        block_parent_gen=c.block_parent_gen.at[put].set(pgen, mode="drop"),
+        block_gen=c.block_gen.at[put].set(gen, mode="drop"),
+        block_depth=c.block_depth.at[put].set(j, mode="drop"),
+        cached=c.cached.at[put].set(True, mode="drop"),
+        table_pos=c.table_pos.at[put].set(pos, mode="drop"),
+        table=c.table.at[jnp.where(insert, pos, c.table_size)].set(own, mode="drop"),
+        last_used=c.last_used.at[jnp.where(linked, lc, nb)].set(c.clock, mode="drop"))
+    new_gen = c.block_gen[lc]
+    row = jnp.where(go, sc, s_max)
+    c = c.replace(
+        chain_block=c.chain_block.at[row].set(jnp.where(linked, link, parent), mode="drop"),
+        chain_gen=c.chain_gen.at[row].set(jnp.where(linked, new_gen, pgen), mode="drop"),
+        chain_hash=c.chain_hash.at[row].set(jnp.where(linked, h, c.chain_hash[sc]), mode="drop"),
+        chain_len=c.chain_len.at[row].add(linked.astype(_I32), mode="drop"),
+        chain_ok=c.chain_ok.at[row].set(linked, mode="drop"))
+    b = b.replace(ref_count=b.ref_count.at[put].add(1, mode="drop"))
+    return c, b
+
+  cache, blocks = lax.fori_loop(0, num_items, body, (cache, blocks))
+  return cache.replace(clock=cache.clock + 1), blocks
+
+
+def fork_chain(cache: PrefixCacheState, src_slot, dst_slot):
+  """Copies the registration chain of `src_slot` to `dst_slot` (i32[] or i32[n]; < 0 pad).
+
+  Call after `block_manager.fork` (or a post-prefill fork) so the child can
+  register the blocks it fills next.
+  """
+  s_max = cache.chain_len.shape[0]
+  src, dst = jnp.broadcast_arrays(jnp.asarray(src_slot, _I32), jnp.asarray(dst_slot, _I32))
+  src, dst = src.reshape(-1), dst.reshape(-1)
+  ok = (src >= 0) & (src < s_max) & (dst >= 0) & (dst < s_max)
+  sc = jnp.clip(src, 0, s_max - 1)
+  row = jnp.where(ok, dst, s_max)
+  return cache.replace(**{
+      name: getattr(cache, name).at[row].set(getattr(cache, name)[sc], mode="drop")
+      for name in ("chain_block", "chain_gen", "chain_hash", "chain_len", "chain_ok")})
+
+
+# ---- LRU bookkeeping, free, eviction --------------------------------------------------
+
+def touch(cache: PrefixCacheState, blocks: bm.BlockState, slot_mask):
+  """Marks every block of the masked slots (bool[max_seqs]) as used now."""
+  nb = blocks.num_blocks
+  held = jnp.where(slot_mask[:, None] & (blocks.block_tables >= 0), blocks.block_tables, nb)
+  return cache.replace(last_used=cache.last_used.at[held.reshape(-1)].set(cache.clock,
+                                                                          mode="drop"),
+                       clock=cache.clock + 1)
+
+
+def free(cache: PrefixCacheState, blocks: bm.BlockState, slot):
+  """`block_manager.free` after touching the slots' blocks (their LRU time is now).
+
+  Cached blocks keep the cache's reference, so they stay off the free stack.
+  """
+  s_max = blocks.max_seqs
+  slots = jnp.asarray(slot, _I32).reshape(-1)
+  mask = jnp.zeros((s_max,), jnp.bool_).at[jnp.where(slots >= 0, slots, s_max)].set(
+      True, mode="drop")
+  cache = touch(cache, blocks, mask & blocks.active)
+  blocks, status = bm.free(blocks, slot)
+  row = jnp.where(mask, lax.iota(_I32, s_max), s_max)
+  cache = cache.replace(chain_ok=cache.chain_ok.at[row].set(False, mode="drop"))
+  return cache, blocks, status
+
+
+def num_cached_blocks(cache: PrefixCacheState):
+  """i32[]: blocks registered in the cache."""
+  return jnp.sum(cache.cached.astype(_I32))
+
+
+def num_evictable(cache: PrefixCacheState, blocks: bm.BlockState):
+  """i32[]: cached blocks no sequence holds (the cache's reference is their only one)."""
+  return jnp.sum((cache.cached & (blocks.ref_count == 1)).astype(_I32))
+
+
+def hit_rate(cache: PrefixCacheState):
+  """f32[]: hit blocks / looked-up blocks over all `attach` calls (0 when none)."""
+  return jnp.where(cache.query_blocks > 0,
+                   cache.hit_blocks / jnp.maximum(cache.query_blocks, 1), 0.0)
+
+
+def _uncache(cache: PrefixCacheState, blocks: bm.BlockState, victims):
+  """Drops the cache's reference on `victims` (i32[k], -1 pad); pushes those reaching 0."""
+  nb = blocks.num_blocks
+  v = jnp.where(victims >= 0, victims, nb)
+  vc = jnp.clip(victims, 0, nb - 1)
+  live = (victims >= 0) & cache.cached[vc]
+  v = jnp.where(live, victims, nb)
+  tpos = jnp.where(live, cache.table_pos[vc], cache.table_size)
+  ref = blocks.ref_count.at[v].add(-1, mode="drop")
+  zero = live & (ref[vc] == 0)
+  rank = jnp.cumsum(zero.astype(_I32)) - 1
+  push_at = jnp.where(zero, blocks.num_free + rank, nb)
+  n_push = jnp.sum(zero.astype(_I32))
+  blocks = blocks.replace(ref_count=ref,
+                          free_stack=blocks.free_stack.at[push_at].set(victims, mode="drop"),
+                          num_free=blocks.num_free + n_push)
+  cache = cache.replace(cached=cache.cached.at[v].set(False, mode="drop"),
+                        table_pos=cache.table_pos.at[v].set(-1, mode="drop"),
+                        table=cache.table.at[tpos].set(-1, mode="drop"),
+                        evictions=cache.evictions + jnp.sum(live.astype(_I32)))
+  return cache, blocks, n_push
+
+
+def lru_victims(cache: PrefixCacheState, blocks: bm.BlockState, num, max_evict: int):
+  """i32[max_evict]: the `num` (<= max_evict) cache-only blocks to evict first, -1 pad.
+
+  Order: smallest `last_used` first; among equal times the deepest block first
+  (a sequence's tail before its head). Two O(num_blocks) `lax.top_k` passes.
+  """
+  k = min(max_evict, blocks.num_blocks)
+  evictable = cache.cached & (blocks.ref_count == 1)
+  num = jnp.minimum(jnp.minimum(jnp.asarray(num, _I32), jnp.sum(evictable.astype(_I32))), k)
+  lu = jnp.where(evictable, cache.last_used, _INT_MAX)
+  neg, idx = lax.top_k(-lu, k)                     # ascending last_used
+  tau = -neg[jnp.maximum(num - 1, 0)]              # last_used of the num-th victim
+  older = jnp.sum((lu < tau).astype(_I32))         # all of these go; they lead `idx`
+  depth_key = jnp.where(evictable & (lu == tau), cache.block_depth, -1)
+  _, deep = lax.top_k(depth_key, k)                # deepest first among the ties
+  i = lax.iota(_I32, k)
+  tie_pick = deep[jnp.clip(i - older, 0, k - 1)]
+  out = jnp.where(i < older, idx, tie_pick)
+  out = jnp.where(i < num, out, -1)
+  if k < max_evict:
+    out = jnp.pad(out, (0, max_evict - k), constant_values=-1)
+  return out
+
+
+def ensure_free(cache: PrefixCacheState, blocks: bm.BlockState, num_needed, *,
+                max_evict: int):
+  """Evicts LRU cache-only blocks until `num_free >= num_needed` (or none is left).
+
+  Runs the O(num_blocks) victim search only when blocks are short.
+  Args:
+    num_needed: i32[], blocks the coming allocation may pop.
+    max_evict: static bound on blocks evicted per call.
+  Returns:
+    (cache, blocks, num_evicted i32[]).
+  """
+  short = jnp.clip(jnp.asarray(num_needed, _I32) - blocks.num_free, 0, max_evict)
+
+  def evict(c, b):
+    return _uncache(c, b, lru_victims(c, b, short, max_evict))
+
+  return lax.cond(short > 0, evict, lambda c, b: (c, b, jnp.zeros((), _I32)), cache, blocks)
+
+
+def reset(cache: PrefixCacheState, blocks: bm.BlockState):
+  """Empties the cache: every cached block loses the cache's reference (those no
+  sequence holds go back on the free stack), the table and all chains are
+  cleared and the counters zeroed. Generations keep counting."""
+  nb = blocks.num_blocks
+  ids = jnp.where(cache.cached, lax.iota(_I32, nb), -1)
+  # Push order: deepest and oldest last, so they are popped last.
+  cache, blocks, _ = _uncache(cache, blocks, ids)
+  s = cache.chain_len.shape[0]
+  return cache.replace(
+      table=jnp.full_like(cache.table, -1), chain_block=jnp.full((s,), -1, _I32),
+      chain_gen=jnp.zeros((s,), _I32),
+      chain_hash=jnp.broadcast_to(jnp.asarray(_ROOT, _U32), (s, 2)),
+      chain_len=jnp.zeros((s,), _I32), chain_ok=jnp.zeros((s,), jnp.bool_),
+      hit_blocks=jnp.zeros((), _I32), query_blocks=jnp.zeros((), _I32),
+      evictions=jnp.zeros((), _I32)), blocks
