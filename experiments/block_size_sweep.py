@@ -194,16 +194,22 @@ def summary_rows(rows):
           for r in rows]
 
 
-def plot(rows, path, best: Optional[Dict] = None):
-  """Six panels against block size (log2 x axis), one line per workload."""
+PANELS = (("token_utilization", "KV memory holding tokens (%)", 100),
+          ("internal_fragmentation", "internal fragmentation (%)", 100),
+          ("mean_concurrent", "mean concurrent requests", 1),
+          ("mean_blocks_per_seq", "blocks per sequence (table length)", 1),
+          ("prefix_hit_rate", "prefix-cache hit rate (%)", 100),
+          ("attention_ms", "decode attention (ms)", 1),
+          ("engine_tokens_per_s", "engine tokens / s (tiny model)", 1))
+
+
+def figure(rows, best: Optional[Dict] = None):
+  """A matplotlib figure: one panel per measured column against block size (log2 x)."""
   plt = common.pyplot()
-  panels = [("token_utilization", "KV memory holding tokens (%)", 100),
-            ("internal_fragmentation", "internal fragmentation (%)", 100),
-            ("mean_concurrent", "mean concurrent requests", 1),
-            ("mean_blocks_per_seq", "blocks per sequence (table length)", 1),
-            ("attention_ms", "decode attention (ms)", 1),
-            ("engine_tokens_per_s", "engine tokens / s (tiny model)", 1)]
-  fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+  panels = [p for p in PANELS if any(r.get(p[0]) is not None for r in rows)]
+  ncols = 3
+  nrows = -(-len(panels) // ncols)
+  fig, axes = plt.subplots(nrows, ncols, figsize=(13, 3.5 * nrows), squeeze=False)
   colors = {"sharegpt": "#3d5a80", "alpaca": "#e07a5f"}
   for ax, (key, label, mult) in zip(axes.flat, panels):
     for name in dict.fromkeys(r["workload"] for r in rows):
@@ -218,10 +224,18 @@ def plot(rows, path, best: Optional[Dict] = None):
     ax.set_ylabel(label, fontsize=9)
     if key in ("mean_blocks_per_seq", "attention_ms"):
       ax.set_yscale("log")
+  for ax in list(axes.flat)[len(panels):]:
+    ax.axis("off")
   axes.flat[0].legend(fontsize=8, frameon=False)
-  fig.suptitle("Block-size sweep (shaded in the last panel: the paper's best range)", fontsize=10)
+  fig.suptitle("Block-size sweep" + (" (shaded in the engine panel: the paper's best range)"
+                                     if best else ""), fontsize=10)
   fig.tight_layout()
-  return common.save_png(fig, path)
+  return fig
+
+
+def plot(rows, path, best: Optional[Dict] = None):
+  """Saves `figure(rows, best)` as a PNG; returns the path."""
+  return common.save_png(figure(rows, best), path)
 
 
 def write_jsonl(rows, path):

@@ -185,3 +185,21 @@ def serve(engine, requests: Sequence, params_fn: Callable = greedy, *,
   if keep_outputs:
     result["outputs"] = [outputs[i] for i in ids]
   return result
+
+
+def generate_text(prompt: str, block_sizes: Sequence[int], *, max_tokens: int = 48,
+                  kv_budget_tokens: int = 512) -> Dict[int, str]:
+  """Greedy continuation of `prompt` by the shipped tiny model, once per block size.
+
+  Returns {block_size: text}; PagedAttention is exact, so the texts must agree.
+  """
+  from paged_jax import tokenizer  # pylint: disable=g-import-not-at-top
+  from paged_jax.engine import SamplingParams  # pylint: disable=g-import-not-at-top
+  ids = tokenizer.encode(prompt)
+  texts = {}
+  for bs in block_sizes:
+    engine = make_engine(block_size=bs, kv_budget_tokens=kv_budget_tokens, max_seqs=4)
+    out = engine.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                stop_token_ids=(tokenizer.EOS_ID,)))
+    texts[bs] = tokenizer.decode(out[0].outputs[0])
+  return texts
