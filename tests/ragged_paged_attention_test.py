@@ -289,7 +289,7 @@ def _slow_cases():
   block_sizes = [8, 16, 32, 64, 128, 256]
   for i, (bs, group) in enumerate((b, g) for b in block_sizes for g in (1, 2, 4, 8)):
     head_dim = (64, 128)[i % 2]
-    dtype = (jnp.float32, jnp.bfloat16)[(i // 2) % 2]
+    dtype = (jnp.float32, jnp.bfloat16, jnp.float16)[(i // 2) % 3]
     splits = (1, 2, 1, 4)[(i // 3) % 4]
     cases.append((group, head_dim, bs, dtype, splits))
   return cases
