@@ -53,6 +53,7 @@ flags.DEFINE_integer("block_size", 16, "Tokens per block.")
 flags.DEFINE_integer("max_len", 64, "Longest sequence (tokens) before it is recycled.")
 flags.DEFINE_integer("recycle_width", 64, "Static width of the free/allocate slot vector.")
 flags.DEFINE_integer("seed", 0, "Schedule seed.")
+flags.DEFINE_integer("chunk", 50, "Steps each variant runs before the next takes a turn.")
 flags.DEFINE_float("fork_prob", 0.0,
                    "Chance that a recycled slot restarts as a fork of a running sequence "
                    "(sharing, then copy-on-write) instead of a new prompt.")
@@ -346,13 +347,17 @@ def main(argv):
                    "fused": FusedRunner(cfg, init_lens, rows, with_fork),
                    "host": HostRunner(cfg, init_lens, sched)}
     split_ops[nb] = _thread_split_ops(cfg)
-  # Interleaved: every step runs every pool size and variant, in a rotating order,
-  # so load from other processes hits all of them alike.
+  # Interleaved in chunks of --chunk steps: each pool size and variant runs a chunk
+  # in turn (rotating order), so load from other processes hits all of them alike,
+  # while caches stay warm within a chunk (per-step interleaving measured cold
+  # caches: the 1M-block non-donated copies alone flush them).
   order = [(nb, name) for nb in sizes for name in runners[nb]]
-  for t in common.progress(range(steps), desc="steps"):
-    k = t % len(order)
+  chunk = max(1, FLAGS.chunk)
+  for c, start in enumerate(common.progress(range(0, steps, chunk), desc="chunks")):
+    k = c % len(order)
     for nb, name in order[k:] + order[:k]:
-      runners[nb][name].step(t, record=t >= FLAGS.warmup)
+      for t in range(start, min(start + chunk, steps)):
+        runners[nb][name].step(t, record=t >= FLAGS.warmup)
   table_rows, results = [], []
   for nb in sizes:
     jit, nod, fused, host = (runners[nb][k] for k in ("jit", "no_donate", "fused", "host"))
@@ -397,7 +402,7 @@ def main(argv):
       "command": " ".join(sys.argv),
       "flags": {"batch": batch, "block_size": bs, "iters": FLAGS.iters, "warmup": FLAGS.warmup,
                 "max_len": FLAGS.max_len, "recycle_width": FLAGS.recycle_width,
-                "fork_prob": FLAGS.fork_prob,
+                "fork_prob": FLAGS.fork_prob, "chunk": FLAGS.chunk,
                 "max_blocks_per_seq": max_blocks, "seed": FLAGS.seed},
   }
   common.write_json(out / "block_manager_bench.json",
