@@ -19,8 +19,8 @@ XLA_FLAGS=--xla_force_host_platform_device_count=--num_devices before JAX starts
                         tensor-parallel Engine serving the stream (all queued at
                         t=0, greedy, outputs capped at --max_output).
   step_time_ratio       MEASURED: median time of one jitted tensor-parallel decode
-                        forward (--decode_batch sequences) over tp=1's, side by
-                        side in this run. CPU "devices" here are threads sharing
+                        forward (--decode_batch sequences) over tp=1's, the tp
+                        variants timed round-robin in this run. CPU "devices" here are threads sharing
                         this machine's cores, so this ratio says little about
                         accelerators; the memory figures are the result.
 
@@ -50,7 +50,7 @@ flags.DEFINE_integer("max_len", 256, "context limit of the stream (prompt + outp
 flags.DEFINE_integer("max_output", 48, "cap on generated tokens per request")
 flags.DEFINE_integer("max_seqs", 128, "engine sequence slots (above the block-bound concurrency)")
 flags.DEFINE_integer("decode_batch", 8, "sequences in the timed decode forward")
-flags.DEFINE_integer("timing_iters", 20, "timed forward calls per tp (median reported)")
+flags.DEFINE_integer("timing_iters", 30, "timed forward calls per tp (median reported)")
 flags.DEFINE_bool("serve", True, "serve the stream with the real engine (peak_running)")
 flags.DEFINE_float("prod_gib_per_device", 16.0, "KV budget per device for the computed rows")
 flags.DEFINE_string("out", "results/scaling", "output directory")
@@ -117,8 +117,11 @@ def serve(engine, requests) -> dict:
               serve_seconds=time.perf_counter() - t0)
 
 
-def time_decode(tp_model, params, cache: CacheConfig, batch: int, iters: int) -> float:
-  """Median seconds of one jitted decode forward: `batch` sequences, 1 new token each."""
+def decode_call(tp_model, params, cache: CacheConfig, batch: int):
+  """A compiled, warmed-up decode forward: `batch` sequences at context 4 blocks, 1 token each.
+
+  Returns a no-argument callable that runs one step and waits for it.
+  """
   from paged_jax.attention import AttentionMetadata
   import jax.numpy as jnp
   ctx = 4 * cache.block_size
@@ -133,16 +136,25 @@ def time_decode(tp_model, params, cache: CacheConfig, batch: int, iters: int) ->
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, MODEL.vocab_size, batch), jnp.int32)
   positions = jnp.full((batch,), ctx - 1, jnp.int32)
   step = jax.jit(tp_model.apply, donate_argnums=(3,))
-  pages = tp_model.init_pages(cache)
-  logits, pages = step(params, tokens, positions, pages, meta)
-  logits.block_until_ready()
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    logits, pages = step(params, tokens, positions, pages, meta)
+  state = {"pages": tp_model.init_pages(cache)}
+
+  def run():
+    logits, state["pages"] = step(params, tokens, positions, state["pages"], meta)
     logits.block_until_ready()
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
+
+  run()   # compile + warm up
+  return run
+
+
+def interleaved_medians(calls: dict, iters: int) -> dict:
+  """Median seconds per call, timing the calls round-robin so load drifts hit all alike."""
+  times = {k: [] for k in calls}
+  for _ in range(iters):
+    for k, run in calls.items():
+      t0 = time.perf_counter()
+      run()
+      times[k].append(time.perf_counter() - t0)
+  return {k: float(np.median(v)) for k, v in times.items()}
 
 
 def prod_rows(tps, gib: float, block_size: int) -> list:
@@ -174,7 +186,7 @@ def main(argv):
   long_stream = [workloads.Request(r.request_id, r.prompt_token_ids,
                                    min(r.output_len, FLAGS.max_output)) for r in long_stream]
   base_cache = None
-  rows = []
+  rows, calls = [], {}
   for tp in common.progress(tps, desc="tp"):
     mesh = make_mesh(tp=tp, devices=jax.devices()[:tp], model_config=MODEL)
     cache = cache_config_for_device_budget(MODEL, tp, budget, block_size=FLAGS.block_size,
@@ -189,11 +201,13 @@ def main(argv):
                kv_bytes_per_device=max(kv.values()), kv_bytes_per_device_min=min(kv.values()),
                kv_bytes_total=sum(kv.values()), fixed_pool_bytes_per_device=max(fixed.values()),
                fit_full_length=fit_full_length(long_stream, cache))
-    row["step_seconds"] = time_decode(tp_model, engine.params, cache, FLAGS.decode_batch,
-                                      FLAGS.timing_iters)
+    calls[tp] = decode_call(tp_model, engine.params, cache, FLAGS.decode_batch)
     if FLAGS.serve:
       row.update(serve(engine, stream))
     rows.append(row)
+  medians = interleaved_medians(calls, FLAGS.timing_iters)
+  for r in rows:
+    r["step_seconds"] = medians[r["tp"]]
   t1 = rows[0]["step_seconds"]
   for r in rows:
     r["step_time_ratio"] = r["step_seconds"] / t1
