@@ -296,7 +296,7 @@ def attach(cache: PrefixCacheState, blocks: bm.BlockState, slot, tokens, length)
       chain_hash=cache.chain_hash.at[row].set(h_last, mode="drop"),
       chain_len=cache.chain_len.at[row].set(n_hit, mode="drop"),
       chain_ok=cache.chain_ok.at[row].set(True, mode="drop"),
-      clock=cache.clock + 1,
+      clock=cache.clock + ok.astype(_I32),
       hit_blocks=cache.hit_blocks + n_hit,
       query_blocks=cache.query_blocks + queried)
   return cache, blocks, jnp.where(ok, n_hit * bs, 0), status
@@ -476,6 +476,10 @@ def lru_victims(cache: PrefixCacheState, blocks: bm.BlockState, num, max_evict: 
   tie_pick = deep[jnp.clip(i - older, 0, k - 1)]
   out = jnp.where(i < older, idx, tie_pick)
   out = jnp.where(i < num, out, -1)
+  # The set is decided; order it too (k elements): oldest first, deepest first.
+  oc = jnp.clip(out, 0, blocks.num_blocks - 1)
+  _, _, out = lax.sort((jnp.where(out >= 0, lu[oc], _INT_MAX),
+                        jnp.where(out >= 0, -cache.block_depth[oc], _INT_MAX), out), num_keys=2)
   if k < max_evict:
     out = jnp.pad(out, (0, max_evict - k), constant_values=-1)
   return out

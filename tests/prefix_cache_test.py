@@ -1,0 +1,292 @@
+"""Tests for paged_jax.prefix_cache at the block level (no model).
+
+Sequences are driven through the real block manager (attach -> append ->
+register -> free); expected hits come from a plain-Python model: the set of
+registered block-aligned prefixes (a tuple of token ids per prefix).
+"""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from paged_jax import block_manager as bm
+from paged_jax import prefix_cache as pc
+from paged_jax.config import CacheConfig, INVALID, OK
+
+BS, NB, S, P = 4, 48, 4, 8
+CFG = CacheConfig(block_size=BS, num_blocks=NB, max_seqs=S, max_blocks_per_seq=P)
+L = CFG.max_seq_len
+
+j_attach = jax.jit(pc.attach)
+j_register = jax.jit(pc.register)
+j_free = jax.jit(pc.free)
+j_lookup = jax.jit(pc.lookup)
+j_append = jax.jit(bm.append)
+j_ensure = jax.jit(pc.ensure_free, static_argnames=("max_evict",))
+j_victims = jax.jit(pc.lru_victims, static_argnames=("max_evict",))
+j_reset = jax.jit(pc.reset)
+
+
+def padded(tokens):
+  buf = np.zeros((L,), np.int32)
+  buf[:len(tokens)] = tokens
+  return buf
+
+
+class Driver:
+  """Runs whole requests through the pure ops: admit, prefill the rest, register, free."""
+
+  def __init__(self, cfg=CFG, **kw):
+    self.cache, self.blocks = pc.init(cfg, **kw), bm.init(cfg)
+
+  def admit(self, slot, tokens):
+    """Returns hit tokens; the slot then holds all of `tokens`, full blocks registered."""
+    self.cache, self.blocks, hit, status = j_attach(self.cache, self.blocks, slot,
+                                                    padded(tokens), len(tokens))
+    assert int(status) == OK
+    hit = int(hit)
+    rest = np.zeros((S,), np.int32)
+    rest[slot] = len(tokens) - hit
+    self.blocks, st_, cow = j_append(self.blocks, jnp.asarray(rest > 0), jnp.asarray(rest))
+    assert int(st_[slot]) == OK and np.all(np.asarray(cow) < 0)
+    n_full = len(tokens) // BS
+    start = hit // BS
+    items = np.full((P,), -1, np.int32)
+    blk = np.full((P,), -1, np.int32)
+    toks = np.zeros((P, BS), np.int32)
+    for i, j in enumerate(range(start, n_full)):
+      items[i], blk[i], toks[i] = slot, j, tokens[j * BS:(j + 1) * BS]
+    self.cache, self.blocks = j_register(self.cache, self.blocks, items, blk, toks,
+                                         n_full - start)
+    return hit
+
+  def free(self, slot):
+    self.cache, self.blocks, status = j_free(self.cache, self.blocks, np.int32(slot))
+    assert int(status) == OK
+
+  def lookup(self, tokens):
+    n, ids = j_lookup(self.cache, padded(tokens), len(tokens))
+    return int(n), np.asarray(ids)
+
+  def check_invariants(self):
+    c, b = jax.device_get(self.cache), jax.device_get(self.blocks)
+    free = set(np.asarray(b.free_stack)[:int(b.num_free)].tolist())
+    cached = set(np.nonzero(np.asarray(c.cached))[0].tolist())
+    assert not free & cached, "a cached block is on the free stack"
+    refs = np.zeros((b.ref_count.shape[0],), np.int64)
+    tables = np.asarray(b.block_tables)
+    for row in tables:
+      for blk in row[row >= 0]:
+        refs[blk] += 1
+    for blk in cached:
+      refs[blk] += 1
+    np.testing.assert_array_equal(np.asarray(b.ref_count), refs)
+    assert len(free) == int(b.num_free) and all(refs[f] == 0 for f in free)
+    table = np.asarray(c.table)
+    for blk in cached:
+      assert table[int(c.table_pos[blk])] == blk
+    assert np.sum(table >= 0) == len(cached)
+
+
+def expected_hits(model_prefixes, tokens):
+  """Plain-Python model: longest j <= (len - 1) // BS with every prefix registered."""
+  j = 0
+  while j < (len(tokens) - 1) // BS and tuple(tokens[:(j + 1) * BS]) in model_prefixes:
+    j += 1
+  return j
+
+
+def test_chain_hash_is_sensitive_to_tokens_order_and_parent():
+  rng = np.random.default_rng(0)
+  toks = jnp.asarray(rng.integers(0, 1 << 20, (20000, 16)), jnp.int32)
+  root = jnp.broadcast_to(jnp.asarray(pc._ROOT, jnp.uint32), (20000, 2))  # pylint: disable=protected-access
+  h = np.asarray(pc.chain_hash(root, toks))                  # u32[n, 2]
+  h64 = h.astype(np.uint64)
+  keys = (h64[:, 0] << np.uint64(32)) | h64[:, 1]
+  assert len(np.unique(keys)) == 20000                      # 64 bits: no collision
+  swapped = toks.at[:, [0, 1]].set(toks[:, [1, 0]])
+  assert np.all(np.any(np.asarray(pc.chain_hash(root, swapped)) != h, axis=-1))
+  other_parent = jnp.asarray(pc.chain_hash(root, toks))
+  h2 = np.asarray(pc.chain_hash(other_parent, toks))
+  assert np.all(np.any(h2 != h, axis=-1))
+  # Every output bit flips about half the time for a one-token change (avalanche).
+  bumped = np.asarray(pc.chain_hash(root, toks.at[:, 5].add(1)))
+  flips = np.unpackbits((bumped ^ h).view(np.uint8)).mean()
+  assert 0.45 < flips < 0.55
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), mode=st.sampled_from(pc.HASH_MODES))
+def test_lookup_matches_python_model_of_registered_prefixes(seed, mode):
+  rng = np.random.default_rng(seed)
+  d = Driver(hash_mode=mode, max_probe=64 if mode == "constant" else 16)
+  base = rng.integers(0, 5, 28)
+  model = set()
+  for r in range(8):
+    cut = int(rng.integers(0, 28))
+    toks = np.concatenate([base[:cut], rng.integers(0, 5, int(rng.integers(1, 29 - cut)))])
+    toks = [int(t) for t in toks[:L]]
+    slot = r % S
+    if r >= S:
+      d.free(slot)
+    want = expected_hits(model, toks)
+    n, ids = d.lookup(toks)
+    assert n == want
+    # Hit blocks hold exactly the query's ids and chain to each other.
+    c = jax.device_get(d.cache)
+    for j in range(n):
+      np.testing.assert_array_equal(np.asarray(c.block_tokens[ids[j]]), toks[j * BS:(j + 1) * BS])
+      assert int(c.block_parent[ids[j]]) == (ids[j - 1] if j else -1)
+    assert d.admit(slot, toks) == want * BS
+    for j in range(len(toks) // BS):
+      model.add(tuple(toks[:(j + 1) * BS]))
+    d.check_invariants()
+  if mode == "chained":
+    assert int(d.cache.hit_blocks) > 0
+
+
+def test_constant_hash_every_block_collides_but_no_wrong_hit():
+  d = Driver(hash_mode="constant", max_probe=64)
+  rng = np.random.default_rng(1)
+  a = [int(t) for t in rng.integers(0, 3, 17)]
+  b = list(a[:4]) + [(t + 1) % 3 for t in a[4:8]] + a[8:]   # same block 0, 2.., differs at 1
+  d.admit(0, a)
+  n, _ = d.lookup(b)
+  assert n == 1                          # block 1 differs, so blocks 2, 3 must not hit either
+  n, _ = d.lookup(a)
+  assert n == 4
+  d.check_invariants()
+
+
+def test_stale_child_of_evicted_and_reused_parent_is_never_hit():
+  d = Driver()
+  rng = np.random.default_rng(2)
+  a = [int(t) for t in rng.integers(0, 50, 13)]               # blocks p0 p1 p2 + 1 token
+  d.admit(0, a)
+  d.free(0)
+  c = jax.device_get(d.cache)
+  tables = {j: b for j, b in enumerate(np.nonzero(np.asarray(c.cached))[0])}
+  p0 = int(np.nonzero(np.asarray(c.cached) & (np.asarray(c.block_depth) == 0))[0][0])
+  # Evict only the head block p0 (its children stay cached, now stale).
+  d.cache, d.blocks, n = jax.jit(pc._uncache)(d.cache, d.blocks, jnp.asarray([p0]))  # pylint: disable=protected-access
+  assert int(n) == 1 and len(tables) == 3
+  # Reuse p0 for a different first block, registered at depth 0 again.
+  x = [(t + 7) % 50 for t in a[:4]]
+  d.blocks = d.blocks.replace(free_stack=d.blocks.free_stack.at[d.blocks.num_free - 1].set(p0))
+  d.admit(1, x + a[4:])
+  assert int(d.blocks.block_tables[1, 0]) == p0
+  # X + A's later blocks: block 0 hits p0 (content X); A's cached block 1 names
+  # p0 as parent but an older generation: it must miss (its K/V saw A's block 0).
+  n, _ = d.lookup(x + a[4:] + [1])
+  assert n == 3                          # slot 1 registered its own blocks 1, 2 ...
+  ids = d.lookup(x + a[4:] + [1])[1]
+  c = jax.device_get(d.cache)
+  assert all(int(c.block_parent[ids[j]]) == ids[j - 1] for j in (1, 2))
+  assert ids[1] not in tables.values()   # ... never A's stale ones
+  d.check_invariants()
+
+
+def test_prefix_shorter_than_one_block_never_hits():
+  d = Driver()
+  for slot, toks in enumerate([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2], [1, 2, 3, 4]]):
+    assert d.admit(slot, toks) == 0        # at most (len - 1) // BS = 0 blocks can hit
+  assert int(d.cache.hit_blocks) == 0 and float(pc.hit_rate(d.cache)) == 0.0
+  d.check_invariants()
+
+
+def test_last_prompt_token_is_always_recomputed():
+  d = Driver()
+  toks = list(range(1, 13))                # exactly 3 full blocks
+  d.admit(0, toks)
+  d.free(0)
+  assert d.admit(1, toks) == 8             # blocks 0, 1 hit; block 2 is recomputed
+  assert d.admit(2, toks + [5]) == 12
+
+
+def test_eviction_order_lru_then_tail_first_and_free_blocks_first():
+  d = Driver()
+  rng = np.random.default_rng(3)
+  seqs = [[int(t) for t in rng.integers(0, 99, 13)] for _ in range(3)]   # 3 full + 1 partial
+  for slot, s in enumerate(seqs):
+    d.admit(slot, s)
+  owned = [np.asarray(d.blocks.block_tables[slot, :3]).tolist() for slot in range(3)]
+  for slot in (1, 0, 2):                   # release order = LRU order: 1, then 0, then 2
+    d.free(slot)
+  assert int(pc.num_evictable(d.cache, d.blocks)) == 9
+  victims = np.asarray(j_victims(d.cache, d.blocks, 9, max_evict=12)).tolist()
+  assert victims[:9] == owned[1][::-1] + owned[0][::-1] + owned[2][::-1]
+  assert victims[9:] == [-1] * 3
+  # Free never-cached blocks are used before any cached one.
+  free_now = int(d.blocks.num_free)
+  cache, blocks, n = j_ensure(d.cache, d.blocks, free_now, max_evict=8)
+  assert int(n) == 0 and int(pc.num_cached_blocks(cache)) == 9
+  cache, blocks, n = j_ensure(cache, blocks, free_now + 2, max_evict=8)
+  assert int(n) == 2 and int(blocks.num_free) == free_now + 2
+  d.cache, d.blocks = cache, blocks
+  d.check_invariants()
+  # The two evicted were slot 1's tail blocks: its head still hits, its tail not.
+  assert d.lookup(seqs[1])[0] == 1 and d.lookup(seqs[0])[0] == 3
+
+
+def test_blocks_in_use_are_never_evicted():
+  d = Driver()
+  d.admit(0, list(range(9)))               # 2 full blocks cached + partial, slot 0 holds them
+  cache, blocks, n = j_ensure(d.cache, d.blocks, NB, max_evict=8)
+  assert int(n) == 0 and int(pc.num_cached_blocks(cache)) == 2
+
+
+def test_attach_rejects_bad_arguments_and_leaves_state_unchanged():
+  d = Driver()
+  d.admit(0, list(range(10)))
+  before = [np.asarray(x) for x in jax.tree_util.tree_leaves((d.cache, d.blocks))]
+  for slot, n in ((0, 5), (-1, 5), (S, 5), (1, 0), (1, L + 1)):
+    cache, blocks, hit, status = j_attach(d.cache, d.blocks, slot, padded(range(10)), n)
+    assert int(status) == INVALID and int(hit) == 0
+    after = [np.asarray(x) for x in jax.tree_util.tree_leaves((cache, blocks))]
+    for a, b in zip(before, after):
+      np.testing.assert_array_equal(a, b)
+
+
+def test_reset_returns_unheld_blocks_and_keeps_held_ones():
+  d = Driver()
+  d.admit(0, list(range(13)))
+  d.admit(1, list(range(100, 113)))
+  d.free(0)
+  free0 = int(d.blocks.num_free)
+  d.cache, d.blocks = j_reset(d.cache, d.blocks)
+  assert int(pc.num_cached_blocks(d.cache)) == 0 and int(d.cache.hit_blocks) == 0
+  assert int(d.blocks.num_free) == free0 + 3          # slot 0's cached blocks
+  assert d.lookup(list(range(13)))[0] == 0
+  d.check_invariants()
+  d.free(1)
+  assert int(d.blocks.num_free) == NB
+
+
+def _time_lookup(num_blocks, prompt_blocks=32, reps=20):
+  cfg = CacheConfig(block_size=16, num_blocks=num_blocks, max_seqs=2,
+                    max_blocks_per_seq=prompt_blocks + 1)
+  cache, blocks = pc.init(cfg), bm.init(cfg)
+  toks = np.random.default_rng(0).integers(0, 1000, cfg.max_seq_len).astype(np.int32)
+  n = prompt_blocks * 16 + 1
+  cache, blocks, hit, _ = jax.jit(pc.attach)(cache, blocks, 0, toks, n)
+  blocks, _, _ = jax.jit(bm.append)(blocks, jnp.arange(2) == 0, jnp.asarray([n, 0]))
+  items = np.zeros((prompt_blocks,), np.int32)
+  cache, blocks = jax.jit(pc.register)(cache, blocks, items, np.arange(prompt_blocks, dtype=np.int32),
+                                       toks[:prompt_blocks * 16].reshape(-1, 16), prompt_blocks)
+  f = jax.jit(pc.lookup)
+  assert int(f(cache, toks, n)[0]) == prompt_blocks
+  jax.block_until_ready(f(cache, toks, n))
+  t0 = time.perf_counter()
+  for _ in range(reps):
+    jax.block_until_ready(f(cache, toks, n))
+  return (time.perf_counter() - t0) / reps
+
+
+@pytest.mark.slow
+def test_lookup_cost_does_not_grow_with_num_blocks():
+  small, large = _time_lookup(1024), _time_lookup(1 << 20)
+  assert large < 3 * small + 2e-4, (small, large)
