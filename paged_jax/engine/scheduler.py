@@ -248,7 +248,7 @@ class Scheduler:
   def _chunks_for(self, group: Group, budget: int) -> List[Chunk]:
     """This step's chunks for a group (leader capped at the prompt while forks pend)."""
     chunks = []
-    pending = any(s.pending_fork for s in group.seqs)
+    pending = len(group.seqs) > 1 and any(s.pending_fork for s in group.seqs)
     for seq in group.seqs:
       if seq.pending_fork or seq.topk is not None or budget <= 0:
         continue
@@ -260,20 +260,23 @@ class Scheduler:
         continue
       n = min(todo, budget)
       budget -= n
-      forked = any(c is seq for _, c in self.pending_forks)
+      forked = bool(self.pending_forks) and any(c is seq for _, c in self.pending_forks)
       chunks.append(Chunk(seq, n, samples=seq.num_computed + n == len(seq.tokens),
                           allocate=not seq.on_device and not forked))
     return chunks
 
   def _post_forks(self, group: Group, chunks: List[Chunk]) -> List[Tuple[Sequence, Sequence]]:
+    if len(group.seqs) == 1:
+      return []
     lead = [c for c in chunks if c.seq is group.leader]
     if not lead or lead[0].seq.num_computed + lead[0].num_tokens != group.leader.prompt_len:
       return []
     return [(group.leader, s) for s in group.seqs if s.pending_fork]
 
-  def _take(self, group: Group, batch: Batch, budget: int) -> int:
+  def _take(self, group: Group, batch: Batch, budget: int, chunks=None) -> int:
     """Adds the group's chunks and post-forks to the batch; returns tokens used."""
-    chunks = self._chunks_for(group, budget)
+    if chunks is None:
+      chunks = self._chunks_for(group, budget)
     batch.chunks.extend(chunks)
     batch.post_forks.extend(self._post_forks(group, chunks))
     return sum(c.num_tokens for c in chunks)
@@ -293,15 +296,15 @@ class Scheduler:
     i = 0
     while i < len(queue):
       group = queue[i]
-      need = sum(self.blocks_needed(c.seq, c.num_tokens)
-                 for c in self._chunks_for(group, budget))
+      chunks = self._chunks_for(group, budget)
+      need = sum(self.blocks_needed(c.seq, c.num_tokens) for c in chunks)
       while need > free and queue[-1] is not group:
         free += self.preempt(queue.pop(), batch)
       if need > free:
         queue.pop()
         free += self.preempt(group, batch)
         break
-      budget -= self._take(group, batch, budget)
+      budget -= self._take(group, batch, budget, chunks)
       free -= need
       i += 1
     # Beam forks decided after the last step run first (they take no block).
@@ -340,7 +343,7 @@ class Scheduler:
         self.running.append(group)
         chunks = self._chunks_for(group, budget)
         free -= sum(self.blocks_needed(c.seq, c.num_tokens) for c in chunks)
-        budget -= self._take(group, batch, budget)
+        budget -= self._take(group, batch, budget, chunks)
     batch.frees = list(self.pending_frees)
     return batch
 
