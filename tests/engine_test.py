@@ -249,3 +249,28 @@ def test_generate_cli_on_saved_checkpoint(tmp_path):
     generate.main(argv[:1])
   result = json.loads(buf.getvalue())
   assert result == {"outputs": [dense_greedy(PARAMS, p, 6) for p in prompts]}
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_parallel_sampling_and_beam_groups_restore_exactly(mode):
+  # Two long greedy requests hold 8 of the 12 blocks; the sampling group (n=3) and the
+  # beam group (width 3) behind them get preempted (multi-sequence groups always
+  # recompute: prompt once on the leader, re-forked, then each sample's own tokens).
+  long_prompts = random_prompts(11, 2, lo=20, hi=20)
+  sample_prompt, beam_prompt = random_prompts(12, 2, lo=18, hi=18)
+  kw = dict(max_tokens=20, temperature=0.8, top_k=30)
+  engine = make_engine(preemption_mode=mode)
+  outs = engine.generate(
+      long_prompts + [sample_prompt, beam_prompt],
+      [greedy(40), greedy(40), SamplingParams(n=3, seed=3, **kw),
+       SamplingParams(max_tokens=5, temperature=0.0, beam_width=3, n=2)])
+  assert engine.num_preemptions > 0
+  assert sum(o.num_preemptions for o in outs[2:]) > 0
+  for p, o in zip(long_prompts, outs):
+    assert o.outputs[0] == dense_greedy(PARAMS, p, 40)
+  singles = make_engine().generate([sample_prompt] * 3,
+                                   [SamplingParams(n=1, seed=3 + j, **kw) for j in range(3)])
+  assert outs[2].outputs == [s.outputs[0] for s in singles]
+  ref = reference_beam_search(PARAMS, beam_prompt, 3, 5, ())[:2]
+  assert outs[3].outputs == [ids[len(beam_prompt):] for _, ids in ref]
+  assert engine.num_free == NUM_BLOCKS
