@@ -79,7 +79,7 @@ print(jax.devices())"
 # 2. Kernel tests: compiled on the GPU (interpreted in --dry-run), slow grid included,
 #    plus the CUDA lowering tests under this machine's JAX.
 step tests "$T_TESTS" "$OUT/tests.log" "$PY" -m pytest -q -rfE -p no:cacheprovider \
-  -n "$WORKERS" "${TEST_MARK[@]}" \
+  -n "$WORKERS" ${TEST_MARK[@]+"${TEST_MARK[@]}"} \
   tests/ragged_paged_attention_test.py tests/paged_attention_test.py \
   tests/cuda_lowering_ragged_test.py tests/cuda_lowering_test.py
 
@@ -105,6 +105,6 @@ echo "---- kernel_bench ----"
 grep -E "^\|" "$OUT/kernel_bench.log" | tail -12 || true
 echo "---- ragged_bench ----"
 grep -E "^\||^variant" "$OUT/ragged_bench.log" | tail -20 || true
-echo "---- steps ($SECONDS s total) ----"
+echo "---- steps ($SECONDS s total; logs and JSON in $OUT) ----"
 cat "$SUMMARY"
 exit $FAILED
