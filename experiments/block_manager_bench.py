@@ -6,7 +6,8 @@ r"""Block-manager scaling: jitted functional append vs a host-side Python alloca
 A decode-like workload: `batch` sequence slots, each grows by one token per step
 (block_size 16, so about batch/16 slots cross a block boundary every step); a
 sequence that reaches its target length (at most 64 tokens, so even the 1K pool
-never runs dry) is freed and its slot re-allocated with a new prompt. The same
+never runs dry) is freed and its slot restarts as a new prompt or, with
+`--fork_prob`, as a fork of a running sequence (then copy-on-write). The same
 pre-generated schedule is replayed, side by side in one process, by:
 
   * jit (donated): `block_manager.append` jitted with the state donated, plus a
@@ -19,9 +20,12 @@ pre-generated schedule is replayed, side by side in one process, by:
     builds the [batch, max_blocks_per_seq] block-table array and puts it on the
     device, which a host allocator must do every step before attention.
 
-Each call is timed alone with `block_until_ready`; medians over `--iters` steps
-after `--warmup` steps. Writes DIR/block_manager_bench.json and
-DIR/block_manager_bench.png and prints a table.
+All pool sizes and variants take turns, `--chunk` steps at a time in a rotating
+order, so load from other processes hits them alike; the process is pinned to
+one core (`--cpu_cores`). Each call is timed alone with `block_until_ready`;
+medians over `--iters` steps after `--warmup` steps. At the end jit and host
+must agree on lengths, free blocks and copies. Writes
+DIR/block_manager_bench.json and DIR/block_manager_bench.png and prints a table.
 """
 
 from __future__ import annotations
