@@ -185,6 +185,12 @@ def test_multi_step_decoding_matches_and_syncs_less():
   for p, o in zip(prompts, outs):
     assert o.outputs[0] == dense_greedy(PARAMS, p, 12, stop=(5,))
   assert engine.stats["device_steps"] * 2 < engine.stats["generated_tokens"]
+  # Sampling (n=2: forked children copy-on-write inside the loop) is the same as k=1.
+  sp = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, n=2, seed=4)
+  multi = engine.generate(prompts[:3], sp)
+  single = make_engine().generate(prompts[:3], sp)
+  assert [o.outputs for o in multi] == [o.outputs for o in single]
+  assert engine.num_free == NUM_BLOCKS
 
 
 def test_no_retracing_over_hundreds_of_steps_of_changing_traffic():
