@@ -2,38 +2,34 @@
 
 PagedAttention (Kwon et al., SOSP 2023) cuts the KV cache into blocks of
 `block_size` token slots; each sequence slot owns a row of `block_tables`
-mapping its logical blocks to physical ones. Here the whole allocator is an
-immutable pytree and every op is a pure function with static shapes and no host
-sync, so block bookkeeping, copy-on-write and attention can share one `jax.jit`.
+mapping logical to physical blocks. Here the allocator is an immutable pytree
+and every op a pure function with static shapes and no host sync, so block
+bookkeeping, copy-on-write and attention can share one `jax.jit`.
 
-Free structure: a stack. `free_stack[:num_free]` holds the free block ids and the
-top (`free_stack[num_free - 1]`) is popped first; entries at and above `num_free`
-are stale and never read. A batch pops its blocks with an exclusive prefix sum
-over the batch, so allocation costs O(batch * max_blocks_per_seq), independent
-of `num_blocks` (no scan or argmin over the pool). Donate the state into the
-jitted op (`donate_argnums`) so the O(num_blocks) arrays are updated in place.
+Free structure: a stack; `free_stack[:num_free]` are the free ids, the top
+(`num_free - 1`) is popped first. A batch pops with an exclusive prefix sum, so
+every op costs O(batch * max_blocks_per_seq), never O(num_blocks) (no scan,
+argmin or sort over the pool), provided the state is donated (`donate_argnums`)
+so XLA updates the O(num_blocks) arrays in place.
 
-Batch policy (every op): requests are applied as if one at a time in argument
-(slot) order. A request that cannot be satisfied gets a status (`OUT_OF_BLOCKS`,
-`TOO_LONG`, `INVALID` from `paged_jax.config`) and leaves its slot exactly as it
-was; later requests still run and see the blocks it did not take (so a smaller
-later request may succeed after a larger one failed). When the whole batch fits
-this costs one prefix sum; only when blocks run short does an O(batch)
-sequential `lax.scan` decide which requests succeed. Negative slot ids are
-padding: status `INVALID`, no effect.
+Batch policy (every op): requests act as if applied one at a time in argument
+(slot) order. A request that cannot be satisfied gets `OUT_OF_BLOCKS`,
+`TOO_LONG` or `INVALID` (`paged_jax.config`) and leaves its slot exactly as it
+was; later requests still run on the blocks it did not take. If the whole batch
+fits this is one prefix sum; only a shortage runs an O(batch) `lax.scan`.
+Negative slot ids are padding: `INVALID`, no effect.
 
-Invariants kept by every op: a slot holding `L` tokens holds exactly
-`cdiv(L, block_size)` blocks in the first columns of its row and -1 after them;
-an inactive slot has `L == 0`; `ref_count[b]` equals the number of table entries
-pointing at `b`; a block is on the free stack (once) iff its ref count is 0; all
-holders of a shared block hold it at the same logical index with the same fill.
+Invariants: a slot with `L` tokens holds `cdiv(L, block_size)` blocks in the
+first columns of its row, -1 after; inactive slots have `L == 0`;
+`ref_count[b]` is the number of table entries pointing at `b`; a block is on the
+free stack (once) iff its ref count is 0; all holders of a shared block hold it
+at the same logical index with the same fill.
 
 Copy-on-write: `append` into a shared (`ref_count > 1`), partially filled last
-block gives the writer a fresh block and reports `(old, new)` in `cow`; the
-caller applies `kv_cache.copy_blocks(pages, cow)` in the same jit before writing.
-When several holders of one block append in the same batch, each but the last
-remaining holder copies, and the last one (seeing `ref_count == 1`) writes in
-place, exactly as sequential application would.
+block gives the writer a fresh block and reports `(old, new)` in `cow`, which
+the caller applies with `kv_cache.copy_blocks` in the same jit before writing.
+When several holders append in one batch, all but the last remaining holder
+copy; that one sees `ref_count == 1` and writes in place.
 """
 
 from __future__ import annotations

@@ -5,8 +5,6 @@ counts, free-stack contents and per-slot statuses; separately, structural
 invariants are checked on the JAX state alone.
 """
 
-import functools
-
 from absl.testing import absltest
 import chex
 from hypothesis import settings, strategies as st
@@ -20,10 +18,10 @@ from paged_jax import block_manager as bm
 from paged_jax.config import (CacheConfig, INVALID, OK, OUT_OF_BLOCKS, OutOfBlocksError,
                               TOO_LONG)
 
-try:
-  from tests.block_manager_model import BlockModel, cdiv
-except ImportError:  # pytest's rootdir-less import mode puts tests/ itself on sys.path
+try:  # tests/ is on sys.path under pytest and Bazel (tests:test_support)
   from block_manager_model import BlockModel, cdiv
+except ImportError:
+  from tests.block_manager_model import BlockModel, cdiv
 
 # 6 slots x 5 blocks could want 30 blocks; only 20 exist, so shortages are common.
 CFG = CacheConfig(block_size=4, num_blocks=20, max_seqs=6, max_blocks_per_seq=5)
