@@ -85,6 +85,11 @@ class CacheConfig:
     _check_int("head_dim", self.head_dim, 1, 1024)
     if self.dtype not in _KV_DTYPES:
       raise ValueError(f"dtype must be one of {_KV_DTYPES}, got {self.dtype!r}")
+    if self.num_blocks * self.block_size > 2**31 - 1:
+      # Flat cache slots (block * block_size + offset) are int32 inside jit.
+      raise ValueError(
+          f"num_blocks * block_size must be <= 2**31 - 1 (int32 cache slots), got "
+          f"{self.num_blocks} * {self.block_size}")
     if self.max_seq_len > 2**30:
       raise ValueError(
           f"max_blocks_per_seq * block_size must be <= 2**30, got {self.max_seq_len}")
