@@ -118,6 +118,7 @@ class PrefixCachingEngine(Engine):
   def _cached_step(self, params, state, inputs):
     ps, blocks = _before(self.prefix, state.blocks, inputs,
                          num_decode_steps=self.decode_steps_per_sync, max_evict=self._max_new)
+    self.prefix = ps            # (the old one was donated)
     state, out = self._inner_step(params, state.replace(blocks=blocks), inputs)
     ps, blocks, available = _after(ps, state.blocks, inputs, out, max_items=self._max_new)
     self.prefix = ps

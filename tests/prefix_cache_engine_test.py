@@ -1,0 +1,202 @@
+"""Prefix caching in the engine: greedy outputs with caching on equal caching off
+and the dense oracle (random prompts with shared prefixes, every hash colliding,
+preemption, parallel sampling, beam search, multi-step decoding); no cached or
+shared block is ever written; prompts shorter than one block never hit; hits
+actually skip prefill work."""
+
+import os
+import tempfile
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from paged_jax import prefix_cache as pc
+from paged_jax.config import ModelConfig
+from paged_jax.engine import Engine, SamplingParams
+from paged_jax.engine.prefix_admission import PrefixCachingEngine
+from paged_jax.models import dense, llama
+
+jax.config.update("jax_compilation_cache_dir",
+                  os.path.join(tempfile.gettempdir(), "paged_jax_test_jit_cache"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+VOCAB = 96
+MC = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
+                 num_heads=4, num_kv_heads=2, max_position_embeddings=256)
+ORACLE_LEN = 64
+# One cache shape (24 blocks of 4 tokens: small enough that most tests also
+# evict and preempt) and decode_steps_per_sync in {1, 2}, so steps compile twice.
+BS, NUM_BLOCKS, MAX_SEQS, BUDGET = 4, 24, 6, 16
+
+
+def _params(seed=0):
+  # 8x HF's init scale: peaked next-token distributions, no greedy near-ties.
+  p = llama.init_params(MC, jax.random.key(seed))
+  return jax.tree_util.tree_map(lambda x: x * 8.0 if x.ndim == 2 else x, p)
+
+
+PARAMS = _params()
+_FWD = jax.jit(lambda p, t: dense.forward(p, MC, t))
+
+
+def dense_greedy(prompt, max_tokens):
+  ids, out = list(prompt), []
+  for _ in range(max_tokens):
+    buf = np.zeros((ORACLE_LEN,), np.int32)
+    buf[:len(ids)] = ids
+    nxt = int(np.argmax(np.asarray(_FWD(PARAMS, buf))[len(ids) - 1]))
+    out.append(nxt)
+    ids.append(nxt)
+  return out
+
+
+def make(caching, num_blocks=NUM_BLOCKS, **kw):
+  cc = MC.cache_config(block_size=BS, num_blocks=num_blocks, max_seqs=MAX_SEQS,
+                       max_blocks_per_seq=ORACLE_LEN // BS, enable_prefix_caching=caching)
+  cls = PrefixCachingEngine if caching else Engine
+  extra = {k: kw.pop(k) for k in ("hash_mode", "max_probe") if k in kw}
+  return cls(MC, PARAMS, cc, max_num_batched_tokens=BUDGET, attention_backend="reference",
+             **kw, **extra)
+
+
+def shared_prefix_prompts(rng, count, prefix_len, max_suffix=12):
+  prefix = [int(t) for t in rng.integers(0, VOCAB, prefix_len)]
+  return [prefix + [int(t) for t in rng.integers(0, VOCAB, int(rng.integers(1, max_suffix)))]
+          for _ in range(count)]
+
+
+def greedy(n=6, **kw):
+  return SamplingParams(max_tokens=n, temperature=0.0, **kw)
+
+
+def outputs(results):
+  return [r.outputs for r in results]
+
+
+@settings(max_examples=4, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), prefix_len=st.integers(0, 30),
+       mode=st.sampled_from(pc.HASH_MODES))
+def test_outputs_identical_with_caching_on_and_off(seed, prefix_len, mode):
+  rng = np.random.default_rng(seed)
+  prompts = shared_prefix_prompts(rng, 6, prefix_len)
+  # Later rounds reuse earlier prompts verbatim and extended (multi-turn).
+  prompts += [prompts[1], prompts[2] + [5, 6, 7, 8, 9]]
+  off = outputs(make(False).generate(prompts, greedy()))
+  eng = make(True, hash_mode=mode, max_probe=32)
+  on = outputs(eng.generate(prompts, greedy()))
+  assert on == off
+  for p, o in zip(prompts[:3], off[:3]):
+    assert o[0] == dense_greedy(p, 6)
+  stats = eng.prefix_stats()
+  if prefix_len >= 2 * BS:
+    assert stats["hit_blocks"] > 0
+  assert stats["hit_tokens"] + stats["prefill_tokens"] == sum(len(p) for p in prompts)
+
+
+def test_hits_skip_prefill_and_the_shared_prefix_is_stored_once():
+  rng = np.random.default_rng(1)
+  prompts = shared_prefix_prompts(rng, 12, 40, max_suffix=6)
+  off_eng, on_eng = make(False), make(True)
+  # Batches of <= 4: 10 shared + 4 x 3 private blocks fit the 24 blocks (no preemption).
+  batches = [prompts[:1], prompts[1:5], prompts[5:9], prompts[9:]]
+  off = [o for b in batches for o in outputs(off_eng.generate(b, greedy()))]
+  on = [o for b in batches for o in outputs(on_eng.generate(b, greedy()))]
+  assert on == off and on_eng.num_preemptions == 0
+  s = on_eng.prefix_stats()
+  # After the first request every later one hits the 10 prefix blocks (40 // 4).
+  assert s["hit_blocks"] >= 10 * 11 and s["hit_rate"] > 0.8
+  assert s["prefill_tokens"] <= sum(len(p) for p in prompts) - 40 * 11
+  # One physical copy of each prefix block: every prompt's first 10 table entries agree.
+  c = jax.device_get(on_eng.prefix.cache)
+  depth0 = np.nonzero(np.asarray(c.cached) & (np.asarray(c.block_depth) == 0))[0]
+  prefix0 = [b for b in depth0 if list(np.asarray(c.block_tokens[b])) == prompts[0][:BS]]
+  assert len(prefix0) == 1
+
+
+def test_prompts_shorter_than_one_block_never_hit():
+  eng = make(True)
+  prompts = [[1, 2, 3], [1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 4]]
+  assert outputs(eng.generate(prompts, greedy(3))) == outputs(make(False).generate(prompts,
+                                                                                    greedy(3)))
+  s = eng.prefix_stats()
+  assert s["hit_blocks"] == 0 and s["hit_rate"] == 0.0
+
+
+def test_tiny_cache_preempts_evicts_and_stays_exact():
+  rng = np.random.default_rng(2)
+  prompts = shared_prefix_prompts(rng, 10, 24, max_suffix=16)
+  off = outputs(make(False).generate(prompts, greedy(10)))
+  eng = make(True)
+  on = outputs(eng.generate(prompts, greedy(10)))
+  assert on == off
+  s = eng.prefix_stats()
+  assert s["evictions"] > 0 and eng.num_preemptions > 0 and s["hit_blocks"] > 0
+
+
+def test_parallel_sampling_beam_search_and_multi_step_with_caching():
+  rng = np.random.default_rng(3)
+  prompts = shared_prefix_prompts(rng, 4, 18)
+  params = [SamplingParams(max_tokens=5, temperature=0.8, n=2, seed=7),
+            SamplingParams(max_tokens=5, temperature=0.0, beam_width=2, n=2),
+            greedy(5), greedy(5)]
+  for kw in ({}, {"decode_steps_per_sync": 2}):
+    off = make(False, **kw).generate(prompts, params)
+    on = make(True, **kw).generate(prompts, params)
+    assert outputs(on) == outputs(off)
+    np.testing.assert_allclose(on[1].cumulative_logprobs, off[1].cumulative_logprobs, rtol=1e-5)
+
+
+def test_no_cached_or_shared_block_is_written_and_free_stack_holds_no_cached_block():
+  rng = np.random.default_rng(4)
+  prompts = shared_prefix_prompts(rng, 10, 21, max_suffix=10)
+  eng = make(True, decode_steps_per_sync=2)
+  inner = eng._inner_step   # pylint: disable=protected-access
+  checked = {"writes": 0}
+
+  def checked_step(params, state, inputs):
+    b = jax.device_get(state.blocks)
+    c = jax.device_get(eng.prefix.cache)
+    inp = jax.device_get(inputs)
+    cached = np.asarray(c.cached)
+    free = np.asarray(b.free_stack)[:int(b.num_free)]
+    assert not cached[free].any(), "a cached block sits on the free stack"
+    freed = set(int(s) for s in inp.free_slots if s >= 0)
+    for t in np.nonzero(inp.token_row >= 0)[0]:
+      slot = int(inp.row_slot[inp.token_row[t]])
+      pos = int(inp.positions[t])
+      if pos // BS < -(-int(b.seq_lens[slot]) // BS):     # an existing block is written
+        blk = int(b.block_tables[slot, pos // BS])
+        holders = sum(int(s) not in freed for s in np.nonzero(
+            (np.asarray(b.block_tables) == blk).any(axis=1))[0])
+        assert not cached[blk], f"token {pos} of slot {slot} writes cached block {blk}"
+        # A block another live sequence reads is copied first (copy-on-write).
+        assert holders == 1 or int(b.ref_count[blk]) > 1
+        checked["writes"] += 1
+    return inner(params, state, inputs)
+
+  eng._inner_step = checked_step   # pylint: disable=protected-access
+  on = outputs(eng.generate(prompts, greedy(8)))
+  assert on == outputs(make(False, decode_steps_per_sync=2).generate(
+      prompts, greedy(8)))
+  assert checked["writes"] > 0 and eng.prefix_stats()["hit_blocks"] > 0
+
+
+def test_reset_prefix_cache_drops_hits():
+  rng = np.random.default_rng(5)
+  prompts = shared_prefix_prompts(rng, 2, 20)
+  eng = make(True)
+  eng.generate(prompts[:1], greedy(2))
+  eng.reset_prefix_cache()
+  eng.generate(prompts[1:], greedy(2))
+  s = eng.prefix_stats()
+  assert s["hit_blocks"] == 0 and s["cached_blocks"] > 0
+  assert eng.num_free == NUM_BLOCKS
+
+
+def test_engine_requires_the_flag():
+  cc = MC.cache_config(block_size=BS, num_blocks=NUM_BLOCKS, max_seqs=MAX_SEQS,
+                       max_blocks_per_seq=ORACLE_LEN // BS)
+  with pytest.raises(ValueError, match="enable_prefix_caching"):
+    PrefixCachingEngine(MC, PARAMS, cc)
