@@ -23,7 +23,10 @@ One row per (workload, block size) in `DIR/block_size_sweep.jsonl`:
   KV budget --engine_kv_budget_tokens):
     engine_tokens_per_s, engine_requests_per_s, engine_tokens_per_step
 
-Prefix-cache hit rate is not reported yet (paged_jax.prefix_cache has not landed).
+  prefix_hit_rate         fraction of prompt tokens served by `paged_jax.prefix_cache`
+                          when the first --prefix_num_requests prompts of the stream
+                          share a --prefix_len-token system prompt (whole blocks only;
+                          --prefix_block_sizes, default all)
 
 The best block size per workload is the one with the highest engine tokens/s
 (the paper picks by serving throughput); block sizes within 5% of it form the
@@ -67,36 +70,121 @@ def memory_stats(requests: Sequence, block_size: int, kv_budget_tokens: int,
                               "max_concurrent", "mean_concurrent", "preemptions")}
 
 
-def attention_ms(block_size: int, *, batch: int = 8, context: int = 512, num_q_heads: int = 8,
-                 num_kv_heads: int = 2, head_dim: int = 64, repeats: int = 5, seed: int = 0,
-                 backend: str = "auto") -> float:
-  """Fastest of `repeats` ms of one jitted decode paged-attention call at this block size.
+def attention_ms(block_sizes: Sequence[int], *, batch: int = 8, context: int = 512,
+                 num_q_heads: int = 8, num_kv_heads: int = 2, head_dim: int = 64,
+                 repeats: int = 7, seed: int = 0, backend: str = "auto") -> Dict[int, float]:
+  """{block_size: fastest ms of one jitted decode paged-attention call}.
 
   Every sequence holds `context` tokens in `context / block_size` pages placed in
-  a random permutation of the pool (fresh random K/V).
+  a random permutation of the pool (fresh random K/V, the same values for every
+  block size; their outputs must agree, else RuntimeError). All block sizes compile first; then the timed calls go round-robin
+  over the block sizes, so load on a shared machine hits them alike.
   """
   import jax  # pylint: disable=g-import-not-at-top
   from paged_jax import attention  # pylint: disable=g-import-not-at-top
-  if context % block_size:
-    raise ValueError(f"attn context {context} must be a multiple of block_size={block_size}")
-  pages_per_seq = context // block_size
-  num_blocks = batch * pages_per_seq
+  for bs in block_sizes:
+    if context % bs:
+      raise ValueError(f"attn context {context} must be a multiple of block_size={bs}")
   rng = np.random.default_rng(seed)
-  shape = (num_kv_heads, num_blocks, block_size, head_dim)
-  k = jax.numpy.asarray(rng.standard_normal(shape, np.float32))
-  v = jax.numpy.asarray(rng.standard_normal(shape, np.float32))
+  k_dense = rng.standard_normal((num_kv_heads, batch * context, head_dim), np.float32)
+  v_dense = rng.standard_normal((num_kv_heads, batch * context, head_dim), np.float32)
   q = jax.numpy.asarray(rng.standard_normal((batch, num_q_heads, head_dim), np.float32))
-  tables = jax.numpy.asarray(rng.permutation(num_blocks).reshape(batch, pages_per_seq)
-                             .astype(np.int32))
   lengths = jax.numpy.full((batch,), context, jax.numpy.int32)
   fn = jax.jit(functools.partial(attention.paged_attention, backend=backend))
-  fn(q, k, v, tables, lengths).block_until_ready()
-  times = []
+  calls, first = {}, None
+  for bs in block_sizes:
+    num_blocks = batch * context // bs
+    perm = rng.permutation(num_blocks)
+    k = k_dense.reshape(num_kv_heads, num_blocks, bs, head_dim)
+    v = v_dense.reshape(num_kv_heads, num_blocks, bs, head_dim)
+    # Logical block j of the pool sits at physical perm[j]: scatter the pages there.
+    k_pages = np.empty_like(k)
+    v_pages = np.empty_like(v)
+    k_pages[:, perm] = k
+    v_pages[:, perm] = v
+    tables = perm.reshape(batch, context // bs).astype(np.int32)
+    args = (q, jax.numpy.asarray(k_pages), jax.numpy.asarray(v_pages),
+            jax.numpy.asarray(tables), lengths)
+    out = np.asarray(fn(*args))
+    if first is None:
+      first = out
+    elif not np.allclose(out, first, rtol=1e-4, atol=1e-4):   # the same logical cache
+      raise RuntimeError(f"paged attention at block_size={bs} disagrees with "
+                         f"block_size={block_sizes[0]}: max diff {np.abs(out - first).max()}")
+    calls[bs] = args
+  times = {bs: [] for bs in block_sizes}
   for _ in range(repeats):
-    t0 = time.perf_counter()
-    fn(q, k, v, tables, lengths).block_until_ready()
-    times.append(time.perf_counter() - t0)
-  return 1e3 * float(np.min(times))   # the machine is shared: min is the stable statistic
+    for bs in block_sizes:
+      t0 = time.perf_counter()
+      fn(*calls[bs]).block_until_ready()
+      times[bs].append(time.perf_counter() - t0)
+  # The machine is shared: the fastest call is the stable statistic.
+  return {bs: 1e3 * float(np.min(t)) for bs, t in times.items()}
+
+
+@functools.lru_cache(maxsize=16)
+def _prefix_step(block_size: int):
+  """Jitted: attach a prompt (cached prefix), append the rest, register its full blocks, free."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from paged_jax import block_manager as bm  # pylint: disable=g-import-not-at-top
+  from paged_jax import prefix_cache as pc  # pylint: disable=g-import-not-at-top
+
+  def step(cache, blocks, tokens, length):
+    cache, blocks, hit, st_attach = pc.attach(cache, blocks, 0, tokens, length)
+    mask = jnp.zeros((blocks.max_seqs,), bool).at[0].set(True)
+    blocks, st_append, _ = bm.append(blocks, mask, jnp.zeros((blocks.max_seqs,), jnp.int32)
+                                     .at[0].set(length - hit))
+    p = blocks.max_blocks_per_seq
+    first = hit // block_size
+    item_block = first + jnp.arange(p, dtype=jnp.int32)
+    per_block = tokens[:p * block_size].reshape(p, block_size)
+    item_tokens = per_block[jnp.clip(item_block, 0, p - 1)]
+    cache, blocks = pc.register(cache, blocks, jnp.zeros((p,), jnp.int32), item_block,
+                                item_tokens, length // block_size - first)
+    cache, blocks, st_free = pc.free(cache, blocks, 0)
+    return cache, blocks, hit, jnp.stack([st_attach, st_append[0], jnp.asarray(st_free).reshape(
+        -1)[0]])
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def prefix_hit_rate(requests: Sequence, block_size: int, *, prefix_len: int = 80,
+                    max_len: int = 1024, seed: int = 0) -> float:
+  """Fraction of prompt tokens served from `paged_jax.prefix_cache` (a shared system prompt).
+
+  Every request's prompt becomes one shared `prefix_len`-token system prompt
+  (the paper's 1-shot prefix is 80 tokens) followed by its own stream prompt;
+  the requests run one after another through the real prefix cache (attach,
+  append, register full blocks, free), with a pool big enough that nothing is
+  evicted. Only whole blocks can hit, and never the prompt's last token.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  from paged_jax import block_manager as bm  # pylint: disable=g-import-not-at-top
+  from paged_jax import prefix_cache as pc  # pylint: disable=g-import-not-at-top
+  from paged_jax.config import CacheConfig  # pylint: disable=g-import-not-at-top
+  prefix = np.random.default_rng([seed, 11]).integers(0, 1 << 15, prefix_len, dtype=np.int32)
+  prompts = [np.concatenate([prefix, r.prompt_token_ids]).astype(np.int32) for r in requests]
+  if max(len(p) for p in prompts) > max_len + prefix_len:
+    raise ValueError(f"prompts must be <= max_len={max_len} tokens")
+  # Shapes depend only on (block size, max_len, prefix_len, #requests): one compile
+  # per block size serves every stream.
+  per_seq = -(-(max_len + prefix_len) // block_size)
+  num_blocks = (len(prompts) + 1) * per_seq
+  cfg = CacheConfig(block_size=block_size, num_blocks=num_blocks, max_seqs=1,
+                    max_blocks_per_seq=per_seq)
+  blocks, cache = bm.init(cfg), pc.init(cfg)
+  step = _prefix_step(block_size)
+  hits, statuses = [], []
+  for prompt in prompts:
+    tokens = np.zeros((per_seq * block_size,), np.int32)
+    tokens[:len(prompt)] = prompt
+    cache, blocks, hit, status = step(cache, blocks, tokens, np.int32(len(prompt)))
+    hits.append(hit)
+    statuses.append(status)
+  if np.any(np.asarray(jax.device_get(statuses))):
+    raise RuntimeError("prefix-cache attach/append/free failed in the hit-rate run")
+  return float(np.sum(jax.device_get(hits)) / sum(len(p) for p in prompts))
 
 
 def engine_stats(requests: Sequence, block_size: int, kv_budget_tokens: int,
@@ -117,7 +205,9 @@ def run(workload_names: Sequence[str] = ("sharegpt", "alpaca"), *,
         kv_budget_tokens: int = 8192, max_len: int = 1024,
         engine_block_sizes: Sequence[int] = (4, 16, 64, 256), engine_num_requests: int = 32,
         engine_kv_budget_tokens: int = 2048, attn_batch: int = 8, attn_context: int = 512,
-        attn_repeats: int = 7, seed: int = 0, attention_backend: str = "auto",
+        attn_repeats: int = 7, prefix_block_sizes: Optional[Sequence[int]] = None,
+        prefix_num_requests: int = 32, prefix_len: int = 80, seed: int = 0,
+        attention_backend: str = "auto",
         show_progress: Optional[bool] = None) -> List[Dict]:
   """The sweep's rows (one dict per (workload, block size)); see the module docstring.
 
@@ -125,6 +215,7 @@ def run(workload_names: Sequence[str] = ("sharegpt", "alpaca"), *,
   enough Alpaca-like requests to saturate the budget too).
   """
   num_requests = {**DEFAULT_NUM_REQUESTS, **(num_requests or {})}
+  prefix_block_sizes = block_sizes if prefix_block_sizes is None else prefix_block_sizes
   for bs in list(block_sizes) + list(engine_block_sizes):
     if bs < 1 or bs & (bs - 1):
       raise ValueError(f"block sizes must be powers of two >= 1, got {bs}")
@@ -134,7 +225,9 @@ def run(workload_names: Sequence[str] = ("sharegpt", "alpaca"), *,
   extra = sorted(set(engine_block_sizes) - set(block_sizes))
   if extra:
     raise ValueError(f"engine_block_sizes {extra} are not in block_sizes {list(block_sizes)}")
-  attn = {}
+  attn_sizes = [bs for bs in block_sizes if attn_context % bs == 0]
+  attn = attention_ms(attn_sizes, batch=attn_batch, context=attn_context, repeats=attn_repeats,
+                      seed=seed, backend=attention_backend)
   rows = []
   bar = common.progress(total=len(workload_names) * len(block_sizes), desc="block sizes",
                         disable=None if show_progress is None else not show_progress)
@@ -142,15 +235,15 @@ def run(workload_names: Sequence[str] = ("sharegpt", "alpaca"), *,
     for name in workload_names:
       requests = workloads.synthetic(name, num_requests[name], seed=seed, max_len=max_len)
       engine_requests = serving.scaled_requests(name, engine_num_requests, seed=seed)
+      prefix_requests = requests[:prefix_num_requests]
       for bs in block_sizes:
         row = {"workload": name, "block_size": bs}
         row.update(memory_stats(requests, bs, kv_budget_tokens, max_len))
         row.update(block_table_stats(requests, bs, max_len))
-        if bs not in attn:   # the attention call does not depend on the stream
-          attn[bs] = (attention_ms(bs, batch=attn_batch, context=attn_context,
-                                   repeats=attn_repeats, seed=seed, backend=attention_backend)
-                      if attn_context % bs == 0 else None)
-        row["attention_ms"] = attn[bs]
+        row["attention_ms"] = attn.get(bs)   # the same call for every stream
+        if bs in prefix_block_sizes:
+          row["prefix_hit_rate"] = prefix_hit_rate(prefix_requests, bs, prefix_len=prefix_len,
+                                                   max_len=max_len, seed=seed)
         if bs in engine_block_sizes:
           row.update(engine_stats(engine_requests, bs, engine_kv_budget_tokens,
                                   attention_backend))
@@ -182,7 +275,7 @@ def best_block_sizes(rows: Sequence[Dict], tolerance: float = 0.05) -> Dict:
 
 
 HEADERS = ["workload", "block", "token util", "int frag", "max conc", "mean conc", "blocks/seq",
-           "attn ms", "engine tok/s"]
+           "prefix hit", "attn ms", "engine tok/s"]
 
 
 def summary_rows(rows):
@@ -190,6 +283,8 @@ def summary_rows(rows):
   return [[r["workload"], r["block_size"], f"{100 * r['token_utilization']:.1f}%",
            f"{100 * r['internal_fragmentation']:.1f}%", r["max_concurrent"],
            f"{r['mean_concurrent']:.1f}", f"{r['mean_blocks_per_seq']:.1f}",
+           fmt(None if r.get("prefix_hit_rate") is None else 100 * r["prefix_hit_rate"],
+               "{:.1f}%"),
            fmt(r["attention_ms"], "{:.2f}"), fmt(r.get("engine_tokens_per_s"), "{:.0f}")]
           for r in rows]
 
@@ -238,6 +333,16 @@ def plot(rows, path, best: Optional[Dict] = None):
   return common.save_png(figure(rows, best), path)
 
 
+def png_bytes(rows, best: Optional[Dict] = None) -> bytes:
+  """`figure(rows, best)` as PNG bytes (for `IPython.display.Image` in notebooks)."""
+  import io  # pylint: disable=g-import-not-at-top
+  fig = figure(rows, best)
+  buf = io.BytesIO()
+  fig.savefig(buf, dpi=100, bbox_inches="tight", format="png")
+  common.pyplot().close(fig)
+  return buf.getvalue()
+
+
 def write_jsonl(rows, path):
   import json  # pylint: disable=g-import-not-at-top
   path = common.out_dir(str(path.parent)) / path.name
@@ -262,6 +367,12 @@ def _define_flags():
   flags.DEFINE_integer("attn_context", 512, "tokens per sequence in the attention timing",
                        lower_bound=1)
   flags.DEFINE_integer("attn_repeats", 7, "timed attention calls (fastest kept)", lower_bound=1)
+  flags.DEFINE_list("prefix_block_sizes", None, "block sizes of the prefix-cache hit rate "
+                    "(default: all of --block_sizes; empty string: none)")
+  flags.DEFINE_integer("prefix_num_requests", 32, "prompts in the prefix-cache run",
+                       lower_bound=1)
+  flags.DEFINE_integer("prefix_len", 80, "shared system-prompt tokens (paper 1-shot: 80)",
+                       lower_bound=1)
   flags.DEFINE_integer("seed", 0, "stream seed")
   flags.DEFINE_string("attention_backend", "auto", "auto|reference|pallas|pallas_interpret")
   flags.DEFINE_string("out", "results/block_size_sweep", "output directory")
@@ -280,7 +391,10 @@ def main(argv):
              engine_block_sizes=[int(b) for b in f.engine_block_sizes],
              engine_num_requests=f.engine_num_requests,
              engine_kv_budget_tokens=f.engine_kv_budget_tokens, attn_batch=f.attn_batch,
-             attn_context=f.attn_context, attn_repeats=f.attn_repeats, seed=f.seed,
+             attn_context=f.attn_context, attn_repeats=f.attn_repeats,
+             prefix_block_sizes=(None if f.prefix_block_sizes is None
+                                 else [int(b) for b in f.prefix_block_sizes if b]),
+             prefix_num_requests=f.prefix_num_requests, prefix_len=f.prefix_len, seed=f.seed,
              attention_backend=f.attention_backend)
   best = best_block_sizes(rows)
   write_jsonl(rows, out / "block_size_sweep.jsonl")
@@ -289,7 +403,8 @@ def main(argv):
       "flags": {k: f[k].value for k in ("workloads", "block_sizes", "num_requests",
                                         "kv_budget_tokens", "max_len", "engine_block_sizes",
                                         "engine_num_requests", "engine_kv_budget_tokens",
-                                        "attn_batch", "attn_context", "seed")}})
+                                        "attn_batch", "attn_context", "prefix_block_sizes",
+                                        "prefix_num_requests", "prefix_len", "seed")}})
   png = plot(rows, out / "block_size_sweep.png", best)
   print(common.table(summary_rows(rows), HEADERS))
   for name, b in best.items():

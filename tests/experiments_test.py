@@ -75,7 +75,7 @@ def sweep_rows():
   return block_size_sweep.run(
       ("alpaca",), block_sizes=(2, 16, 64), num_requests={"alpaca": 200},
       kv_budget_tokens=1024, max_len=256, engine_block_sizes=(), attn_batch=2,
-      attn_context=128, attn_repeats=1, seed=int(np.random.default_rng().integers(1000)),
+      attn_context=128, attn_repeats=1, prefix_block_sizes=(16,), prefix_num_requests=8, seed=int(np.random.default_rng().integers(1000)),
       show_progress=False)
 
 
@@ -88,6 +88,7 @@ def test_sweep_has_a_row_per_block_size_with_valid_fractions(sweep_rows, tmp_pat
     assert r["token_utilization"] + r["reservation"] + r["internal_fragmentation"] <= 1 + 1e-9
     assert r["attention_ms"] > 0
     assert r.get("engine_tokens_per_s") is None
+    assert (r.get("prefix_hit_rate") is not None) == (r["block_size"] == 16)
   path = block_size_sweep.write_jsonl(sweep_rows, tmp_path / "sweep.jsonl")
   lines = [json.loads(line) for line in path.read_text().splitlines()]
   assert lines == json.loads(json.dumps(sweep_rows))
@@ -108,6 +109,31 @@ def test_sweep_rejects_bad_block_sizes():
     block_size_sweep.run(("alpaca",), block_sizes=(3,), engine_block_sizes=())
   with pytest.raises(ValueError, match="not in block_sizes"):
     block_size_sweep.run(("alpaca",), block_sizes=(16,), engine_block_sizes=(32,))
+
+
+def _python_prefix_hits(prompts, block_size):
+  """Plain-Python prefix cache: hit tokens per prompt, run in order, nothing evicted."""
+  registered, hits = set(), []
+  for p in prompts:
+    p = tuple(int(t) for t in p)
+    k = 0
+    while k < (len(p) - 1) // block_size and p[:(k + 1) * block_size] in registered:
+      k += 1
+    hits.append(k * block_size)
+    registered.update(p[:m * block_size] for m in range(1, len(p) // block_size + 1))
+  return hits
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 32])
+def test_prefix_hit_rate_matches_a_python_prefix_model(block_size):
+  seed = int(np.random.default_rng().integers(1000))
+  reqs = workloads.alpaca(10, seed=seed, max_len=128, vocab_size=3)   # tiny vocab: deep matches
+  rate = block_size_sweep.prefix_hit_rate(reqs, block_size, prefix_len=40, max_len=128, seed=seed)
+  prefix = np.random.default_rng([seed, 11]).integers(0, 1 << 15, 40, dtype=np.int32)
+  prompts = [np.concatenate([prefix, r.prompt_token_ids]) for r in reqs]
+  expected = sum(_python_prefix_hits(prompts, block_size)) / sum(len(p) for p in prompts)
+  assert rate == pytest.approx(expected)
+  assert rate > 0
 
 
 def test_best_block_sizes_picks_the_fastest_and_the_tolerance_band():
