@@ -280,3 +280,31 @@ def test_preempted_parallel_sampling_and_beam_groups_restore_exactly(mode):
   ref = reference_beam_search(PARAMS, beam_prompt, 3, 5, ())[:2]
   assert outs[3].outputs == [ids[len(beam_prompt):] for _, ids in ref]
   assert engine.num_free == NUM_BLOCKS
+
+
+def test_failed_reservation_leaves_state_unchanged_and_host_retries():
+  # Device contract: a step whose allocation cannot be met changes nothing.
+  engine = make_engine()
+  engine.generate(random_prompts(13, 2), greedy(3))
+  engine.add_request(random_prompts(14, 1, lo=20, hi=20)[0], greedy(4))
+  engine.step()                                    # a live request holding blocks
+  before = jax.device_get(engine.state)
+  inputs = engine._build_inputs(engine.scheduler.schedule(0))   # pylint: disable=protected-access
+  alloc = np.zeros((MAX_SEQS,), np.int32)
+  alloc[4:8] = 64                                  # 4 x 4 blocks > the 12 in the pool
+  inputs = inputs.replace(alloc_tokens=alloc)
+  engine.state, out = engine._step(engine.params, engine.state, inputs)   # pylint: disable=protected-access
+  assert not bool(out.ok) and int(np.max(out.status)) > 0
+  after = jax.device_get(engine.state)
+  for a, b in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(after)):
+    np.testing.assert_array_equal(a, b)
+
+  # Host side: with the scheduler's block estimate forced to 0 the device reports
+  # OUT_OF_BLOCKS; the engine preempts, re-plans and still produces exact outputs.
+  engine = make_engine()
+  engine.scheduler.blocks_needed = lambda seq, n: 0
+  prompts = random_prompts(15, 8, lo=16, hi=24)
+  outs = engine.generate(prompts, greedy(24))
+  assert engine.stats["out_of_blocks_retries"] > 0
+  for p, o in zip(prompts, outs):
+    assert o.outputs[0] == dense_greedy(PARAMS, p, 24)
