@@ -144,3 +144,19 @@ def test_bad_mesh_shapes_raise_clear_errors():
     TensorParallelLlama(CONFIG, make_mesh(tp=2, dp=2))
   with pytest.raises(ValueError, match=r"tp must be >= 1"):
     make_mesh(tp=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_tp_engine_multistep_and_preemption_match_single_device(mode):
+  """A cache too small for all prompts (preemption) and 3 decode steps per device call."""
+  cache = CACHE.replace(num_blocks=7)
+  kw = dict(ENGINE_KW, decode_steps_per_sync=3, preemption_mode=mode)
+  single = Engine(CONFIG, PARAMS, cache, **kw)
+  want = [o.outputs[0] for o in single.generate(PROMPTS, GREEDY)]
+  engine = make_tp_engine(CONFIG, PARAMS, cache, mesh=make_mesh(tp=2), **kw)
+  got = [o.outputs[0] for o in engine.generate(PROMPTS, GREEDY)]
+  assert got == want
+  assert engine.num_preemptions == single.num_preemptions > 0
+  if mode == "swap":
+    assert engine.num_swaps == single.num_swaps > 0
