@@ -12,7 +12,7 @@ work starts.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -217,6 +217,7 @@ class ModelConfig:
   rms_norm_eps: float = 1e-5
   max_position_embeddings: int = 2048
   tie_word_embeddings: bool = False
+  rope_scaling: Optional[Tuple[Tuple[str, Any], ...]] = None
   dtype: str = "float32"
 
   def __post_init__(self):
@@ -239,6 +240,33 @@ class ModelConfig:
     _check_int("max_position_embeddings", self.max_position_embeddings, 1)
     if not self.rope_theta > 0:
       raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+    if isinstance(self.rope_scaling, Mapping):  # accept the HF dict form too
+      object.__setattr__(self, "rope_scaling", _parse_rope_scaling(dict(self.rope_scaling)))
+    else:
+      _parse_rope_scaling(dict(self.rope_scaling or ()))
+
+  def rope_inv_freq(self) -> np.ndarray:
+    """f32[head_dim // 2] RoPE inverse frequencies, with the configured scaling.
+
+    Pairs (i, i + head_dim/2) rotate by `position * inv_freq[i]` (HF rotate_half).
+    "linear" divides every frequency by `factor`; "llama3" (Llama 3.1+) divides the
+    low frequencies by `factor`, keeps the high ones and interpolates in between.
+    """
+    d = self.head_dim
+    inv = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    sc = dict(self.rope_scaling or ())
+    kind = sc.get("rope_type", "default")
+    if kind == "linear":
+      inv = inv / float(sc["factor"])
+    elif kind == "llama3":
+      factor = float(sc["factor"])
+      low, high = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
+      old_len = float(sc.get("original_max_position_embeddings", 8192))
+      wavelen = 2 * np.pi / inv
+      smooth = np.clip((old_len / wavelen - low) / (high - low), 0.0, 1.0)
+      # smooth == 0: long wavelengths (scaled by 1/factor); 1: short ones (kept).
+      inv = (1 - smooth) * inv / factor + smooth * inv
+    return inv.astype(np.float32)
 
   @classmethod
   def from_hf_config(cls, cfg: Mapping[str, Any], dtype: str = "float32") -> "ModelConfig":
@@ -248,10 +276,7 @@ class ModelConfig:
     missing = [k for k in need if k not in cfg]
     if missing:
       raise ValueError(f"config.json lacks required keys {missing}")
-    rope_scaling = cfg.get("rope_scaling")
-    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (
-        None, "default"):
-      raise ValueError(f"rope_scaling {rope_scaling!r} is not supported (only default RoPE)")
+    rope_scaling = _parse_rope_scaling(cfg.get("rope_scaling"))
     heads = int(cfg["num_attention_heads"])
     return cls(
         vocab_size=int(cfg["vocab_size"]),
@@ -265,6 +290,7 @@ class ModelConfig:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rope_scaling=rope_scaling,
         dtype=dtype,
     )
 
@@ -283,6 +309,7 @@ class ModelConfig:
         "rms_norm_eps": self.rms_norm_eps,
         "max_position_embeddings": self.max_position_embeddings,
         "tie_word_embeddings": self.tie_word_embeddings,
+        "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
         "hidden_act": "silu",
         "torch_dtype": self.dtype,
     }
@@ -291,6 +318,35 @@ class ModelConfig:
     """A CacheConfig whose layer/head shapes match this model."""
     return CacheConfig(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
                        head_dim=self.head_dim, **kwargs)
+
+
+_ROPE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings"),
+}
+
+
+def _parse_rope_scaling(rs: Optional[Mapping[str, Any]]):
+  """HF `rope_scaling` dict -> hashable sorted tuple of items (None for plain RoPE)."""
+  if not rs:
+    return None
+  rs = dict(rs)
+  kind = rs.get("rope_type", rs.get("type")) or "default"
+  if kind not in _ROPE_KEYS:
+    raise ValueError(
+        f"rope_scaling rope_type must be one of {sorted(_ROPE_KEYS)}, got {kind!r} ({rs!r})")
+  if kind == "default":
+    return None
+  missing = [k for k in _ROPE_KEYS[kind][:1] if k not in rs]
+  if missing:
+    raise ValueError(f"rope_scaling of type {kind!r} lacks {missing}")
+  if not float(rs["factor"]) >= 1.0:
+    raise ValueError(f"rope_scaling factor must be >= 1, got {rs['factor']}")
+  kept = {k: float(rs[k]) for k in _ROPE_KEYS[kind] if k in rs}
+  kept["rope_type"] = kind
+  return tuple(sorted(kept.items()))
 
 
 def check_in_range(name: str, value: int, lo: int, hi: int) -> None:

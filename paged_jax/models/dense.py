@@ -34,12 +34,11 @@ def _rms_norm(x, weight, eps):
   return x / jnp.sqrt(var + eps) * _f32(weight)
 
 
-def _rope_complex(x, positions, theta):
-  """x [B, L, heads, D], positions i32[B, L] -> x rotated (HF half-split pairing)."""
+def _rope_complex(x, positions, inv_freq):
+  """x [B, L, heads, D], positions i32[B, L], inv_freq f32[D/2] -> x rotated (HF pairing)."""
   d = x.shape[-1]
   half = d // 2
-  exponent = jnp.arange(half, dtype=jnp.float32) * 2.0 / d
-  inv_freq = 1.0 / (theta ** exponent)                          # [D/2]
+  inv_freq = jnp.asarray(inv_freq, jnp.float32)                 # [D/2]
   angle = positions.astype(jnp.float32)[..., None] * inv_freq    # [B, L, D/2]
   rot = jnp.exp(1j * angle.astype(jnp.complex64))[:, :, None, :]  # [B, L, 1, D/2]
   z = (x[..., :half] + 1j * x[..., half:]).astype(jnp.complex64) * rot
@@ -105,8 +104,8 @@ def forward(params: Mapping[str, Any], config: ModelConfig, tokens: jax.Array,
     q = jnp.matmul(h, _f32(a["q_proj"]["kernel"]), precision=_HI)
     k = jnp.matmul(h, _f32(a["k_proj"]["kernel"]), precision=_HI)
     v = jnp.matmul(h, _f32(a["v_proj"]["kernel"]), precision=_HI)
-    q = _rope_complex(q.reshape(b, l, c.num_heads, c.head_dim), positions, c.rope_theta)
-    k = _rope_complex(k.reshape(b, l, c.num_kv_heads, c.head_dim), positions, c.rope_theta)
+    q = _rope_complex(q.reshape(b, l, c.num_heads, c.head_dim), positions, c.rope_inv_freq())
+    k = _rope_complex(k.reshape(b, l, c.num_kv_heads, c.head_dim), positions, c.rope_inv_freq())
     v = v.reshape(b, l, c.num_kv_heads, c.head_dim)
     att = _causal_attention(q, k, v, valid).reshape(b, l, c.num_heads * c.head_dim)
     x = x + jnp.matmul(att, _f32(a["o_proj"]["kernel"]), precision=_HI)

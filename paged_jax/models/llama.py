@@ -45,9 +45,16 @@ def _dtype(name: str):
   return jnp.dtype(name)
 
 
-def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> Tuple[jax.Array, jax.Array]:
-  """cos, sin f32[T, head_dim] for positions i32[T] (HF layout: halves repeated)."""
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float, *,
+                 inv_freq=None) -> Tuple[jax.Array, jax.Array]:
+  """cos, sin f32[T, head_dim] for positions i32[T] (HF layout: halves repeated).
+
+  `inv_freq` f32[head_dim // 2] overrides the plain `theta` frequencies (RoPE scaling,
+  see ModelConfig.rope_inv_freq).
+  """
+  if inv_freq is None:
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  inv_freq = jnp.asarray(inv_freq, jnp.float32)
   freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]   # [T, D/2]
   emb = jnp.concatenate([freqs, freqs], axis=-1)                         # [T, D]
   return jnp.cos(emb), jnp.sin(emb)
@@ -173,7 +180,8 @@ class LlamaModel(nn.Module):
     """-> (hidden [T, hidden] after the final norm, new kv_pages)."""
     c = self.config
     x = self.embed_tokens(tokens)
-    cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
+    cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta,
+                            inv_freq=c.rope_inv_freq())
     for layer in self.layers:
       x, kv_pages = layer(x, cos, sin, kv_pages, meta)
     return self.norm(x), kv_pages
