@@ -30,7 +30,7 @@ class DemoSizes:
   """Default sizes of each experiment in the demo."""
   memory_requests: int = 1000
   sweep_requests: Optional[Dict[str, int]] = None      # block_size_sweep default
-  sweep_engine_block_sizes: tuple = (16, 64, 256)
+  sweep_engine_block_sizes: tuple = (4, 16, 64, 256)
   sweep_engine_requests: int = 32
   throughput_requests: int = 48
   sharing_requests: int = 8
@@ -94,6 +94,9 @@ def summary_rows(results: Dict) -> List[List[str]]:
         rows.append([f"KV memory holding token states, paged block 16, {name}-like "
                      "(sweep budget)", _pct(r16["token_utilization"]),
                      "96.3%" if name == "sharegpt" else ""])
+        if r16.get("prefix_hit_rate") is not None:
+          rows.append([f"prefix-cache hit rate (prompt tokens), 80-token shared prompt, block 16, "
+                       f"{name}-like", _pct(r16["prefix_hit_rate"]), "(not reported)"])
   return rows
 
 
