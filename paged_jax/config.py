@@ -276,7 +276,11 @@ class ModelConfig:
     missing = [k for k in need if k not in cfg]
     if missing:
       raise ValueError(f"config.json lacks required keys {missing}")
-    rope_scaling = _parse_rope_scaling(cfg.get("rope_scaling"))
+    # transformers v5 writes `rope_parameters` (theta and scaling in one dict); v4 wrote
+    # `rope_theta` and `rope_scaling` at the top level. Read either.
+    rope_params = dict(cfg.get("rope_parameters") or {})
+    rope_theta = rope_params.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_scaling = _parse_rope_scaling(rope_params or cfg.get("rope_scaling"))
     heads = int(cfg["num_attention_heads"])
     return cls(
         vocab_size=int(cfg["vocab_size"]),
@@ -286,7 +290,7 @@ class ModelConfig:
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or 0),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rope_theta=float(rope_theta),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),

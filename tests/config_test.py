@@ -124,3 +124,14 @@ def test_rope_scaling_llama3_and_linear():
   # Round trip keeps the scaling, and the config stays hashable.
   assert ModelConfig.from_hf_config(m.to_hf_config()) == m
   hash(m)
+
+
+def test_transformers_v5_rope_parameters():
+  base = dict(vocab_size=10, hidden_size=64, intermediate_size=8, num_hidden_layers=1,
+              num_attention_heads=4)
+  m = ModelConfig.from_hf_config(
+      {**base, "rope_parameters": {"rope_type": "default", "rope_theta": 123.0}})
+  assert m.rope_theta == 123.0 and m.rope_scaling is None
+  m = ModelConfig.from_hf_config(
+      {**base, "rope_parameters": {"rope_type": "linear", "rope_theta": 77.0, "factor": 2.0}})
+  assert m.rope_theta == 77.0 and dict(m.rope_scaling)["factor"] == 2.0
