@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -43,10 +44,10 @@ def _launch(out_dir):
          f"--num_processes={NUM_PROCESSES}", f"--process_id={rank}",
          f"--devices_per_process={DEVICES_PER_PROCESS}", f"--out={out_dir}"],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-  codes = []
+  codes, deadline = [], time.monotonic() + TIMEOUT_S
   try:
-    for p in procs:
-      codes.append(p.wait(timeout=TIMEOUT_S))
+    for p in procs:   # one deadline for the whole job
+      codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
   except subprocess.TimeoutExpired:
     codes.append("timeout")
   finally:
