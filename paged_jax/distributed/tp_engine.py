@@ -77,8 +77,13 @@ def make_tp_engine(model_config: ModelConfig, params, cache_config: CacheConfig,
   engine.cache_config = cache_config
   engine.num_free = cache_config.num_blocks
   engine.params = tp_model.shard_params(engine.params)
-  engine.state = EngineState(blocks=init_replicated_blocks(cache_config, mesh),
-                             pages=tp_model.init_pages(cache_config))
+  state = EngineState(blocks=init_replicated_blocks(cache_config, mesh),
+                      pages=tp_model.init_pages(cache_config))
+  if jax.tree_util.tree_structure(state) != jax.tree_util.tree_structure(engine.state):
+    raise RuntimeError(
+        "the engine's state has fields this module does not shard "
+        f"({jax.tree_util.tree_structure(engine.state)}): update paged_jax/distributed/tp_engine.py")
+  engine.state = state
   engine._step = make_step(tp_model.apply, num_decode_steps=engine.decode_steps_per_sync,  # pylint: disable=protected-access
                            num_candidates=engine._num_candidates, name=f"tp{tp}_engine_step")  # pylint: disable=protected-access
   engine.mesh = mesh
