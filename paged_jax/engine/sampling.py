@@ -75,10 +75,22 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     i32[S] token ids.
   """
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  masked = filtered_logits(logits, temperature, top_k, top_p)
-  keys = row_keys(seeds, sample_index)
-  drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, masked).astype(jnp.int32)
-  return jnp.where(temperature > 0, drawn, greedy)
+  hot = temperature > 0
+
+  # Branches skip work no row asks for: XLA's CPU sort of [S, V] costs ~1 ms at
+  # S=16, V=256 (measured), ~20x the rest of sampling.
+  def draw():
+    def plain():
+      temp = jnp.where(hot, temperature, 1.0).astype(jnp.float32)
+      return logits.astype(jnp.float32) / temp[:, None]
+    needs_filter = jnp.any(hot & ((top_k > 0) | (top_p < 1)))
+    masked = jax.lax.cond(needs_filter,
+                          lambda: filtered_logits(logits, temperature, top_k, top_p), plain)
+    keys = row_keys(seeds, sample_index)
+    return jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, masked).astype(jnp.int32)
+
+  drawn = jax.lax.cond(jnp.any(hot), draw, lambda: greedy)
+  return jnp.where(hot, drawn, greedy)
 
 
 def top_logprobs(logits: jax.Array, k: int):
