@@ -104,15 +104,15 @@ def test_greedy_matches_dense_oracle_block_sizes(block_size):
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_tiny_kv_budget_preempts_many_times_and_stays_exact(mode):
-  # 12 blocks of 16 tokens for 8 requests of 16-24 + 32 tokens (3-4 blocks each).
-  prompts = random_prompts(3, 8, lo=16, hi=24)
+  # 12 blocks of 16 tokens for 12 requests of 16-24 + 40 tokens (4 blocks each).
+  prompts = random_prompts(3, 12, lo=16, hi=24)
   engine = make_engine(preemption_mode=mode)
-  outs = engine.generate(prompts, greedy(32))
+  outs = engine.generate(prompts, greedy(40))
   for p, o in zip(prompts, outs):
-    assert o.outputs[0] == dense_greedy(PARAMS, p, 32)
-  assert engine.num_preemptions >= 3
+    assert o.outputs[0] == dense_greedy(PARAMS, p, 40)
+  assert engine.num_preemptions >= 5        # measured: 7 (recompute), 9 (swap)
   if mode == "swap":
-    assert engine.num_swaps >= 1 and engine.stats["swap_out_bytes"] > 0
+    assert engine.num_swaps >= 5 and engine.stats["swap_out_bytes"] > 0
   assert engine.num_free == NUM_BLOCKS
 
 
