@@ -7,6 +7,7 @@ import pytest
 
 from paged_jax.engine import sampling
 
+_SAMPLE = jax.jit(sampling.sample)
 
 def np_filtered_probs(logits, temperature, top_k, top_p):
   """Reference (float64): vLLM semantics, top-k first, then top-p on the survivors."""
@@ -48,7 +49,7 @@ def test_greedy_rows_are_argmax():
   rng = np.random.default_rng(1)
   logits = rng.normal(size=(16, 33)).astype(np.float32)
   z = lambda dt, val=0: jnp.full((16,), val, dt)
-  toks = sampling.sample(jnp.asarray(logits), z(jnp.float32), z(jnp.int32, 3),
+  toks = _SAMPLE(jnp.asarray(logits), z(jnp.float32), z(jnp.int32, 3),
                          z(jnp.float32, 0.5), jnp.arange(16), z(jnp.int32))
   np.testing.assert_array_equal(np.asarray(toks), logits.argmax(-1))
 
@@ -62,7 +63,7 @@ def test_empirical_distribution_matches_reference(temperature, top_k, top_p):
   ref = np_filtered_probs(logits, temperature, top_k, top_p)
   rows = jnp.broadcast_to(jnp.asarray(logits), (draws, v))
   full = lambda val, dt: jnp.full((draws,), val, dt)
-  toks = np.asarray(jax.jit(sampling.sample)(
+  toks = np.asarray(_SAMPLE(
       rows, full(temperature, jnp.float32), full(top_k, jnp.int32), full(top_p, jnp.float32),
       jnp.arange(draws), full(0, jnp.int32)))
   freq = np.bincount(toks, minlength=v) / draws
@@ -79,13 +80,13 @@ def test_seeded_per_request_independent_of_batch_position():
   index = rng.integers(0, 100, size=s).astype(np.int32)
   args = lambda perm: (jnp.asarray(logits[perm]), jnp.full((s,), 1.0), jnp.full((s,), -1),
                        jnp.full((s,), 1.0), jnp.asarray(seeds[perm]), jnp.asarray(index[perm]))
-  base = np.asarray(sampling.sample(*args(np.arange(s))))
+  base = np.asarray(_SAMPLE(*args(np.arange(s))))
   perm = rng.permutation(s)
-  np.testing.assert_array_equal(np.asarray(sampling.sample(*args(perm))), base[perm])
+  np.testing.assert_array_equal(np.asarray(_SAMPLE(*args(perm))), base[perm])
   # A different sample index gives fresh draws (not all equal over many rows).
   many = 200
   lg = jnp.zeros((many, v))
-  one = lambda i: np.asarray(sampling.sample(lg, jnp.ones((many,)), jnp.full((many,), -1),
+  one = lambda i: np.asarray(_SAMPLE(lg, jnp.ones((many,)), jnp.full((many,), -1),
                                              jnp.ones((many,)), jnp.arange(many),
                                              jnp.full((many,), i)))
   assert np.mean(one(0) == one(1)) < 0.2
