@@ -5,7 +5,7 @@ newest-first preemption (recompute and swap), and that it never over-commits."""
 import numpy as np
 import pytest
 
-from paged_jax.engine.engine import SamplingParams
+from paged_jax.engine.params import SamplingParams
 from paged_jax.engine.scheduler import Group, GroupStatus, Scheduler, Sequence, cdiv
 
 
