@@ -308,3 +308,19 @@ def test_failed_reservation_leaves_state_unchanged_and_host_retries():
   assert engine.stats["out_of_blocks_retries"] > 0
   for p, o in zip(prompts, outs):
     assert o.outputs[0] == dense_greedy(PARAMS, p, 24)
+
+
+@pytest.mark.slow
+def test_generate_cli_subprocess_text_prompt_on_shipped_model():
+  import subprocess
+  import sys
+  from paged_jax import tokenizer
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run(
+      [sys.executable, "-m", "experiments.generate", "--prompt=Once upon a time",
+       "--max_tokens=24", "--attention_backend=reference"],
+      cwd=root, capture_output=True, text=True, timeout=600, check=True)
+  result = json.loads(proc.stdout)          # stdout holds only the JSON
+  assert set(result) == {"outputs", "text"} and len(result["outputs"][0]) <= 24
+  assert result["text"][0] == tokenizer.decode(result["outputs"][0])
+  assert "KV capacity" in proc.stderr       # cache sizing logged at start-up
