@@ -16,15 +16,16 @@ the free stack: `block_manager.free` needs no change. When an allocation finds
 too few free blocks, `ensure_free` evicts cache-only blocks, least recently
 used first and, among blocks last used at the same time, the deepest (a
 sequence's tail) first, pushing them on the free stack. Never-cached free
-blocks are thus used before any cached one.
+blocks are thus used before any cached one. The LRU order is kept by a ring of
+released blocks (`prefix_cache_evict`), so eviction is amortized O(1) per
+evicted block; an O(num_blocks) top-k is only a fallback.
 
 Lookup: an open-addressing table `table i32[H]` (H = power of two >= 2 *
 num_blocks) maps a hash to block ids; a block is searched in the window of
 `max_probe` slots starting at `hash & (H - 1)`, so one looked-up block costs
 O(max_probe * block_size), independent of num_blocks. Insertion takes the
 window's first empty slot; a full window leaves the block uncached (a miss
-later, never a wrong hit). Eviction needs the LRU order, an O(num_blocks)
-`lax.top_k`, run only when blocks are short (under `lax.cond`).
+later, never a wrong hit).
 
 Per-slot registration chain: `chain_*[slot]` remember the canonical cached
 block for the slot's last registered logical block. When a slot's newly full
@@ -38,8 +39,8 @@ Ops (all return new states; jit them with both states donated):
   attach(cache, blocks, slot, tokens, length)  -> (cache, blocks, hit_tokens, status)
   register(cache, blocks, item_slot, item_block, item_tokens, num_items) -> (cache, blocks)
   fork_chain(cache, src_slot, dst_slot)        -> cache
-  touch(cache, blocks, slot_mask)              -> cache (LRU time of the slots' blocks)
-  free(cache, blocks, slots)                   -> (cache, blocks, status)  touch + block_manager.free
+  release(cache, blocks, slot_mask)            -> cache (LRU time now; onto the eviction ring)
+  free(cache, blocks, slots)                   -> (cache, blocks, status)  release + block_manager.free
   ensure_free(cache, blocks, num_needed, max_evict=...) -> (cache, blocks, num_evicted)
   reset(cache, blocks)                         -> (cache, blocks)
   num_cached_blocks(cache), num_evictable(cache, blocks), hit_rate(cache)
@@ -87,6 +88,10 @@ class PrefixCacheState:
     clock: i32[], logical time, advanced by every op that uses blocks.
     hit_blocks, query_blocks: i32[], blocks hit / looked up by `attach`.
     evictions: i32[], cached blocks evicted so far.
+    lru_ring, lru_stamp: i32[R] (R a power of two >= 2 * num_blocks), released
+      cached blocks in eviction order with their `last_used` at release; an
+      entry is live while the block is cached, unheld and unused since.
+    lru_head, lru_tail: i32[], ring counters (index = counter & (R - 1)).
     block_size, max_probe, hash_mode: static.
   """
   block_hash: jax.Array
@@ -108,6 +113,10 @@ class PrefixCacheState:
   hit_blocks: jax.Array
   query_blocks: jax.Array
   evictions: jax.Array
+  lru_ring: jax.Array
+  lru_stamp: jax.Array
+  lru_head: jax.Array
+  lru_tail: jax.Array
   block_size: int = flax.struct.field(pytree_node=False)
   max_probe: int = flax.struct.field(pytree_node=False)
   hash_mode: str = flax.struct.field(pytree_node=False)
@@ -141,6 +150,7 @@ def init(cache_config: CacheConfig, *, max_probe: int = 16, table_factor: int = 
     raise ValueError(f"hash_mode must be one of {HASH_MODES}, got {hash_mode!r}")
   nb, s, bs = cache_config.num_blocks, cache_config.max_seqs, cache_config.block_size
   h = 1 << max(int(np.ceil(np.log2(table_factor * nb))), int(np.ceil(np.log2(max_probe))), 1)
+  ring = 1 << int(np.ceil(np.log2(max(2 * nb, 2 * s * cache_config.max_blocks_per_seq, 2))))
   z = lambda *shape: jnp.zeros(shape, _I32)
   return PrefixCacheState(
       block_hash=jnp.zeros((nb, 2), _U32), block_tokens=z(nb, bs),
@@ -150,7 +160,8 @@ def init(cache_config: CacheConfig, *, max_probe: int = 16, table_factor: int = 
       chain_block=jnp.full((s,), -1, _I32), chain_gen=z(s),
       chain_hash=jnp.broadcast_to(jnp.asarray(_ROOT, _U32), (s, 2)),
       chain_len=z(s), chain_ok=jnp.zeros((s,), jnp.bool_), clock=z(), hit_blocks=z(),
-      query_blocks=z(), evictions=z(), block_size=bs, max_probe=max_probe,
+      query_blocks=z(), evictions=z(), lru_ring=jnp.full((ring,), -1, _I32),
+      lru_stamp=z(ring), lru_head=z(), lru_tail=z(), block_size=bs, max_probe=max_probe,
       hash_mode=hash_mode)
 
 
@@ -358,7 +369,7 @@ def register(cache: PrefixCacheState, blocks: bm.BlockState, item_slot, item_blo
         cached=c.cached.at[put].set(True, mode="drop"),
         table_pos=c.table_pos.at[put].set(pos, mode="drop"),
         table=c.table.at[jnp.where(insert, pos, c.table_size)].set(own, mode="drop"),
-        last_used=c.last_used.at[jnp.where(linked, lc, nb)].set(c.clock, mode="drop"))
+        last_used=c.last_used.at[put].set(c.clock, mode="drop"))
     new_gen = c.block_gen[lc]
     row = jnp.where(go, sc, s_max)
     c = c.replace(
@@ -391,32 +402,7 @@ def fork_chain(cache: PrefixCacheState, src_slot, dst_slot):
       for name in ("chain_block", "chain_gen", "chain_hash", "chain_len", "chain_ok")})
 
 
-# ---- LRU bookkeeping, free, eviction --------------------------------------------------
-
-def touch(cache: PrefixCacheState, blocks: bm.BlockState, slot_mask):
-  """Marks every block of the masked slots (bool[max_seqs]) as used now."""
-  nb = blocks.num_blocks
-  held = jnp.where(slot_mask[:, None] & (blocks.block_tables >= 0), blocks.block_tables, nb)
-  return cache.replace(last_used=cache.last_used.at[held.reshape(-1)].set(cache.clock,
-                                                                          mode="drop"),
-                       clock=cache.clock + 1)
-
-
-def free(cache: PrefixCacheState, blocks: bm.BlockState, slot):
-  """`block_manager.free` after touching the slots' blocks (their LRU time is now).
-
-  Cached blocks keep the cache's reference, so they stay off the free stack.
-  """
-  s_max = blocks.max_seqs
-  slots = jnp.asarray(slot, _I32).reshape(-1)
-  mask = jnp.zeros((s_max,), jnp.bool_).at[jnp.where(slots >= 0, slots, s_max)].set(
-      True, mode="drop")
-  cache = touch(cache, blocks, mask & blocks.active)
-  blocks, status = bm.free(blocks, slot)
-  row = jnp.where(mask, lax.iota(_I32, s_max), s_max)
-  cache = cache.replace(chain_ok=cache.chain_ok.at[row].set(False, mode="drop"))
-  return cache, blocks, status
-
+# ---- counters ------------------------------------------------------------------------
 
 def num_cached_blocks(cache: PrefixCacheState):
   """i32[]: blocks registered in the cache."""
@@ -434,89 +420,7 @@ def hit_rate(cache: PrefixCacheState):
                    cache.hit_blocks / jnp.maximum(cache.query_blocks, 1), 0.0)
 
 
-def _uncache(cache: PrefixCacheState, blocks: bm.BlockState, victims):
-  """Drops the cache's reference on `victims` (i32[k], -1 pad); pushes those reaching 0."""
-  nb = blocks.num_blocks
-  v = jnp.where(victims >= 0, victims, nb)
-  vc = jnp.clip(victims, 0, nb - 1)
-  live = (victims >= 0) & cache.cached[vc]
-  v = jnp.where(live, victims, nb)
-  tpos = jnp.where(live, cache.table_pos[vc], cache.table_size)
-  ref = blocks.ref_count.at[v].add(-1, mode="drop")
-  zero = live & (ref[vc] == 0)
-  rank = jnp.cumsum(zero.astype(_I32)) - 1
-  push_at = jnp.where(zero, blocks.num_free + rank, nb)
-  n_push = jnp.sum(zero.astype(_I32))
-  blocks = blocks.replace(ref_count=ref,
-                          free_stack=blocks.free_stack.at[push_at].set(victims, mode="drop"),
-                          num_free=blocks.num_free + n_push)
-  cache = cache.replace(cached=cache.cached.at[v].set(False, mode="drop"),
-                        table_pos=cache.table_pos.at[v].set(-1, mode="drop"),
-                        table=cache.table.at[tpos].set(-1, mode="drop"),
-                        evictions=cache.evictions + jnp.sum(live.astype(_I32)))
-  return cache, blocks, n_push
 
-
-def lru_victims(cache: PrefixCacheState, blocks: bm.BlockState, num, max_evict: int):
-  """i32[max_evict]: the `num` (<= max_evict) cache-only blocks to evict first, -1 pad.
-
-  Order: smallest `last_used` first; among equal times the deepest block first
-  (a sequence's tail before its head). Two O(num_blocks) `lax.top_k` passes.
-  """
-  k = min(max_evict, blocks.num_blocks)
-  evictable = cache.cached & (blocks.ref_count == 1)
-  num = jnp.minimum(jnp.minimum(jnp.asarray(num, _I32), jnp.sum(evictable.astype(_I32))), k)
-  lu = jnp.where(evictable, cache.last_used, _INT_MAX)
-  neg, idx = lax.top_k(-lu, k)                     # ascending last_used
-  tau = -neg[jnp.maximum(num - 1, 0)]              # last_used of the num-th victim
-  older = jnp.sum((lu < tau).astype(_I32))         # all of these go; they lead `idx`
-  depth_key = jnp.where(evictable & (lu == tau), cache.block_depth, -1)
-  _, deep = lax.top_k(depth_key, k)                # deepest first among the ties
-  i = lax.iota(_I32, k)
-  tie_pick = deep[jnp.clip(i - older, 0, k - 1)]
-  out = jnp.where(i < older, idx, tie_pick)
-  out = jnp.where(i < num, out, -1)
-  # The set is decided; order it too (k elements): oldest first, deepest first.
-  oc = jnp.clip(out, 0, blocks.num_blocks - 1)
-  _, _, out = lax.sort((jnp.where(out >= 0, lu[oc], _INT_MAX),
-                        jnp.where(out >= 0, -cache.block_depth[oc], _INT_MAX), out), num_keys=2)
-  if k < max_evict:
-    out = jnp.pad(out, (0, max_evict - k), constant_values=-1)
-  return out
-
-
-def ensure_free(cache: PrefixCacheState, blocks: bm.BlockState, num_needed, *,
-                max_evict: int):
-  """Evicts LRU cache-only blocks until `num_free >= num_needed` (or none is left).
-
-  Runs the O(num_blocks) victim search only when blocks are short.
-  Args:
-    num_needed: i32[], blocks the coming allocation may pop.
-    max_evict: static bound on blocks evicted per call.
-  Returns:
-    (cache, blocks, num_evicted i32[]).
-  """
-  short = jnp.clip(jnp.asarray(num_needed, _I32) - blocks.num_free, 0, max_evict)
-
-  def evict(c, b):
-    return _uncache(c, b, lru_victims(c, b, short, max_evict))
-
-  return lax.cond(short > 0, evict, lambda c, b: (c, b, jnp.zeros((), _I32)), cache, blocks)
-
-
-def reset(cache: PrefixCacheState, blocks: bm.BlockState):
-  """Empties the cache: every cached block loses the cache's reference (those no
-  sequence holds go back on the free stack), the table and all chains are
-  cleared and the counters zeroed. Generations keep counting."""
-  nb = blocks.num_blocks
-  ids = jnp.where(cache.cached, lax.iota(_I32, nb), -1)
-  # Push order: deepest and oldest last, so they are popped last.
-  cache, blocks, _ = _uncache(cache, blocks, ids)
-  s = cache.chain_len.shape[0]
-  return cache.replace(
-      table=jnp.full_like(cache.table, -1), chain_block=jnp.full((s,), -1, _I32),
-      chain_gen=jnp.zeros((s,), _I32),
-      chain_hash=jnp.broadcast_to(jnp.asarray(_ROOT, _U32), (s, 2)),
-      chain_len=jnp.zeros((s,), _I32), chain_ok=jnp.zeros((s,), jnp.bool_),
-      hit_blocks=jnp.zeros((), _I32), query_blocks=jnp.zeros((), _I32),
-      evictions=jnp.zeros((), _I32)), blocks
+# Release, eviction and reset live in a sibling module (re-exported here).
+from paged_jax.prefix_cache_evict import (  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+    ensure_free, free, lru_victims, release, reset, touch, uncache)

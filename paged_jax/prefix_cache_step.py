@@ -5,9 +5,8 @@ prefix caching, two small jitted functions bracket it, both pure and with no
 host sync:
 
   before(cache, blocks, inputs, num_decode_steps)
-      touches the blocks of the slots the step frees (their LRU time is now,
-      so a finished request's blocks are the most recently used of the
-      evictable ones) and evicts least-recently-used cache-only blocks until
+      releases the blocks of the slots the step frees (their LRU time is now,
+      they join the eviction ring) and evicts least-recently-used cache-only blocks until
       the step's worst-case block need fits on the free stack;
   after(cache, blocks, history, inputs, outputs)
       records every token whose K/V the step computed in `history` (i32[S,
@@ -82,7 +81,7 @@ def before(ps: PrefixStepState, blocks: bm.BlockState, inputs, *, num_decode_ste
   s_max = blocks.max_seqs
   fs = inputs.free_slots
   mask = jnp.zeros((s_max,), jnp.bool_).at[jnp.where(fs >= 0, fs, s_max)].set(True, mode="drop")
-  cache = pc.touch(ps.cache, blocks, mask & blocks.active)
+  cache = pc.release(ps.cache, blocks, mask & blocks.active)
   cache = cache.replace(chain_ok=cache.chain_ok & ~mask)
   need = step_block_need(blocks, inputs, num_decode_steps)
   # Freed slots' private blocks come back inside the step; count only what is

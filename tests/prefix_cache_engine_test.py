@@ -92,7 +92,11 @@ def test_outputs_identical_with_caching_on_and_off(seed, prefix_len, mode):
   stats = eng.prefix_stats()
   if prefix_len >= 2 * BS:
     assert stats["hit_blocks"] > 0
-  assert stats["hit_tokens"] + stats["prefill_tokens"] == sum(len(p) for p in prompts)
+  # Every prompt token is either hit or computed (recomputed again after a preemption).
+  if eng.num_preemptions == 0:
+    assert stats["hit_tokens"] + stats["prefill_tokens"] == sum(len(p) for p in prompts)
+  else:
+    assert stats["hit_tokens"] + stats["prefill_tokens"] >= sum(len(p) for p in prompts)
 
 
 def test_hits_skip_prefill_and_the_shared_prefix_is_stored_once():

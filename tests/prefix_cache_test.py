@@ -172,7 +172,7 @@ def test_stale_child_of_evicted_and_reused_parent_is_never_hit():
   tables = {j: b for j, b in enumerate(np.nonzero(np.asarray(c.cached))[0])}
   p0 = int(np.nonzero(np.asarray(c.cached) & (np.asarray(c.block_depth) == 0))[0][0])
   # Evict only the head block p0 (its children stay cached, now stale).
-  d.cache, d.blocks, n = jax.jit(pc._uncache)(d.cache, d.blocks, jnp.asarray([p0]))  # pylint: disable=protected-access
+  d.cache, d.blocks, n = jax.jit(pc.uncache)(d.cache, d.blocks, jnp.asarray([p0]))
   assert int(n) == 1 and len(tables) == 3
   # Reuse p0 for a different first block, registered at depth 0 again.
   x = [(t + 7) % 50 for t in a[:4]]
@@ -230,6 +230,58 @@ def test_eviction_order_lru_then_tail_first_and_free_blocks_first():
   d.check_invariants()
   # The two evicted were slot 1's tail blocks: its head still hits, its tail not.
   assert d.lookup(seqs[1])[0] == 1 and d.lookup(seqs[0])[0] == 3
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_ring_eviction_follows_the_reference_lru_order(seed):
+  # Shared prefixes, re-hits of released blocks (stale ring entries), blocks
+  # held by a live slot, and slots freed together: the ring's pops must equal
+  # the O(num_blocks) reference order (lru_victims) every time.
+  rng = np.random.default_rng(seed)
+  d = Driver()
+  base = [int(t) for t in rng.integers(0, 4, 28)]
+  live, evicted = set(), 0
+  for _ in range(30):
+    free_slots = [s for s in range(S) if s not in live]
+    slot = free_slots[0]
+    cut = int(rng.integers(0, 28))
+    toks = base[:cut] + [int(t) for t in rng.integers(0, 4, int(rng.integers(1, 29 - cut)))]
+    need = -(-len(toks) // BS)
+    if int(d.blocks.num_free) < need:   # make room the way the engine does
+      c0, b0 = d.cache, d.blocks
+      short = min(need - int(b0.num_free), int(pc.num_evictable(c0, b0)))
+      want = np.asarray(j_victims(c0, b0, short, max_evict=P)).tolist()
+      d.cache, d.blocks, n = j_ensure(c0, b0, need, max_evict=P)
+      got = np.asarray(d.blocks.free_stack)[int(b0.num_free):int(d.blocks.num_free)].tolist()
+      # Equal up to ties: same (last_used, depth) sequence, all evictable then.
+      key = lambda v: (int(c0.last_used[v]), -int(c0.block_depth[v]))
+      assert [key(v) for v in got] == [key(v) for v in want[:short]] and int(n) == short
+      assert all(bool(c0.cached[v]) and int(b0.ref_count[v]) == 1 for v in got)
+      evicted += len(got)
+    if int(d.blocks.num_free) + int(pc.num_evictable(d.cache, d.blocks)) < need:
+      break
+    d.admit(slot, toks)
+    live.add(slot)
+    d.check_invariants()
+    if len(live) >= 2 or rng.random() < 0.5:
+      gone = [s for s in live if rng.random() < 0.7] or [min(live)]
+      d.cache, d.blocks, st_ = j_free(d.cache, d.blocks, jnp.asarray(gone + [-1] * (S - len(gone))))
+      live -= set(gone)
+    d.check_invariants()
+  assert evicted > 0
+
+
+def test_ring_overflow_falls_back_to_the_full_scan():
+  d = Driver()
+  d.admit(0, list(range(13)))
+  d.free(0)
+  # Pretend the ring lost its entries (overflow): the top-k fallback still finds them.
+  d.cache = d.cache.replace(lru_head=d.cache.lru_tail)
+  free0 = int(d.blocks.num_free)
+  d.cache, d.blocks, n = j_ensure(d.cache, d.blocks, free0 + 3, max_evict=8)
+  assert int(n) == 3 and int(pc.num_cached_blocks(d.cache)) == 0
+  d.check_invariants()
 
 
 def test_blocks_in_use_are_never_evicted():

@@ -1,0 +1,202 @@
+"""LRU release and eviction of cached blocks (re-exported by `paged_jax.prefix_cache`).
+
+Eviction order: least recently used first; among blocks last used at the same
+time, the deepest (a sequence's tail) first. A cached block's last use is the
+moment its last holder released it (`release`, called on every free), so the
+order is kept by an append-only ring: each `release` pushes the released
+cached blocks, deepest first, stamped with the release time. `ensure_free`
+pops from the ring's head, skipping stale entries (the block was used again
+since, is held again, or is no longer cached; a later release re-pushes it),
+so an eviction costs O(evicted + skipped) work, amortized O(1) per block, not
+O(num_blocks). Only if the ring runs dry with blocks still short (entries lost
+to ring overflow) does it fall back to `lru_victims`, an O(num_blocks)
+`lax.top_k` over the same order.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax import block_manager as bm
+from paged_jax.prefix_cache import PrefixCacheState, _ROOT, _I32, _U32  # pylint: disable=protected-access
+
+_INT_MAX = np.iinfo(np.int32).max
+
+
+def touch(cache: PrefixCacheState, blocks: bm.BlockState, slot_mask):
+  """Marks every block of the masked slots (bool[max_seqs]) as used now (no ring push)."""
+  nb = blocks.num_blocks
+  held = jnp.where(slot_mask[:, None] & (blocks.block_tables >= 0), blocks.block_tables, nb)
+  return cache.replace(last_used=cache.last_used.at[held.reshape(-1)].set(cache.clock,
+                                                                          mode="drop"),
+                       clock=cache.clock + 1)
+
+
+def release(cache: PrefixCacheState, blocks: bm.BlockState, slot_mask):
+  """Touches the masked slots' blocks and pushes their cached ones on the LRU ring.
+
+  Call right before `block_manager.free` of those slots. Ring order within one
+  release: deeper blocks first (evicted first), each block once.
+  """
+  def run(cache):
+    nb, p = blocks.num_blocks, blocks.max_blocks_per_seq
+    stamp = cache.clock
+    cache = touch(cache, blocks, slot_mask)
+    # Column-major from the last column: depth-descending order.
+    ids = jnp.where(slot_mask[:, None], blocks.block_tables, -1)[:, ::-1].T.reshape(-1)
+    idc = jnp.clip(ids, 0, nb - 1)
+    valid = (ids >= 0) & cache.cached[idc]
+    m = ids.shape[0]
+    key, perm = lax.sort((jnp.where(valid, ids, nb), lax.iota(_I32, m)), num_keys=1,
+                         is_stable=True)
+    first_sorted = jnp.concatenate([jnp.ones((1,), jnp.bool_), key[1:] != key[:-1]])
+    keep = valid & jnp.zeros((m,), jnp.bool_).at[perm].set(first_sorted)
+    r = cache.lru_ring.shape[0]
+    rank = jnp.cumsum(keep.astype(_I32)) - 1
+    at = jnp.where(keep, (cache.lru_tail + rank) & (r - 1), r)
+    tail = cache.lru_tail + jnp.sum(keep.astype(_I32))
+    return cache.replace(lru_ring=cache.lru_ring.at[at].set(ids, mode="drop"),
+                         lru_stamp=cache.lru_stamp.at[at].set(stamp, mode="drop"),
+                         lru_tail=tail, lru_head=jnp.maximum(cache.lru_head, tail - r))
+
+  return lax.cond(jnp.any(slot_mask), run, lambda c: c, cache)
+
+
+def free(cache: PrefixCacheState, blocks: bm.BlockState, slot):
+  """`release` then `block_manager.free` (slot: i32[] or i32[n], < 0 padding).
+
+  Cached blocks keep the cache's reference, so they stay off the free stack.
+  """
+  s_max = blocks.max_seqs
+  slots = jnp.asarray(slot, _I32).reshape(-1)
+  mask = jnp.zeros((s_max,), jnp.bool_).at[jnp.where(slots >= 0, slots, s_max)].set(
+      True, mode="drop")
+  cache = release(cache, blocks, mask & blocks.active)
+  blocks, status = bm.free(blocks, slot)
+  cache = cache.replace(chain_ok=cache.chain_ok & ~mask)
+  return cache, blocks, status
+
+
+def uncache(cache: PrefixCacheState, blocks: bm.BlockState, victims):
+  """Drops the cache's reference on `victims` (i32[k], distinct, -1 pad); blocks
+  reaching ref_count 0 are pushed on the free stack in `victims` order.
+  Returns (cache, blocks, blocks pushed i32[])."""
+  nb = blocks.num_blocks
+  vc = jnp.clip(victims, 0, nb - 1)
+  live = (victims >= 0) & cache.cached[vc]
+  v = jnp.where(live, victims, nb)
+  tpos = jnp.where(live, cache.table_pos[vc], cache.table_size)
+  ref = blocks.ref_count.at[v].add(-1, mode="drop")
+  zero = live & (ref[vc] == 0)
+  rank = jnp.cumsum(zero.astype(_I32)) - 1
+  push_at = jnp.where(zero, blocks.num_free + rank, nb)
+  n_push = jnp.sum(zero.astype(_I32))
+  blocks = blocks.replace(ref_count=ref,
+                          free_stack=blocks.free_stack.at[push_at].set(victims, mode="drop"),
+                          num_free=blocks.num_free + n_push)
+  cache = cache.replace(cached=cache.cached.at[v].set(False, mode="drop"),
+                        table_pos=cache.table_pos.at[v].set(-1, mode="drop"),
+                        table=cache.table.at[tpos].set(-1, mode="drop"),
+                        evictions=cache.evictions + jnp.sum(live.astype(_I32)))
+  return cache, blocks, n_push
+
+
+def lru_victims(cache: PrefixCacheState, blocks: bm.BlockState, num, max_evict: int):
+  """i32[max_evict]: the `num` (<= max_evict) cache-only blocks to evict first, in
+  eviction order, -1 pad. Two O(num_blocks) `lax.top_k` passes (the reference
+  order and `ensure_free`'s fallback)."""
+  k = min(max_evict, blocks.num_blocks)
+  evictable = cache.cached & (blocks.ref_count == 1)
+  num = jnp.minimum(jnp.minimum(jnp.asarray(num, _I32), jnp.sum(evictable.astype(_I32))), k)
+  lu = jnp.where(evictable, cache.last_used, _INT_MAX)
+  neg, idx = lax.top_k(-lu, k)                     # ascending last_used
+  tau = -neg[jnp.maximum(num - 1, 0)]              # last_used of the num-th victim
+  older = jnp.sum((lu < tau).astype(_I32))         # all of these go; they lead `idx`
+  depth_key = jnp.where(evictable & (lu == tau), cache.block_depth, -1)
+  _, deep = lax.top_k(depth_key, k)                # deepest first among the ties
+  i = lax.iota(_I32, k)
+  out = jnp.where(i < older, idx, deep[jnp.clip(i - older, 0, k - 1)])
+  out = jnp.where(i < num, out, -1)
+  # The set is decided; order it too (k elements): oldest first, deepest first.
+  oc = jnp.clip(out, 0, blocks.num_blocks - 1)
+  _, _, out = lax.sort((jnp.where(out >= 0, lu[oc], _INT_MAX),
+                        jnp.where(out >= 0, -cache.block_depth[oc], _INT_MAX), out), num_keys=2)
+  if k < max_evict:
+    out = jnp.pad(out, (0, max_evict - k), constant_values=-1)
+  return out
+
+
+def _ring_victims(cache: PrefixCacheState, blocks: bm.BlockState, short, max_evict: int):
+  """Pops up to `short` live entries off the ring; returns (cache, victims i32[max_evict])."""
+  r, nb = cache.lru_ring.shape[0], blocks.num_blocks
+  w = max(2 * max_evict, 32)
+  iw = lax.iota(_I32, w)
+
+  def cond(c):
+    head, found, _ = c
+    return (found < short) & (head < cache.lru_tail)
+
+  def body(c):
+    head, found, out = c
+    idx = head + iw
+    blk = cache.lru_ring[idx & (r - 1)]
+    bc = jnp.clip(blk, 0, nb - 1)
+    ok = ((idx < cache.lru_tail) & (blk >= 0) & cache.cached[bc]
+          & (cache.last_used[bc] == cache.lru_stamp[idx & (r - 1)])
+          & (blocks.ref_count[bc] == 1))
+    cum = jnp.cumsum(ok.astype(_I32))
+    take = ok & (cum <= short - found)
+    out = out.at[jnp.where(take, found + cum - 1, max_evict)].set(blk, mode="drop")
+    done = found + cum[-1] >= short
+    last = jnp.max(jnp.where(take, iw, -1))
+    head = jnp.where(done, head + last + 1, jnp.minimum(head + w, cache.lru_tail))
+    return head, found + jnp.sum(take.astype(_I32)), out
+
+  head, _, out = lax.while_loop(
+      cond, body, (cache.lru_head, jnp.zeros((), _I32), jnp.full((max_evict,), -1, _I32)))
+  return cache.replace(lru_head=head), out
+
+
+def ensure_free(cache: PrefixCacheState, blocks: bm.BlockState, num_needed, *,
+                max_evict: int):
+  """Evicts LRU cache-only blocks until `num_free >= num_needed` (or none is left).
+
+  Args:
+    num_needed: i32[], blocks the coming allocation may pop.
+    max_evict: static bound on blocks evicted per call.
+  Returns:
+    (cache, blocks, num_evicted i32[]). Never-cached free blocks are used
+    first: nothing is evicted while `num_free >= num_needed`.
+  """
+  short = jnp.clip(jnp.asarray(num_needed, _I32) - blocks.num_free, 0, max_evict)
+
+  def evict(c, b):
+    c, victims = _ring_victims(c, b, short, max_evict)
+    c, b, n = uncache(c, b, victims)
+
+    def fallback(c, b):
+      c, b, n2 = uncache(c, b, lru_victims(c, b, short - n, max_evict))
+      return c, b, n + n2
+
+    return lax.cond(n < short, fallback, lambda c, b: (c, b, n), c, b)
+
+  return lax.cond(short > 0, evict, lambda c, b: (c, b, jnp.zeros((), _I32)), cache, blocks)
+
+
+def reset(cache: PrefixCacheState, blocks: bm.BlockState):
+  """Empties the cache: every cached block loses the cache's reference (those no
+  sequence holds go back on the free stack), the table, ring and all chains are
+  cleared and the counters zeroed. Generations keep counting."""
+  nb = blocks.num_blocks
+  cache, blocks, _ = uncache(cache, blocks, jnp.where(cache.cached, lax.iota(_I32, nb), -1))
+  s = cache.chain_len.shape[0]
+  return cache.replace(
+      table=jnp.full_like(cache.table, -1), chain_block=jnp.full((s,), -1, _I32),
+      chain_gen=jnp.zeros((s,), _I32),
+      chain_hash=jnp.broadcast_to(jnp.asarray(_ROOT, _U32), (s, 2)),
+      chain_len=jnp.zeros((s,), _I32), chain_ok=jnp.zeros((s,), jnp.bool_),
+      hit_blocks=jnp.zeros((), _I32), query_blocks=jnp.zeros((), _I32),
+      evictions=jnp.zeros((), _I32), lru_head=cache.lru_tail), blocks
