@@ -336,3 +336,31 @@ def test_generate_cli_subprocess_text_prompt_on_shipped_model():
   assert set(result) == {"outputs", "text"} and len(result["outputs"][0]) <= 24
   assert result["text"][0] == tokenizer.decode(result["outputs"][0])
   assert "KV capacity" in proc.stderr       # cache sizing logged at start-up
+
+
+@pytest.mark.slow
+def test_engine_with_pallas_ragged_kernel_interpreted():
+  # The GPU path's kernel (run by the Pallas interpreter) under the engine's metadata:
+  # packed rows, chunked prefill, forks, the multi-step loop. head_dim 16 (kernel minimum).
+  mc = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_layers=2,
+                   num_heads=4, num_kv_heads=2, max_position_embeddings=256)
+  params = jax.tree_util.tree_map(lambda x: x * 8.0 if x.ndim == 2 else x,
+                                  llama.init_params(mc, jax.random.key(1)))
+  cc = mc.cache_config(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_seqs=MAX_SEQS,
+                       max_blocks_per_seq=ORACLE_LEN // BLOCK_SIZE)
+  prompts = random_prompts(31, 3, lo=3, hi=20)
+  sps = [greedy(6), SamplingParams(max_tokens=6, n=2, temperature=0.8, seed=1), greedy(6)]
+  outs = {}
+  for backend in ("pallas_interpret", "reference"):
+    engine = Engine(mc, params, cc, max_num_batched_tokens=BUDGET, attention_backend=backend,
+                    decode_steps_per_sync=2)
+    outs[backend] = [o.outputs for o in engine.generate(prompts, sps)]
+  assert outs["pallas_interpret"] == outs["reference"]
+  fwd = jax.jit(lambda p, t: dense.forward(p, mc, t))
+  for i in (0, 2):
+    ids = list(prompts[i])
+    for _ in range(6):
+      buf = np.zeros((ORACLE_LEN,), np.int32)
+      buf[:len(ids)] = ids
+      ids.append(int(np.argmax(np.asarray(fwd(params, buf))[len(ids) - 1])))
+    assert outs["pallas_interpret"][i][0] == ids[len(prompts[i]):]
