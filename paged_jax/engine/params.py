@@ -49,10 +49,10 @@ class SamplingParams:
     need_int("beam_width", 1)
     need_int("top_k", -1)
     need_int("seed", 0, 2**31 - 1 - 4096)
-    if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+    if not (isinstance(self.temperature, (int, float, np.integer, np.floating)) and math.isfinite(self.temperature)
             and self.temperature >= 0):
       raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-    if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+    if not (isinstance(self.top_p, (int, float, np.integer, np.floating)) and 0 < self.top_p <= 1):
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
     ids = tuple(self.stop_token_ids)
     if len(ids) > MAX_STOP_IDS or any(
