@@ -204,3 +204,13 @@ def test_engine_requires_the_flag():
                        max_blocks_per_seq=ORACLE_LEN // BS)
   with pytest.raises(ValueError, match="enable_prefix_caching"):
     PrefixCachingEngine(MC, PARAMS, cc)
+
+
+@pytest.mark.slow
+def test_swap_preemption_with_caching_stays_exact():
+  rng = np.random.default_rng(6)
+  prompts = shared_prefix_prompts(rng, 8, 24, max_suffix=16)
+  off = outputs(make(False, preemption_mode="swap").generate(prompts, greedy(10)))
+  eng = make(True, preemption_mode="swap")
+  assert outputs(eng.generate(prompts, greedy(10))) == off
+  assert eng.num_swaps > 0 and eng.prefix_stats()["hit_blocks"] > 0
