@@ -1,6 +1,6 @@
 """Properties of the experiment library functions at tiny sizes (the demo's building blocks).
 
-Engine-backed tests share one cache shape (block 16, 512-slot pool, 16 slots) so the
+Engine-backed tests share one cache shape (block 16, 1024-slot pool, 16 slots) so the
 jitted step compiles once per process; the two-shape throughput test is marked slow.
 """
 
@@ -17,7 +17,7 @@ from experiments import sharing
 from experiments import throughput
 from paged_jax import workloads
 
-ENGINE_KW = dict(block_size=16, kv_budget_tokens=512, max_seqs=16)
+ENGINE_KW = dict(block_size=16, kv_budget_tokens=1024, max_seqs=16)   # 4 samples of 256 fit
 
 
 def test_experiment_modules_define_no_global_flags():
