@@ -48,25 +48,29 @@ from paged_jax import block_manager as bm
 from paged_jax.config import CacheConfig, OK
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("batch", 256, "Sequence slots, all decoding every step.")
-flags.DEFINE_list("num_blocks_list", ["1024", "16384", "262144", "1048576"],
-                  "Pool sizes (blocks) to time.")
-flags.DEFINE_integer("iters", 1000, "Timed steps per variant.")
-flags.DEFINE_integer("warmup", 100, "Untimed steps before timing (compile + caches).")
-flags.DEFINE_integer("block_size", 16, "Tokens per block.")
-flags.DEFINE_integer("max_len", 64, "Longest sequence (tokens) before it is recycled.")
-flags.DEFINE_integer("recycle_width", 64, "Static width of the free/allocate slot vector.")
-flags.DEFINE_integer("seed", 0, "Schedule seed.")
-flags.DEFINE_integer("chunk", 50, "Steps each variant runs before the next takes a turn.")
-flags.DEFINE_float("fork_prob", 0.0,
-                   "Chance that a recycled slot restarts as a fork of a running sequence "
-                   "(sharing, then copy-on-write) instead of a new prompt.")
-flags.DEFINE_integer("cpu_cores", 1,
-                     "Pin the process to this many cores before JAX starts (0: leave as is). "
-                     "One core matches the single-threaded host allocator, and stops XLA:CPU "
-                     "from splitting each in-place scatter over a num_blocks-long array into "
-                     "thread-pool tasks (its cost model counts the array, not the updates).")
-flags.DEFINE_string("out", "results/block_manager", "Output directory.")
+
+
+def _define_flags():
+  """Defines this script's flags on absl's global FLAGS (only when run as a script)."""
+  flags.DEFINE_integer("batch", 256, "Sequence slots, all decoding every step.")
+  flags.DEFINE_list("num_blocks_list", ["1024", "16384", "262144", "1048576"],
+                    "Pool sizes (blocks) to time.")
+  flags.DEFINE_integer("iters", 1000, "Timed steps per variant.")
+  flags.DEFINE_integer("warmup", 100, "Untimed steps before timing (compile + caches).")
+  flags.DEFINE_integer("block_size", 16, "Tokens per block.")
+  flags.DEFINE_integer("max_len", 64, "Longest sequence (tokens) before it is recycled.")
+  flags.DEFINE_integer("recycle_width", 64, "Static width of the free/allocate slot vector.")
+  flags.DEFINE_integer("seed", 0, "Schedule seed.")
+  flags.DEFINE_integer("chunk", 50, "Steps each variant runs before the next takes a turn.")
+  flags.DEFINE_float("fork_prob", 0.0,
+                     "Chance that a recycled slot restarts as a fork of a running sequence "
+                     "(sharing, then copy-on-write) instead of a new prompt.")
+  flags.DEFINE_integer("cpu_cores", 1,
+                       "Pin the process to this many cores before JAX starts (0: leave as is). "
+                       "One core matches the single-threaded host allocator, and stops XLA:CPU "
+                       "from splitting each in-place scatter over a num_blocks-long array into "
+                       "thread-pool tasks (its cost model counts the array, not the updates).")
+  flags.DEFINE_string("out", "results/block_manager", "Output directory.")
 
 
 def make_schedule(batch, steps, max_len, width, seed, fork_prob=0.0):
@@ -443,4 +447,5 @@ def _plot(results, path, batch):
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

@@ -22,25 +22,39 @@ from absl import app
 from absl import flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("checkpoint", None, "HF Llama checkpoint dir (default: shipped tiny model)")
-flags.DEFINE_string("prompt_ids", None, "token ids: '1,2,3' or several prompts '1,2;3,4'")
-flags.DEFINE_multi_string("prompt", None, "text prompt(s) for the byte-level model")
-flags.DEFINE_integer("max_tokens", 32, "tokens to generate per prompt")
-flags.DEFINE_float("temperature", 0.0, "0 = greedy")
-flags.DEFINE_integer("top_k", -1, "-1 = off")
-flags.DEFINE_float("top_p", 1.0, "nucleus mass in (0, 1]")
-flags.DEFINE_integer("seed", 0, "sampling seed")
-flags.DEFINE_integer("n", 1, "parallel samples per prompt")
-flags.DEFINE_integer("beam_width", 1, "beam search width (1 = off)")
-flags.DEFINE_string("stop_token_ids", None, "comma-separated stop ids (text mode: EOS)")
-flags.DEFINE_integer("block_size", 16, "tokens per KV-cache block")
-flags.DEFINE_integer("num_blocks", None, "KV-cache blocks (default: fits every request)")
-flags.DEFINE_integer("max_seqs", None, "sequence slots (default: all requests at once)")
-flags.DEFINE_integer("max_num_batched_tokens", 256, "per-step token budget")
-flags.DEFINE_integer("decode_steps_per_sync", 1, "decode steps per host sync")
-flags.DEFINE_enum("preemption_mode", "recompute", ["recompute", "swap"], "preemption")
-flags.DEFINE_string("attention_backend", "auto", "auto|reference|pallas|pallas_interpret")
-flags.DEFINE_string("dtype", "float32", "parameter / KV dtype")
+
+
+def _define_flags(flag_values=flags.FLAGS):
+  """Defines the CLI flags on `flag_values` (absl's global FLAGS when run as a script)."""
+  flags.DEFINE_string("checkpoint", None, "HF Llama checkpoint dir (default: shipped tiny model)",
+                      flag_values=flag_values)
+  flags.DEFINE_string("prompt_ids", None, "token ids: '1,2,3' or several prompts '1,2;3,4'",
+                      flag_values=flag_values)
+  flags.DEFINE_multi_string("prompt", None, "text prompt(s) for the byte-level model",
+                            flag_values=flag_values)
+  flags.DEFINE_integer("max_tokens", 32, "tokens to generate per prompt", flag_values=flag_values)
+  flags.DEFINE_float("temperature", 0.0, "0 = greedy", flag_values=flag_values)
+  flags.DEFINE_integer("top_k", -1, "-1 = off", flag_values=flag_values)
+  flags.DEFINE_float("top_p", 1.0, "nucleus mass in (0, 1]", flag_values=flag_values)
+  flags.DEFINE_integer("seed", 0, "sampling seed", flag_values=flag_values)
+  flags.DEFINE_integer("n", 1, "parallel samples per prompt", flag_values=flag_values)
+  flags.DEFINE_integer("beam_width", 1, "beam search width (1 = off)", flag_values=flag_values)
+  flags.DEFINE_string("stop_token_ids", None, "comma-separated stop ids (text mode: EOS)",
+                      flag_values=flag_values)
+  flags.DEFINE_integer("block_size", 16, "tokens per KV-cache block", flag_values=flag_values)
+  flags.DEFINE_integer("num_blocks", None, "KV-cache blocks (default: fits every request)",
+                       flag_values=flag_values)
+  flags.DEFINE_integer("max_seqs", None, "sequence slots (default: all requests at once)",
+                       flag_values=flag_values)
+  flags.DEFINE_integer("max_num_batched_tokens", 256, "per-step token budget",
+                       flag_values=flag_values)
+  flags.DEFINE_integer("decode_steps_per_sync", 1, "decode steps per host sync",
+                       flag_values=flag_values)
+  flags.DEFINE_enum("preemption_mode", "recompute", ["recompute", "swap"], "preemption",
+                    flag_values=flag_values)
+  flags.DEFINE_string("attention_backend", "auto", "auto|reference|pallas|pallas_interpret",
+                      flag_values=flag_values)
+  flags.DEFINE_string("dtype", "float32", "parameter / KV dtype", flag_values=flag_values)
 
 
 def _parse_ids(text: str, name: str):
@@ -97,11 +111,13 @@ def run(checkpoint=None, prompt_ids=None, prompt=None, max_tokens=32, temperatur
   return result
 
 
-def main(argv):
+def main(argv, flag_values=None):
+  """Runs `run()` with the parsed flags (default: absl's global FLAGS); prints JSON."""
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  flag_values = FLAGS if flag_values is None else flag_values
   logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True)
-  result = run(**{name: FLAGS[name].value for name in (
+  result = run(**{name: flag_values[name].value for name in (
       "checkpoint", "prompt_ids", "prompt", "max_tokens", "temperature", "top_k", "top_p",
       "seed", "n", "beam_width", "stop_token_ids", "block_size", "num_blocks", "max_seqs",
       "max_num_batched_tokens", "decode_steps_per_sync", "preemption_mode",
@@ -111,4 +127,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

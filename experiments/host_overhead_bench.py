@@ -26,13 +26,17 @@ import jax.numpy as jnp
 import numpy as np
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("num_seqs", 16, "concurrent sequences")
-flags.DEFINE_integer("prompt_len", 16, "prompt tokens per sequence")
-flags.DEFINE_integer("max_tokens", 128, "generated tokens per sequence")
-flags.DEFINE_integer("block_size", 16, "tokens per block")
-flags.DEFINE_integer("hidden_size", 64, "model width (tiny: host overhead dominates)")
-flags.DEFINE_integer("repeats", 7, "timed repetitions (medians reported)")
-flags.DEFINE_string("out", "results/host_overhead", "output directory")
+
+
+def _define_flags():
+  """Defines this script's flags on absl's global FLAGS (only when run as a script)."""
+  flags.DEFINE_integer("num_seqs", 16, "concurrent sequences")
+  flags.DEFINE_integer("prompt_len", 16, "prompt tokens per sequence")
+  flags.DEFINE_integer("max_tokens", 128, "generated tokens per sequence")
+  flags.DEFINE_integer("block_size", 16, "tokens per block")
+  flags.DEFINE_integer("hidden_size", 64, "model width (tiny: host overhead dominates)")
+  flags.DEFINE_integer("repeats", 7, "timed repetitions (medians reported)")
+  flags.DEFINE_string("out", "results/host_overhead", "output directory")
 
 
 _FWD_CACHE = {}
@@ -212,4 +216,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

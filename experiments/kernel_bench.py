@@ -48,20 +48,24 @@ import pallas_kernels
 from pallas_kernels import reference
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out", "results/kernel_bench", "output directory")
-flags.DEFINE_list("batch", None, "batch sizes (default: CPU 1,8; GPU 1,8,64,256)")
-flags.DEFINE_list("context", None, "tokens per sequence (default: CPU 512,2048; "
-                  "GPU 512,4096,32768)")
-flags.DEFINE_list("block_size", ["16", "128"], "KV-cache block sizes")
-flags.DEFINE_integer("num_q_heads", 32, "query heads")
-flags.DEFINE_integer("num_kv_heads", 8, "KV heads")
-flags.DEFINE_integer("head_dim", 128, "features per head")
-flags.DEFINE_string("dtype", None, "q / page dtype (default: CPU float32, GPU bfloat16)")
-flags.DEFINE_integer("repeats", None, "timing samples per method (default CPU 5, GPU 10)")
-flags.DEFINE_integer("calls_per_sample", None, "calls per sample (default CPU 1, GPU 5)")
-flags.DEFINE_float("max_gib", 100.0, "device memory budget (GiB): configurations whose "
-                   "contiguous copies would exceed it time the paged methods only")
-flags.DEFINE_integer("seed", 0, "PRNG seed")
+
+
+def _define_flags():
+  """Defines this script's flags on absl's global FLAGS (only when run as a script)."""
+  flags.DEFINE_string("out", "results/kernel_bench", "output directory")
+  flags.DEFINE_list("batch", None, "batch sizes (default: CPU 1,8; GPU 1,8,64,256)")
+  flags.DEFINE_list("context", None, "tokens per sequence (default: CPU 512,2048; "
+                    "GPU 512,4096,32768)")
+  flags.DEFINE_list("block_size", ["16", "128"], "KV-cache block sizes")
+  flags.DEFINE_integer("num_q_heads", 32, "query heads")
+  flags.DEFINE_integer("num_kv_heads", 8, "KV heads")
+  flags.DEFINE_integer("head_dim", 128, "features per head")
+  flags.DEFINE_string("dtype", None, "q / page dtype (default: CPU float32, GPU bfloat16)")
+  flags.DEFINE_integer("repeats", None, "timing samples per method (default CPU 5, GPU 10)")
+  flags.DEFINE_integer("calls_per_sample", None, "calls per sample (default CPU 1, GPU 5)")
+  flags.DEFINE_float("max_gib", 100.0, "device memory budget (GiB): configurations whose "
+                     "contiguous copies would exceed it time the paged methods only")
+  flags.DEFINE_integer("seed", 0, "PRNG seed")
 
 
 def _ints(values, default):
@@ -324,4 +328,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

@@ -40,20 +40,25 @@ import time
 from absl import app
 from absl import flags
 
-flags.DEFINE_list("tp", ["1", "2", "4", "8"], "tensor-parallel sizes")
-flags.DEFINE_integer("num_devices", 8, "simulated CPU devices (>= max tp)")
-flags.DEFINE_float("kv_mib_per_device", 1.0, "KV page budget per device, MiB (measured model)")
-flags.DEFINE_integer("block_size", 16, "tokens per KV block")
-flags.DEFINE_enum("workload", "alpaca", ["alpaca", "sharegpt"], "synthetic request stream")
-flags.DEFINE_integer("num_requests", 96, "requests served per tp")
-flags.DEFINE_integer("max_len", 256, "context limit of the stream (prompt + output)")
-flags.DEFINE_integer("max_output", 48, "cap on generated tokens per request")
-flags.DEFINE_integer("max_seqs", 128, "engine sequence slots (above the block-bound concurrency)")
-flags.DEFINE_integer("decode_batch", 8, "sequences in the timed decode forward")
-flags.DEFINE_integer("timing_iters", 30, "timed forward calls per tp (median reported)")
-flags.DEFINE_bool("serve", True, "serve the stream with the real engine (peak_running)")
-flags.DEFINE_float("prod_gib_per_device", 16.0, "KV budget per device for the computed rows")
-flags.DEFINE_string("out", "results/scaling", "output directory")
+
+def _define_flags():
+  """Defines this script's flags on absl's global FLAGS (only when run as a script)."""
+  flags.DEFINE_list("tp", ["1", "2", "4", "8"], "tensor-parallel sizes")
+  flags.DEFINE_integer("num_devices", 8, "simulated CPU devices (>= max tp)")
+  flags.DEFINE_float("kv_mib_per_device", 1.0, "KV page budget per device, MiB (measured model)")
+  flags.DEFINE_integer("block_size", 16, "tokens per KV block")
+  flags.DEFINE_enum("workload", "alpaca", ["alpaca", "sharegpt"], "synthetic request stream")
+  flags.DEFINE_integer("num_requests", 96, "requests served per tp")
+  flags.DEFINE_integer("max_len", 256, "context limit of the stream (prompt + output)")
+  flags.DEFINE_integer("max_output", 48, "cap on generated tokens per request")
+  flags.DEFINE_integer("max_seqs", 128, "engine sequence slots (above the block-bound concurrency)")
+  flags.DEFINE_integer("decode_batch", 8, "sequences in the timed decode forward")
+  flags.DEFINE_integer("timing_iters", 30, "timed forward calls per tp (median reported)")
+  flags.DEFINE_bool("serve", True, "serve the stream with the real engine (peak_running)")
+  flags.DEFINE_float("prod_gib_per_device", 16.0, "KV budget per device for the computed rows")
+  flags.DEFINE_string("out", "results/scaling", "output directory")
+
+
 FLAGS = flags.FLAGS
 
 
@@ -262,4 +267,5 @@ def _plot(rows, path):
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

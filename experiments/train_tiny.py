@@ -27,23 +27,27 @@ from paged_jax.models import dense, hf_checkpoint, llama, train
 _DATA = os.path.join(os.path.dirname(__file__), "data", "stories.txt")
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("data", _DATA, "UTF-8 text; documents separated by blank lines.")
-flags.DEFINE_string("out", "paged_jax/assets/tiny_byte_llama", "checkpoint directory")
-flags.DEFINE_integer("steps", 600, "optimiser steps")
-flags.DEFINE_integer("batch_size", 32, "windows per step")
-flags.DEFINE_integer("seq_len", 128, "tokens per window")
-flags.DEFINE_float("peak_lr", 3e-3, "peak learning rate")
-flags.DEFINE_integer("warmup_steps", 50, "linear warmup steps")
-flags.DEFINE_integer("hidden_size", 128, "model width")
-flags.DEFINE_integer("intermediate_size", 384, "SwiGLU width")
-flags.DEFINE_integer("num_layers", 4, "decoder layers")
-flags.DEFINE_integer("num_heads", 4, "query heads")
-flags.DEFINE_integer("num_kv_heads", 2, "K/V heads")
-flags.DEFINE_integer("max_position_embeddings", 1024, "context length recorded in config.json")
-flags.DEFINE_bool("tie_word_embeddings", False, "share embedding and LM head")
-flags.DEFINE_enum("save_dtype", "float32", ["float32", "bfloat16"], "stored tensor dtype")
-flags.DEFINE_string("sample_prompt", "Once upon a time", "prompt of the greedy sample")
-flags.DEFINE_integer("seed", 0, "init and data seed")
+
+
+def _define_flags():
+  """Defines this script's flags on absl's global FLAGS (only when run as a script)."""
+  flags.DEFINE_string("data", _DATA, "UTF-8 text; documents separated by blank lines.")
+  flags.DEFINE_string("out", "paged_jax/assets/tiny_byte_llama", "checkpoint directory")
+  flags.DEFINE_integer("steps", 600, "optimiser steps")
+  flags.DEFINE_integer("batch_size", 32, "windows per step")
+  flags.DEFINE_integer("seq_len", 128, "tokens per window")
+  flags.DEFINE_float("peak_lr", 3e-3, "peak learning rate")
+  flags.DEFINE_integer("warmup_steps", 50, "linear warmup steps")
+  flags.DEFINE_integer("hidden_size", 128, "model width")
+  flags.DEFINE_integer("intermediate_size", 384, "SwiGLU width")
+  flags.DEFINE_integer("num_layers", 4, "decoder layers")
+  flags.DEFINE_integer("num_heads", 4, "query heads")
+  flags.DEFINE_integer("num_kv_heads", 2, "K/V heads")
+  flags.DEFINE_integer("max_position_embeddings", 1024, "context length recorded in config.json")
+  flags.DEFINE_bool("tie_word_embeddings", False, "share embedding and LM head")
+  flags.DEFINE_enum("save_dtype", "float32", ["float32", "bfloat16"], "stored tensor dtype")
+  flags.DEFINE_string("sample_prompt", "Once upon a time", "prompt of the greedy sample")
+  flags.DEFINE_integer("seed", 0, "init and data seed")
 
 
 def load_streams(path: str):
@@ -109,4 +113,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

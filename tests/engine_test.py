@@ -249,6 +249,7 @@ def test_bad_requests_raise_before_running_and_others_go_on():
 
 
 def test_generate_cli_on_saved_checkpoint(tmp_path):
+  from absl import flags
   from experiments import generate
   from paged_jax.models import save_hf_checkpoint
   save_hf_checkpoint(str(tmp_path), MC, PARAMS, dtype="float32")
@@ -260,11 +261,12 @@ def test_generate_cli_on_saved_checkpoint(tmp_path):
           "--max_tokens=6", "--temperature=0", f"--block_size={BLOCK_SIZE}",
           f"--num_blocks={NUM_BLOCKS}", f"--max_seqs={MAX_SEQS}",
           f"--max_num_batched_tokens={BUDGET}", "--attention_backend=reference"]
-  generate.FLAGS.unparse_flags()
-  generate.FLAGS(argv)
+  cli_flags = flags.FlagValues()   # private registry: the global FLAGS stays untouched
+  generate._define_flags(cli_flags)  # pylint: disable=protected-access
+  cli_flags(argv)
   buf = io.StringIO()
   with contextlib.redirect_stdout(buf):
-    generate.main(argv[:1])
+    generate.main(argv[:1], flag_values=cli_flags)
   result = json.loads(buf.getvalue())
   assert result == {"outputs": [dense_greedy(PARAMS, p, 6) for p in prompts]}
 

@@ -1,0 +1,79 @@
+"""Every experiments/*.py module imports in one process without touching absl's global flags.
+
+Experiment scripts define their command-line flags inside `_define_flags()` (called only
+under `if __name__ == "__main__":`) or on a private `flags.FlagValues()`; defining them at
+import time on the global `flags.FLAGS` makes a second module with the same flag name
+(--out, --seed, --block_size ...) raise `DuplicateFlagError` in notebooks, pytest workers
+and benches that import each other.
+
+The imports run in a fresh interpreter so that modules already imported by other tests in
+this pytest process cannot hide a definition.
+"""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXPERIMENTS = sorted(p.stem for p in (ROOT / "experiments").glob("*.py") if p.stem != "__init__")
+
+_PROBE = r"""
+import importlib, json, sys, traceback
+from absl import app, flags, logging  # absl's own flags (--v, --logtostderr ...) count as
+report = {}                           # the baseline: only the experiments' flags are checked
+for name in sys.argv[1:]:
+  before = set(flags.FLAGS)
+  try:
+    importlib.import_module("experiments." + name)
+    error = None
+  except Exception:  # pylint: disable=broad-except
+    error = traceback.format_exc(limit=3)
+  report[name] = {"new_flags": sorted(set(flags.FLAGS) - before), "error": error}
+print("REPORT" + json.dumps(report))
+"""
+
+
+def _import_all(names):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", _PROBE, *names], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300)
+  lines = [l for l in proc.stdout.splitlines() if l.startswith("REPORT")]
+  assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+  return json.loads(lines[-1][len("REPORT"):])
+
+
+def test_glob_finds_the_experiments():
+  # The glob is what keeps new scripts covered; make sure it sees known ones.
+  assert {"generate", "kernel_bench", "ragged_bench", "memory_waste"} <= set(EXPERIMENTS)
+
+
+def test_all_experiments_import_together_without_global_flags():
+  report = _import_all(EXPERIMENTS)
+  assert sorted(report) == EXPERIMENTS
+  errors = {n: r["error"] for n, r in report.items() if r["error"]}
+  assert not errors, f"import failed: {errors}"
+  defined = {n: r["new_flags"] for n, r in report.items() if r["new_flags"]}
+  assert not defined, (
+      f"importing these modules defined flags on absl's global FLAGS: {defined}; "
+      "define them in _define_flags() called under `if __name__ == '__main__':`")
+
+
+def test_probe_detects_a_global_flag_definition(tmp_path):
+  # The check above can fail: a module defining a global flag at import is reported.
+  pkg = tmp_path / "experiments"
+  pkg.mkdir()
+  (pkg / "__init__.py").write_text("")
+  (pkg / "bad.py").write_text(
+      "from absl import flags\nflags.DEFINE_integer('probe_only_flag', 1, 'x')\n")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", _PROBE, "bad"], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=60)
+  line = [l for l in proc.stdout.splitlines() if l.startswith("REPORT")][-1]
+  assert json.loads(line[len("REPORT"):])["bad"]["new_flags"] == ["probe_only_flag"]
+
+
+if __name__ == "__main__":
+  sys.exit(pytest.main([__file__, "-q"]))
