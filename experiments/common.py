@@ -1,4 +1,4 @@
-"""Small helpers every experiment shares: output dir, JSON, progress bar, table, PNG.
+"""Small helpers every experiment shares: output dir, JSON, progress bar, table, PNG, timing.
 
     from experiments import common
     out = common.out_dir(FLAGS.out)                 # creates it
@@ -8,6 +8,7 @@
     print(common.table(rows, headers=["name", "value"]))
     plt = common.pyplot()                           # matplotlib with the Agg backend
     fig, ax = plt.subplots(); ...; common.save_png(fig, out / "plot.png")
+    t = common.time_interleaved({"a": (f, args), "b": (g, args)}, repeats=5, calls=1)
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import statistics
 import sys
-from typing import Any, Iterable, Optional, Sequence
+import time
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -98,3 +101,52 @@ def save_png(fig, path, dpi: int = 150) -> pathlib.Path:
   fig.savefig(p, dpi=dpi, bbox_inches="tight", format="png")
   pyplot().close(fig)
   return p
+
+
+def time_interleaved(fns: Dict[str, tuple], repeats: int, calls: int) -> Dict[str, dict]:
+  """Times several (fn, args) pairs with their samples interleaved round-robin, so load
+  from other processes hits every method alike.
+
+  Each fn is run twice untimed (compile + warm-up); then `repeats` rounds, each timing
+  `calls` back-to-back calls of every method and blocking on the last output. Returns
+  {name: {"median_s", "min_s", "samples"}} in seconds per call. A method that fails to
+  compile or run gets {"error": "<type>: <message>"} and is dropped from the rounds.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  results: Dict[str, dict] = {}
+  live = {}
+  for name, (fn, args) in fns.items():
+    try:
+      jax.block_until_ready(fn(*args))  # compile + first run
+      jax.block_until_ready(fn(*args))
+      live[name] = (fn, args)
+    except Exception as e:  # pylint: disable=broad-except
+      results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+  samples = {name: [] for name in live}
+  for _ in range(repeats):
+    for name, (fn, args) in live.items():
+      t0 = time.perf_counter()
+      for _ in range(calls):
+        out = fn(*args)
+      jax.block_until_ready(out)
+      samples[name].append((time.perf_counter() - t0) / calls)
+  for name, xs in samples.items():
+    results[name] = {"median_s": statistics.median(xs), "min_s": min(xs), "samples": len(xs)}
+  return results
+
+
+def time_call(fn: Callable, args, repeats: int, calls: int) -> Dict[str, float]:
+  """Median / min seconds per call of `fn(*args)` after warm-up (see time_interleaved)."""
+  return time_interleaved({"f": (fn, args)}, repeats, calls)["f"]
+
+
+def copy_bandwidth(repeats: int, calls: int, nbytes: int = 2 << 30) -> float:
+  """Device copy bandwidth in bytes/s: x * 2 over an `nbytes` float32 array reads and
+  writes it once (2 * nbytes moved per call), median over `repeats` samples."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  x = jnp.ones((nbytes // 4,), jnp.float32)
+  f = jax.jit(lambda x: x * 2)
+  t = time_call(f, (x,), repeats, calls)["median_s"]
+  del x
+  return 2 * nbytes / t

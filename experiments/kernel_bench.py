@@ -24,7 +24,8 @@ copy bandwidth (elementwise x * 2 over a 2 GiB array: read + write).
 
 Timing: each call is warmed up (compile + 2 runs); then `--repeats` samples, each the wall
 time of `--calls_per_sample` back-to-back asynchronous calls (block_until_ready on the last)
-divided by the calls; the median is reported. Writes DIR/kernel_bench.json and prints a table.
+divided by the calls; the median is reported (experiments.common.time_interleaved).
+Writes DIR/kernel_bench.json and prints a table.
 """
 
 from __future__ import annotations
@@ -33,9 +34,8 @@ import functools
 import itertools
 import math
 import platform
-import statistics
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List
 
 from absl import app
 from absl import flags
@@ -70,48 +70,6 @@ def _define_flags():
 
 def _ints(values, default):
   return [int(x) for x in (values if values is not None else default)]
-
-
-def time_call(fn: Callable, args, repeats: int, calls: int) -> Dict[str, float]:
-  """Median / min seconds per call of jitted `fn(*args)` after warm-up."""
-  return time_interleaved({"f": (fn, args)}, repeats, calls)["f"]
-
-
-def time_interleaved(fns: Dict[str, tuple], repeats: int, calls: int) -> Dict[str, dict]:
-  """Times several (fn, args) pairs with their samples interleaved round-robin, so load
-  from other processes hits every method alike; median / min seconds per call.
-
-  A method that fails to compile or run gets {"error": ...} and is dropped from the rounds.
-  """
-  results: Dict[str, dict] = {}
-  live = {}
-  for name, (fn, args) in fns.items():
-    try:
-      jax.block_until_ready(fn(*args))  # compile + first run
-      jax.block_until_ready(fn(*args))
-      live[name] = (fn, args)
-    except Exception as e:  # pylint: disable=broad-except
-      results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-  samples = {name: [] for name in live}
-  for _ in range(repeats):
-    for name, (fn, args) in live.items():
-      t0 = time.perf_counter()
-      for _ in range(calls):
-        out = fn(*args)
-      jax.block_until_ready(out)
-      samples[name].append((time.perf_counter() - t0) / calls)
-  for name, xs in samples.items():
-    results[name] = {"median_s": statistics.median(xs), "min_s": min(xs), "samples": len(xs)}
-  return results
-
-
-def copy_bandwidth(repeats: int, calls: int, nbytes: int = 2 << 30) -> float:
-  """Device copy bandwidth in bytes/s: x * 2 over an `nbytes` array reads and writes it."""
-  x = jnp.ones((nbytes // 4,), jnp.float32)
-  f = jax.jit(lambda x: x * 2)
-  t = time_call(f, (x,), repeats, calls)["median_s"]
-  del x
-  return 2 * nbytes / t
 
 
 def make_inputs(key, batch, context, block_size, hq, hkv, d, dtype):
@@ -150,7 +108,7 @@ def bench_cpu(cfg, inputs, repeats, calls) -> Dict[str, dict]:
   out_c = contig(q, k_c, v_c, lengths)
   err = float(jnp.linalg.norm((out_p - out_c).astype(jnp.float32)) /
               jnp.linalg.norm(out_c.astype(jnp.float32)))
-  res = time_interleaved({
+  res = common.time_interleaved({
       "reference_paged": (paged, (q, k_pages, v_pages, tables, lengths)),
       "reference_contiguous": (contig, (q, k_c, v_c, lengths))}, repeats, calls)
   res["reference_paged"]["rel_err_vs_contiguous"] = err
@@ -240,7 +198,7 @@ def bench_gpu(cfg, inputs, repeats, calls) -> Dict[str, dict]:
 
 
 def _timed(fns, extra, repeats, calls):
-  res = time_interleaved(fns, repeats, calls)
+  res = common.time_interleaved(fns, repeats, calls)
   for name, info in extra.items():
     res.setdefault(name, {}).update(info)
   return res
@@ -277,7 +235,7 @@ def main(argv):
                                                             time.gmtime())}
   meta["kernel_rel_err_bf16"] = correctness_check(on_gpu)
   if on_gpu:
-    meta["copy_bandwidth_GBps"] = copy_bandwidth(repeats, calls) / 1e9
+    meta["copy_bandwidth_GBps"] = common.copy_bandwidth(repeats, calls) / 1e9
   results: List[dict] = []
   configs = list(itertools.product(batches, contexts, block_sizes))
   key = jax.random.PRNGKey(FLAGS.seed)

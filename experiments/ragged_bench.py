@@ -21,8 +21,8 @@ Methods, on the same content in the same run:
 Reported: median time; K/V bytes the attention needs (kv_len * Hkv * D * 2 * itemsize over
 sequences) over that time, also as a fraction of the measured copy bandwidth; attention
 TFLOP/s (4 * D * visible query-key pairs * Hq). Timing and copy bandwidth come from
-experiments.kernel_bench (warm-up, interleaved samples, median), imported only when the
-benchmark runs. On CPU (or --dry_run) sizes shrink and the kernel runs interpreted.
+experiments.common (warm-up, interleaved samples, median), as in kernel_bench. On CPU
+(or --dry_run) sizes shrink and the kernel runs interpreted.
 Flags live in a private registry, so importing this module (the lowering tests read its
 scenarios) next to other experiments cannot clash on --seed / --out / --block_size.
 """
@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import platform
 import time
-from typing import Dict, List
+from typing import List
 
 from absl import app
 from absl import flags
@@ -171,7 +171,6 @@ def _variant(knobs, interpret):
 
 
 def bench_scenario(name, seqs, bs, cfg, interpret, repeats, calls, key, sweep=False):
-  from experiments import kernel_bench  # pylint: disable=g-import-not-at-top
   paged, contiguous = make_inputs(key, seqs, bs, cfg["hq"], cfg["hkv"], cfg["d"], cfg["dtype"])
   kernel = jax.jit(functools.partial(pallas_kernels.ragged_paged_attention,
                                      interpret=interpret))
@@ -206,7 +205,7 @@ def bench_scenario(name, seqs, bs, cfg, interpret, repeats, calls, key, sweep=Fa
       checks["dense_impl"] = impl
       checks["dense_vs_ragged_rel_err"] = rel(dense_out.reshape(out.shape), out)
       break
-  timings = kernel_bench.time_interleaved(fns, repeats, calls)
+  timings = common.time_interleaved(fns, repeats, calls)
   kv_bytes, flops = work(seqs, cfg["hq"], cfg["hkv"], cfg["d"], cfg["dtype"].itemsize)
   for t in timings.values():
     if "median_s" in t:
@@ -241,9 +240,7 @@ def main(argv):
           "dtype": dtype.name, **heads, "repeats": repeats, "calls_per_sample": calls,
           "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
   if on_gpu:
-    from experiments import kernel_bench  # pylint: disable=g-import-not-at-top
-    cfg["copy_GBps"] = meta["copy_bandwidth_GBps"] = (
-        kernel_bench.copy_bandwidth(repeats, calls) / 1e9)
+    cfg["copy_GBps"] = meta["copy_bandwidth_GBps"] = common.copy_bandwidth(repeats, calls) / 1e9
   key = jax.random.PRNGKey(FLAGS.seed)
   runs = [(n, bs) for n in names for bs in block_sizes]
   results = []

@@ -151,17 +151,6 @@ def decode_call(tp_model, params, cache: CacheConfig, batch: int):
   return run
 
 
-def interleaved_medians(calls: dict, iters: int) -> dict:
-  """Median seconds per call, timing the calls round-robin so load drifts hit all alike."""
-  times = {k: [] for k in calls}
-  for _ in range(iters):
-    for k, run in calls.items():
-      t0 = time.perf_counter()
-      run()
-      times[k].append(time.perf_counter() - t0)
-  return {k: float(np.median(v)) for k, v in times.items()}
-
-
 def prod_rows(tps, gib: float, block_size: int) -> list:
   rows = []
   for tp in tps:
@@ -210,9 +199,14 @@ def main(argv):
     if FLAGS.serve:
       row.update(serve(engine, stream))
     rows.append(row)
-  medians = interleaved_medians(calls, FLAGS.timing_iters)
+  # Round-robin over tp so load drifts hit every tp alike; one forward per sample.
+  timings = common.time_interleaved({tp: (run, ()) for tp, run in calls.items()},
+                                    FLAGS.timing_iters, calls=1)
+  failed = {tp: t["error"] for tp, t in timings.items() if "error" in t}
+  if failed:
+    raise RuntimeError(f"timed decode forward failed: {failed}")
   for r in rows:
-    r["step_seconds"] = medians[r["tp"]]
+    r["step_seconds"] = timings[r["tp"]]["median_s"]
   t1 = rows[0]["step_seconds"]
   for r in rows:
     r["step_time_ratio"] = r["step_seconds"] / t1
