@@ -23,8 +23,8 @@ sequences) over that time, also as a fraction of the measured copy bandwidth; at
 TFLOP/s (4 * D * visible query-key pairs * Hq). Timing and copy bandwidth come from
 experiments.common (warm-up, interleaved samples, median), as in kernel_bench. On CPU
 (or --dry_run) sizes shrink and the kernel runs interpreted.
-Flags live in a private registry, so importing this module (the lowering tests read its
-scenarios) next to other experiments cannot clash on --seed / --out / --block_size.
+Flags are defined only when run as a script (_define_flags), so importing this module (the
+lowering tests read its scenarios) next to other experiments cannot clash on --seed / --out.
 """
 
 from __future__ import annotations
@@ -44,25 +44,25 @@ from experiments import common
 import pallas_kernels
 from pallas_kernels import reference
 
-FLAGS = flags.FlagValues()
-flags.DEFINE_string("out", "results/ragged_bench", "output directory", flag_values=FLAGS)
-flags.DEFINE_list("scenarios", None, "subset of scenario names (default: all)",
-                  flag_values=FLAGS)
-flags.DEFINE_bool("dry_run", False, "tiny sizes, interpreted kernel (checks the script on CPU)",
-                  flag_values=FLAGS)
-flags.DEFINE_list("block_size", ["16", "128"], "KV-cache block sizes", flag_values=FLAGS)
-flags.DEFINE_integer("num_q_heads", 32, "query heads (GPU)", flag_values=FLAGS)
-flags.DEFINE_integer("num_kv_heads", 8, "KV heads (GPU)", flag_values=FLAGS)
-flags.DEFINE_integer("head_dim", 128, "features per head (GPU)", flag_values=FLAGS)
-flags.DEFINE_string("dtype", None, "q / page dtype (default: GPU bfloat16, CPU float32)",
-                    flag_values=FLAGS)
-flags.DEFINE_integer("repeats", None, "timing samples per method (default GPU 10, CPU 3)",
-                     flag_values=FLAGS)
-flags.DEFINE_integer("calls_per_sample", None, "calls per sample (default GPU 5, CPU 1)",
-                     flag_values=FLAGS)
-flags.DEFINE_integer("seed", 0, "PRNG seed", flag_values=FLAGS)
-flags.DEFINE_bool("sweep", True, "also time knob variants (SWEEP) on SWEEP_SCENARIOS at the "
-                  "first block size", flag_values=FLAGS)
+FLAGS = flags.FLAGS
+
+
+def _define_flags():
+  """Defines this script's flags on absl's global FLAGS (only when run as a script)."""
+  flags.DEFINE_string("out", "results/ragged_bench", "output directory")
+  flags.DEFINE_list("scenarios", None, "subset of scenario names (default: all)")
+  flags.DEFINE_bool("dry_run", False, "tiny sizes, interpreted kernel (checks the script on CPU)")
+  flags.DEFINE_list("block_size", ["16", "128"], "KV-cache block sizes")
+  flags.DEFINE_integer("num_q_heads", 32, "query heads (GPU)")
+  flags.DEFINE_integer("num_kv_heads", 8, "KV heads (GPU)")
+  flags.DEFINE_integer("head_dim", 128, "features per head (GPU)")
+  flags.DEFINE_string("dtype", None, "q / page dtype (default: GPU bfloat16, CPU float32)")
+  flags.DEFINE_integer("repeats", None, "timing samples per method (default GPU 10, CPU 3)")
+  flags.DEFINE_integer("calls_per_sample", None, "calls per sample (default GPU 5, CPU 1)")
+  flags.DEFINE_integer("seed", 0, "PRNG seed")
+  flags.DEFINE_bool("sweep", True, "also time knob variants (SWEEP) on SWEEP_SCENARIOS at the "
+                    "first block size")
+
 
 # Knob variants timed beside the defaults (to pick defaults from GPU measurements).
 SWEEP = {
@@ -281,12 +281,6 @@ def main(argv):
   print(f"wrote {path}")
 
 
-def _cli_flags(argv):
-  rest = FLAGS(argv)
-  if not flags.FLAGS.is_parsed():  # absl logging reads the global flags
-    flags.FLAGS(argv[:1], known_only=True)
-  return rest
-
-
 if __name__ == "__main__":
-  app.run(main, flags_parser=_cli_flags)
+  _define_flags()
+  app.run(main)
