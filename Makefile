@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?= -n 2 -m "not slow"
 
-.PHONY: demo test test-all install clean
+.PHONY: demo test test-all bazel-test install clean
 
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest $(PYTEST_ARGS) tests
+
+# The same test files as Bazel py_test targets (offline; installs bazel-bootstrap if missing).
+bazel-test: $(VENV)/.installed
+	tools/bazel_test.sh --config=ci //...
 
 test-all: $(VENV)/.installed
 	$(PY) -m pytest -n 2 tests
