@@ -119,8 +119,12 @@ class TransformersRunner:
     from transformers.generation.configuration_utils import ContinuousBatchingConfig  # pylint: disable=g-import-not-at-top
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(threads)
-    self.model = transformers.LlamaForCausalLM.from_pretrained(
-        checkpoint, torch_dtype=torch.float32).eval()
+    # Two copies: generate_batch's manager and the long-lived one must not share a model
+    # (generate_batch joins its thread with a hard-coded 5 s timeout; a late thread left
+    # on a shared model breaks the next manager).
+    self.model, self.steady_model = (
+        transformers.LlamaForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.float32).eval()
+        for _ in range(2))
     # No eos_token_id: every request runs max_new_tokens, like the paged_jax side.
     self.gen_config = transformers.GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -151,16 +155,18 @@ class TransformersRunner:
     import torch  # pylint: disable=g-import-not-at-top
     if self._manager is None:
       self._stack.enter_context(torch.inference_mode())
-      self._manager = self._stack.enter_context(self.model.continuous_batching_context_manager(
+      self._manager = self._stack.enter_context(self.steady_model.continuous_batching_context_manager(
           generation_config=self.gen_config, continuous_batching_config=self.cb_config,
           block=True, timeout=5))
     ids = self._manager.add_requests(inputs=[list(p) for p in prompts],
                                      max_new_tokens=self.max_new_tokens)
     done = {}
     while len(done) < len(ids):
-      r = self._manager.get_result(timeout=10)
+      r = self._manager.get_result(timeout=1)
       if r is None:
-        raise RuntimeError(f"transformers manager stopped with {len(done)} of {len(ids)} done")
+        if not self._manager.is_running():
+          raise RuntimeError(f"transformers manager stopped with {len(done)} of {len(ids)} done")
+        continue
       if r.is_finished():
         if r.error:
           raise RuntimeError(f"transformers request {r.request_id} failed: {r.error}")
