@@ -18,7 +18,7 @@ used first and, among blocks last used at the same time, the deepest (a
 sequence's tail) first, pushing them on the free stack. Never-cached free
 blocks are thus used before any cached one. The LRU order is kept by a ring of
 released blocks (`prefix_cache_evict`), so eviction is amortized O(1) per
-evicted block; an O(num_blocks) top-k is only a fallback.
+evicted block, never a scan of the pool.
 
 Lookup: an open-addressing table `table i32[H]` (H = power of two >= 2 *
 num_blocks) maps a hash to block ids; a block is searched in the window of
@@ -39,7 +39,7 @@ Ops (all return new states; jit them with both states donated):
   attach(cache, blocks, slot, tokens, length)  -> (cache, blocks, hit_tokens, status)
   register(cache, blocks, item_slot, item_block, item_tokens, num_items) -> (cache, blocks)
   fork_chain(cache, src_slot, dst_slot)        -> cache
-  release(cache, blocks, slot_mask)            -> cache (LRU time now; onto the eviction ring)
+  release(cache, blocks, slot_mask)            -> (cache, blocks) (LRU time now; onto the eviction ring)
   free(cache, blocks, slots)                   -> (cache, blocks, status)  release + block_manager.free
   ensure_free(cache, blocks, num_needed, max_evict=...) -> (cache, blocks, num_evicted)
   reset(cache, blocks)                         -> (cache, blocks)

@@ -8,9 +8,10 @@ cached blocks, deepest first, stamped with the release time. `ensure_free`
 pops from the ring's head, skipping stale entries (the block was used again
 since, is held again, or is no longer cached; a later release re-pushes it),
 so an eviction costs O(evicted + skipped) work, amortized O(1) per block, not
-O(num_blocks). Only if the ring runs dry with blocks still short (entries lost
-to ring overflow) does it fall back to `lru_victims`, an O(num_blocks)
-`lax.top_k` over the same order.
+O(num_blocks). Every evictable block has a live entry (a full ring evicts its
+oldest live entries rather than forgetting them), so no scan is needed;
+`lru_victims`, an O(num_blocks) `lax.top_k` over the same order, is the
+reference the tests compare with.
 """
 
 from __future__ import annotations
@@ -35,34 +36,52 @@ def touch(cache: PrefixCacheState, blocks: bm.BlockState, slot_mask):
                        clock=cache.clock + 1)
 
 
+def _live(cache: PrefixCacheState, blocks: bm.BlockState, idx):
+  """(block ids, bool: entry `idx` (ring counter values) still names an evictable
+  block unused since it was pushed)."""
+  r, nb = cache.lru_ring.shape[0], blocks.num_blocks
+  blk = cache.lru_ring[idx & (r - 1)]
+  bc = jnp.clip(blk, 0, nb - 1)
+  return blk, ((idx >= cache.lru_head) & (idx < cache.lru_tail) & (blk >= 0) & cache.cached[bc]
+               & (cache.last_used[bc] == cache.lru_stamp[idx & (r - 1)])
+               & (blocks.ref_count[bc] == 1))
+
+
 def release(cache: PrefixCacheState, blocks: bm.BlockState, slot_mask):
   """Touches the masked slots' blocks and pushes their cached ones on the LRU ring.
 
   Call right before `block_manager.free` of those slots. Ring order within one
-  release: deeper blocks first (evicted first), each block once.
+  release: deeper blocks first (evicted first), each block once. If the ring
+  would overflow (stale entries pile up while nothing is evicted), the oldest
+  entries are dropped and the live ones among them evicted now: they are the
+  least recently used, and no evictable block is ever lost to the ring.
+  Returns (cache, blocks).
   """
-  def run(cache):
-    nb, p = blocks.num_blocks, blocks.max_blocks_per_seq
-    stamp = cache.clock
-    cache = touch(cache, blocks, slot_mask)
-    # Column-major from the last column: depth-descending order.
-    ids = jnp.where(slot_mask[:, None], blocks.block_tables, -1)[:, ::-1].T.reshape(-1)
-    idc = jnp.clip(ids, 0, nb - 1)
-    valid = (ids >= 0) & cache.cached[idc]
-    m = ids.shape[0]
-    key, perm = lax.sort((jnp.where(valid, ids, nb), lax.iota(_I32, m)), num_keys=1,
-                         is_stable=True)
-    first_sorted = jnp.concatenate([jnp.ones((1,), jnp.bool_), key[1:] != key[:-1]])
-    keep = valid & jnp.zeros((m,), jnp.bool_).at[perm].set(first_sorted)
-    r = cache.lru_ring.shape[0]
-    rank = jnp.cumsum(keep.astype(_I32)) - 1
-    at = jnp.where(keep, (cache.lru_tail + rank) & (r - 1), r)
-    tail = cache.lru_tail + jnp.sum(keep.astype(_I32))
-    return cache.replace(lru_ring=cache.lru_ring.at[at].set(ids, mode="drop"),
-                         lru_stamp=cache.lru_stamp.at[at].set(stamp, mode="drop"),
-                         lru_tail=tail, lru_head=jnp.maximum(cache.lru_head, tail - r))
-
-  return lax.cond(jnp.any(slot_mask), run, lambda c: c, cache)
+  nb = blocks.num_blocks
+  stamp = cache.clock
+  cache = touch(cache, blocks, slot_mask)
+  # Column-major from the last column: depth-descending order.
+  ids = jnp.where(slot_mask[:, None], blocks.block_tables, -1)[:, ::-1].T.reshape(-1)
+  idc = jnp.clip(ids, 0, nb - 1)
+  valid = (ids >= 0) & cache.cached[idc]
+  m = ids.shape[0]
+  key, perm = lax.sort((jnp.where(valid, ids, nb), lax.iota(_I32, m)), num_keys=1,
+                       is_stable=True)
+  first_sorted = jnp.concatenate([jnp.ones((1,), jnp.bool_), key[1:] != key[:-1]])
+  keep = valid & jnp.zeros((m,), jnp.bool_).at[perm].set(first_sorted)
+  r = cache.lru_ring.shape[0]
+  n_push = jnp.sum(keep.astype(_I32))
+  over = jnp.maximum(cache.lru_tail + n_push - cache.lru_head - r, 0)    # <= m
+  old_idx = cache.lru_head + lax.iota(_I32, m)
+  old_blk, old_live = _live(cache, blocks, old_idx)
+  cache, blocks, _ = uncache(cache, blocks,
+                             jnp.where(old_live & (lax.iota(_I32, m) < over), old_blk, -1))
+  rank = jnp.cumsum(keep.astype(_I32)) - 1
+  at = jnp.where(keep, (cache.lru_tail + rank) & (r - 1), r)
+  return cache.replace(lru_ring=cache.lru_ring.at[at].set(ids, mode="drop"),
+                       lru_stamp=cache.lru_stamp.at[at].set(stamp, mode="drop"),
+                       lru_tail=cache.lru_tail + n_push,
+                       lru_head=cache.lru_head + over), blocks
 
 
 def free(cache: PrefixCacheState, blocks: bm.BlockState, slot):
@@ -74,7 +93,7 @@ def free(cache: PrefixCacheState, blocks: bm.BlockState, slot):
   slots = jnp.asarray(slot, _I32).reshape(-1)
   mask = jnp.zeros((s_max,), jnp.bool_).at[jnp.where(slots >= 0, slots, s_max)].set(
       True, mode="drop")
-  cache = release(cache, blocks, mask & blocks.active)
+  cache, blocks = release(cache, blocks, mask & blocks.active)
   blocks, status = bm.free(blocks, slot)
   cache = cache.replace(chain_ok=cache.chain_ok & ~mask)
   return cache, blocks, status
@@ -131,7 +150,6 @@ def lru_victims(cache: PrefixCacheState, blocks: bm.BlockState, num, max_evict: 
 
 def _ring_victims(cache: PrefixCacheState, blocks: bm.BlockState, short, max_evict: int):
   """Pops up to `short` live entries off the ring; returns (cache, victims i32[max_evict])."""
-  r, nb = cache.lru_ring.shape[0], blocks.num_blocks
   w = max(2 * max_evict, 32)
   iw = lax.iota(_I32, w)
 
@@ -142,11 +160,7 @@ def _ring_victims(cache: PrefixCacheState, blocks: bm.BlockState, short, max_evi
   def body(c):
     head, found, out = c
     idx = head + iw
-    blk = cache.lru_ring[idx & (r - 1)]
-    bc = jnp.clip(blk, 0, nb - 1)
-    ok = ((idx < cache.lru_tail) & (blk >= 0) & cache.cached[bc]
-          & (cache.last_used[bc] == cache.lru_stamp[idx & (r - 1)])
-          & (blocks.ref_count[bc] == 1))
+    blk, ok = _live(cache, blocks, idx)
     cum = jnp.cumsum(ok.astype(_I32))
     take = ok & (cum <= short - found)
     out = out.at[jnp.where(take, found + cum - 1, max_evict)].set(blk, mode="drop")
@@ -172,18 +186,12 @@ def ensure_free(cache: PrefixCacheState, blocks: bm.BlockState, num_needed, *,
     first: nothing is evicted while `num_free >= num_needed`.
   """
   short = jnp.clip(jnp.asarray(num_needed, _I32) - blocks.num_free, 0, max_evict)
-
-  def evict(c, b):
-    c, victims = _ring_victims(c, b, short, max_evict)
-    c, b, n = uncache(c, b, victims)
-
-    def fallback(c, b):
-      c, b, n2 = uncache(c, b, lru_victims(c, b, short - n, max_evict))
-      return c, b, n + n2
-
-    return lax.cond(n < short, fallback, lambda c, b: (c, b, n), c, b)
-
-  return lax.cond(short > 0, evict, lambda c, b: (c, b, jnp.zeros((), _I32)), cache, blocks)
+  # No lax.cond over the (large) states: on XLA:CPU a conditional touching
+  # them costs copies even when donated (measured 3 ms vs 0.5 ms per eviction
+  # at 1M blocks). With short == 0 the ring loop does not iterate and
+  # `uncache` scatters nothing.
+  cache, victims = _ring_victims(cache, blocks, short, max_evict)
+  return uncache(cache, blocks, victims)
 
 
 def reset(cache: PrefixCacheState, blocks: bm.BlockState):

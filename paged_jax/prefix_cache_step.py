@@ -5,8 +5,8 @@ prefix caching, two small jitted functions bracket it, both pure and with no
 host sync:
 
   before(cache, blocks, inputs, num_decode_steps)
-      releases the blocks of the slots the step frees (their LRU time is now,
-      they join the eviction ring) and evicts least-recently-used cache-only blocks until
+      frees the slots the step would free (their cached blocks' LRU time is
+      now, they join the eviction ring; the step's own free becomes a no-op) and evicts least-recently-used cache-only blocks until
       the step's worst-case block need fits on the free stack;
   after(cache, blocks, history, inputs, outputs)
       records every token whose K/V the step computed in `history` (i32[S,
@@ -77,15 +77,12 @@ def step_block_need(blocks: bm.BlockState, inputs, num_decode_steps: int):
 
 def before(ps: PrefixStepState, blocks: bm.BlockState, inputs, *, num_decode_steps: int,
            max_evict: int) -> Tuple[PrefixStepState, bm.BlockState]:
-  """Touch the blocks of `inputs.free_slots`, then evict for the step's block need."""
-  s_max = blocks.max_seqs
-  fs = inputs.free_slots
-  mask = jnp.zeros((s_max,), jnp.bool_).at[jnp.where(fs >= 0, fs, s_max)].set(True, mode="drop")
-  cache = pc.release(ps.cache, blocks, mask & blocks.active)
-  cache = cache.replace(chain_ok=cache.chain_ok & ~mask)
+  """Frees `inputs.free_slots` (release + block_manager.free), then evicts for the
+  step's block need. The step's own free of those slots is then a no-op (the
+  caller passes `free_slots` = -1): blocks a freed slot shared with the cache
+  must be cache-only before eviction looks at them."""
+  cache, blocks, _ = pc.free(ps.cache, blocks, inputs.free_slots)
   need = step_block_need(blocks, inputs, num_decode_steps)
-  # Freed slots' private blocks come back inside the step; count only what is
-  # free now (conservative: may evict a little early, never too little).
   cache, blocks, _ = pc.ensure_free(cache, blocks, need, max_evict=max_evict)
   return ps.replace(cache=cache), blocks
 
@@ -112,50 +109,50 @@ def after(ps: PrefixStepState, blocks: bm.BlockState, inputs, outputs, *,
   Returns:
     (ps, blocks, available i32[]: free blocks plus evictable cached blocks).
   """
-  def run(ps, blocks):
-    s_max, max_len = ps.history.shape
-    bs = blocks.block_size
-    slots = lax.iota(_I32, s_max)
-    # Beam forks happened before the chunks: the child starts as its parent.
-    ps = _copy_rows(ps, inputs.fork_src, inputs.fork_dst)
-    # This step's chunk tokens at their positions.
-    tr = inputs.token_row
-    tslot = jnp.where(tr >= 0, inputs.row_slot[jnp.clip(tr, 0, s_max - 1)], -1)
-    ok_t = (tslot >= 0) & (inputs.positions >= 0) & (inputs.positions < max_len)
-    hist = ps.history.at[jnp.where(ok_t, tslot, s_max), inputs.positions].set(
-        inputs.tokens, mode="drop")
-    ps = ps.replace(history=hist)
-    # Parallel-sampling children share the leader's prompt after the prefill.
-    post = inputs.post_fork_src
-    ps = _copy_rows(ps, post, jnp.where(post >= 0, slots, -1))
-    # Decode-loop tokens: outputs.tokens[k, s] sits at position L1 + k, where L1
-    # is the slot's length after the first forward; it was computed iff
-    # valid[k + 1, s].
-    k_steps = outputs.tokens.shape[0]
-    if k_steps > 1:
-      computed = outputs.valid[1:]                                     # [K-1, S]
-      l1 = blocks.seq_lens - jnp.sum(computed.astype(_I32), axis=0)
-      pos = l1[None, :] + lax.iota(_I32, k_steps - 1)[:, None]
-      rows = jnp.where(computed, slots[None, :], s_max)
-      ps = ps.replace(history=ps.history.at[rows, pos].set(outputs.tokens[:-1], mode="drop"))
-    # Register every newly full block, slot by slot, in order.
-    cache = ps.cache
-    start = cache.chain_len
-    full = blocks.seq_lens // bs
-    todo = jnp.where(blocks.active & cache.chain_ok, jnp.maximum(full - start, 0), 0)
-    offs = jnp.cumsum(todo) - todo
-    total = jnp.minimum(jnp.sum(todo), max_items)
-    i = lax.iota(_I32, max_items)
-    owner = jnp.clip(jnp.searchsorted(offs + todo, i, side="right").astype(_I32), 0, s_max - 1)
-    j = start[owner] + (i - offs[owner])
-    valid = i < total
-    item_slot = jnp.where(valid, owner, -1)
-    item_block = jnp.where(valid, j, -1)
-    tok_pos = jnp.clip(j, 0, max_len // bs - 1)[:, None] * bs + lax.iota(_I32, bs)[None, :]
-    item_tokens = ps.history[owner[:, None], tok_pos]
-    cache, blocks = pc.register(cache, blocks, item_slot, item_block, item_tokens, total)
-    return ps.replace(cache=cache), blocks
-
-  ps, blocks = lax.cond(outputs.ok, run, lambda p, b: (p, b), ps, blocks)
+  # A failed step changed nothing: mask every write (no lax.cond returning the
+  # states, which XLA:CPU would copy even when donated).
+  ok = outputs.ok
+  s_max, max_len = ps.history.shape
+  bs = blocks.block_size
+  slots = lax.iota(_I32, s_max)
+  # Beam forks happened before the chunks: the child starts as its parent.
+  ps = _copy_rows(ps, jnp.where(ok, inputs.fork_src, -1), inputs.fork_dst)
+  # This step's chunk tokens at their positions.
+  tr = inputs.token_row
+  tslot = jnp.where(tr >= 0, inputs.row_slot[jnp.clip(tr, 0, s_max - 1)], -1)
+  ok_t = ok & (tslot >= 0) & (inputs.positions >= 0) & (inputs.positions < max_len)
+  hist = ps.history.at[jnp.where(ok_t, tslot, s_max), inputs.positions].set(
+      inputs.tokens, mode="drop")
+  ps = ps.replace(history=hist)
+  # Parallel-sampling children share the leader's prompt after the prefill.
+  post = jnp.where(ok, inputs.post_fork_src, -1)
+  ps = _copy_rows(ps, post, jnp.where(post >= 0, slots, -1))
+  # Decode-loop tokens: outputs.tokens[k, s] sits at position L1 + k, where L1
+  # is the slot's length after the first forward; it was computed iff
+  # valid[k + 1, s].
+  k_steps = outputs.tokens.shape[0]
+  if k_steps > 1:
+    computed = outputs.valid[1:] & ok                                # [K-1, S]
+    l1 = blocks.seq_lens - jnp.sum(computed.astype(_I32), axis=0)
+    pos = l1[None, :] + lax.iota(_I32, k_steps - 1)[:, None]
+    rows = jnp.where(computed, slots[None, :], s_max)
+    ps = ps.replace(history=ps.history.at[rows, pos].set(outputs.tokens[:-1], mode="drop"))
+  # Register every newly full block, slot by slot, in order.
+  cache = ps.cache
+  start = cache.chain_len
+  full = blocks.seq_lens // bs
+  todo = jnp.where(blocks.active & cache.chain_ok, jnp.maximum(full - start, 0), 0)
+  offs = jnp.cumsum(todo) - todo
+  total = jnp.where(ok, jnp.minimum(jnp.sum(todo), max_items), 0)
+  i = lax.iota(_I32, max_items)
+  owner = jnp.clip(jnp.searchsorted(offs + todo, i, side="right").astype(_I32), 0, s_max - 1)
+  j = start[owner] + (i - offs[owner])
+  valid = i < total
+  item_slot = jnp.where(valid, owner, -1)
+  item_block = jnp.where(valid, j, -1)
+  tok_pos = jnp.clip(j, 0, max_len // bs - 1)[:, None] * bs + lax.iota(_I32, bs)[None, :]
+  item_tokens = ps.history[owner[:, None], tok_pos]
+  cache, blocks = pc.register(cache, blocks, item_slot, item_block, item_tokens, total)
+  ps = ps.replace(cache=cache)
   available = blocks.num_free + pc.num_evictable(ps.cache, blocks)
   return ps, blocks, available

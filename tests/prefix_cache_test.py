@@ -272,15 +272,23 @@ def test_ring_eviction_follows_the_reference_lru_order(seed):
   assert evicted > 0
 
 
-def test_ring_overflow_falls_back_to_the_full_scan():
+def test_ring_overflow_evicts_oldest_and_never_loses_an_evictable_block():
   d = Driver()
-  d.admit(0, list(range(13)))
+  r = d.cache.lru_ring.shape[0]
+  old = list(range(50, 63))                  # released once: live entries at the ring's head
+  d.admit(0, old)
   d.free(0)
-  # Pretend the ring lost its entries (overflow): the top-k fallback still finds them.
-  d.cache = d.cache.replace(lru_head=d.cache.lru_tail)
-  free0 = int(d.blocks.num_free)
-  d.cache, d.blocks, n = j_ensure(d.cache, d.blocks, free0 + 3, max_evict=8)
-  assert int(n) == 3 and int(pc.num_cached_blocks(d.cache)) == 0
+  toks = list(range(13))                     # 3 cached blocks, re-released every round
+  for _ in range(r // 3 + 8):                # stale entries pile up past the ring's size
+    d.admit(0, toks)
+    d.free(0)
+    d.check_invariants()
+  assert int(d.cache.lru_tail) - int(d.cache.lru_head) <= r
+  assert d.lookup(toks + [1])[0] == 3        # the recently used blocks stay cached ...
+  assert d.lookup(old + [1])[0] == 0 and int(d.cache.evictions) == 3   # ... the oldest went
+  evictable = int(pc.num_evictable(d.cache, d.blocks))
+  d.cache, d.blocks, n = j_ensure(d.cache, d.blocks, NB, max_evict=NB)
+  assert int(n) == evictable and int(d.blocks.num_free) == NB
   d.check_invariants()
 
 

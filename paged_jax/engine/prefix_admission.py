@@ -119,6 +119,7 @@ class PrefixCachingEngine(Engine):
     ps, blocks = _before(self.prefix, state.blocks, inputs,
                          num_decode_steps=self.decode_steps_per_sync, max_evict=self._max_new)
     self.prefix = ps            # (the old one was donated)
+    inputs = inputs.replace(free_slots=np.full(inputs.free_slots.shape, -1, np.int32))
     state, out = self._inner_step(params, state.replace(blocks=blocks), inputs)
     ps, blocks, available = _after(ps, state.blocks, inputs, out, max_items=self._max_new)
     self.prefix = ps
