@@ -199,6 +199,14 @@ def test_reset_prefix_cache_drops_hits():
   assert eng.num_free == NUM_BLOCKS
 
 
+def test_engine_with_the_flag_is_a_prefix_caching_engine():
+  cc = MC.cache_config(block_size=BS, num_blocks=NUM_BLOCKS, max_seqs=MAX_SEQS,
+                       max_blocks_per_seq=ORACLE_LEN // BS, enable_prefix_caching=True)
+  eng = Engine(MC, PARAMS, cc, max_num_batched_tokens=BUDGET, attention_backend="reference")
+  assert isinstance(eng, PrefixCachingEngine)
+  assert not isinstance(make(False), PrefixCachingEngine)
+
+
 def test_engine_requires_the_flag():
   cc = MC.cache_config(block_size=BS, num_blocks=NUM_BLOCKS, max_seqs=MAX_SEQS,
                        max_blocks_per_seq=ORACLE_LEN // BS)

@@ -48,7 +48,16 @@ class Engine:
     preemption_mode: "recompute" (default) or "swap" (to host memory).
     attention_backend: "auto", "reference", "pallas", "pallas_interpret".
     max_beam_width: largest beam_width accepted (sets the candidate count).
+  With `cache_config.enable_prefix_caching`, `Engine(...)` builds a
+  `prefix_admission.PrefixCachingEngine` (automatic prefix caching).
   """
+
+  def __new__(cls, model_config=None, params=None, cache_config=None, *args, **kwargs):
+    del model_config, params, args, kwargs
+    if cls is Engine and getattr(cache_config, "enable_prefix_caching", False):
+      from paged_jax.engine.prefix_admission import PrefixCachingEngine  # pylint: disable=g-import-not-at-top
+      return super().__new__(PrefixCachingEngine)
+    return super().__new__(cls)
 
   def __init__(self, model_config: ModelConfig, params, cache_config: CacheConfig, *,
                max_num_batched_tokens: int = 256, decode_steps_per_sync: int = 1,
