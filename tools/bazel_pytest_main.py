@@ -24,13 +24,19 @@ _NO_TESTS_RAN = 5
 
 
 class _DeselectionCounter:
-  """pytest plugin: counts tests deselected by `-m "not slow"` / `-k`."""
+  """pytest plugin: counts tests deselected by `-m "not slow"` / `-k`, and whole modules
+  skipped at collection (`pytest.importorskip` of an optional benchmark-only package)."""
 
   def __init__(self):
     self.num_deselected = 0
+    self.num_module_skips = 0
 
   def pytest_deselected(self, items):
     self.num_deselected += len(items)
+
+  def pytest_collectreport(self, report):
+    if report.skipped:
+      self.num_module_skips += 1
 
 
 def _pytest_args(test_files):
@@ -72,6 +78,10 @@ def main(argv):
       "TESTBRIDGE_TEST_ONLY"):
     print(f"bazel_pytest_main.py: all {counter.num_deselected} selected tests were deselected "
           "(marked slow or filtered); `bazel test --config=slow` runs the slow ones.")
+    exit_code = 0
+  elif exit_code == _NO_TESTS_RAN and counter.num_module_skips:
+    print("bazel_pytest_main.py: the test module skipped itself (an optional dependency is "
+          "missing; see the skip reason above).")
     exit_code = 0
   elif exit_code == _NO_TESTS_RAN:
     print(f"bazel_pytest_main.py: no tests found in {test_files}", file=sys.stderr)

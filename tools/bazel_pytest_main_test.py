@@ -112,3 +112,18 @@ def test_missing_file_is_named(tmp_path):
 
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
+
+
+MODULE_SKIP = """
+import pytest
+pytest.importorskip("a_module_that_is_not_installed_here")
+
+def test_needs_it():
+  assert False, "ran without its optional dependency"
+"""
+
+
+def test_module_skipped_for_missing_optional_dependency_passes(tmp_path):
+  code, out = _run(tmp_path, MODULE_SKIP)
+  assert code == 0, out
+  assert "skipped itself" in out and "ran without" not in out
