@@ -18,7 +18,7 @@ import collections
 import itertools
 import logging
 import time
-from typing import Any, Dict, List, Optional, Sequence as Seq, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence as Seq, Union
 
 import jax
 import numpy as np
@@ -48,6 +48,9 @@ class Engine:
     preemption_mode: "recompute" (default) or "swap" (to host memory).
     attention_backend: "auto", "reference", "pallas", "pallas_interpret".
     max_beam_width: largest beam_width accepted (sets the candidate count).
+    model_apply: replaces `LlamaForCausalLM(...).apply` in the jitted step (same
+      signature); `paged_jax.distributed` passes its tensor-parallel forward.
+    init_state: `cache_config -> EngineState`, e.g. pages created already sharded.
   With `cache_config.enable_prefix_caching`, `Engine(...)` builds a
   `prefix_admission.PrefixCachingEngine` (automatic prefix caching).
   """
@@ -62,7 +65,8 @@ class Engine:
   def __init__(self, model_config: ModelConfig, params, cache_config: CacheConfig, *,
                max_num_batched_tokens: int = 256, decode_steps_per_sync: int = 1,
                preemption_mode: str = "recompute", attention_backend: str = "auto",
-               max_beam_width: int = 4):
+               max_beam_width: int = 4, model_apply: Optional[Callable[..., Any]] = None,
+               init_state: Optional[Callable[[CacheConfig], EngineState]] = None):
     from paged_jax.attention import resolve_backend  # pylint: disable=g-import-not-at-top
     from paged_jax.models.llama import LlamaForCausalLM  # pylint: disable=g-import-not-at-top
     if not isinstance(model_config, ModelConfig):
@@ -90,15 +94,21 @@ class Engine:
     self.max_model_len = min(cache_config.max_seq_len, model_config.max_position_embeddings)
     self._num_candidates = min(model_config.vocab_size, 2 * max_beam_width)
     key = (model_config, attention_backend, decode_steps_per_sync, self._num_candidates)
-    if key not in _STEP_CACHE:  # engines of one model share compiled steps
-      model = LlamaForCausalLM(model_config, attention_backend=attention_backend)
-      _STEP_CACHE[key] = make_step(model.apply, num_decode_steps=decode_steps_per_sync,
-                                   num_candidates=self._num_candidates)
-    self._step = _STEP_CACHE[key]
+    if model_apply is not None:  # e.g. the tensor-parallel forward (paged_jax.distributed)
+      self._step = make_step(model_apply, num_decode_steps=decode_steps_per_sync,
+                             num_candidates=self._num_candidates,
+                             name=getattr(model_apply, "__qualname__", "custom").replace(".", "_"))
+    else:
+      if key not in _STEP_CACHE:  # engines of one model share compiled steps
+        model = LlamaForCausalLM(model_config, attention_backend=attention_backend)
+        _STEP_CACHE[key] = make_step(model.apply, num_decode_steps=decode_steps_per_sync,
+                                     num_candidates=self._num_candidates)
+      self._step = _STEP_CACHE[key]
     # Two token buckets: decode-sized (max_seqs) and the full budget -> at most 2 traces.
     s = cache_config.max_seqs
     self._buckets = sorted({min(s, max_num_batched_tokens), max_num_batched_tokens})
-    self.state = EngineState(blocks=bm.init(cache_config), pages=kv_cache.init(cache_config))
+    self.state = (init_state(cache_config) if init_state is not None else
+                  EngineState(blocks=bm.init(cache_config), pages=kv_cache.init(cache_config)))
     self.num_free = cache_config.num_blocks
     self.scheduler = Scheduler(block_size=cache_config.block_size, max_seqs=s,
                                max_num_batched_tokens=max_num_batched_tokens,
