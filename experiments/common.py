@@ -150,3 +150,22 @@ def copy_bandwidth(repeats: int, calls: int, nbytes: int = 2 << 30) -> float:
   t = time_call(f, (x,), repeats, calls)["median_s"]
   del x
   return 2 * nbytes / t
+
+
+def run_app(main, define_flags):
+  """The `__main__` of an experiment: defines its absl flags, then runs `main`.
+
+  Flags are defined here, not at import, so experiment modules import side by side (tests,
+  notebooks). A ValueError from `main` (a bad flag value found by the library) ends the run
+  with one line naming the problem instead of a traceback.
+  """
+  from absl import app  # pylint: disable=g-import-not-at-top
+
+  def guarded(argv):
+    try:
+      return main(argv)
+    except ValueError as e:
+      sys.exit(f"error: {e}")
+
+  define_flags()
+  app.run(guarded)

@@ -185,14 +185,5 @@ def main(argv):
   print(f"wrote {out / 'preemption.json'}, {png}")
 
 
-def _main_with_clean_errors(argv):
-  try:
-    main(argv)
-  except ValueError as e:   # bad flag values: one line, no traceback
-    sys.exit(f"error: {e}")
-
-
 if __name__ == "__main__":
-  from absl import app  # pylint: disable=g-import-not-at-top
-  _define_flags()
-  app.run(_main_with_clean_errors)
+  common.run_app(main, _define_flags)
