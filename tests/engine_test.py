@@ -7,7 +7,6 @@ import contextlib
 import io
 import json
 import os
-import tempfile
 
 import jax
 import numpy as np
@@ -18,47 +17,11 @@ from paged_jax.engine import Engine, SamplingParams
 from paged_jax.engine import step as step_lib
 from paged_jax.models import dense, llama
 
-# Reruns reuse compiled steps (the first run of a fresh machine compiles them).
-jax.config.update("jax_compilation_cache_dir",
-                  os.path.join(tempfile.gettempdir(), "paged_jax_test_jit_cache"))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+from engine_oracle import MC, ORACLE_LEN, PARAMS, VOCAB, dense_greedy, dense_logprobs
 
-VOCAB = 96
-MC = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
-                 num_heads=4, num_kv_heads=2, max_position_embeddings=256)
-ORACLE_LEN = 64          # dense forward length (padded; causal mask hides the padding)
 # One cache shape for (almost) every test so the jitted step compiles once per file:
 # 12 blocks of 16 tokens, 8 slots of up to 64 tokens, 8 tokens per step (one bucket).
 BLOCK_SIZE, NUM_BLOCKS, MAX_SEQS, BUDGET = 16, 12, 8, 8
-
-
-def _params(seed=0):
-  # Weights 8x HF's init scale: peaked next-token distributions, so greedy ties
-  # (where float rounding could legitimately flip an argmax) do not occur.
-  p = llama.init_params(MC, jax.random.key(seed))
-  return jax.tree_util.tree_map(lambda x: x * 8.0 if x.ndim == 2 else x, p)
-
-
-PARAMS = _params()
-_FWD = jax.jit(lambda p, t: dense.forward(p, MC, t))
-
-
-def dense_logprobs(params, ids):
-  buf = np.zeros((ORACLE_LEN,), np.int32)
-  buf[:len(ids)] = ids
-  logits = np.asarray(_FWD(params, buf), np.float64)[len(ids) - 1]
-  return logits - np.log(np.sum(np.exp(logits - logits.max()))) - logits.max()
-
-
-def dense_greedy(params, prompt, max_tokens, stop=()):
-  ids, out = list(prompt), []
-  for _ in range(max_tokens):
-    nxt = int(np.argmax(dense_logprobs(params, ids)))
-    out.append(nxt)
-    ids.append(nxt)
-    if nxt in stop:
-      break
-  return out
 
 
 def random_prompts(seed, count, lo=1, hi=24):

@@ -4,52 +4,25 @@ preemption, parallel sampling, beam search, multi-step decoding); no cached or
 shared block is ever written; prompts shorter than one block never hit; hits
 actually skip prefill work."""
 
-import os
-import tempfile
-
 import jax
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from paged_jax import prefix_cache as pc
-from paged_jax.config import ModelConfig
 from paged_jax.engine import Engine, SamplingParams
 from paged_jax.engine.prefix_admission import PrefixCachingEngine
-from paged_jax.models import dense, llama
 
-jax.config.update("jax_compilation_cache_dir",
-                  os.path.join(tempfile.gettempdir(), "paged_jax_test_jit_cache"))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+from engine_oracle import MC, ORACLE_LEN, PARAMS, VOCAB
+import engine_oracle
 
-VOCAB = 96
-MC = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
-                 num_heads=4, num_kv_heads=2, max_position_embeddings=256)
-ORACLE_LEN = 64
 # One cache shape (24 blocks of 4 tokens: small enough that most tests also
 # evict and preempt) and decode_steps_per_sync in {1, 2}, so steps compile twice.
 BS, NUM_BLOCKS, MAX_SEQS, BUDGET = 4, 24, 6, 16
 
 
-def _params(seed=0):
-  # 8x HF's init scale: peaked next-token distributions, no greedy near-ties.
-  p = llama.init_params(MC, jax.random.key(seed))
-  return jax.tree_util.tree_map(lambda x: x * 8.0 if x.ndim == 2 else x, p)
-
-
-PARAMS = _params()
-_FWD = jax.jit(lambda p, t: dense.forward(p, MC, t))
-
-
 def dense_greedy(prompt, max_tokens):
-  ids, out = list(prompt), []
-  for _ in range(max_tokens):
-    buf = np.zeros((ORACLE_LEN,), np.int32)
-    buf[:len(ids)] = ids
-    nxt = int(np.argmax(np.asarray(_FWD(PARAMS, buf))[len(ids) - 1]))
-    out.append(nxt)
-    ids.append(nxt)
-  return out
+  return engine_oracle.dense_greedy(PARAMS, prompt, max_tokens)
 
 
 def make(caching, num_blocks=NUM_BLOCKS, **kw):
