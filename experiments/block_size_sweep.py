@@ -37,7 +37,6 @@ Also `DIR/block_size_sweep.png` (multi-panel) and `DIR/block_size_sweep_best.jso
 from __future__ import annotations
 
 import functools
-import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
@@ -378,12 +377,8 @@ def _define_flags():
   flags.DEFINE_string("out", "results/block_size_sweep", "output directory")
 
 
-def main(argv):
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  if len(argv) > 1:
-    sys.exit(f"unexpected arguments {argv[1:]}")
-  f = flags.FLAGS
-  out = common.out_dir(f.out)
+def main(f, out):
+  """Runs with parsed flags `f` and writes under the output directory `out`."""
   start = time.time()
   rows = run(f.workloads, block_sizes=[int(b) for b in f.block_sizes],
              num_requests={k: int(v) for k, v in (x.split(":") for x in f.num_requests)},

@@ -153,17 +153,20 @@ def copy_bandwidth(repeats: int, calls: int, nbytes: int = 2 << 30) -> float:
 
 
 def run_app(main, define_flags):
-  """The `__main__` of an experiment: defines its absl flags, then runs `main`.
+  """The `__main__` of an experiment: defines its absl flags, parses them, then runs
+  `main(flags.FLAGS, out)` with `out` the created `--out` directory.
 
   Flags are defined here, not at import, so experiment modules import side by side (tests,
-  notebooks). A ValueError from `main` (a bad flag value found by the library) ends the run
-  with one line naming the problem instead of a traceback.
+  notebooks). Stray positional arguments, or a ValueError from `main` (a bad flag value found
+  by the library), end the run with one line naming the problem instead of a traceback.
   """
-  from absl import app  # pylint: disable=g-import-not-at-top
+  from absl import app, flags  # pylint: disable=g-import-not-at-top
 
   def guarded(argv):
+    if len(argv) > 1:
+      sys.exit(f"unexpected arguments {argv[1:]}")
     try:
-      return main(argv)
+      return main(flags.FLAGS, out_dir(flags.FLAGS.out))
     except ValueError as e:
       sys.exit(f"error: {e}")
 

@@ -22,7 +22,6 @@ swap is a gather + device_get. Writes `DIR/preemption.json` and `DIR/preemption.
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Dict, Sequence
 
@@ -166,12 +165,8 @@ def _define_flags():
   flags.DEFINE_string("out", "results/preemption", "output directory")
 
 
-def main(argv):
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  if len(argv) > 1:
-    sys.exit(f"unexpected arguments {argv[1:]}")
-  f = flags.FLAGS
-  out = common.out_dir(f.out)
+def main(f, out):
+  """Runs with parsed flags `f` and writes under the output directory `out`."""
   start = time.time()
   rows = run([int(b) for b in f.block_sizes], num_requests=f.num_requests,
              kv_budget_tokens=f.kv_budget_tokens, seq_len=f.seq_len, repeats=f.repeats,

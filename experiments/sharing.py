@@ -18,7 +18,6 @@ Paper (OPT-13B, Fig. 15): parallel sampling saves 6.1-9.8% (Alpaca) and
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Dict, Sequence
 
@@ -122,12 +121,8 @@ def _define_flags():
   flags.DEFINE_string("out", "results/sharing", "output directory")
 
 
-def main(argv):
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  if len(argv) > 1:
-    sys.exit(f"unexpected arguments {argv[1:]}")
-  f = flags.FLAGS
-  out = common.out_dir(f.out)
+def main(f, out):
+  """Runs with parsed flags `f` and writes under the output directory `out`."""
   start = time.time()
   rows = run(f.workloads, widths=[int(w) for w in f.widths], num_requests=f.num_requests,
              block_size=f.block_size, kv_budget_tokens=f.kv_budget_tokens, max_seqs=f.max_seqs,

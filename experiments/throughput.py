@@ -40,7 +40,6 @@ The paper reports 2-4x throughput at equal latency (Figure 12, OPT on A100).
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Dict, Sequence
 
@@ -156,12 +155,8 @@ def _define_flags():
   flags.DEFINE_string("out", "results/throughput", "output directory")
 
 
-def main(argv):
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  if len(argv) > 1:
-    sys.exit(f"unexpected arguments {argv[1:]}")
-  f = flags.FLAGS
-  out = common.out_dir(f.out)
+def main(f, out):
+  """Runs with parsed flags `f` and writes under the output directory `out`."""
   start = time.time()
   results = run(f.workloads, num_requests=f.num_requests, kv_budget_tokens=f.kv_budget_tokens,
                 block_size=f.block_size, max_len=f.max_len, max_seqs=f.max_seqs, seed=f.seed,
