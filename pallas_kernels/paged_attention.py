@@ -146,7 +146,8 @@ def _decode_kernel(
     v = v.reshape(tile_tokens, head_dim).astype(compute_dtype)
     live_row = live.reshape(1, tile_tokens)
 
-    logits = pl.dot(q, k, trans_b=True, precision=precision)          # f32[G_pad, T]
+    logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)      # f32[G_pad, T]
     if k_scale_ref is not None:
       k_scale = _load_pages(k_scale_ref, page_ids, tok_ids, live)
       logits = logits * k_scale.reshape(1, tile_tokens)
@@ -162,7 +163,9 @@ def _decode_kernel(
     if v_scale_ref is not None:
       v_scale = _load_pages(v_scale_ref, page_ids, tok_ids, live)
       p = p * v_scale.reshape(1, tile_tokens)
-    pv = pl.dot(p.astype(compute_dtype), v, precision=precision)      # f32[G_pad, D]
+    pv = lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
+                         precision=precision,
+                         preferred_element_type=jnp.float32)          # f32[G_pad, D]
     return alpha[:, None] * o + pv, m_new, l_new
 
   o = jnp.zeros((q_rows, head_dim), jnp.float32)
