@@ -44,7 +44,7 @@ import time
 from typing import Dict, Sequence
 
 from experiments import common
-from experiments import serving
+from paged_jax import serving
 
 PAPER_SPEEDUP = "2-4x (vLLM vs Orca/FasterTransformer at equal latency, Fig. 12)"
 CONFIGS = ("orca_max", "paged")
