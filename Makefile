@@ -6,7 +6,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?= -n 2 -m "not slow"
 
-.PHONY: demo test test-all bazel-test install clean
+# jax 0.11.2 under Python 3.12 (the GPU device image's versions): `make test-next`.
+PYTHON_NEXT ?= $(shell PYENV_VERSION=$$(pyenv versions --bare 2>/dev/null | grep '^3\.12' | tail -1) pyenv which python3.12 2>/dev/null || command -v python3.12)
+VENV_NEXT ?= .venv312
+JAX_NEXT ?= 0.11.2
+
+.PHONY: demo test test-next test-all bazel-test install clean
 
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -14,13 +19,34 @@ $(VENV)/.installed: requirements.txt
 	$(VENV)/bin/pip install -q -r requirements.txt
 	touch $@
 
+# XLA's CUDA compiler wheels of the installed jaxlib version, for the deviceless H200
+# compile tests (requirements-compile.txt); a failed install only makes those tests skip.
+%/.compile-installed: %/.installed
+	v=$$($*/bin/python -c "import jaxlib; print(jaxlib.__version__)") && \
+	  $*/bin/pip install -q "jax-cuda12-plugin==$$v" "jax-cuda12-pjrt==$$v" || \
+	  echo "deviceless GPU compile wheels not installed: those tests will skip"
+	touch $@
+
+$(VENV_NEXT)/.installed: requirements.txt
+	$(PYTHON_NEXT) -m venv $(VENV_NEXT)
+	$(VENV_NEXT)/bin/pip install -q --upgrade pip
+	sed -e 's/^jax==.*/jax==$(JAX_NEXT)/' -e 's/^jaxlib==.*/jaxlib==$(JAX_NEXT)/' \
+	  requirements.txt > $(VENV_NEXT)/requirements.txt
+	$(VENV_NEXT)/bin/pip install -q -r $(VENV_NEXT)/requirements.txt
+	touch $@
+
 install: $(VENV)/.installed
 
+# The venv's jaxlib is the CPU build: say so, so an installed CUDA plugin stays quiet.
 demo: $(VENV)/.installed
-	$(PY) -m experiments.demo --out=results
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m experiments.demo --out=results
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed $(VENV)/.compile-installed
 	$(PY) -m pytest $(PYTEST_ARGS) tests
+
+# The same suite on the device image's jax (0.11.2, Python 3.12).
+test-next: $(VENV_NEXT)/.installed $(VENV_NEXT)/.compile-installed
+	$(VENV_NEXT)/bin/python -m pytest $(PYTEST_ARGS) tests
 
 # The same test files as Bazel py_test targets (offline; installs bazel-bootstrap if missing).
 bazel-test: $(VENV)/.installed
@@ -30,4 +56,4 @@ test-all: $(VENV)/.installed
 	$(PY) -m pytest -n 2 tests
 
 clean:
-	rm -rf $(VENV) results .pytest_cache
+	rm -rf $(VENV) $(VENV_NEXT) results .pytest_cache
