@@ -37,7 +37,6 @@ import platform
 import sys
 import time
 
-from absl import app
 from absl import flags
 import jax
 import jax.numpy as jnp
@@ -332,10 +331,10 @@ def _thread_split_ops(cfg):
   return lowered.compile().as_text().count("outer_dimension_partitions")
 
 
-def main(argv):
-  del argv
+def main(f, out):
+  """Runs with the parsed flags (absl's global FLAGS, read below) into `out`."""
+  del f
   cores = _pin_cores(FLAGS.cpu_cores)
-  out = common.out_dir(FLAGS.out)
   batch, bs = FLAGS.batch, FLAGS.block_size
   steps = FLAGS.warmup + FLAGS.iters
   with_fork = FLAGS.fork_prob > 0
@@ -407,7 +406,7 @@ def main(argv):
       "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
       "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
       "jax": jax.__version__, "python": platform.python_version(), "cpu_cores_used": cores,
-      "command": " ".join(sys.argv),
+      "command": " ".join(sys.argv), "versions": common.versions(),
       "flags": {"batch": batch, "block_size": bs, "iters": FLAGS.iters, "warmup": FLAGS.warmup,
                 "max_len": FLAGS.max_len, "recycle_width": FLAGS.recycle_width,
                 "fork_prob": FLAGS.fork_prob, "chunk": FLAGS.chunk,
@@ -447,5 +446,4 @@ def _plot(results, path, batch):
 
 
 if __name__ == "__main__":
-  _define_flags()
-  app.run(main)
+  common.run_app(main, _define_flags)

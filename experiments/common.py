@@ -25,10 +25,13 @@ import numpy as np
 
 
 def out_dir(path: str) -> pathlib.Path:
-  """`path` as a Path, created (with parents) if missing."""
+  """`path` as a Path, created (with parents) if missing; ValueError if it names a file."""
   if not path:
     raise ValueError("--out must name a directory, got an empty string")
   p = pathlib.Path(path)
+  for parent in [p, *p.parents]:
+    if parent.exists() and not parent.is_dir():
+      raise ValueError(f"--out={path}: {parent} is a file, not a directory")
   p.mkdir(parents=True, exist_ok=True)
   return p
 
@@ -152,23 +155,108 @@ def copy_bandwidth(repeats: int, calls: int, nbytes: int = 2 << 30) -> float:
   return 2 * nbytes / t
 
 
-def run_app(main, define_flags):
+# Errors a bad flag value or input file raises inside a run: printed as one line, not a
+# traceback. Anything else is a bug and keeps its traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError)
+
+
+def one_line(error: BaseException) -> str:
+  """`error`'s message on one line (newlines folded), for a CLI's last words."""
+  return " ".join(str(error).split())
+
+
+def own_flags(flag_values) -> list:
+  """The flags an experiment defined on `flag_values` (absl's own left out), by name."""
+  return sorted({f.name: f for module, fs in flag_values.flags_by_module_dict().items()
+                 if not module.startswith("absl.") for f in fs}.values(), key=lambda f: f.name)
+
+
+def short_help(doc: Optional[str], flag_values) -> str:
+  """A --help that fits a screen: the docstring's first paragraph (what it does and how to
+  call it) and one line per flag (`--name=default  help`)."""
+  lines = []
+  if doc:
+    first = doc.strip().split("\n\n")
+    lines += [first[0]] + ([first[1]] if len(first) > 1 and first[1].startswith("    ") else [])
+    lines.append("")
+  lines.append("flags:")
+  for flag in own_flags(flag_values):
+    default = "" if flag.default is None else f"={flag.default_as_str.strip(chr(39))}"
+    lines.append(f"  --{flag.name}{default}  {flag.help}")
+  return "\n".join(lines)
+
+
+def versions() -> Dict[str, str]:
+  """Versions of Python and the packages a result depends on."""
+  import importlib.metadata  # pylint: disable=g-import-not-at-top
+  import platform  # pylint: disable=g-import-not-at-top
+  out = {"python": platform.python_version()}
+  for pkg in ("jax", "jaxlib", "flax", "numpy", "safetensors", "tokenizers"):
+    try:
+      out[pkg] = importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+      pass
+  return out
+
+
+def machine() -> Dict[str, Any]:
+  """The host and the first JAX device a result was measured on."""
+  import os  # pylint: disable=g-import-not-at-top
+  import platform  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  dev = jax.devices()[0]
+  return {"platform": platform.platform(), "processor": platform.machine(),
+          "cpu_count": os.cpu_count(), "jax_backend": jax.default_backend(),
+          "device": getattr(dev, "device_kind", str(dev)), "device_count": jax.device_count()}
+
+
+def run_metadata(flag_values, names: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+  """{"flags": {name: value}, "versions": ..., "machine": ...} for a results JSON.
+
+  `names` picks the flags (default: every flag the experiment defined on `flag_values`,
+  absl's own left out)."""
+  if names is None:
+    names = [f.name for f in own_flags(flag_values)]
+  return {"flags": {n: flag_values[n].value for n in sorted(names)}, "versions": versions(),
+          "machine": machine()}
+
+
+def run_app(main, define_flags, *, flag_values=None, doc: Optional[str] = None,
+            argv: Optional[Sequence[str]] = None):
   """The `__main__` of an experiment: defines its absl flags, parses them, then runs
-  `main(flags.FLAGS, out)` with `out` the created `--out` directory.
+  `main(flag_values, out)` with `out` the created `--out` directory (None without --out).
 
   Flags are defined here, not at import, so experiment modules import side by side (tests,
-  notebooks). Stray positional arguments, or a ValueError from `main` (a bad flag value found
-  by the library), end the run with one line naming the problem instead of a traceback.
+  notebooks); `flag_values` is the registry `define_flags` fills (default absl's global
+  FLAGS). `--help` prints `short_help(doc)`. A bad flag value, a stray argument, or a
+  `USER_ERRORS` exception from `main` (a bad value found by the library, a missing file)
+  ends the run with one line `error: ...` and exit status 1 instead of a traceback.
   """
   from absl import app, flags  # pylint: disable=g-import-not-at-top
+  registry = flags.FLAGS if flag_values is None else flag_values
+  if doc is None:
+    doc = getattr(sys.modules.get("__main__"), "__doc__", None)
 
-  def guarded(argv):
-    if len(argv) > 1:
-      sys.exit(f"unexpected arguments {argv[1:]}")
+  def parse(args):
+    if any(a in ("-h", "--help", "-help", "--helpfull", "--helpshort") for a in args[1:]):
+      print(short_help(doc, registry))
+      sys.exit(0)
     try:
-      return main(flags.FLAGS, out_dir(flags.FLAGS.out))
-    except ValueError as e:
-      sys.exit(f"error: {e}")
+      rest = registry(list(args))
+      if registry is not flags.FLAGS and not flags.FLAGS.is_parsed():
+        flags.FLAGS(list(args[:1]))   # absl logging reads the global flags
+    except flags.Error as e:
+      sys.exit(f"error: {one_line(e)}")
+    if len(rest) > 1:
+      sys.exit(f"error: unexpected arguments {rest[1:]}")
+    return rest
+
+  def guarded(_):
+    try:
+      out = out_dir(registry.out) if "out" in registry else None
+      return main(registry, out)
+    except (app.UsageError,) + USER_ERRORS as e:
+      sys.exit(f"error: {one_line(e)}")
 
   define_flags()
-  app.run(guarded)
+  app.run(guarded, argv=None if argv is None else list(argv), flags_parser=parse)

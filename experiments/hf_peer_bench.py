@@ -41,7 +41,6 @@ import contextlib
 import os
 import platform
 import statistics
-import sys
 import time
 from typing import Dict, List, Sequence
 
@@ -297,17 +296,13 @@ def _define_flags():
   flags.DEFINE_string("out", "experiments/results/hf_peer", "output directory")
 
 
-def main(argv):
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  if len(argv) > 1:
-    sys.exit(f"unexpected arguments {argv[1:]}")
-  f = flags.FLAGS
-  out = common.out_dir(f.out)
+def main(f, out):
+  """Runs with the parsed flags `f` into directory `out` (the `common.run_app` main)."""
   names = ("checkpoint", "num_prompts", "min_prompt_len", "max_prompt_len", "max_new_tokens",
            "block_size", "num_blocks", "max_batch_tokens", "repeats", "torch_threads",
            "decode_steps_per_sync", "seed")
   result = run(**{n: f[n].value for n in names})
-  result["flags"] = {n: f[n].value for n in names}
+  result.update(common.run_metadata(f, names))
   result["date_utc"] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
   path = common.write_json(out / "hf_peer.json", result)
   rows = [[mode, name, e["median_s"], e["output_tokens_per_s"], e["requests_per_s"]]
@@ -323,6 +318,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  from absl import app  # pylint: disable=g-import-not-at-top
-  _define_flags()
-  app.run(main)
+  common.run_app(main, _define_flags)

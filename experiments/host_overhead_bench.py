@@ -15,15 +15,14 @@ Writes OUT/host_overhead.json and prints a table.
 
 from __future__ import annotations
 
-import json
-import os
 import time
 
-from absl import app
 from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from experiments import common
 
 FLAGS = flags.FLAGS
 
@@ -158,8 +157,9 @@ def engine_run(mc, params, cc, prompts, max_tokens, k):
   return [o.outputs[0] for o in outs], timing
 
 
-def main(argv):
-  del argv
+def main(f, out):
+  """Runs with the parsed flags (absl's global FLAGS, read below) into `out`."""
+  del f
   from paged_jax.config import ModelConfig  # pylint: disable=g-import-not-at-top
   from paged_jax.models.llama import init_params  # pylint: disable=g-import-not-at-top
   mc = ModelConfig(vocab_size=256, hidden_size=FLAGS.hidden_size,
@@ -200,12 +200,10 @@ def main(argv):
   for r in results.values():
     r["host_overhead_ratio_vs_python"] = r["host_us_per_token"] / base["host_us_per_token"]
     r["wall_ratio_vs_python"] = r["wall_us_per_token"] / base["wall_us_per_token"]
-  os.makedirs(FLAGS.out, exist_ok=True)
   meta = {"jax": jax.__version__, "backend": jax.default_backend(),
           "device": str(jax.devices()[0]), "num_seqs": n, "prompt_len": plen, "max_tokens": m,
-          "block_size": bs, "hidden_size": FLAGS.hidden_size}
-  with open(os.path.join(FLAGS.out, "host_overhead.json"), "w") as f:
-    json.dump({"meta": meta, "results": results}, f, indent=2)
+          "block_size": bs, "hidden_size": FLAGS.hidden_size, **common.run_metadata(FLAGS)}
+  common.write_json(out / "host_overhead.json", {"meta": meta, "results": results})
   print(f"{'path':18s} {'calls':>6s} {'wall us/tok':>12s} {'host us/tok':>12s} "
         f"{'device us/tok':>14s} {'host x py':>10s} {'wall x py':>10s} same")
   for name, r in results.items():
@@ -216,5 +214,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  _define_flags()
-  app.run(main)
+  common.run_app(main, _define_flags)

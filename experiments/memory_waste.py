@@ -21,22 +21,22 @@ in each category over the saturated steps (a request still waiting after
 admission) divided by T * steps; see `paged_jax.metrics` for the exact
 definitions. `max_concurrent` is the peak number of requests in memory at once,
 `mean_concurrent` the mean over the saturated steps; also `steps`,
-`saturated_steps`, `preemptions`. `DIR/memory_waste_meta.json` holds the flags
-and the paper's numbers; `DIR/memory_waste.png` the stacked bars.
+`saturated_steps`, `preemptions`. `DIR/memory_waste_meta.json` holds the flags,
+versions, machine and the paper's numbers; `DIR/memory_waste.png` the stacked bars.
+A bad flag value ends with one line `error: ...` and exit status 1.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Dict, Optional, Sequence
 
-from absl import app
 from absl import flags
 
 from experiments import common
 from paged_jax import workloads
 from paged_jax.baselines import simulate
+from paged_jax.config import check_block_size
 from paged_jax.metrics import CATEGORIES
 
 ALLOCATORS = ("orca_max", "orca_pow2", "orca_oracle", "paged")
@@ -53,7 +53,7 @@ flags.DEFINE_enum("workload", "sharegpt", ["sharegpt", "alpaca"], "synthetic req
                   flag_values=FLAGS)
 flags.DEFINE_integer("num_requests", 500, "requests in the stream", lower_bound=1,
                      flag_values=FLAGS)
-flags.DEFINE_integer("block_size", 16, "tokens per KV block (paged)", lower_bound=1,
+flags.DEFINE_integer("block_size", 16, "tokens per KV block (paged; a power of two)",
                      flag_values=FLAGS)
 flags.DEFINE_integer("kv_budget_tokens", 14336,
                      "KV budget in token slots, the same for every allocator (default: "
@@ -69,15 +69,12 @@ flags.DEFINE_string("out", "results/memory_waste", "output directory", flag_valu
 
 def parse_flags(argv):
   """Parses this experiment's flags from `argv` (argv[0] is the program); returns the rest."""
-  if any(a in ("-h", "--help", "--helpfull") for a in argv[1:]):
-    print(__doc__)
-    print(FLAGS.get_help())
-    sys.exit(0)
   FLAGS.unparse_flags()
   rest = FLAGS(argv)
   if not flags.FLAGS.is_parsed():   # absl logging reads the global flags
     flags.FLAGS(argv[:1], known_only=True)
   return rest
+
 
 def run(requests: Sequence, *, block_size: int, kv_budget_tokens: int, max_len: int = 2048,
         watermark: float = 0.01, max_seqs: Optional[int] = None,
@@ -141,15 +138,23 @@ def plot(results: Dict[str, Dict], path, title: str):
   return common.save_png(fig, path)
 
 
-def main(argv):
-  del argv
-  if FLAGS.kv_budget_tokens % FLAGS.block_size:
-    raise app.UsageError(f"--kv_budget_tokens must be a multiple of --block_size="
-                         f"{FLAGS.block_size}, got {FLAGS.kv_budget_tokens}")
-  if FLAGS.kv_budget_tokens < FLAGS.max_len:
-    raise app.UsageError(f"--kv_budget_tokens must be >= --max_len={FLAGS.max_len}, got "
-                         f"{FLAGS.kv_budget_tokens}")
-  out = common.out_dir(FLAGS.out)
+def check_flags(f) -> None:
+  """ValueError naming the flag for values the simulation cannot take."""
+  check_block_size(f.block_size)
+  if f.kv_budget_tokens % f.block_size:
+    raise ValueError(f"--kv_budget_tokens must be a multiple of --block_size="
+                     f"{f.block_size}, got {f.kv_budget_tokens}")
+  if f.kv_budget_tokens < f.max_len:
+    raise ValueError(f"--kv_budget_tokens must be >= --max_len={f.max_len}, got "
+                     f"{f.kv_budget_tokens}")
+  if not 0.0 <= f.watermark < 1.0:
+    raise ValueError(f"--watermark must be in [0, 1), got {f.watermark}")
+
+
+def main(f, out):
+  """Runs the experiment with parsed flags `f` (this module's FLAGS) into directory `out`."""
+  del f  # this module's private FLAGS; kept for common.run_app's calling convention
+  check_flags(FLAGS)
   requests = workloads.synthetic(FLAGS.workload, FLAGS.num_requests, seed=FLAGS.seed,
                                  max_len=FLAGS.max_len)
   start = time.time()
@@ -157,9 +162,7 @@ def main(argv):
                 max_len=FLAGS.max_len, watermark=FLAGS.watermark)
   seconds = time.time() - start
   common.write_json(out / "memory_waste.json", results)
-  meta = {flag: FLAGS[flag].value for flag in ("workload", "num_requests", "block_size",
-                                               "kv_budget_tokens", "max_len", "seed",
-                                               "watermark")}
+  meta = common.run_metadata(FLAGS)
   meta.update(seconds=round(seconds, 2), paper_token_states=PAPER_TOKEN_STATES,
               partition=list(CATEGORIES))
   common.write_json(out / "memory_waste_meta.json", meta)
@@ -176,12 +179,5 @@ def main(argv):
   print(f"wrote {out / 'memory_waste.json'}, {png}")
 
 
-def _cli_flags(argv):
-  try:
-    return parse_flags(argv)
-  except flags.Error as e:
-    sys.exit(f"FATAL flags parsing error: {e}\nPass --help to see the flags.")
-
-
 if __name__ == "__main__":
-  app.run(main, flags_parser=_cli_flags)
+  common.run_app(main, lambda: None, flag_values=FLAGS)

@@ -37,7 +37,6 @@ import re
 import sys
 import time
 
-from absl import app
 from absl import flags
 
 
@@ -85,7 +84,7 @@ import numpy as np
 from experiments import common
 from paged_jax import workloads
 from paged_jax.config import CacheConfig, ModelConfig
-from paged_jax.distributed import (TensorParallelLlama, cache_config_for_device_budget,
+from paged_jax.distributed import (cache_config_for_device_budget,
                                    make_mesh, make_tp_engine, per_device_bytes)
 from paged_jax.models import llama
 
@@ -162,13 +161,13 @@ def prod_rows(tps, gib: float, block_size: int) -> list:
   return rows
 
 
-def main(argv):
-  del argv
+def main(f, out):
+  """Runs with the parsed flags (absl's global FLAGS, read below) into `out`."""
+  del f
   tps = [int(t) for t in FLAGS.tp]
   if max(tps) > jax.device_count():
     raise ValueError(f"--tp holds {max(tps)} but only {jax.device_count()} devices; raise "
                      "--num_devices")
-  out = common.out_dir(FLAGS.out)
   budget = int(FLAGS.kv_mib_per_device * 2**20)
   params = llama.init_params(MODEL, jax.random.key(0))
   stream = workloads.synthetic(FLAGS.workload, FLAGS.num_requests, seed=0,
@@ -261,5 +260,4 @@ def _plot(rows, path):
 
 
 if __name__ == "__main__":
-  _define_flags()
-  app.run(main)
+  common.run_app(main, _define_flags)

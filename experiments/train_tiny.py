@@ -15,11 +15,10 @@ import dataclasses
 import json
 import os
 
-from absl import app, flags
+from absl import flags
 import jax
-import jax.numpy as jnp
-import numpy as np
 
+from experiments import common
 from paged_jax import tokenizer
 from paged_jax.config import ModelConfig
 from paged_jax.models import dense, hf_checkpoint, llama, train
@@ -79,8 +78,9 @@ def plot_curve(history, path: str) -> None:
   plt.close(fig)
 
 
-def main(argv):
-  del argv
+def main(f, out):
+  """Runs with the parsed flags (absl's global FLAGS, read below) into `out`."""
+  del f
   config = ModelConfig(vocab_size=tokenizer.VOCAB_SIZE, hidden_size=FLAGS.hidden_size,
                        intermediate_size=FLAGS.intermediate_size, num_layers=FLAGS.num_layers,
                        num_heads=FLAGS.num_heads, num_kv_heads=FLAGS.num_kv_heads,
@@ -96,7 +96,6 @@ def main(argv):
                         flush=True)
   params, history = train.train(config, train_stream, eval_stream, tc, log=log)
   print(f"{llama.num_params(params)} parameters")
-  os.makedirs(FLAGS.out, exist_ok=True)
   hf_checkpoint.save_hf_checkpoint(
       FLAGS.out, config, params, dtype=FLAGS.save_dtype,
       extra_config={"bos_token_id": tokenizer.BOS_ID, "eos_token_id": tokenizer.EOS_ID})
@@ -113,5 +112,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  _define_flags()
-  app.run(main)
+  common.run_app(main, _define_flags)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import block_manager as bm
-from paged_jax.config import CacheConfig, OK, OUT_OF_BLOCKS, OutOfBlocksError, check_in_range
+from paged_jax.config import CacheConfig, OK, OUT_OF_BLOCKS, OutOfBlocksError, check_int
 
 IntOrInts = Union[int, Sequence[int]]
 
@@ -98,7 +98,7 @@ class BlockManager:
   def _check_slots(self, name: str, slot: IntOrInts) -> list:
     slots = _as_list(name, slot)
     for i, s in enumerate(slots):
-      check_in_range(_label(name, i, len(slots)), s, 0, self.config.max_seqs - 1)
+      check_int(_label(name, i, len(slots)), s, 0, self.config.max_seqs - 1)
     seen = set()
     for i, s in enumerate(slots):
       if s in seen:
@@ -128,7 +128,7 @@ class BlockManager:
     slots = self._check_slots("slot", slot)
     counts = self._counts("num_tokens", num_tokens, len(slots))
     for i, n in enumerate(counts):
-      check_in_range(_label("num_tokens", i, len(counts)), n, 1, self.config.max_seq_len)
+      check_int(_label("num_tokens", i, len(counts)), n, 1, self.config.max_seq_len)
     active = self._host_active()
     for i, s in enumerate(slots):
       if active[s]:
@@ -162,7 +162,7 @@ class BlockManager:
       if room == 0:
         raise ValueError(f"{_label('slot', i, len(slots))}={s} is full "
                          f"(max_seq_len={cfg.max_seq_len} tokens); it cannot grow")
-      check_in_range(_label("num_new_tokens", i, len(counts)), n, 1, room)
+      check_int(_label("num_new_tokens", i, len(counts)), n, 1, room)
     mask = np.zeros((cfg.max_seqs,), bool)
     mask[slots] = True
     per_slot = np.zeros((cfg.max_seqs,), np.int32)
@@ -202,7 +202,7 @@ class BlockManager:
       raise ValueError(f"src_slot must be one int or {len(dsts)} ints, got {len(srcs)}")
     active = self._host_active().copy()
     for i, (s, d) in enumerate(zip(srcs, dsts)):
-      check_in_range(_label("src_slot", i, len(srcs)), s, 0, self.config.max_seqs - 1)
+      check_int(_label("src_slot", i, len(srcs)), s, 0, self.config.max_seqs - 1)
       if not active[s]:
         raise ValueError(f"{_label('src_slot', i, len(srcs))}={s} is not active; "
                          "fork needs an allocated source")

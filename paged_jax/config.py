@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Optional, Tuple
 
+import ml_dtypes
 import numpy as np
 
 # Status codes returned per slot by every block-manager / engine op (int32).
@@ -23,14 +24,26 @@ TOO_LONG = 2
 INVALID = 3
 STATUS_NAMES = {OK: "OK", OUT_OF_BLOCKS: "OUT_OF_BLOCKS", TOO_LONG: "TOO_LONG", INVALID: "INVALID"}
 
-_KV_DTYPES = ("float32", "bfloat16", "float16", "int8", "float8_e4m3fn")
+# K/V page dtypes by name (the one table in paged_jax; pallas_kernels keeps its own since it
+# cannot import paged_jax). Quantized pages carry an f32 scale per token per head.
+PAGE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+               "float16": np.dtype(np.float16), "int8": np.dtype(np.int8),
+               "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn)}
+QUANTIZED_PAGE_DTYPES = ("int8", "float8_e4m3fn")
 
 
 class OutOfBlocksError(RuntimeError):
   """Raised by host-side wrappers when the cache has too few free blocks."""
 
 
-def _check_int(name: str, value: Any, lo: int, hi: Optional[int] = None) -> None:
+def cdiv(a: int, b: int) -> int:
+  """Ceiling of a / b for ints (b > 0): blocks needed for `a` tokens of `b` per block."""
+  return -(-a // b)
+
+
+def check_int(name: str, value: Any, lo: int, hi: Optional[int] = None) -> None:
+  """The one host-side int validator: TypeError unless `value` is an int (not a bool),
+  ValueError naming `name` and the range unless lo <= value (<= hi)."""
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
     raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
   if value < lo or (hi is not None and value > hi):
@@ -38,8 +51,11 @@ def _check_int(name: str, value: Any, lo: int, hi: Optional[int] = None) -> None
     raise ValueError(f"{name} must be in {rng}, got {value}")
 
 
-def _is_pow2(x: int) -> bool:
-  return x > 0 and (x & (x - 1)) == 0
+def check_block_size(block_size: Any) -> None:
+  """ValueError unless `block_size` is a power of two in [1, 1024] (tokens per KV block)."""
+  check_int("block_size", block_size, 1, 1024)
+  if block_size & (block_size - 1):
+    raise ValueError(f"block_size must be a power of two in [1, 1024], got {block_size}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +75,6 @@ class CacheConfig:
       (int8/fp8 pages carry per-token scales).
     enable_prefix_caching: keep hashes and token ids of full blocks so later
       requests can reuse them.
-    scrub_on_free: zero a block's pages when its ref count drops to 0.
   """
 
   block_size: int = 16
@@ -71,20 +86,17 @@ class CacheConfig:
   head_dim: int = 64
   dtype: str = "float32"
   enable_prefix_caching: bool = False
-  scrub_on_free: bool = False
 
   def __post_init__(self):
-    _check_int("block_size", self.block_size, 1, 1024)
-    if not _is_pow2(self.block_size):
-      raise ValueError(f"block_size must be a power of two in [1, 1024], got {self.block_size}")
-    _check_int("num_blocks", self.num_blocks, 1, 2**31 - 1)
-    _check_int("max_seqs", self.max_seqs, 1, 2**20)
-    _check_int("max_blocks_per_seq", self.max_blocks_per_seq, 1, 2**20)
-    _check_int("num_layers", self.num_layers, 1, 1024)
-    _check_int("num_kv_heads", self.num_kv_heads, 1, 1024)
-    _check_int("head_dim", self.head_dim, 1, 1024)
-    if self.dtype not in _KV_DTYPES:
-      raise ValueError(f"dtype must be one of {_KV_DTYPES}, got {self.dtype!r}")
+    check_block_size(self.block_size)
+    check_int("num_blocks", self.num_blocks, 1, 2**31 - 1)
+    check_int("max_seqs", self.max_seqs, 1, 2**20)
+    check_int("max_blocks_per_seq", self.max_blocks_per_seq, 1, 2**20)
+    check_int("num_layers", self.num_layers, 1, 1024)
+    check_int("num_kv_heads", self.num_kv_heads, 1, 1024)
+    check_int("head_dim", self.head_dim, 1, 1024)
+    if self.dtype not in PAGE_DTYPES:
+      raise ValueError(f"dtype must be one of {tuple(PAGE_DTYPES)}, got {self.dtype!r}")
     if self.num_blocks * self.block_size > 2**31 - 1:
       # Flat cache slots (block * block_size + offset) are int32 inside jit.
       raise ValueError(
@@ -106,12 +118,12 @@ class CacheConfig:
 
   @property
   def quantized(self) -> bool:
-    return self.dtype in ("int8", "float8_e4m3fn")
+    return self.dtype in QUANTIZED_PAGE_DTYPES
 
   @property
   def kv_bytes_per_token(self) -> int:
     """Bytes of K plus V per cached token over all layers (scales included)."""
-    elem = np.dtype(_np_dtype(self.dtype)).itemsize
+    elem = PAGE_DTYPES[self.dtype].itemsize
     per = 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
     if self.quantized:
       per += 2 * self.num_layers * self.num_kv_heads * 4  # f32 scale per token per head
@@ -123,7 +135,7 @@ class CacheConfig:
 
   def blocks_for(self, num_tokens: int) -> int:
     """Blocks needed to hold `num_tokens` tokens."""
-    return -(-num_tokens // self.block_size)
+    return cdiv(num_tokens, self.block_size)
 
   def replace(self, **changes) -> "CacheConfig":
     return dataclasses.replace(self, **changes)
@@ -162,10 +174,10 @@ class CacheConfig:
             "pass kv_budget_bytes on this backend")
       free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
       kv_budget_bytes = int(free * gpu_memory_utilization)
-    _check_int("kv_budget_bytes", int(kv_budget_bytes), 1)
+    check_int("kv_budget_bytes", int(kv_budget_bytes), 1)
     max_model_len = max_model_len or model.max_position_embeddings
     probe = cls(block_size=block_size, num_blocks=1, max_seqs=max_seqs,
-                max_blocks_per_seq=max(1, -(-max_model_len // block_size)),
+                max_blocks_per_seq=max(1, cdiv(max_model_len, block_size)),
                 num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
                 head_dim=model.head_dim, dtype=dtype, **kwargs)
     num_blocks = int(kv_budget_bytes) // (probe.kv_bytes_per_token * block_size)
@@ -174,17 +186,6 @@ class CacheConfig:
           f"kv_budget_bytes={kv_budget_bytes} holds no block of {block_size} tokens "
           f"({probe.kv_bytes_per_token * block_size} bytes per block)")
     return probe.replace(num_blocks=num_blocks)
-
-  def describe(self) -> str:
-    return (f"block_size={self.block_size} num_blocks={self.num_blocks} "
-            f"capacity={self.num_slots} tokens ({self.kv_cache_bytes / 2**20:.1f} MiB, "
-            f"{self.dtype}) max_seqs={self.max_seqs} max_seq_len={self.max_seq_len}")
-
-
-def _np_dtype(name: str):
-  import ml_dtypes  # pylint: disable=g-import-not-at-top
-  return {"bfloat16": ml_dtypes.bfloat16, "float8_e4m3fn": ml_dtypes.float8_e4m3fn}.get(
-      name, name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,12 +222,12 @@ class ModelConfig:
   dtype: str = "float32"
 
   def __post_init__(self):
-    _check_int("vocab_size", self.vocab_size, 1)
-    _check_int("hidden_size", self.hidden_size, 1)
-    _check_int("intermediate_size", self.intermediate_size, 1)
-    _check_int("num_layers", self.num_layers, 1, 1024)
-    _check_int("num_heads", self.num_heads, 1, 1024)
-    _check_int("num_kv_heads", self.num_kv_heads, 1, self.num_heads)
+    check_int("vocab_size", self.vocab_size, 1)
+    check_int("hidden_size", self.hidden_size, 1)
+    check_int("intermediate_size", self.intermediate_size, 1)
+    check_int("num_layers", self.num_layers, 1, 1024)
+    check_int("num_heads", self.num_heads, 1, 1024)
+    check_int("num_kv_heads", self.num_kv_heads, 1, self.num_heads)
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"num_kv_heads must divide num_heads={self.num_heads}, got {self.num_kv_heads}")
@@ -236,8 +237,8 @@ class ModelConfig:
             f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}"
             " when head_dim is not given")
       object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-    _check_int("head_dim", self.head_dim, 1, 1024)
-    _check_int("max_position_embeddings", self.max_position_embeddings, 1)
+    check_int("head_dim", self.head_dim, 1, 1024)
+    check_int("max_position_embeddings", self.max_position_embeddings, 1)
     if not self.rope_theta > 0:
       raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
     if isinstance(self.rope_scaling, Mapping):  # accept the HF dict form too
@@ -352,8 +353,4 @@ def _parse_rope_scaling(rs: Optional[Mapping[str, Any]]):
   kept["rope_type"] = kind
   return tuple(sorted(kept.items()))
 
-
-def check_in_range(name: str, value: int, lo: int, hi: int) -> None:
-  """Raises ValueError naming `name` unless lo <= value <= hi (host-side validation)."""
-  _check_int(name, value, lo, hi)
 
