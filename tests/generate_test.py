@@ -1,0 +1,53 @@
+"""experiments.generate on a checkpoint that brings its own tokenizer.json: text in, text out."""
+
+import json
+
+import jax
+import pytest
+
+from experiments import generate
+from paged_jax.config import ModelConfig
+from paged_jax.models import dense, llama, save_hf_checkpoint
+from tokenizer_test import WORDS, _tokenizer_json  # pylint: disable=g-bad-import-order
+
+
+# One cache shape for both tests (2 blocks of 8 per sequence), so the step compiles once.
+RUN_KW = dict(max_tokens=6, block_size=8, num_blocks=8, max_seqs=2,
+              attention_backend="reference")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  path = tmp_path_factory.mktemp("ckpt")
+  config = ModelConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=48,
+                       num_layers=1, num_heads=2, num_kv_heads=1, max_position_embeddings=64)
+  params = llama.init_params(config, jax.random.key(3))
+  # The model's EOS is word 7 ("cat"), so greedy decoding may stop on it.
+  save_hf_checkpoint(str(path), config, params, dtype="float32",
+                     extra_config={"bos_token_id": 1, "eos_token_id": 7})
+  _tokenizer_json(path / "tokenizer.json")
+  return path, config, params
+
+
+def test_text_prompt_uses_the_checkpoint_tokenizer(checkpoint):
+  path, config, params = checkpoint
+  result = generate.run(checkpoint=str(path), prompt=["once upon a", "a time"], **RUN_KW)
+  prompts = [[1, 3, 4, 5], [1, 5, 6]]   # <s> + word ids, from the WordLevel vocabulary
+  want = [dense.greedy_generate(params, config, p, 6, stop_token_ids=(7,)) for p in prompts]
+  assert result["outputs"] == want
+  # Decoded by the same tokenizer: words joined by spaces, special tokens dropped.
+  assert result["text"] == [" ".join(WORDS[t] for t in ids if t > 2) for ids in want]
+  json.dumps(result)
+
+
+def test_token_ids_need_no_tokenizer(checkpoint):
+  path, config, params = checkpoint
+  (path / "tokenizer.json").rename(path / "moved.json")
+  try:
+    result = generate.run(checkpoint=str(path), prompt_ids="2,3,4;4", **RUN_KW)
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+      generate.run(checkpoint=str(path), prompt=["once"], block_size=8)
+  finally:
+    (path / "moved.json").rename(path / "tokenizer.json")
+  assert result == {"outputs": [dense.greedy_generate(params, config, p, 6, stop_token_ids=())
+                                for p in ([2, 3, 4], [4])]}
