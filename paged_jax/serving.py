@@ -18,6 +18,7 @@ Everything here is flag-free (importable from tests and the notebook).
 from __future__ import annotations
 
 import functools
+import math
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -203,3 +204,157 @@ def generate_text(prompt: str, block_sizes: Sequence[int], *, max_tokens: int = 
                                                 stop_token_ids=(tokenizer.EOS_ID,)))
     texts[bs] = tokenizer.decode(out[0].outputs[0])
   return texts
+
+
+# ---- online serving: Poisson arrivals into a running engine ----------------------------
+
+def arrival_times(rate: float, duration_s: float, seed: int) -> np.ndarray:
+  """f64[n] arrival times (s) of a Poisson process at `rate` requests/s in [0, duration_s).
+
+  Gaps are unit-rate exponentials from one seeded stream divided by `rate`, so a sweep's
+  faster rate is the same stream compressed in time (common random numbers).
+  """
+  if not (math.isfinite(rate) and rate > 0):
+    raise ValueError(f"request rate must be a finite number > 0 (requests/s), got {rate}")
+  if not (math.isfinite(duration_s) and duration_s > 0):
+    raise ValueError(f"duration_s must be a finite number > 0, got {duration_s}")
+  rng = np.random.default_rng([seed, 11])
+  need = rate * duration_s
+  gaps = rng.exponential(1.0, int(need + 10 * math.sqrt(need) + 16))
+  while gaps.sum() < need:   # practically never: the draw covers mean + 10 sd
+    gaps = np.concatenate([gaps, rng.exponential(1.0, gaps.size)])
+  times = np.cumsum(gaps) / rate
+  return times[times < duration_s]
+
+
+class WallClock:
+  """Real time since construction (s); waiting sleeps."""
+
+  name = "wall"
+
+  def __init__(self):
+    self._t0 = time.perf_counter()
+
+  def now(self) -> float:
+    return time.perf_counter() - self._t0
+
+  def stepped(self) -> None:
+    """Called after every engine step (real time moved by itself)."""
+
+  def wait_until(self, t: float) -> None:
+    time.sleep(max(0.0, t - self.now()))
+
+
+class StepClock:
+  """Virtual time: every engine step costs `step_s` seconds whatever its batch (the
+  memory-bound GPU regime, where a decode step's time barely grows with the batch);
+  waiting jumps ahead. Deterministic: no wall-clock reads."""
+
+  name = "step"
+
+  def __init__(self, step_s: float):
+    if not step_s > 0:
+      raise ValueError(f"step_s must be > 0, got {step_s}")
+    self.step_s, self._t = step_s, 0.0
+
+  def now(self) -> float:
+    return self._t
+
+  def stepped(self) -> None:
+    self._t += self.step_s
+
+  def wait_until(self, t: float) -> None:
+    self._t = max(self._t, t)
+
+
+def _running_progress(engine) -> Optional[List[tuple]]:
+  """[(request_id, has generated a token)] of the engine's running requests, or None.
+
+  Stopgap for TTFT: reads the scheduler's running groups (public attributes) because
+  `Engine.step()` returns finished requests only; None if the engine no longer has them.
+  """
+  try:
+    return [(g.request_id, any(q.num_generated > 0 for q in g.seqs))
+            for g in engine.scheduler.running]
+  except AttributeError:
+    return None
+
+
+def serve_online(engine, requests: Sequence, gate, params_fn: Callable = greedy, *,
+                 clock=None, progress=None) -> Dict:
+  """Feeds `requests` to a running `engine` at their arrival times, through `gate`.
+
+  Loop: offer every request whose arrival time has passed to the gate; add what the gate
+  admits to the engine; run one engine step (or wait for the next arrival when idle);
+  release finished requests' reservations. Timestamps are taken on `clock` after the step
+  that produced them; latency counts from the scheduled arrival, so time the loop was busy
+  when a request arrived is queueing, as in a server.
+
+  Args:
+    engine: a warmed-up `paged_jax.engine.Engine` with nothing queued.
+    requests: workloads.Request list sorted by `arrival_time` (s), unique `request_id`s.
+    gate: `baselines.gate.OpenGate()` or `OrcaGate(...)` (what may enter the engine).
+    params_fn: request -> SamplingParams.
+    clock: `WallClock()` (default) or `StepClock(step_s)`.
+    progress: optional tqdm-like object; `update(n)` per finished request.
+  Returns:
+    {"summary": latency.summarize(...), "arrival", "first_token", "finish" (f64[n], s),
+    "output_len" (i32[n]), "steps", "mean_running", "max_running", "preemptions",
+    "ttft_observed" (bool: first tokens were read from the engine)}.
+  """
+  from paged_jax import latency  # pylint: disable=g-import-not-at-top
+  clock = clock or WallClock()
+  reqs = {r.request_id: r for r in requests}
+  if len(reqs) != len(requests):
+    raise ValueError("request ids must be unique")
+  arrivals = sorted(requests, key=lambda r: r.arrival_time)
+  params = {r.request_id: params_fn(r) for r in requests}
+  first: Dict = {}
+  finish: Dict = {}
+  base_pre = getattr(engine, "num_preemptions", 0)
+  nxt = steps = running_sum = running_max = 0
+  observed = True
+  while len(finish) < len(reqs):
+    now = clock.now()
+    while nxt < len(arrivals) and arrivals[nxt].arrival_time <= now:
+      r = arrivals[nxt]
+      gate.offer(r.request_id, r.total_len, params[r.request_id].num_seqs)
+      nxt += 1
+    for rid in gate.admit():
+      engine.add_request(list(map(int, reqs[rid].prompt_token_ids)), params[rid], rid)
+    if not engine.has_unfinished():
+      if nxt == len(arrivals):
+        raise RuntimeError(f"{len(reqs) - len(finish)} requests never finished")
+      clock.wait_until(arrivals[nxt].arrival_time)
+      continue
+    done = engine.step()
+    clock.stepped()
+    t = clock.now()
+    steps += 1
+    live = _running_progress(engine)
+    if live is None:
+      observed = False
+    else:
+      running_sum += len(live)
+      running_max = max(running_max, len(live))
+      for rid, started in live:
+        if started and rid not in first:
+          first[rid] = t
+    for out in done:
+      first.setdefault(out.request_id, t)   # finished in the step of its first token
+      finish[out.request_id] = t
+      gate.release(out.request_id)
+    if progress is not None and done:
+      progress.update(len(done))
+  if hasattr(engine, "flush"):
+    engine.flush()
+  ids = [r.request_id for r in requests]
+  arr = np.array([reqs[i].arrival_time for i in ids])
+  t1 = np.array([first[i] if observed else math.nan for i in ids])
+  fin = np.array([finish[i] for i in ids])
+  out_len = np.array([reqs[i].output_len for i in ids], np.int32)
+  return {"summary": latency.summarize(arr, t1, fin, out_len), "arrival": arr,
+          "first_token": t1, "finish": fin, "output_len": out_len, "steps": steps,
+          "mean_running": running_sum / max(steps, 1), "max_running": running_max,
+          "preemptions": int(getattr(engine, "num_preemptions", 0) - base_pre),
+          "ttft_observed": observed}
