@@ -233,6 +233,10 @@ class WallClock:
   name = "wall"
 
   def __init__(self):
+    self.start()
+
+  def start(self) -> None:
+    """Time 0 is now (called when serving starts, after the engine compiled)."""
     self._t0 = time.perf_counter()
 
   def now(self) -> float:
@@ -256,6 +260,9 @@ class StepClock:
     if not step_s > 0:
       raise ValueError(f"step_s must be > 0, got {step_s}")
     self.step_s, self._t = step_s, 0.0
+
+  def start(self) -> None:
+    self._t = 0.0
 
   def now(self) -> float:
     return self._t
@@ -304,6 +311,7 @@ def serve_online(engine, requests: Sequence, gate, params_fn: Callable = greedy,
   """
   from paged_jax import latency  # pylint: disable=g-import-not-at-top
   clock = clock or WallClock()
+  clock.start()   # arrivals count from here, not from when the clock was built
   reqs = {r.request_id: r for r in requests}
   if len(reqs) != len(requests):
     raise ValueError("request ids must be unique")

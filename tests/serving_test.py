@@ -211,8 +211,10 @@ def _requests(n, rate, seed=0):
 
 def test_serve_online_times_on_an_uncontended_engine():
   reqs = _requests(30, rate=0.5)
+  clock = serving.StepClock(0.1)
+  clock.wait_until(1000.0)                     # a used clock: serving restarts it at 0
   res = serving.serve_online(FakeEngine(max_running=100), reqs, gate_lib.OpenGate(),
-                             clock=serving.StepClock(0.1))
+                             clock=clock)
   arr = np.array([r.arrival_time for r in reqs])
   n = np.array([r.output_len for r in reqs])
   # Steps run every 0.1 s from the first arrival on: a request that arrives at time a is

@@ -1,0 +1,60 @@
+"""experiments.serving_benchmark end to end at tiny sizes (virtual step clock: no wall-clock
+assertion), its JSON contract, and its one-line errors for bad flags."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from paged_jax import serving
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CURVE_KEYS = ("rates", "normalized_latency_s_per_token", "ttft_p50_s", "ttft_p99_s",
+              "tpot_p50_s", "tpot_p99_s", "throughput_req_s")
+
+
+def _run(*args, timeout=300):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+  return subprocess.run([sys.executable, "-m", "experiments.serving_benchmark", *args],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_tiny_run_writes_the_contract_json(tmp_path):
+  rates, duration, seed = [3.0, 6.0], 1.5, 2
+  proc = _run("--workload=alpaca", "--rates=6,3", f"--duration_s={duration}",
+              "--systems=paged,orca_max", f"--seed={seed}", "--clock=step", "--step_s=0.02",
+              "--kv_budget_tokens=512", "--max_seqs_cap=4", f"--out={tmp_path}")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  res = json.loads((tmp_path / "serving_benchmark.json").read_text())
+  assert (tmp_path / "serving_benchmark.png").stat().st_size > 1000
+  assert set(res["systems"]) == {"paged", "orca_max"} == set(res["max_rate_at_slo"])
+  assert isinstance(res["slo_s_per_token"], float) and res["slo_s_per_token"] > 0
+  for name, c in res["systems"].items():
+    assert c["rates"] == rates
+    for k in CURVE_KEYS:
+      assert len(c[k]) == len(rates), (name, k)
+    # Every accepted request finished: one latency per arrival of the seeded stream.
+    assert c["requests"] == [serving.arrival_times(r, duration, seed).size for r in rates]
+    assert res["max_rate_at_slo"][name] in [0.0] + rates
+  # Orca(Max) with 512 slots and max_len 256 runs at most 2 requests at once.
+  assert max(res["systems"]["orca_max"]["max_running"]) <= 2
+  assert res["sizes"]["orca_max"]["max_seqs"] == 2
+  for key in ("flags", "versions", "machine", "slo_rule", "sizing_rule", "clock"):
+    assert key in res
+  assert res["flags"]["rates"] == ["6", "3"] and res["flags"]["seed"] == seed
+
+
+@pytest.mark.parametrize("flag,message", [
+    ("--rates=0", "--rates must be finite and > 0"),
+    ("--rates=2,-1", "--rates must be finite and > 0"),
+    ("--systems=paged,orca_fifo", "unknown system 'orca_fifo'"),
+    ("--duration_s=0.001", "admits no request"),
+])
+def test_bad_flags_end_with_one_line(flag, message, tmp_path):
+  proc = _run(flag, f"--out={tmp_path}", timeout=120)
+  assert proc.returncode != 0
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith("error:") and message in last, proc.stderr[-1500:]
