@@ -68,6 +68,11 @@ def summary_rows(results: Dict) -> List[List[str]]:
                    "(tokens per step; CPU wall req/s)",
                    f"{row['speedup_tokens_per_step']:.2f}x; {row['speedup_requests_per_s']:.2f}x",
                    "2-4x"])
+  sbm = results.get("serving_benchmark")
+  if sbm:
+    from experiments import serving_benchmark  # pylint: disable=g-import-not-at-top
+    for clock, r in sbm.items():
+      rows.extend(serving_benchmark.demo_rows(r, f"ShareGPT-like, {clock} clock"))
   pc = results.get("prefix_caching")
   if pc and pc.get("summary_rows"):
     rows.extend(pc["summary_rows"])
@@ -133,6 +138,21 @@ def _prefix_caching(out, num_requests: int):
   return {"rows": rows, "summary_rows": summary}
 
 
+def _serving_benchmark(out) -> Dict:
+  """A short Fig. 12 sweep (ShareGPT-like, paged vs Orca(Max) / Orca(Oracle)) on the wall
+  clock and on the virtual step clock; the full sweep is experiments.serving_benchmark."""
+  from experiments import serving_benchmark as sb  # pylint: disable=g-import-not-at-top
+  res = {}
+  for clock, rates in (("wall", ["2", "4", "8"]), ("step", ["4", "8", "16", "32"])):
+    f = sb.config(rates=rates, duration_s=5.0, clock=clock,
+                  systems=["paged", "orca_max", "orca_oracle"])
+    r = sb.run(f)
+    common.write_json(out / "serving_benchmark" / f"{clock}_clock" / "serving_benchmark.json", r)
+    print(common.table(sb.summary_rows(r), sb.HEADERS))
+    res[clock] = r
+  return res
+
+
 def run_all(out, sizes: DemoSizes = DemoSizes(), show_progress=None) -> Dict:
   """Runs every experiment; writes per-experiment files; returns their results + seconds."""
   from experiments import memory_waste  # pylint: disable=g-import-not-at-top
@@ -172,6 +192,10 @@ def run_all(out, sizes: DemoSizes = DemoSizes(), show_progress=None) -> Dict:
   throughput.plot(tp, out / "throughput" / "throughput.png")
   print(common.table(throughput.summary_rows(tp), throughput.HEADERS))
   results["throughput"], seconds["throughput"] = tp, time.time() - t
+
+  t = stage("serving under Poisson arrivals (paged vs Orca, equal KV memory; Fig. 12)")
+  results["serving_benchmark"] = _serving_benchmark(out)
+  seconds["serving_benchmark"] = time.time() - t
 
   t = stage("prefix caching (1-shot / 5-shot shared prefix, caching on vs off)")
   results["prefix_caching"] = _prefix_caching(out, sizes.prefix_requests)

@@ -28,6 +28,7 @@ import math
 import os
 import platform
 import time
+import types
 from typing import Callable, Dict, List, Sequence
 
 from experiments import common
@@ -57,6 +58,8 @@ def stream(workload: str, rate: float, duration_s: float, seed: int, max_len: in
 
 def check_flags(f) -> None:
   """Raises ValueError (one line) on a bad flag combination."""
+  if f.workload == "sharegpt-real" and workloads.sharegpt_real_available():
+    raise ValueError(workloads.sharegpt_real_available())
   for s in f.systems:
     serving_sweep.check_system(s)
   if not f.systems:
@@ -176,32 +179,48 @@ def versions() -> Dict:
   return out
 
 
-FLAG_NAMES = ("workload", "rates", "duration_s", "systems", "seed", "kv_budget_tokens",
-              "block_size", "max_len", "slo_factor", "clock", "step_s", "max_seqs_headroom",
-              "max_seqs_cap", "fig14", "fig14_rates", "fig14_duration_s")
+# Flag defaults; `config(**overrides)` builds the same settings without absl (demo, tests).
+DEFAULTS = dict(workload="sharegpt", rates=["2", "4", "8", "16"], duration_s=20.0,
+                systems=list(serving_sweep.SYSTEMS), seed=0, kv_budget_tokens=2048,
+                block_size=16, max_len=serving.ENGINE_MAX_LEN, slo_factor=3.0, clock="wall",
+                step_s=0.01, max_seqs_headroom=1.5, max_seqs_cap=64, fig14=False,
+                fig14_rates=[], fig14_duration_s=0.0)
+
+
+def config(**overrides) -> types.SimpleNamespace:
+  """The benchmark's settings as attributes: DEFAULTS with `overrides` (flag names)."""
+  unknown = set(overrides) - set(DEFAULTS)
+  if unknown:
+    raise ValueError(f"unknown settings {sorted(unknown)}")
+  return types.SimpleNamespace(**{**DEFAULTS, **overrides})
 
 
 def _define_flags():
   from absl import flags  # pylint: disable=g-import-not-at-top
-  flags.DEFINE_enum("workload", "sharegpt", ["sharegpt", "alpaca", "sharegpt-real"],
+  d = DEFAULTS
+  flags.DEFINE_enum("workload", d["workload"], ["sharegpt", "alpaca", "sharegpt-real"],
                     "request stream")
-  flags.DEFINE_list("rates", ["2", "4", "8", "16"], "request rates (req/s) to sweep")
-  flags.DEFINE_float("duration_s", 20.0, "arrival window per rate (s)")
-  flags.DEFINE_list("systems", list(serving_sweep.SYSTEMS), "systems to compare")
-  flags.DEFINE_integer("seed", 0, "stream and arrival seed")
-  flags.DEFINE_integer("kv_budget_tokens", 2048, "KV memory of every system (token slots)",
-                       lower_bound=1)
-  flags.DEFINE_integer("block_size", 16, "engine block size", lower_bound=1)
-  flags.DEFINE_integer("max_len", serving.ENGINE_MAX_LEN, "context limit (Orca(Max) reserves it)",
+  flags.DEFINE_list("rates", d["rates"], "request rates (req/s) to sweep")
+  flags.DEFINE_float("duration_s", d["duration_s"], "arrival window per rate (s)")
+  flags.DEFINE_list("systems", d["systems"], "systems to compare")
+  flags.DEFINE_integer("seed", d["seed"], "stream and arrival seed")
+  flags.DEFINE_integer("kv_budget_tokens", d["kv_budget_tokens"],
+                       "KV memory of every system (token slots)", lower_bound=1)
+  flags.DEFINE_integer("block_size", d["block_size"], "engine block size", lower_bound=1)
+  flags.DEFINE_integer("max_len", d["max_len"], "context limit (Orca(Max) reserves it)",
                        lower_bound=2)
-  flags.DEFINE_float("slo_factor", 3.0, "SLO = factor x max unloaded normalized latency")
-  flags.DEFINE_enum("clock", "wall", ["wall", "step"], "wall clock, or virtual step clock")
-  flags.DEFINE_float("step_s", 0.01, "seconds per engine step with --clock=step")
-  flags.DEFINE_float("max_seqs_headroom", 1.5, "engine slots per request its memory holds")
-  flags.DEFINE_integer("max_seqs_cap", 64, "largest engine max_seqs", lower_bound=1)
-  flags.DEFINE_boolean("fig14", False, "also paged vs Orca(Oracle) with n=2,4 and beam 4")
-  flags.DEFINE_list("fig14_rates", [], "rates of the --fig14 sweep (default --rates)")
-  flags.DEFINE_float("fig14_duration_s", 0.0, "arrival window of --fig14 (default --duration_s)")
+  flags.DEFINE_float("slo_factor", d["slo_factor"],
+                     "SLO = factor x max unloaded normalized latency")
+  flags.DEFINE_enum("clock", d["clock"], ["wall", "step"], "wall clock, or virtual step clock")
+  flags.DEFINE_float("step_s", d["step_s"], "seconds per engine step with --clock=step")
+  flags.DEFINE_float("max_seqs_headroom", d["max_seqs_headroom"],
+                     "engine slots per request its memory holds")
+  flags.DEFINE_integer("max_seqs_cap", d["max_seqs_cap"], "largest engine max_seqs",
+                       lower_bound=1)
+  flags.DEFINE_boolean("fig14", d["fig14"], "also paged vs Orca(Oracle) with n=2,4 and beam 4")
+  flags.DEFINE_list("fig14_rates", d["fig14_rates"], "rates of the --fig14 sweep (default --rates)")
+  flags.DEFINE_float("fig14_duration_s", d["fig14_duration_s"],
+                     "arrival window of --fig14 (default --duration_s)")
   flags.DEFINE_string("out", "results/serving_benchmark", "output directory")
 
 
@@ -234,7 +253,7 @@ def run(f) -> Dict:
       sec[mode]["paged_rate_ratio"] = ratios(sec[mode]["max_rate_at_slo"])
     result["fig14"] = sec
   result["seconds"] = time.time() - start
-  result["flags"] = {k: f[k].value for k in FLAG_NAMES}
+  result["flags"] = {k: getattr(f, k) for k in DEFAULTS}
   result["versions"] = versions()
   result["machine"] = machine()
   return result
@@ -249,6 +268,30 @@ def summary_rows(result: Dict) -> List[list]:
                  f"{min(c['normalized_latency_s_per_token']):.4f}",
                  f"{max(c['throughput_req_s']):.2f}", f"{max(c['mean_running']):.1f}",
                  sum(c["preemptions"])])
+  return rows
+
+
+PAPER_RATIO = {"orca_max": "2-4x (OPT-13B ShareGPT: 2.7-8x)", "orca_pow2": "2-4x",
+               "orca_oracle": "2-4x (OPT-13B ShareGPT: 1.7-2.7x)"}
+
+
+def demo_rows(result: Dict, label: str) -> List[List[str]]:
+  """[what, ours, paper] rows: paged's sustainable rate over each Orca system's.
+
+  ">=" marks a system whose latency stayed under the SLO at every swept rate (its limit
+  lies beyond the sweep)."""
+  rates, interp = result["max_rate_at_slo"], result["max_rate_at_slo_interpolated"]
+  if "paged" not in rates:
+    return []
+  fmt = lambda s: ("" if interp.get(s) is not None else ">=") + f"{rates[s]:g}"
+  rows = []
+  for name in rates:
+    if name == "paged":
+      continue
+    ratio = result["paged_rate_ratio"][f"paged_over_{name}"]
+    rows.append([f"max request rate at the latency SLO, paged / {serving_sweep.LABELS[name]}, "
+                 f"{label}", f"{ratio:.2f}x ({fmt('paged')} vs {fmt(name)} req/s)",
+                 PAPER_RATIO.get(name, "2-4x")])
   return rows
 
 
