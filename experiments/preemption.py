@@ -28,7 +28,7 @@ from typing import Dict, Sequence
 import numpy as np
 
 from experiments import common
-from experiments import serving
+from paged_jax import serving
 
 MODES = ("recompute", "swap")
 

@@ -33,7 +33,7 @@ from typing import Dict, List, Sequence
 import numpy as np
 
 from experiments import common
-from experiments import serving
+from paged_jax import serving
 
 PAPER_SPEEDUP = {"1-shot": 1.67, "5-shot": 3.58}   # vLLM paper Fig. 16 (LLaMA-13B, translation)
 

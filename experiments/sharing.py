@@ -22,7 +22,7 @@ import time
 from typing import Dict, Sequence
 
 from experiments import common
-from experiments import serving
+from paged_jax import serving
 
 MODES = ("parallel", "beam")
 # Paper Fig. 15 ranges over widths 2-6, as fractions.
