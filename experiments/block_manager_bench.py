@@ -44,7 +44,7 @@ import numpy as np
 
 from experiments import common
 from paged_jax import block_manager as bm
-from paged_jax.config import CacheConfig, OK
+from paged_jax.config import CacheConfig, OK, cdiv
 
 FLAGS = flags.FLAGS
 
@@ -118,7 +118,7 @@ class HostAllocator:
     self.lens = [0] * max_seqs
 
   def allocate(self, slot, num_tokens):
-    need = -(-num_tokens // self.block_size)
+    need = cdiv(num_tokens, self.block_size)
     if need > len(self.free_ids):
       raise RuntimeError("out of blocks")
     table = self.tables[slot]
@@ -341,12 +341,12 @@ def main(f, out):
   init_lens, sched = make_schedule(batch, steps, FLAGS.max_len, FLAGS.recycle_width,
                                    FLAGS.seed, FLAGS.fork_prob)
   # Two blocks of slack: a recycle deferred by a full --recycle_width overshoots max_len.
-  max_blocks = -(-FLAGS.max_len // bs) + 2
+  max_blocks = cdiv(FLAGS.max_len, bs) + 2
   sizes = [int(x) for x in FLAGS.num_blocks_list]
   runners, split_ops = {}, {}
   rows = jax.block_until_ready(_steps(sched))
   for nb in sizes:
-    if nb < batch * (-(-FLAGS.max_len // bs)):
+    if nb < batch * cdiv(FLAGS.max_len, bs):
       raise ValueError(f"num_blocks={nb} is too small for batch={batch} at max_len={FLAGS.max_len}")
     cfg = CacheConfig(block_size=bs, num_blocks=nb, max_seqs=batch, max_blocks_per_seq=max_blocks)
     runners[nb] = {"jit": JitRunner(cfg, init_lens, rows, with_fork, donate=True),

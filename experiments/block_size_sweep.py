@@ -45,6 +45,7 @@ import numpy as np
 from experiments import common
 from experiments import serving
 from paged_jax import workloads
+from paged_jax.config import cdiv
 
 PAPER_BEST = {"sharegpt": (16, 128), "alpaca": (16, 32)}
 DEFAULT_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -56,8 +57,8 @@ DEFAULT_NUM_REQUESTS = {"sharegpt": 200, "alpaca": 1000}
 def block_table_stats(requests: Sequence, block_size: int, max_len: int) -> Dict:
   """Mean blocks a sequence ends with, and the width of a block-table row."""
   totals = np.array([r.total_len for r in requests])
-  return {"mean_blocks_per_seq": float(np.mean(-(-totals // block_size))),
-          "block_table_width": -(-max_len // block_size)}
+  return {"mean_blocks_per_seq": float(np.mean(cdiv(totals, block_size))),
+          "block_table_width": cdiv(max_len, block_size)}
 
 
 def memory_stats(requests: Sequence, block_size: int, kv_budget_tokens: int,
@@ -168,7 +169,7 @@ def prefix_hit_rate(requests: Sequence, block_size: int, *, prefix_len: int = 80
     raise ValueError(f"prompts must be <= max_len={max_len} tokens")
   # Shapes depend only on (block size, max_len, prefix_len, #requests): one compile
   # per block size serves every stream.
-  per_seq = -(-(max_len + prefix_len) // block_size)
+  per_seq = cdiv(max_len + prefix_len, block_size)
   num_blocks = (len(prompts) + 1) * per_seq
   cfg = CacheConfig(block_size=block_size, num_blocks=num_blocks, max_seqs=1,
                     max_blocks_per_seq=per_seq)
@@ -302,7 +303,7 @@ def figure(rows, best: Optional[Dict] = None):
   plt = common.pyplot()
   panels = [p for p in PANELS if any(r.get(p[0]) is not None for r in rows)]
   ncols = 3
-  nrows = -(-len(panels) // ncols)
+  nrows = cdiv(len(panels), ncols)
   fig, axes = plt.subplots(nrows, ncols, figsize=(13, 3.5 * nrows), squeeze=False)
   colors = {"sharegpt": "#3d5a80", "alpaca": "#e07a5f"}
   for ax, (key, label, mult) in zip(axes.flat, panels):
@@ -345,7 +346,7 @@ def png_bytes(rows, best: Optional[Dict] = None) -> bytes:
 def write_jsonl(rows, path):
   import json  # pylint: disable=g-import-not-at-top
   path = common.out_dir(str(path.parent)) / path.name
-  path.write_text("".join(json.dumps(common._plain(r)) + "\n" for r in rows))  # pylint: disable=protected-access
+  path.write_text("".join(json.dumps(common.json_ready(r)) + "\n" for r in rows))
   return path
 
 
@@ -395,11 +396,11 @@ def main(f, out):
   write_jsonl(rows, out / "block_size_sweep.jsonl")
   common.write_json(out / "block_size_sweep_best.json", {
       "best": best, "seconds": time.time() - start,
-      "flags": {k: f[k].value for k in ("workloads", "block_sizes", "num_requests",
+      **common.run_metadata(f, ("workloads", "block_sizes", "num_requests",
                                         "kv_budget_tokens", "max_len", "engine_block_sizes",
                                         "engine_num_requests", "engine_kv_budget_tokens",
                                         "attn_batch", "attn_context", "prefix_block_sizes",
-                                        "prefix_num_requests", "prefix_len", "seed")}})
+                                        "prefix_num_requests", "prefix_len", "seed"))})
   png = plot(rows, out / "block_size_sweep.png", best)
   print(common.table(summary_rows(rows), HEADERS))
   for name, b in best.items():

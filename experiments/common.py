@@ -36,14 +36,14 @@ def out_dir(path: str) -> pathlib.Path:
   return p
 
 
-def _plain(x: Any) -> Any:
+def json_ready(x: Any) -> Any:
   """JSON-ready: numpy scalars/arrays, tuples, Paths and dataclass-free dicts."""
   if isinstance(x, dict):
-    return {str(k): _plain(v) for k, v in x.items()}
+    return {str(k): json_ready(v) for k, v in x.items()}
   if isinstance(x, (list, tuple)):
-    return [_plain(v) for v in x]
+    return [json_ready(v) for v in x]
   if isinstance(x, np.ndarray):
-    return _plain(x.tolist())
+    return json_ready(x.tolist())
   if isinstance(x, np.generic):
     return x.item()
   if isinstance(x, pathlib.Path):
@@ -57,7 +57,7 @@ def write_json(path, obj: Any) -> pathlib.Path:
   """Writes `obj` as indented JSON (numpy values converted); returns the path."""
   p = pathlib.Path(path)
   p.parent.mkdir(parents=True, exist_ok=True)
-  p.write_text(json.dumps(_plain(obj), indent=2, sort_keys=False) + "\n")
+  p.write_text(json.dumps(json_ready(obj), indent=2, sort_keys=False) + "\n")
   return p
 
 
@@ -106,7 +106,8 @@ def save_png(fig, path, dpi: int = 150) -> pathlib.Path:
   return p
 
 
-def time_interleaved(fns: Dict[str, tuple], repeats: int, calls: int) -> Dict[str, dict]:
+def time_interleaved(fns: Dict[str, tuple], repeats: int, calls: int,
+                     clock: Callable[[], float] = time.perf_counter) -> Dict[str, dict]:
   """Times several (fn, args) pairs with their samples interleaved round-robin, so load
   from other processes hits every method alike.
 
@@ -114,6 +115,7 @@ def time_interleaved(fns: Dict[str, tuple], repeats: int, calls: int) -> Dict[st
   `calls` back-to-back calls of every method and blocking on the last output. Returns
   {name: {"median_s", "min_s", "samples"}} in seconds per call. A method that fails to
   compile or run gets {"error": "<type>: <message>"} and is dropped from the rounds.
+  `clock` reads seconds (tests pass a fake one).
   """
   import jax  # pylint: disable=g-import-not-at-top
   results: Dict[str, dict] = {}
@@ -128,29 +130,31 @@ def time_interleaved(fns: Dict[str, tuple], repeats: int, calls: int) -> Dict[st
   samples = {name: [] for name in live}
   for _ in range(repeats):
     for name, (fn, args) in live.items():
-      t0 = time.perf_counter()
+      t0 = clock()
       for _ in range(calls):
         out = fn(*args)
       jax.block_until_ready(out)
-      samples[name].append((time.perf_counter() - t0) / calls)
+      samples[name].append((clock() - t0) / calls)
   for name, xs in samples.items():
     results[name] = {"median_s": statistics.median(xs), "min_s": min(xs), "samples": len(xs)}
   return results
 
 
-def time_call(fn: Callable, args, repeats: int, calls: int) -> Dict[str, float]:
+def time_call(fn: Callable, args, repeats: int, calls: int,
+              clock: Callable[[], float] = time.perf_counter) -> Dict[str, float]:
   """Median / min seconds per call of `fn(*args)` after warm-up (see time_interleaved)."""
-  return time_interleaved({"f": (fn, args)}, repeats, calls)["f"]
+  return time_interleaved({"f": (fn, args)}, repeats, calls, clock)["f"]
 
 
-def copy_bandwidth(repeats: int, calls: int, nbytes: int = 2 << 30) -> float:
+def copy_bandwidth(repeats: int, calls: int, nbytes: int = 2 << 30,
+                   clock: Callable[[], float] = time.perf_counter) -> float:
   """Device copy bandwidth in bytes/s: x * 2 over an `nbytes` float32 array reads and
   writes it once (2 * nbytes moved per call), median over `repeats` samples."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   x = jnp.ones((nbytes // 4,), jnp.float32)
   f = jax.jit(lambda x: x * 2)
-  t = time_call(f, (x,), repeats, calls)["median_s"]
+  t = time_call(f, (x,), repeats, calls, clock)["median_s"]
   del x
   return 2 * nbytes / t
 

@@ -47,6 +47,7 @@ from typing import Dict, List, Sequence
 import numpy as np
 
 from experiments import common
+from paged_jax.config import cdiv
 
 STORIES = os.path.join(os.path.dirname(__file__), "data", "stories.txt")
 
@@ -79,7 +80,7 @@ class PagedJaxRunner:
     self.model_config, self.params = load_hf_checkpoint(checkpoint, dtype="float32")
     self.cache_config = self.model_config.cache_config(
         block_size=block_size, num_blocks=num_blocks, max_seqs=max_seqs,
-        max_blocks_per_seq=-(-max_model_len // block_size), dtype="float32")
+        max_blocks_per_seq=cdiv(max_model_len, block_size), dtype="float32")
     self.sampling = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
     self.max_batch_tokens = max_batch_tokens
     self.decode_steps_per_sync = decode_steps_per_sync

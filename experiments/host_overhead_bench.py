@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import common
+from paged_jax.config import cdiv
 
 FLAGS = flags.FLAGS
 
@@ -167,7 +168,7 @@ def main(f, out):
                    num_kv_heads=2, max_position_embeddings=4096)
   params = init_params(mc, jax.random.key(0))
   n, plen, m, bs = FLAGS.num_seqs, FLAGS.prompt_len, FLAGS.max_tokens, FLAGS.block_size
-  blocks_per_seq = -(-(plen + m) // bs)
+  blocks_per_seq = cdiv(plen + m, bs)
   cc = mc.cache_config(block_size=bs, num_blocks=n * blocks_per_seq, max_seqs=n,
                        max_blocks_per_seq=blocks_per_seq)
   rng = np.random.default_rng(0)

@@ -173,8 +173,8 @@ def main(f, out):
              seed=f.seed)
   common.write_json(out / "preemption.json", {
       "rows": rows, "seconds": time.time() - start,
-      "flags": {k: f[k].value for k in ("block_sizes", "num_requests", "kv_budget_tokens",
-                                        "seq_len", "repeats", "seed")}})
+      **common.run_metadata(f, ("block_sizes", "num_requests", "kv_budget_tokens",
+                                        "seq_len", "repeats", "seed"))})
   png = plot(rows, out / "preemption.png", f.seq_len)
   print(common.table(summary_rows(rows), HEADERS))
   print(f"wrote {out / 'preemption.json'}, {png}")

@@ -129,8 +129,8 @@ def main(f, out):
              seed=f.seed, attention_backend=f.attention_backend)
   common.write_json(out / "sharing.json", {
       "rows": rows, "seconds": time.time() - start,
-      "flags": {k: f[k].value for k in ("workloads", "widths", "num_requests", "block_size",
-                                        "kv_budget_tokens", "max_seqs", "seed")}})
+      **common.run_metadata(f, ("workloads", "widths", "num_requests", "block_size",
+                                        "kv_budget_tokens", "max_seqs", "seed"))})
   png = plot(rows, out / "sharing.png")
   print(common.table(summary_rows(rows), HEADERS))
   print(f"wrote {out / 'sharing.json'}, {png}")

@@ -36,12 +36,13 @@ from __future__ import annotations
 
 from typing import Optional
 
+import chex
 import flax
 import jax
 from jax import lax
 import jax.numpy as jnp
 
-from paged_jax.config import CacheConfig, INVALID, OK, OUT_OF_BLOCKS, TOO_LONG
+from paged_jax.config import CacheConfig, INVALID, OK, OUT_OF_BLOCKS, TOO_LONG, cdiv
 
 _I32 = jnp.int32
 
@@ -99,13 +100,30 @@ def init(cache_config: CacheConfig) -> BlockState:
       block_size=cache_config.block_size)
 
 
+def _check_state(state: BlockState) -> None:
+  """chex: the state's arrays have the shapes and dtypes of one CacheConfig. Shapes and
+  dtypes are static, so inside jit this runs once at trace time and costs nothing."""
+  nb, (s, p) = state.ref_count.shape[0], state.block_tables.shape
+  chex.assert_shape([state.ref_count, state.free_stack], (nb,))
+  chex.assert_shape(state.num_free, ())
+  chex.assert_shape([state.seq_lens, state.active], (s,))
+  chex.assert_type([state.ref_count, state.free_stack, state.num_free, state.block_tables,
+                    state.seq_lens, state.active], [_I32] * 5 + [jnp.bool_])
+  del p
+
+
+def _int_arg(x, name: str, max_rank: int = 1) -> jax.Array:
+  """`x` as an int32 array of rank <= max_rank; a float or bool argument is an error (chex),
+  not silently truncated."""
+  x = jnp.asarray(x)
+  chex.assert_rank(x, set(range(max_rank + 1)), custom_message=name)
+  chex.assert_type(x, int, custom_message=name)
+  return x.astype(_I32)
+
+
 def num_free_blocks(state: BlockState) -> jax.Array:
   """i32[]: blocks on the free stack."""
   return state.num_free
-
-
-def _cdiv(a, b: int):
-  return (a + (b - 1)) // b
 
 
 def _blocks_bound(max_tokens: Optional[int], bs: int, p: int, cow: bool) -> int:
@@ -113,9 +131,9 @@ def _blocks_bound(max_tokens: Optional[int], bs: int, p: int, cow: bool) -> int:
   if max_tokens is None:
     return p
   if cow:  # cdiv(L + n, bs) - cdiv(L, bs) + cow <= cdiv(n - 1, bs) + 1
-    k = _cdiv(max(max_tokens - 1, 0), bs) + 1
+    k = cdiv(max(max_tokens - 1, 0), bs) + 1
   else:
-    k = _cdiv(max_tokens, bs)
+    k = cdiv(max_tokens, bs)
   return max(1, min(p, k))
 
 
@@ -162,7 +180,9 @@ def allocate(state: BlockState, slot, num_tokens):
   """
   bs, s_max, nb, max_len = state.block_size, state.max_seqs, state.num_blocks, state.max_seq_len
   static_n = num_tokens if isinstance(num_tokens, int) else None
-  slot = jnp.asarray(slot, _I32)
+  _check_state(state)
+  slot = _int_arg(slot, "slot")
+  num_tokens = _int_arg(num_tokens, "num_tokens")
   shape = slot.shape
   slots = slot.reshape(-1)
   n_tok = jnp.broadcast_to(jnp.asarray(num_tokens, _I32), shape).reshape(-1)
@@ -170,7 +190,7 @@ def allocate(state: BlockState, slot, num_tokens):
   bad = (slots < 0) | (slots >= s_max) | state.active[sc] | (n_tok < 1)
   too_long = ~bad & (n_tok > max_len)
   cand = ~bad & ~too_long
-  need = jnp.where(cand, _cdiv(jnp.clip(n_tok, 0, max_len), bs), 0)
+  need = jnp.where(cand, cdiv(jnp.clip(n_tok, 0, max_len), bs), 0)
   first = _first_of_slot(slots, cand, s_max)
 
   def fast():  # every candidate fits: only duplicate slots fail
@@ -249,8 +269,8 @@ def _append_plan(state: BlockState, slot_mask, num_new_tokens, max_new_tokens):
   too_long = mask & ~bad & (n_new > max_len - lens)
   cand = mask & ~bad & ~too_long
   n_ok = jnp.where(cand, n_new, 0)
-  old_blocks = _cdiv(lens, bs)
-  grow = _cdiv(lens + n_ok, bs) - old_blocks
+  old_blocks = cdiv(lens, bs)
+  grow = cdiv(lens + n_ok, bs) - old_blocks
   last_block = jnp.take_along_axis(
       state.block_tables, jnp.maximum(old_blocks - 1, 0)[:, None], axis=1)[:, 0]
   refs = state.ref_count[jnp.clip(last_block, 0, state.num_blocks - 1)]
@@ -309,6 +329,14 @@ def append(state: BlockState, slot_mask, num_new_tokens, *,
   if isinstance(num_new_tokens, int):
     max_new_tokens = num_new_tokens if max_new_tokens is None else min(
         max_new_tokens, num_new_tokens)
+  _check_state(state)
+  slot_mask = jnp.asarray(slot_mask)
+  chex.assert_type(slot_mask, bool, custom_message="slot_mask")
+  if slot_mask.ndim:
+    chex.assert_shape(slot_mask, (state.max_seqs,), custom_message="slot_mask")
+  num_new_tokens = _int_arg(num_new_tokens, "num_new_tokens")
+  if num_new_tokens.ndim:
+    chex.assert_shape(num_new_tokens, (state.max_seqs,), custom_message="num_new_tokens")
   s_max, nb = state.max_seqs, state.num_blocks
   ref_count, ok, cow, grow, status, n_new, last_block = _append_plan(
       state, slot_mask, num_new_tokens, max_new_tokens)
@@ -317,7 +345,7 @@ def append(state: BlockState, slot_mask, num_new_tokens, *,
   width = _blocks_bound(max_new_tokens, state.block_size, state.max_blocks_per_seq, cow=True)
   blocks, total = _pop(state, need, width)  # k = 0 is the copy target when cow
   k = lax.iota(_I32, width)[None, :]
-  old_blocks = _cdiv(state.seq_lens, state.block_size)
+  old_blocks = cdiv(state.seq_lens, state.block_size)
   cols = jnp.where(cow[:, None] & (k == 0), old_blocks[:, None] - 1,
                    old_blocks[:, None] + k - cow_i[:, None])
   rows = jnp.where(blocks >= 0, lax.iota(_I32, s_max)[:, None], s_max)
@@ -350,7 +378,8 @@ def free(state: BlockState, slot):
   by several freed slots are deduplicated through their ref_count entries.
   """
   s_max, p, nb = state.max_seqs, state.max_blocks_per_seq, state.num_blocks
-  slot = jnp.asarray(slot, _I32)
+  _check_state(state)
+  slot = _int_arg(slot, "slot")
   shape = slot.shape
   slots = slot.reshape(-1)
   sc = jnp.clip(slots, 0, s_max - 1)
@@ -395,7 +424,8 @@ def fork(state: BlockState, src_slot, dst_slot):
     in `append`. Cost: an O(n) loop over the requests plus O(n * P) scatters.
   """
   s_max, nb = state.max_seqs, state.num_blocks
-  src, dst = jnp.broadcast_arrays(jnp.asarray(src_slot, _I32), jnp.asarray(dst_slot, _I32))
+  _check_state(state)
+  src, dst = jnp.broadcast_arrays(_int_arg(src_slot, "src_slot"), _int_arg(dst_slot, "dst_slot"))
   shape = src.shape
   src, dst = src.reshape(-1), dst.reshape(-1)
   in_range = (src >= 0) & (src < s_max) & (dst >= 0) & (dst < s_max) & (src != dst)
@@ -434,13 +464,12 @@ def token_slots(state: BlockState, seq_slot, positions):
     (p < 0 or p >= seq_lens[s]), so such tokens are never written.
   """
   bs, s_max, p_max = state.block_size, state.max_seqs, state.max_blocks_per_seq
-  s = jnp.asarray(seq_slot, _I32)
-  pos = jnp.asarray(positions, _I32)
+  _check_state(state)
+  s, pos = _int_arg(seq_slot, "seq_slot"), _int_arg(positions, "positions")
+  chex.assert_equal_shape([s, pos], custom_message="seq_slot, positions")
   sc = jnp.clip(s, 0, s_max - 1)
   held = (s >= 0) & (s < s_max) & (pos >= 0) & (pos < state.seq_lens[sc])
   block = state.block_tables[sc, jnp.clip(pos // bs, 0, p_max - 1)]
   held = held & (block >= 0)
   return jnp.where(held, block * bs + pos % bs, -1)
 
-
-from paged_jax.block_manager_host import BlockManager  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position

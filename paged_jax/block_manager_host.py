@@ -1,10 +1,10 @@
-"""Host-side wrapper over the pure block ops (re-exported as `block_manager.BlockManager`).
+"""Host-side wrapper over the pure block ops of `paged_jax.block_manager`.
 
 `BlockManager` holds a `BlockState`, validates every argument on the host before
 anything is traced (`ValueError` naming the argument and its allowed range,
 `OutOfBlocksError` when the pool is short), then runs the jitted op with the
-state donated. A call either succeeds for every slot it names or raises and
-leaves `.state` untouched (all-or-nothing per call). Each call reads small
+state donated (append excepted, see there). A call either succeeds for every slot it
+names or raises and leaves `.state` untouched (all-or-nothing per call). Each call reads small
 arrays back from the device to validate, so this is the convenient path for
 scripts, notebooks and tests; the engine calls the pure ops inside its own jit.
 """
@@ -23,16 +23,11 @@ from paged_jax.config import CacheConfig, OK, OUT_OF_BLOCKS, OutOfBlocksError, c
 IntOrInts = Union[int, Sequence[int]]
 
 _allocate = jax.jit(bm.allocate, donate_argnums=0)
-_append = jax.jit(bm.append, donate_argnums=0, static_argnames=("max_new_tokens",))
+# Not donated: append's result is adopted only when every slot succeeded (see append).
+_append = jax.jit(bm.append, static_argnames=("max_new_tokens",))
 _free = jax.jit(bm.free, donate_argnums=0)
 _fork = jax.jit(bm.fork, donate_argnums=0)
 _token_slots = jax.jit(bm.token_slots)
-
-
-@jax.jit
-def _append_status(state, slot_mask, num_new_tokens):
-  """What `append` would return as status, without changing (or donating) state."""
-  return bm._append_plan(state, slot_mask, num_new_tokens, None)[4]  # pylint: disable=protected-access
 
 
 def _as_list(name: str, value: IntOrInts) -> list:
@@ -167,14 +162,17 @@ class BlockManager:
     mask[slots] = True
     per_slot = np.zeros((cfg.max_seqs,), np.int32)
     per_slot[slots] = counts
-    mask_d, n_d = jnp.asarray(mask), jnp.asarray(per_slot)
-    planned = np.asarray(_append_status(self.state, mask_d, n_d))
-    if (planned == OUT_OF_BLOCKS).any():
-      short = [int(s) for s in np.nonzero(planned == OUT_OF_BLOCKS)[0]]
+    # The pure op is transactional per slot, so a short pool can leave some slots grown
+    # and others not; all-or-nothing per call means running it on an undonated state
+    # and adopting the result only when every slot got its blocks.
+    new_state, status, cow = _append(self.state, jnp.asarray(mask), jnp.asarray(per_slot))
+    status = np.asarray(status)
+    if (status == OUT_OF_BLOCKS).any():
+      short = [int(s) for s in np.nonzero(status == OUT_OF_BLOCKS)[0]]
       raise OutOfBlocksError(
           f"append is short of blocks for slots {short} ({self.num_free_blocks} free)")
-    self.state, status, cow = _append(self.state, mask_d, n_d)
     _expect_ok("append", status)
+    self.state = new_state
     cow = np.asarray(cow)
     return cow[cow[:, 0] >= 0]
 

@@ -36,8 +36,9 @@ class OutOfBlocksError(RuntimeError):
   """Raised by host-side wrappers when the cache has too few free blocks."""
 
 
-def cdiv(a: int, b: int) -> int:
-  """Ceiling of a / b for ints (b > 0): blocks needed for `a` tokens of `b` per block."""
+def cdiv(a, b):
+  """Ceiling of a / b for ints or int arrays (b > 0): blocks needed for `a` tokens of `b`
+  tokens per block."""
   return -(-a // b)
 
 

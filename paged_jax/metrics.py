@@ -33,6 +33,8 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, Sequence, Tuple
 
+from paged_jax.config import cdiv
+
 CATEGORIES = ("token_utilization", "reservation", "internal_fragmentation",
               "external_fragmentation", "free")
 
@@ -153,7 +155,7 @@ def sharing_savings(state) -> Dict[str, float]:
   import numpy as np  # pylint: disable=g-import-not-at-top
   seq_lens = np.asarray(state.seq_lens)
   active = np.asarray(state.active)
-  unshared = int((-(-seq_lens[active] // state.block_size)).sum())
+  unshared = int(cdiv(seq_lens[active], state.block_size).sum())
   used = int(np.asarray(state.ref_count).shape[0] - int(state.num_free))
   return {"unshared_blocks": unshared, "used_blocks": used,
           "savings": 1.0 - used / unshared if unshared else 0.0}

@@ -1,6 +1,6 @@
 """Tests for paged_jax.block_manager against a plain-Python sequential model.
 
-The model (`block_manager_model.BlockModel`) predicts exact block ids, ref
+The model (`paged_jax.testing.BlockModel`) predicts exact block ids, ref
 counts, free-stack contents and per-slot statuses; separately, structural
 invariants are checked on the JAX state alone.
 """
@@ -15,13 +15,11 @@ import numpy as np
 import pytest
 
 from paged_jax import block_manager as bm
+from paged_jax.block_manager_host import BlockManager
 from paged_jax.config import (CacheConfig, INVALID, OK, OUT_OF_BLOCKS, OutOfBlocksError,
-                              TOO_LONG)
+                              TOO_LONG, cdiv)
 
-try:  # tests/ is on sys.path under pytest and Bazel (tests:test_support)
-  from block_manager_model import BlockModel, cdiv
-except ImportError:
-  from tests.block_manager_model import BlockModel, cdiv
+from paged_jax.testing import BlockModel
 
 # 6 slots x 5 blocks could want 30 blocks; only 20 exist, so shortages are common.
 CFG = CacheConfig(block_size=4, num_blocks=20, max_seqs=6, max_blocks_per_seq=5)
@@ -426,6 +424,31 @@ class TracingTest(chex.TestCase):
     assert_matches_model(state, model)
 
 
+class BoundaryChecksTest(chex.TestCase):
+  """chex checks at the public ops: eagerly they raise before any work; under jit they
+  raise at trace time (and cost nothing once traced)."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_wrong_shapes_and_dtypes_are_named(self):
+    state, _ = bm.allocate(bm.init(CFG), jnp.array([0, 1], jnp.int32), jnp.int32(5))
+    i32 = lambda *x: jnp.array(x, jnp.int32)
+    cases = [
+        (bm.allocate, (state, jnp.array([2.0]), i32(3)), r"float32 but expected.*\[slot\]"),
+        (bm.allocate, (state, i32(2), jnp.array([3.5])), r"\[num_tokens\]"),
+        (bm.append, (state, jnp.ones(S - 1, bool), i32(*[1] * S)), r"\(5,\).*\[slot_mask\]"),
+        (bm.append, (state, jnp.ones(S, jnp.int32), i32(*[1] * S)), r"bool.*\[slot_mask\]"),
+        (bm.append, (state, jnp.ones(S, bool), i32(1, 2)), r"\[num_new_tokens\]"),
+        (bm.free, (state, i32(0, 1).reshape(1, 2)), r"rank 2.*\[slot\]"),
+        (bm.fork, (state, i32(0), jnp.array([True])), r"\[dst_slot\]"),
+        (bm.token_slots, (state, i32(0, 1, 1), i32(0, 1)), r"\[seq_slot, positions\]"),
+        (bm.free, (state.replace(seq_lens=jnp.zeros((S + 1,), jnp.int32)), i32(0)),
+         r"shape \(7,\)"),
+    ]
+    for i, (op, args, pattern) in enumerate(cases):
+      with self.assertRaisesRegex(AssertionError, pattern, msg=f"case {i}"):
+        self.variant(op)(*args)
+
+
 class InPlaceTest(chex.TestCase):
   """With the state donated, no op copies an O(num_blocks) array (cost independent of the pool)."""
 
@@ -456,7 +479,7 @@ class InPlaceTest(chex.TestCase):
 class HostManagerTest(chex.TestCase):
 
   def _mgr(self):
-    mgr = bm.BlockManager(CFG)
+    mgr = BlockManager(CFG)
     mgr.allocate(0, 6)
     return mgr
 
@@ -478,7 +501,7 @@ class HostManagerTest(chex.TestCase):
         (lambda: mgr.fork(0, 0), ValueError, r"dst_slot=0 is already active"),
         (lambda: mgr.fork(2, 1), ValueError, r"src_slot=2 is not active"),
         (lambda: mgr.fork(0, 9), ValueError, r"dst_slot must be in \[0, 5\]"),
-        (lambda: bm.BlockManager("cfg"), TypeError, r"cache_config"),
+        (lambda: BlockManager("cfg"), TypeError, r"cache_config"),
         (lambda: CacheConfig(block_size=12), ValueError, r"block_size must be a power of two"),
     ]
     before = snapshot(mgr.state)
@@ -502,7 +525,7 @@ class HostManagerTest(chex.TestCase):
     assert_same_state(before, mgr.state)
 
   def test_host_round_trip_matches_model(self):
-    mgr, model = bm.BlockManager(CFG), BlockModel.from_config(CFG)
+    mgr, model = BlockManager(CFG), BlockModel.from_config(CFG)
     mgr.allocate([0, 1], [6, 9]); model.allocate([0, 1], [6, 9])
     mgr.fork(0, [2, 3]); model.fork([0, 0], [2, 3])
     cow = mgr.append([0, 2, 3], [1, 4, 2])
@@ -516,11 +539,14 @@ class HostManagerTest(chex.TestCase):
     np.testing.assert_array_equal(mgr.token_slots([2, 3, -1], [0, 7, 0]),
                                   model.token_slots([2, 3, -1], [0, 7, 0]))
 
-  def test_state_is_donated(self):
+  def test_state_is_donated_except_by_append(self):
     mgr = self._mgr()
     old = mgr.state.ref_count
-    mgr.append(0, 1)
+    mgr.allocate(1, 3)
     self.assertTrue(old.is_deleted())
+    old = mgr.state.ref_count
+    mgr.append(0, 1)   # runs undonated so a short pool can leave the state as it was
+    self.assertFalse(old.is_deleted())
 
 
 if __name__ == "__main__":

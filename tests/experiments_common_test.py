@@ -1,6 +1,4 @@
-"""experiments.common timing helpers: interleaved medians against known durations."""
-import time
-
+"""experiments.common: timing helpers against a fake clock (no wall-clock assertions)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,26 +7,39 @@ import pytest
 from experiments import common
 
 
-def _sleeper(seconds):
-  def f(x):
-    time.sleep(seconds)
-    return x
-  return f
+class FakeClock:
+  """Stands in for time.perf_counter: time moves only when a timed function says so."""
+
+  def __init__(self):
+    self.now = 0.0
+
+  def __call__(self):
+    return self.now
+
+  def taking(self, seconds):
+    def f(x):
+      self.now += seconds
+      return x
+    return f
 
 
-def test_time_interleaved_medians_track_known_durations():
-  # time.sleep sets a floor per call; each method's median follows its own floor (not
-  # the other's: ratio ~ 3, loose bounds for a loaded machine).
-  x = jnp.asarray(np.random.default_rng().normal(size=4), jnp.float32)
-  res = common.time_interleaved({"short": (_sleeper(0.004), (x,)),
-                                 "long": (_sleeper(0.012), (x,))}, repeats=5, calls=2)
-  for name, floor in (("short", 0.004), ("long", 0.012)):
+@pytest.fixture
+def clock():
+  return FakeClock()
+
+
+def test_time_interleaved_medians_are_per_call_durations(clock):
+  x = jnp.asarray(np.random.default_rng(0).normal(size=4), jnp.float32)
+  res = common.time_interleaved({"short": (clock.taking(0.004), (x,)),
+                                 "long": (clock.taking(0.012), (x,))}, repeats=5, calls=2,
+                                clock=clock)
+  for name, seconds in (("short", 0.004), ("long", 0.012)):
     assert res[name]["samples"] == 5
-    assert floor <= res[name]["min_s"] <= res[name]["median_s"] < floor + 0.1
-  assert res["long"]["median_s"] / res["short"]["median_s"] > 1.5
+    assert res[name]["min_s"] == pytest.approx(seconds)
+    assert res[name]["median_s"] == pytest.approx(seconds)
 
 
-def test_time_interleaved_reports_a_failing_method_and_times_the_rest():
+def test_time_interleaved_reports_a_failing_method_and_times_the_rest(clock):
   calls = []
 
   def broken(x):
@@ -36,11 +47,11 @@ def test_time_interleaved_reports_a_failing_method_and_times_the_rest():
     raise ValueError("bad shape")
 
   x = jnp.ones(3)
-  res = common.time_interleaved({"broken": (broken, (x,)), "ok": (_sleeper(0.001), (x,))},
-                                repeats=3, calls=1)
+  res = common.time_interleaved({"broken": (broken, (x,)), "ok": (clock.taking(0.001), (x,))},
+                                repeats=3, calls=1, clock=clock)
   assert res["broken"] == {"error": "ValueError: bad shape"}
   assert len(calls) == 1   # dropped after its failed warm-up, never timed
-  assert res["ok"]["samples"] == 3 and res["ok"]["median_s"] >= 0.001
+  assert res["ok"]["samples"] == 3 and res["ok"]["median_s"] == pytest.approx(0.001)
 
 
 def test_time_interleaved_calls_per_sample_and_results():
@@ -59,8 +70,11 @@ def test_time_interleaved_calls_per_sample_and_results():
 
 
 def test_copy_bandwidth_is_bytes_over_time():
-  gbps = common.copy_bandwidth(repeats=3, calls=1, nbytes=1 << 22) / 1e9
-  assert np.isfinite(gbps) and 0.01 < gbps < 1e4
+  ticks = iter(np.arange(0.0, 100.0, 0.25))   # every clock read is 0.25 s after the last
+  nbytes = 1 << 22
+  # One call per sample: 0.25 s for 2 * nbytes moved (read + write).
+  assert common.copy_bandwidth(repeats=3, calls=1, nbytes=nbytes,
+                               clock=lambda: float(next(ticks))) == 2 * nbytes / 0.25
 
 
 if __name__ == "__main__":

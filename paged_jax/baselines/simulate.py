@@ -41,7 +41,7 @@ import numpy as np
 
 from paged_jax import block_manager
 from paged_jax.baselines.orca import OrcaAllocator
-from paged_jax.config import OK, CacheConfig
+from paged_jax.config import OK, CacheConfig, cdiv
 from paged_jax.metrics import MemoryAccount, compacting_admission, request_usage
 
 
@@ -181,12 +181,12 @@ def simulate_paged(requests: Sequence, block_size: int, kv_budget_tokens: int,
     raise ValueError(f"watermark must be in [0, 1), got {watermark}")
   bs, num_blocks = block_size, kv_budget_tokens // block_size
   wm_blocks = int(watermark * num_blocks)
-  if -(-max_len // bs) > num_blocks - wm_blocks:
+  if cdiv(max_len, bs) > num_blocks - wm_blocks:
     raise ValueError(f"kv_budget_tokens={kv_budget_tokens} leaves {num_blocks - wm_blocks} "
-                     f"blocks after the watermark; max_len={max_len} needs {-(-max_len // bs)}")
+                     f"blocks after the watermark; max_len={max_len} needs {cdiv(max_len, bs)}")
   max_seqs = max_seqs or max(1, min(len(reqs), num_blocks))
   cfg = CacheConfig(block_size=bs, num_blocks=num_blocks, max_seqs=max_seqs,
-                    max_blocks_per_seq=-(-max_len // bs))
+                    max_blocks_per_seq=cdiv(max_len, bs))
   state = block_manager.init(cfg)
   acct = MemoryAccount(kv_budget_tokens)
   waiting = collections.deque([rid, p, f] for rid, p, f in reqs)   # [id, current, final]
@@ -195,14 +195,14 @@ def simulate_paged(requests: Sequence, block_size: int, kv_budget_tokens: int,
   admitted = preemptions = 0
   num_free = num_blocks
   pending = None      # the previous step, accounted from the next op's snapshot
-  cdiv = lambda n: -(-n // bs)
+  blocks = lambda n: cdiv(n, bs)
   alloc_status = []   # device scalars, checked at the next sync
 
   def account(snapshot):
     nf, held, seq_lens = snapshot
     p_free, p_slots, p_cur, p_fin, p_waiting = pending
     if (int(nf) != p_free or seq_lens[p_slots].tolist() != p_cur
-        or (held[p_slots] != [cdiv(c) for c in p_cur]).any()
+        or (held[p_slots] != [blocks(c) for c in p_cur]).any()
         or any(st != OK for st in jax.device_get(alloc_status))):
       raise RuntimeError("block manager state disagrees with the simulation")
     alloc_status.clear()
@@ -214,7 +214,7 @@ def simulate_paged(requests: Sequence, block_size: int, kv_budget_tokens: int,
     done = [s for s, (_, c, f, _) in running.items() if c == f]          # 1. finish
     if progress is not None and done:
       progress.update(len(done))
-    free_blocks = num_free + sum(cdiv(running[s][2]) for s in done)
+    free_blocks = num_free + sum(blocks(running[s][2]) for s in done)
     for slot in done:
       running.pop(slot)
     # 2. grow. Like vLLM's scheduler, check on the host that the appends fit; if
@@ -226,7 +226,7 @@ def simulate_paged(requests: Sequence, block_size: int, kv_budget_tokens: int,
       victim = max(running, key=lambda s: running[s][3])
       rid, cur, fin, _ = running.pop(victim)
       victims.append(victim)
-      free_blocks += cdiv(cur)
+      free_blocks += blocks(cur)
       need -= cur % bs == 0
       waiting.appendleft([rid, cur, fin])
       preemptions += 1
@@ -251,7 +251,7 @@ def simulate_paged(requests: Sequence, block_size: int, kv_budget_tokens: int,
       raise RuntimeError(f"block manager has {int(nf)} free blocks, the simulation {num_free}")
     while waiting and free_slots:                                          # 3. admit
       rid, cur, fin = waiting[0]
-      need = -(-cur // bs)
+      need = cdiv(cur, bs)
       if need > num_free - wm_blocks:
         break
       slot = free_slots.pop()

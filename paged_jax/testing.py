@@ -1,18 +1,17 @@
-"""Plain-Python reference model of the block allocator (lists and ints, no JAX).
+"""Reference models for tests and benchmarks: plain Python, no JAX.
 
-Written from the semantics in `paged_jax/block_manager.py`'s docstrings, one
-request at a time in argument order, the way a host allocator would do it. The
-free list is a Python list used as a stack (pop from the end), so the model
-predicts the exact block ids the batched JAX ops must hand out.
+`BlockModel` is the block allocator written from the semantics in
+`paged_jax/block_manager.py`'s docstrings, one request at a time in argument
+order, the way a host allocator would do it. The free list is a Python list used
+as a stack (pop from the end), so the model predicts the exact block ids the
+batched JAX ops must hand out. Tests compare the JAX state with it after every
+op (tests/block_manager_test.py); it is library code so benchmarks and notebooks
+can use the same oracle.
 """
 
 from __future__ import annotations
 
-from paged_jax.config import INVALID, OK, OUT_OF_BLOCKS, TOO_LONG
-
-
-def cdiv(a: int, b: int) -> int:
-  return -(-a // b)
+from paged_jax.config import INVALID, OK, OUT_OF_BLOCKS, TOO_LONG, cdiv
 
 
 class BlockModel:
