@@ -11,7 +11,7 @@ PYTHON_NEXT ?= $(shell PYENV_VERSION=$$(pyenv versions --bare 2>/dev/null | grep
 VENV_NEXT ?= .venv312
 JAX_NEXT ?= 0.11.2
 
-.PHONY: demo test test-next test-all bazel-test install clean
+.PHONY: demo test test-next test-all bazel-test install clean results
 
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,11 @@ install: $(VENV)/.installed
 # The venv's jaxlib is the CPU build: say so, so an installed CUDA plugin stays quiet.
 demo: $(VENV)/.installed
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m experiments.demo --out=results
+
+# The tables of README.md / BENCHMARKS.md between <!-- results:NAME --> markers, rendered
+# from the committed JSON under experiments/results/ (tools/render_results.py --list).
+results: $(VENV)/.installed
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) tools/render_results.py
 
 test: $(VENV)/.installed $(VENV)/.compile-installed
 	$(PY) -m pytest $(PYTEST_ARGS) tests
