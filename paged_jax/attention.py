@@ -5,9 +5,16 @@ Backends:
   "pallas"            the Pallas Triton GPU kernels (pallas_kernels/*.py).
   "pallas_interpret"  the same kernels run by the Pallas interpreter (CPU tests).
   "auto"              "pallas" when jax.default_backend() == "gpu", else "reference".
+  "pallas:triton", "pallas:mosaic_gpu", "pallas_interpret:triton",
+  "pallas_interpret:mosaic_gpu"
+                      the Pallas backends with the GPU kernel family forced; plain "pallas"
+                      lets pallas_kernels choose (Mosaic GPU on sm_90 where supported, else
+                      Triton; the choice is logged, see pallas_kernels/backends.py).
 
 The engine builds one `AttentionMetadata` per step (fixed shapes, so the jitted step
-traces once) and the model calls `ragged_paged_attention` with it per layer.
+traces once) and the model calls `attention_from_metadata` with it per layer. A step whose
+metadata says `decode_only=True` (static: every live sequence has exactly one new token)
+runs the decode kernel (`paged_attention`) instead of the ragged one.
 """
 
 from __future__ import annotations
@@ -16,7 +23,14 @@ import flax
 import jax
 import jax.numpy as jnp
 
-BACKENDS = ("auto", "reference", "pallas", "pallas_interpret")
+BACKENDS = ("auto", "reference", "pallas", "pallas_interpret", "pallas:triton",
+            "pallas:mosaic_gpu", "pallas_interpret:triton", "pallas_interpret:mosaic_gpu")
+
+
+def _gpu_backend(backend: str):
+  """"pallas_interpret:mosaic_gpu" -> (interpret, {"gpu_backend": "mosaic_gpu"})."""
+  kind, _, gpu = backend.partition(":")
+  return kind == "pallas_interpret", ({"gpu_backend": gpu} if gpu else {})
 
 
 @flax.struct.dataclass
@@ -33,6 +47,10 @@ class AttentionMetadata:
       cu_q_lens[i] : cu_q_lens[i + 1].
     num_seqs: i32[] live sequences (rows >= num_seqs are ignored).
     logits_indices: i32[S] row of q whose logits are wanted (last new token per sequence).
+    decode_only: static (not a traced field; part of the jit cache key). True promises that
+      every live sequence has exactly one new query (cu_q_lens[i + 1] - cu_q_lens[i] is 1,
+      or 0 for a dead row), so attention runs the decode kernel; a sequence with more
+      rows would get zeros. False (default): the ragged kernel, any mix.
   """
   slot_mapping: jax.Array
   block_tables: jax.Array
@@ -40,6 +58,7 @@ class AttentionMetadata:
   cu_q_lens: jax.Array
   num_seqs: jax.Array
   logits_indices: jax.Array
+  decode_only: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 def resolve_backend(backend: str) -> str:
@@ -67,8 +86,9 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, backend: str 
                                                **kw)
   import pallas_kernels  # pylint: disable=g-import-not-at-top
   # The package binds the name to the kernel function (not the submodule of that name).
+  interpret, gpu = _gpu_backend(backend)
   return pallas_kernels.paged_attention(q, k_pages, v_pages, block_tables, lengths,
-                                        interpret=(backend == "pallas_interpret"), **kw)
+                                        interpret=interpret, **gpu, **kw)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
@@ -89,8 +109,9 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens
   if kernel is None:
     raise NotImplementedError(
         "backend='pallas' for ragged attention needs pallas_kernels/ragged_paged_attention.py")
+  interpret, gpu = _gpu_backend(backend)
   return kernel(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
-                interpret=(backend == "pallas_interpret"), **kw)
+                interpret=interpret, **gpu, **kw)
 
 
 _REFERENCE_KWARGS = ("sm_scale", "soft_cap", "sliding_window", "k_scales", "v_scales")
@@ -111,7 +132,41 @@ def _reference_kwargs(kw):
 
 def attention_from_metadata(q, k_pages, v_pages, meta: AttentionMetadata, *,
                             backend: str = "auto", **kw):
-  """`ragged_paged_attention` with its sequence description taken from `meta`."""
+  """Attention for a step described by `meta`: q [T, Hq, D] -> [T, Hq, D].
+
+  `ragged_paged_attention` (any mix of prefill and decode rows), or, when
+  `meta.decode_only`, `decode_from_metadata` (the decode kernel).
+  """
+  if meta.decode_only:
+    return decode_from_metadata(q, k_pages, v_pages, meta, backend=backend, **kw)
   return ragged_paged_attention(q, k_pages, v_pages, meta.block_tables, meta.kv_lens,
                                 meta.cu_q_lens, jnp.asarray(meta.num_seqs, jnp.int32),
                                 backend=backend, **kw)
+
+
+# Knobs of the ragged kernel only: a decode-only step drops them (the decode kernel has its
+# own defaults), so one set of model kwargs serves both paths.
+_RAGGED_ONLY_KWARGS = ("q_per_tile", "short_q_per_tile", "kv_per_tile", "kv_splits")
+
+
+def decode_from_metadata(q, k_pages, v_pages, meta: AttentionMetadata, *,
+                         backend: str = "auto", **kw):
+  """A decode-only step through the decode kernel: q [T, Hq, D] -> [T, Hq, D].
+
+  Sequence i's one query is row cu_q_lens[i]; sequences past num_seqs, or without a new
+  row, get length 0 (the kernel returns zeros, nothing is read). The [S, Hq, D] answers
+  are scattered back to their rows; every other row (padding) is zero, as the ragged path
+  gives. Same result as the ragged path on any batch whose live sequences have one new
+  token each.
+  """
+  num_rows, num_seqs = q.shape[0], meta.block_tables.shape[0]
+  cu = meta.cu_q_lens.astype(jnp.int32)
+  seq = jnp.arange(num_seqs, dtype=jnp.int32)
+  live = (seq < jnp.asarray(meta.num_seqs, jnp.int32)) & (cu[1:] - cu[:-1] == 1)
+  rows = jnp.where(live, cu[:-1], num_rows)            # out of range: dropped / filled
+  q_dec = q.at[rows].get(mode="fill", fill_value=0)     # [S, Hq, D]
+  lengths = jnp.where(live, meta.kv_lens, 0).astype(jnp.int32)
+  kw = {k: v for k, v in kw.items() if k not in _RAGGED_ONLY_KWARGS}
+  out = paged_attention(q_dec, k_pages, v_pages, meta.block_tables, lengths,
+                        backend=backend, **kw)
+  return jnp.zeros((num_rows,) + out.shape[1:], out.dtype).at[rows].set(out, mode="drop")

@@ -1,10 +1,16 @@
 """The paged KV cache: `KVPages` and its pure, jittable update ops.
 
 Layout (head-major, so one attention program reads one head's pages
-contiguously):
+contiguously), one array per layer (`layer_stack.LayerStack`):
 
-    k, v:             [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
-    k_scale, v_scale: f32[num_layers, num_kv_heads, num_blocks, block_size]  (int8/fp8 only)
+    k[l], v[l]:             [num_kv_heads, num_blocks, block_size, head_dim]
+    k_scale[l], v_scale[l]: f32[num_kv_heads, num_blocks, block_size]  (int8/fp8 only)
+
+`k`, `v` (and the scales) still index like the stacked `[num_layers, ...]` arrays
+(`pages.k.shape`, `pages.k[:, :, ids]`, `np.asarray(pages.k)`), but each layer is its own
+buffer: the attention kernel reads layer l's pages and the K/V write updates them in place,
+with no copy of the pool (a kernel cannot read a view of a stacked array; XLA copied each
+layer's whole pool every step, see `layer_stack.py`).
 
 A *slot* is a flat token position in the pool: `slot = block * block_size +
 offset`, in `[0, num_blocks * block_size)`. Negative slots mean padding and are
@@ -32,25 +38,39 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax.config import CacheConfig
+from paged_jax.layer_stack import LayerStack
 
 _QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
 
 
 @flax.struct.dataclass
 class KVPages:
-  """K/V pages of every layer.
+  """K/V pages of every layer, one array per layer.
 
   Attributes:
-    k: [num_layers, num_kv_heads, num_blocks, block_size, head_dim] keys.
-    v: same shape, values.
-    k_scale: f32[num_layers, num_kv_heads, num_blocks, block_size] per-token,
+    k: LayerStack of num_layers keys [num_kv_heads, num_blocks, block_size, head_dim]
+      (indexes like [num_layers, num_kv_heads, num_blocks, block_size, head_dim]).
+    v: same, values.
+    k_scale: LayerStack of f32[num_kv_heads, num_blocks, block_size] per-token,
       per-head key scales for int8 / fp8 pages; None for float pages.
     v_scale: same for values.
   """
-  k: jax.Array
-  v: jax.Array
-  k_scale: Optional[jax.Array] = None
-  v_scale: Optional[jax.Array] = None
+  k: LayerStack
+  v: LayerStack
+  k_scale: Optional[LayerStack] = None
+  v_scale: Optional[LayerStack] = None
+
+  @classmethod
+  def from_stacked(cls, k, v, k_scale=None, v_scale=None) -> "KVPages":
+    """Pages from stacked `[num_layers, ...]` arrays (split per layer: a copy)."""
+    split = lambda x: None if x is None else LayerStack.from_stacked(x)
+    return cls(k=split(k), v=split(v), k_scale=split(k_scale), v_scale=split(v_scale))
+
+  def map_layers(self, fn) -> "KVPages":
+    """`fn(x)` on every per-layer array (pages and scales); None stays None."""
+    apply = lambda s: None if s is None else LayerStack(tuple(fn(x) for x in s.layers))
+    return KVPages(k=apply(self.k), v=apply(self.v), k_scale=apply(self.k_scale),
+                   v_scale=apply(self.v_scale))
 
   @property
   def num_layers(self) -> int:
@@ -82,14 +102,15 @@ def init(cache_config: CacheConfig) -> KVPages:
   if not isinstance(cache_config, CacheConfig):
     raise TypeError(f"cache_config must be a CacheConfig, got {type(cache_config).__name__}")
   c = cache_config
-  shape = (c.num_layers, c.num_kv_heads, c.num_blocks, c.block_size, c.head_dim)
+  shape = (c.num_kv_heads, c.num_blocks, c.block_size, c.head_dim)
   dtype = jnp.dtype(c.dtype)
+  stack = lambda shp, dt: LayerStack(tuple(jnp.zeros(shp, dt) for _ in range(c.num_layers)))
   k_scale = v_scale = None
   if c.quantized:
-    k_scale = jnp.zeros(shape[:-1], jnp.float32)
-    v_scale = jnp.zeros(shape[:-1], jnp.float32)
-  return KVPages(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-                 k_scale=k_scale, v_scale=v_scale)
+    k_scale = stack(shape[:-1], jnp.float32)
+    v_scale = stack(shape[:-1], jnp.float32)
+  return KVPages(k=stack(shape, dtype), v=stack(shape, dtype), k_scale=k_scale,
+                 v_scale=v_scale)
 
 
 def quantize(x: jax.Array, dtype) -> Tuple[jax.Array, jax.Array]:
@@ -121,11 +142,14 @@ def dequantize(q: jax.Array, scale: Optional[jax.Array]) -> jax.Array:
   return x if scale is None else x * scale[..., None]
 
 
-def _check_layer(pages: KVPages, layer) -> None:
-  if isinstance(layer, bool):
-    raise TypeError("layer must be an int, got bool")
-  if isinstance(layer, (int, np.integer)) and not 0 <= layer < pages.num_layers:
+def _check_layer(pages: KVPages, layer) -> int:
+  """The layer as a Python int; each layer is its own array, so it must be static."""
+  if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+    raise TypeError(f"layer must be a Python int (each layer's pages are their own array), "
+                    f"got {type(layer).__name__}")
+  if not 0 <= layer < pages.num_layers:
     raise ValueError(f"layer must be in [0, {pages.num_layers - 1}], got {layer}")
+  return int(layer)
 
 
 def write(pages: KVPages, layer, k_new: jax.Array, v_new: jax.Array,
@@ -134,7 +158,7 @@ def write(pages: KVPages, layer, k_new: jax.Array, v_new: jax.Array,
 
   Args:
     pages: the cache.
-    layer: layer index (Python int, checked against num_layers, or a traced i32).
+    layer: layer index (a Python int in [0, num_layers)).
     k_new: [T, num_kv_heads, head_dim] keys of T new tokens.
     v_new: [T, num_kv_heads, head_dim] values.
     slot_mapping: i32[T] flat slot of each token (`block * block_size + offset`);
@@ -142,9 +166,10 @@ def write(pages: KVPages, layer, k_new: jax.Array, v_new: jax.Array,
       slot (which one would win is unspecified).
   Returns:
     The updated pages (casts to the page dtype; quantizes int8 / fp8 pages and
-    stores their scales).
+    stores their scales). Only layer `layer`'s arrays change, by a scatter of the T
+    slots: in place when the pages are donated.
   """
-  _check_layer(pages, layer)
+  layer = _check_layer(pages, layer)
   num_tokens = slot_mapping.shape[0] if slot_mapping.ndim == 1 else -1
   want = (num_tokens, pages.num_kv_heads, pages.head_dim)
   if slot_mapping.ndim != 1 or not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
@@ -157,21 +182,30 @@ def write(pages: KVPages, layer, k_new: jax.Array, v_new: jax.Array,
   num_slots = pages.num_blocks * pages.block_size
   # Padding (and anything out of the pool) goes to an out-of-bounds index: dropped.
   slots = jnp.where(slot_mapping >= 0, slot_mapping, num_slots).astype(jnp.int32)
-  flat = (pages.num_layers, pages.num_kv_heads, num_slots)
+  flat = (pages.num_kv_heads, num_slots)
 
-  def put(page, scale_page, x):
-    if scale_page is not None:
+  def put(stack, scale_stack, x):
+    page = stack[layer]
+    x = jnp.swapaxes(x, 0, 1)   # [Hkv, T, D]: `[:, slots]` indexes the slot axis
+    if scale_stack is not None:
       x, scale = quantize(x, page.dtype)
-      # Integer layer + [T] slots around a slice: indexed dims come first, [T, Hkv].
-      scale_page = scale_page.reshape(flat).at[layer, :, slots].set(
+      scale_page = scale_stack[layer]
+      scale_page = scale_page.reshape(flat).at[:, slots].set(
           scale, mode="drop").reshape(scale_page.shape)
-    page = page.reshape(flat + (pages.head_dim,)).at[layer, :, slots].set(
+      scale_stack = _replace_layer(scale_stack, layer, scale_page)
+    page = page.reshape(flat + (pages.head_dim,)).at[:, slots].set(
         x.astype(page.dtype), mode="drop").reshape(page.shape)
-    return page, scale_page
+    return _replace_layer(stack, layer, page), scale_stack
 
   k, k_scale = put(pages.k, pages.k_scale, k_new)
   v, v_scale = put(pages.v, pages.v_scale, v_new)
   return KVPages(k=k, v=v, k_scale=k_scale, v_scale=v_scale)
+
+
+def _replace_layer(stack: LayerStack, layer: int, x) -> LayerStack:
+  layers = list(stack.layers)
+  layers[layer] = x
+  return LayerStack(layers)
 
 
 def _check_ids(name: str, ids: jax.Array, ndim: int) -> None:
@@ -199,11 +233,8 @@ def copy_blocks(pages: KVPages, pairs: jax.Array) -> KVPages:
   src = jnp.where(valid, src, 0)
   dst = jnp.where(valid, dst, nb)   # out of bounds: dropped
 
-  def cp(x):
-    return None if x is None else x.at[:, :, dst].set(x[:, :, src], mode="drop")
-
-  return KVPages(k=cp(pages.k), v=cp(pages.v), k_scale=cp(pages.k_scale),
-                 v_scale=cp(pages.v_scale))
+  # Per layer: gather the n source blocks, scatter them (in place when donated).
+  return pages.map_layers(lambda x: x.at[:, dst].set(x[:, src], mode="drop"))
 
 
 def zero_blocks(pages: KVPages, block_ids: jax.Array) -> KVPages:
@@ -211,21 +242,17 @@ def zero_blocks(pages: KVPages, block_ids: jax.Array) -> KVPages:
   _check_ids("block_ids", block_ids, 1)
   ids = jnp.where(block_ids >= 0, block_ids, pages.num_blocks)
 
-  def zero(x):
-    return None if x is None else x.at[:, :, ids].set(0, mode="drop")
-
-  return KVPages(k=zero(pages.k), v=zero(pages.v), k_scale=zero(pages.k_scale),
-                 v_scale=zero(pages.v_scale))
+  return pages.map_layers(lambda x: x.at[:, ids].set(0, mode="drop"))
 
 
 def layer(pages: KVPages, layer_index) -> Tuple[jax.Array, jax.Array, Optional[jax.Array],
                                                Optional[jax.Array]]:
-  """One layer's view for the attention kernels.
+  """One layer's arrays for the attention kernels (the buffers themselves, no copy).
 
   Returns:
     (k [Hkv, NB, bs, D], v [Hkv, NB, bs, D], k_scale f32[Hkv, NB, bs] | None, v_scale | None)
   """
-  _check_layer(pages, layer_index)
+  layer_index = _check_layer(pages, layer_index)
   pick = lambda x: None if x is None else x[layer_index]
   return pick(pages.k), pick(pages.v), pick(pages.k_scale), pick(pages.v_scale)
 
@@ -250,6 +277,7 @@ def gather(pages: KVPages, layer_index, block_table: jax.Array) -> Tuple[jax.Arr
   return dense(k, ks), dense(v, vs)
 
 
-write_donated = jax.jit(write, donate_argnums=0)
+# `layer` is static: it picks which per-layer array is updated.
+write_donated = jax.jit(write, donate_argnums=0, static_argnums=1)
 copy_blocks_donated = jax.jit(copy_blocks, donate_argnums=0)
 zero_blocks_donated = jax.jit(zero_blocks, donate_argnums=0)

@@ -33,9 +33,9 @@ def _random_pages(cfg, rng):
   if cfg.quantized:
     ks = rng.uniform(0.01, 1.0, shape[:-1]).astype(np.float32)
     vs = rng.uniform(0.01, 1.0, shape[:-1]).astype(np.float32)
-  pages = kv_cache.KVPages(k=jnp.asarray(k), v=jnp.asarray(v),
-                           k_scale=None if ks is None else jnp.asarray(ks),
-                           v_scale=None if vs is None else jnp.asarray(vs))
+  pages = kv_cache.KVPages.from_stacked(jnp.asarray(k), jnp.asarray(v),
+                                        None if ks is None else jnp.asarray(ks),
+                                        None if vs is None else jnp.asarray(vs))
   model = {"k": np.array(k), "v": np.array(v), "k_scale": ks, "v_scale": vs}
   return pages, model
 
@@ -171,8 +171,8 @@ def test_donated_write_keeps_one_copy_of_the_pages(dtype):
   pages = kv_cache.init(cfg)
   page_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(pages))
   args = (pages, 1, jnp.ones((5, 2, 64)), jnp.ones((5, 2, 64)), jnp.arange(5, dtype=jnp.int32))
-  donated = jax.jit(kv_cache.write, donate_argnums=0).lower(*args)
-  plain = jax.jit(kv_cache.write).lower(*args)
+  donated = jax.jit(kv_cache.write, donate_argnums=0, static_argnums=1).lower(*args)
+  plain = jax.jit(kv_cache.write, static_argnums=1).lower(*args)
   d, p = donated.compile().memory_analysis(), plain.compile().memory_analysis()
   # Donated: the outputs alias the page buffers and nothing page-sized is temporary.
   assert d.alias_size_in_bytes == page_bytes
@@ -205,3 +205,23 @@ def test_bad_arguments_raise_clear_errors():
     kv_cache.zero_blocks(pages, jnp.zeros((2, 2), jnp.int32))
   with pytest.raises(TypeError, match="cache_config"):
     kv_cache.init({"block_size": 4})
+
+
+def test_layer_stack_indexes_like_the_stacked_array():
+  """One array per layer, but `[:, :, ids]` reads, `.at[:, :, ids].set` writes, shape and
+  np.asarray behave as on the stacked [L, Hkv, NB, bs, D] array (the swap path uses them)."""
+  rng = np.random.default_rng(4)
+  cfg = _cfg("int8")
+  pages, model = _random_pages(cfg, rng)
+  assert isinstance(pages.k, kv_cache.LayerStack) and len(pages.k.layers) == 2
+  assert pages.k.shape == model["k"].shape and pages.k.dtype == jnp.int8
+  assert kv_cache.layer(pages, 1)[0] is pages.k.layers[1]   # the buffer itself, no copy
+  ids = jnp.asarray([5, 0, 3], jnp.int32)
+  np.testing.assert_array_equal(np.asarray(pages.k[:, :, ids]), model["k"][:, :, [5, 0, 3]])
+  new = rng.integers(-127, 128, (2, 3, 3, 4, 8)).astype(np.int8)
+  updated = jax.jit(lambda s, x: s.at[:, :, ids].set(x, mode="drop"))(pages.k, new)
+  model["k"][:, :, [5, 0, 3]] = new
+  np.testing.assert_array_equal(np.asarray(updated), model["k"])
+  assert isinstance(updated, kv_cache.LayerStack)
+  with pytest.raises(TypeError, match="layer index"):
+    pages.k[jnp.asarray(0)]

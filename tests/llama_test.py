@@ -87,8 +87,10 @@ def _step_inputs(alloc, seqs_tokens, chunk, num_rows, num_seq_rows):
 
 def _poisoned_pages(cache, seed):
   pages = kv_cache.init(cache)
-  noise = lambda s, x: (jax.random.normal(jax.random.key(s), x.shape) * 10).astype(x.dtype)
-  return pages.replace(k=noise(seed, pages.k), v=noise(seed + 1, pages.v))
+  keys = iter(jax.random.split(jax.random.key(seed), 4 * cache.num_layers))
+  # Pages (4-D per layer) get noise; int8/fp8 scales (3-D) stay zero as before.
+  noise = lambda x: (jax.random.normal(next(keys), x.shape) * 10).astype(x.dtype)
+  return pages.map_layers(lambda x: noise(x) if x.ndim == 4 else x)
 
 
 def _run_schedule(config, params, block_size, schedule, prompts, seed, cache_dtype="float32"):
@@ -285,3 +287,55 @@ def test_training_learns_a_repeating_stream():
   assert tokenizer.decode(got) == " cat", tokenizer.decode(got)
   with pytest.raises(ValueError, match="seq_len"):
     train.train(config, stream[:20], stream, tc)
+
+
+@pytest.mark.parametrize("backend,cache_dtype", [
+    ("reference", "float32"), ("reference", "int8"), ("pallas_interpret", "float32")])
+def test_decode_only_step_runs_the_decode_kernel_and_equals_the_ragged_path(
+    backend, cache_dtype, monkeypatch):
+  """`AttentionMetadata(decode_only=True)`: the decode kernel serves every layer, with the
+  ragged path's logits and pages (and the dense oracle's logits) on a decode-only batch
+  with a dead sequence row and padding rows."""
+  config = _config(head_dim=16)   # the Pallas kernels take head_dim >= 16
+  params = _random_params(config, seed=21)
+  cache = config.cache_config(block_size=4, num_blocks=32, max_seqs=4, max_blocks_per_seq=8,
+                              dtype=cache_dtype)
+  rng = np.random.default_rng(5)
+  prompts = [list(rng.integers(0, config.vocab_size, n)) for n in (9, 4, 13)]
+  alloc = _Allocator(cache, rng)
+  pages = _poisoned_pages(cache, 3)
+  model = llama.LlamaForCausalLM(config, attention_backend=backend)
+  decode_calls = []
+  original = attention.paged_attention
+  monkeypatch.setattr(attention, "paged_attention",
+                      lambda *a, **kw: decode_calls.append(1) or original(*a, **kw))
+  apply = jax.jit(model.apply)
+  prefill = [(s, [int(t) for t in p[:-1]]) for s, p in enumerate(prompts)]
+  tokens, positions, meta = _step_inputs(alloc, None, prefill, 32, 4)
+  _, pages = apply(params, tokens, positions, pages, meta)
+  assert not decode_calls
+  # Decode: sequences 2 and 0 (one new token each), seq row 3 dead, 5 padding rows.
+  chunk = [(2, [int(prompts[2][-1])]), (0, [int(prompts[0][-1])])]
+  tokens, positions, meta = _step_inputs(alloc, None, chunk, 7, 4)
+  want_logits, want_pages = apply(params, tokens, positions, pages, meta)
+  got_logits, got_pages = apply(params, tokens, positions, pages,
+                                meta.replace(decode_only=True))
+  assert len(decode_calls) == config.num_layers
+  tol = 1e-5 if backend == "reference" else 2e-5
+  np.testing.assert_allclose(got_logits[:2], want_logits[:2], rtol=tol, atol=tol)
+  # Layer 0 writes the same K/V bit for bit; later layers' inputs carry the two kernels'
+  # rounding (int8 codes may sit one step away).
+  for got, want in zip(jax.tree_util.tree_leaves(got_pages),
+                       jax.tree_util.tree_leaves(want_pages)):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    if got.ndim == 4 and cache_dtype == "int8":
+      assert np.abs(got - want).max() <= 1 and np.mean(got != want) < 1e-3
+    else:
+      np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+  for a, b in zip(got_pages.k[0:1], want_pages.k[0:1]):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  for row, seq in enumerate((2, 0)):
+    dense_logits = _dense_jit(params, config, jnp.asarray(prompts[seq], jnp.int32))[-1]
+    np.testing.assert_allclose(got_logits[row], dense_logits,
+                               rtol=2e-4 if cache_dtype == "float32" else 0.1,
+                               atol=2e-4 if cache_dtype == "float32" else 0.1)

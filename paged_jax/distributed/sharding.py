@@ -12,8 +12,8 @@ heads [i*Hkv/tp, ...): grouped-query attention stays local (query head h reads
 KV head h // (Hq/Hkv) on the same shard). Row-parallel outputs are partial sums,
 all-reduced once per attention and once per MLP (`tp_forward.py`).
 
-KV pages `[layers, kv_heads, blocks, block_size, head_dim]` are split on the
-KV-head axis, `P(None, 'tp')` (int8 / fp8 scales likewise): each device holds
+KV pages (one `[kv_heads, blocks, block_size, head_dim]` array per layer) are split
+on the KV-head axis, `P('tp')` (int8 / fp8 scales likewise): each device holds
 1/tp of every block, so at a fixed per-device budget the pool holds tp times
 more blocks. Block-manager state (block tables, ref counts, free stack) and
 attention metadata are replicated: every shard sees the same tables, so
@@ -32,8 +32,8 @@ from paged_jax.distributed.mesh import TP_AXIS
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
-KV_PAGES_SPEC = P(None, TP_AXIS)       # k / v: [layers, KV heads (split), blocks, bs, D]
-KV_SCALES_SPEC = P(None, TP_AXIS)      # k_scale / v_scale: [layers, KV heads (split), ...]
+KV_PAGES_SPEC = P(TP_AXIS)       # each layer's k / v: [KV heads (split), blocks, bs, D]
+KV_SCALES_SPEC = P(TP_AXIS)      # each layer's k_scale / v_scale: [KV heads (split), ...]
 
 
 def _path_names(path) -> tuple:
@@ -71,11 +71,8 @@ def _layer_names(params):
 
 
 def kv_pages_specs(pages: kv_cache.KVPages) -> kv_cache.KVPages:
-  """KVPages of PartitionSpecs: pages and scales split by KV head."""
-  return kv_cache.KVPages(
-      k=KV_PAGES_SPEC, v=KV_PAGES_SPEC,
-      k_scale=None if pages.k_scale is None else KV_SCALES_SPEC,
-      v_scale=None if pages.v_scale is None else KV_SCALES_SPEC)
+  """KVPages of PartitionSpecs (one per layer): pages and scales split by KV head."""
+  return pages.map_layers(lambda x: KV_SCALES_SPEC if x.ndim == 3 else KV_PAGES_SPEC)
 
 
 def named(mesh: Mesh, specs) -> Any:

@@ -7,8 +7,10 @@
 `tokens`/`positions` are i32[T] (the new tokens of every sequence in the step,
 packed; padding rows have `meta.slot_mapping == -1`), `kv_pages` is a
 `kv_cache.KVPages`, `meta` an `attention.AttentionMetadata`. Each layer
-projects Q/K/V, applies RoPE, writes K/V into the pages at `meta.slot_mapping`
-and runs `attention.ragged_paged_attention` over the block tables. Logits
+projects Q/K/V, applies RoPE, writes K/V into its own layer's pages at
+`meta.slot_mapping` (in place: each layer is its own array, see kv_cache.py) and runs
+`attention.attention_from_metadata` over the block tables (the ragged kernel, or the
+decode kernel when `meta.decode_only`). Logits
 (f32[S, vocab]) are computed only at `meta.logits_indices`. Shapes are static,
 so one jit trace serves every step; the pages are threaded functionally (the
 engine donates them).
@@ -114,9 +116,9 @@ class LlamaAttention(nn.Module):
     v = self.v_proj(x).reshape(t, c.num_kv_heads, c.head_dim)
     kv_pages = kv_cache.write(kv_pages, self.layer_index, k, v, meta.slot_mapping)
     k_pages, v_pages, k_scales, v_scales = kv_cache.layer(kv_pages, self.layer_index)
-    out = attention.ragged_paged_attention(
-        q, k_pages, v_pages, meta.block_tables, meta.kv_lens, meta.cu_q_lens, meta.num_seqs,
-        k_scales=k_scales, v_scales=v_scales, backend=self.attention_backend)
+    # The ragged kernel, or the decode kernel when the step is `meta.decode_only`.
+    out = attention.attention_from_metadata(q, k_pages, v_pages, meta, k_scales=k_scales,
+                                            v_scales=v_scales, backend=self.attention_backend)
     out = out.astype(x.dtype).reshape(t, c.num_heads * c.head_dim)
     return self.o_proj(out), kv_pages
 
@@ -195,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
 
   Attributes:
     config: ModelConfig.
-    attention_backend: passed to `attention.ragged_paged_attention`
+    attention_backend: passed to `attention.attention_from_metadata`
       ("auto", "reference", "pallas", "pallas_interpret").
   """
   config: ModelConfig

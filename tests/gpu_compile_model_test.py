@@ -1,0 +1,140 @@
+"""The paged Llama forward and the whole engine step, compiled by XLA for a compile-only H200.
+
+What only a GPU compile shows (`pallas_kernels.compile_target`): buffers XLA materialises
+around the kernels. A Pallas kernel cannot read a view into a bigger buffer, so a stacked
+`[num_layers, ...]` pool made XLA copy each layer's whole pool before every attention call
+(measured on the old layout, 2-layer Llama-8B shapes, bf16 pool [2, 8, 16384, 16, 128]:
+four 512 MiB copies (`wrapped_slice`, `loop_slice_fusion`) and 1,086,443,816 temp bytes per
+forward; one array per layer: 22,401,320 temp bytes, no copy). These tests assert no buffer,
+launch or copy of pool size, for sm_90, with ShapeDtypeStruct arguments (nothing allocated).
+"""
+
+import functools
+import re
+import tempfile
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import compile_target as ct
+from paged_jax import kv_cache
+from paged_jax.attention import AttentionMetadata
+from paged_jax.config import ModelConfig
+from paged_jax.models import llama
+
+pytestmark = pytest.mark.skipif(ct.unavailable_reason() is not None,
+                                reason=str(ct.unavailable_reason()))
+
+# Llama-3-8B layer shapes, 2 layers, a small vocabulary (the LM head is not under test).
+LLAMA8B_2L = ModelConfig(vocab_size=1024, hidden_size=4096, intermediate_size=14336,
+                         num_layers=2, num_heads=32, num_kv_heads=8, head_dim=128,
+                         dtype="bfloat16")
+# 512 MiB per layer per K/V.
+CACHE_512M = LLAMA8B_2L.cache_config(num_blocks=16384, block_size=16, max_seqs=8,
+                                     max_blocks_per_seq=256, dtype="bfloat16")
+# A pool-sized buffer is anything >= this fraction of one layer's K (or V) pool.
+FRACTION = 16
+
+_HLO_INSTR = re.compile(r"^\s*(?:ROOT )?%?(?P<name>[\w.\-]+) = (?P<dtype>[a-z]\w*)"
+                        r"\[(?P<dims>[\d,]*)\]\S* (?P<op>[\w\-]+)\(")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "bf16": 2, "f16": 2, "s16": 2,
+          "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+def layer_pool_bytes(cache) -> int:
+  """Bytes of one layer's K (or V) pages."""
+  return (cache.num_kv_heads * cache.num_blocks * cache.block_size * cache.head_dim
+          * jnp.dtype(cache.dtype).itemsize)
+
+
+def _hlo_copies(dump_dir: str, min_bytes: int) -> list:
+  """Copies and slice fusions in the optimized HLO whose result has >= min_bytes."""
+  import glob  # pylint: disable=g-import-not-at-top
+  found = []
+  for path in glob.glob(f"{dump_dir}/*gpu_after_optimizations.txt"):
+    for line in open(path):
+      m = _HLO_INSTR.match(line)
+      if not m or m["dtype"] not in _BYTES:
+        continue
+      nbytes = int(np.prod([int(d) for d in m["dims"].split(",") if d])) * _BYTES[m["dtype"]]
+      slice_fusion = m["op"] == "fusion" and "slice" in m["name"] and "update" not in m["name"]
+      if nbytes >= min_bytes and (m["op"] in ("copy", "slice", "dynamic-slice")
+                                  or slice_fusion):
+        found.append(f"{m['name']} ({m['op']}, {nbytes} B)")
+  return found
+
+
+def pool_copy_findings(jitted, args, cache, *, pool_bytes_donated: int = 0) -> tuple:
+  """Compiles for sm_90; returns (report, [what is pool-sized]) (empty: no pool copy).
+
+  Pool-sized: temp bytes, a launch whose threads cover >= 1/FRACTION of a layer's pool
+  elements (a kernel sweeping the pool), an HLO copy/slice of that size, or (when
+  `pool_bytes_donated`) donated pages that the outputs do not alias (copied into new ones).
+  """
+  threshold = layer_pool_bytes(cache) // FRACTION
+  elements = threshold // jnp.dtype(cache.dtype).itemsize
+  with tempfile.TemporaryDirectory() as dump:
+    report = ct.compile_report(jitted, *args, dump_dir=dump)
+    findings = [f"HLO copy {c}" for c in _hlo_copies(dump, threshold)]
+  if report.temp_bytes >= threshold:
+    findings.append(f"temp buffers {report.temp_bytes} B >= {threshold} B")
+  for l in report.launches:
+    threads = int(np.prod(l.grid)) * int(np.prod(l.threads))
+    if threads >= elements:
+      findings.append(f"launch {l.name} grid {l.grid} x {l.threads} covers the pool")
+  if pool_bytes_donated and report.alias_bytes < pool_bytes_donated:
+    findings.append(f"outputs alias {report.alias_bytes} B of {pool_bytes_donated} B pages")
+  return report, findings
+
+
+def forward_args(config, cache, num_tokens: int, num_seqs: int):
+  """Abstract (params, tokens, positions, pages, meta) on the compile-only H200."""
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  params = jax.eval_shape(lambda: llama.init_params(config, jax.random.key(0)))
+  pages = jax.eval_shape(lambda: kv_cache.init(cache))
+  meta = AttentionMetadata(
+      slot_mapping=i32(num_tokens), block_tables=i32(num_seqs, cache.max_blocks_per_seq),
+      kv_lens=i32(num_seqs), cu_q_lens=i32(num_seqs + 1), num_seqs=i32(),
+      logits_indices=i32(num_seqs))
+  return ct.place((params, i32(num_tokens), i32(num_tokens), pages, meta))
+
+
+def test_detector_flags_a_stacked_pool_copied_into_the_kernel():
+  """The old layout's pattern (write into the stacked pool, hand layer 1 to a kernel) is
+  reported: the checks below can fail."""
+  import pallas_kernels  # pylint: disable=g-import-not-at-top
+  cache = CACHE_512M
+  shape = (2, cache.num_kv_heads, cache.num_blocks, cache.block_size, cache.head_dim)
+
+  def step(k, v, q, tables, lengths, slots, new):
+    flat = (2, cache.num_kv_heads, cache.num_slots, cache.head_dim)
+    k = k.reshape(flat).at[1, :, slots].set(new, mode="drop").reshape(shape)
+    out = pallas_kernels.paged_attention(q, k[1], v[1], tables, lengths)
+    return out, k
+
+  bf16 = jnp.bfloat16
+  args = ct.place((jax.ShapeDtypeStruct(shape, bf16), jax.ShapeDtypeStruct(shape, bf16),
+                   jax.ShapeDtypeStruct((8, 32, 128), bf16),
+                   jax.ShapeDtypeStruct((8, cache.max_blocks_per_seq), jnp.int32),
+                   jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((8,), jnp.int32),
+                   jax.ShapeDtypeStruct((8, 8, 128), bf16)))
+  _, findings = pool_copy_findings(jax.jit(step, donate_argnums=0), args, cache)
+  assert findings, "a copy of the stacked layer was not detected"
+
+
+@pytest.mark.parametrize("backend", ["pallas"])
+def test_llama8b_forward_never_copies_the_kv_pool(backend):
+  """2-layer Llama-8B forward (64 tokens over 8 sequences) through the model's attention
+  dispatch: the pages reach the kernels and the K/V write with no copy."""
+  cache = CACHE_512M
+  model = llama.LlamaForCausalLM(LLAMA8B_2L, attention_backend=backend)
+  args = forward_args(LLAMA8B_2L, cache, num_tokens=64, num_seqs=8)
+  pool = 2 * LLAMA8B_2L.num_layers * layer_pool_bytes(cache)
+  report, findings = pool_copy_findings(jax.jit(model.apply, donate_argnums=(3,)), args,
+                                        cache, pool_bytes_donated=pool)
+  assert not findings, findings
+  assert report.launch("ragged_paged_attention"), "the Pallas kernel is not in the program"
+  assert not report.spilled_kernels
