@@ -14,7 +14,6 @@ whole run takes about 10 minutes on 2 CPU cores (see README "What is synthetic")
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import sys
 import time
 from typing import Dict, List, Optional
@@ -108,27 +107,21 @@ def summary_rows(results: Dict) -> List[List[str]]:
 
 
 def _prefix_caching(out, num_requests: int):
-  """Shared-prefix speed-up via `experiments.prefix_caching` (owned by the prefix-cache work).
+  """Shared-prefix speed-up via `experiments.prefix_caching`.
 
   Uses its public `few_shot_requests(n, shots, seed)` and `compare(name, prefix,
   requests, **engine_kw)` (caching off vs on, same engine and budget, outputs
   checked identical) for the paper's 1-shot (80-token) and 5-shot (341-token)
-  prefixes. Returns {"rows": [...], "summary_rows": [[what, ours, paper]]}, or a
-  note when that module is absent or its API differs.
+  prefixes. Returns {"rows": [...], "summary_rows": [[what, ours, paper]]}.
   """
-  try:
-    module = importlib.import_module("experiments.prefix_caching")
-  except ImportError as e:
-    return {"note": f"experiments.prefix_caching is not available ({e.name} missing)"}
-  if not all(hasattr(module, f) for f in ("compare", "few_shot_requests")):
-    return {"note": "experiments.prefix_caching has no compare() / few_shot_requests()"}
+  from experiments import prefix_caching as module  # pylint: disable=g-import-not-at-top
   engine_kw = dict(block_size=16, kv_budget_tokens=4096, max_seqs=64, max_len=1024, budget=256)
   rows, summary = [], []
   for shots in (1, 5):
     prefix, requests = module.few_shot_requests(num_requests, shots, 0)
     row = module.compare(f"{shots}-shot", prefix, requests, **engine_kw)
     rows.append(row)
-    paper = getattr(module, "PAPER_SPEEDUP", {}).get(f"{shots}-shot")
+    paper = module.PAPER_SPEEDUP.get(f"{shots}-shot")
     summary.append([f"shared-prefix throughput, caching on / off, {shots}-shot "
                     f"({len(prefix)}-token prefix, {num_requests} requests; hit rate "
                     f"{100 * row['hit_rate']:.0f}%)", f"{row['throughput_ratio']:.2f}x",

@@ -48,8 +48,8 @@ def check_int(name: str, value: Any, lo: int, hi: Optional[int] = None) -> None:
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
     raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
   if value < lo or (hi is not None and value > hi):
-    rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
-    raise ValueError(f"{name} must be in {rng}, got {value}")
+    rng = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+    raise ValueError(f"{name} must be {rng}, got {value}")
 
 
 def check_block_size(block_size: Any) -> None:

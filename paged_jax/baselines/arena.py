@@ -14,6 +14,8 @@ from __future__ import annotations
 import bisect
 from typing import Dict, Hashable, List, Optional, Tuple
 
+from paged_jax.config import check_int
+
 
 class ContiguousArena:
   """First-fit allocator over `capacity` token slots.
@@ -23,8 +25,7 @@ class ContiguousArena:
   """
 
   def __init__(self, capacity: int):
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-      raise ValueError(f"capacity must be an int >= 1, got {capacity!r}")
+    check_int("capacity", capacity, 1)
     self.capacity = capacity
     self._offsets: List[int] = []             # sorted start offsets of live spans
     self._spans: Dict[int, Tuple[int, Hashable]] = {}   # offset -> (size, owner)
@@ -75,8 +76,7 @@ class ContiguousArena:
 
   def allocate(self, owner: Hashable, size: int) -> Optional[int]:
     """Places `size` slots for `owner` first-fit; returns the offset or None (unchanged)."""
-    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= self.capacity:
-      raise ValueError(f"size must be an int in [1, {self.capacity}], got {size!r}")
+    check_int("size", size, 1, self.capacity)
     if owner in self._owner_offset:
       raise ValueError(f"owner {owner!r} already holds a span")
     off = self.find(size)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Hashable
 
 from paged_jax.baselines.arena import ContiguousArena
+from paged_jax.config import check_int
 
 POLICIES = ("max", "pow2", "oracle")
 
@@ -25,8 +26,7 @@ def reservation_tokens(policy: str, total_len: int, max_len: int) -> int:
   """Slots a request of final length `total_len` (prompt + output) reserves."""
   if policy not in POLICIES:
     raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-  if not 1 <= total_len <= max_len:
-    raise ValueError(f"total_len must be in [1, max_len={max_len}], got {total_len}")
+  check_int("total_len", total_len, 1, max_len)
   if policy == "max":
     return max_len
   if policy == "pow2":
@@ -46,9 +46,7 @@ class OrcaAllocator:
   def __init__(self, policy: str, kv_budget_tokens: int, max_len: int):
     if policy not in POLICIES:
       raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-    if not 1 <= max_len <= kv_budget_tokens:
-      raise ValueError(f"max_len must be in [1, kv_budget_tokens={kv_budget_tokens}], "
-                       f"got {max_len}")
+    check_int("max_len", max_len, 1, kv_budget_tokens)   # one request must fit
     self.policy, self.max_len = policy, max_len
     self.arena = ContiguousArena(kv_budget_tokens)
 

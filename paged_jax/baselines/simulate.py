@@ -41,7 +41,7 @@ import numpy as np
 
 from paged_jax import block_manager
 from paged_jax.baselines.orca import OrcaAllocator
-from paged_jax.config import OK, CacheConfig, cdiv
+from paged_jax.config import OK, CacheConfig, cdiv, check_int
 from paged_jax.metrics import MemoryAccount, compacting_admission, request_usage
 
 
@@ -58,11 +58,8 @@ def _lengths(requests) -> List[tuple]:
 
 
 def _check(requests, kv_budget_tokens: int, max_len: int) -> List[tuple]:
-  if isinstance(kv_budget_tokens, bool) or not isinstance(kv_budget_tokens, (int, np.integer)):
-    raise TypeError(f"kv_budget_tokens must be an int, got {kv_budget_tokens!r}")
-  if not 1 <= max_len <= kv_budget_tokens:
-    raise ValueError(f"kv_budget_tokens must be >= max_len={max_len} (one request of the "
-                     f"context limit must fit), got {kv_budget_tokens}")
+  check_int("max_len", max_len, 1)
+  check_int("kv_budget_tokens", kv_budget_tokens, max_len)   # one max_len request must fit
   reqs = _lengths(requests)
   for rid, p, f in reqs:
     if not 1 <= p < f <= max_len:
