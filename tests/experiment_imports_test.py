@@ -23,7 +23,8 @@ EXPERIMENTS = sorted(p.stem for p in (ROOT / "experiments").glob("*.py") if p.st
 _PROBE = r"""
 import importlib, json, sys, traceback
 from absl import app, flags, logging  # absl's own flags (--v, --logtostderr ...) count as
-report = {}                           # the baseline: only the experiments' flags are checked
+import chex                           # the baseline, as do chex's (it defines --chex_* and
+report = {}                           # absl.testing's at import): only the experiments' count
 for name in sys.argv[1:]:
   before = set(flags.FLAGS)
   try:
