@@ -8,7 +8,7 @@ import pytest
 from experiments import generate
 from paged_jax.config import ModelConfig
 from paged_jax.models import dense, llama, save_hf_checkpoint
-from tokenizer_test import WORDS, _tokenizer_json  # pylint: disable=g-bad-import-order
+from tokenizer_test import WORDS, write_tokenizer_json  # pylint: disable=g-bad-import-order
 
 
 # One cache shape for both tests (2 blocks of 8 per sequence), so the step compiles once.
@@ -25,7 +25,7 @@ def checkpoint(tmp_path_factory):
   # The model's EOS is word 7 ("cat"), so greedy decoding may stop on it.
   save_hf_checkpoint(str(path), config, params, dtype="float32",
                      extra_config={"bos_token_id": 1, "eos_token_id": 7})
-  _tokenizer_json(path / "tokenizer.json")
+  write_tokenizer_json(path / "tokenizer.json")
   return path, config, params
 
 

@@ -11,7 +11,7 @@ from paged_jax import tokenizer
 WORDS = ["<unk>", "<s>", "</s>", "once", "upon", "a", "time", "cat"]
 
 
-def _tokenizer_json(path):
+def write_tokenizer_json(path):
   """A word-level tokenizer.json built with the tokenizers API: BOS prepended on encode."""
   tok = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)},
                                               unk_token="<unk>"))
@@ -36,7 +36,7 @@ def test_byte_round_trip_and_errors():
 
 
 def test_checkpoint_tokenizer_json(tmp_path):
-  _tokenizer_json(tmp_path / "tokenizer.json")
+  write_tokenizer_json(tmp_path / "tokenizer.json")
   (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 8, "eos_token_id": 2}))
   tok = tokenizer.for_checkpoint(str(tmp_path))
   assert tok.encode("once upon a time") == [1, 3, 4, 5, 6]
