@@ -67,18 +67,22 @@ def _hlo_copies(dump_dir: str, min_bytes: int) -> list:
   return found
 
 
-def pool_copy_findings(jitted, args, cache, *, pool_bytes_donated: int = 0) -> tuple:
-  """Compiles for sm_90; returns (report, [what is pool-sized]) (empty: no pool copy).
+def pool_copy_findings(jitted, args, cache, *, pool_bytes_donated: int = 0,
+                       keep_hlo: bool = False) -> tuple:
+  """Compiles for sm_90; returns (report, [what is pool-sized]) (empty: no pool copy),
+  plus the optimized HLO text when `keep_hlo`.
 
   Pool-sized: temp bytes, a launch whose threads cover >= 1/FRACTION of a layer's pool
   elements (a kernel sweeping the pool), an HLO copy/slice of that size, or (when
   `pool_bytes_donated`) donated pages that the outputs do not alias (copied into new ones).
   """
+  import glob  # pylint: disable=g-import-not-at-top
   threshold = layer_pool_bytes(cache) // FRACTION
   elements = threshold // jnp.dtype(cache.dtype).itemsize
   with tempfile.TemporaryDirectory() as dump:
     report = ct.compile_report(jitted, *args, dump_dir=dump)
     findings = [f"HLO copy {c}" for c in _hlo_copies(dump, threshold)]
+    hlo = "".join(open(p).read() for p in glob.glob(f"{dump}/*gpu_after_optimizations.txt"))
   if report.temp_bytes >= threshold:
     findings.append(f"temp buffers {report.temp_bytes} B >= {threshold} B")
   for l in report.launches:
@@ -87,7 +91,7 @@ def pool_copy_findings(jitted, args, cache, *, pool_bytes_donated: int = 0) -> t
       findings.append(f"launch {l.name} grid {l.grid} x {l.threads} covers the pool")
   if pool_bytes_donated and report.alias_bytes < pool_bytes_donated:
     findings.append(f"outputs alias {report.alias_bytes} B of {pool_bytes_donated} B pages")
-  return report, findings
+  return (report, findings, hlo) if keep_hlo else (report, findings)
 
 
 def forward_args(config, cache, num_tokens: int, num_seqs: int):
@@ -138,3 +142,73 @@ def test_llama8b_forward_never_copies_the_kv_pool(backend):
   assert not findings, findings
   assert report.launch("ragged_paged_attention"), "the Pallas kernel is not in the program"
   assert not report.spilled_kernels
+
+
+# The whole engine step: 4 GiB of bf16 pages (1 GiB per layer per K/V), a 4-step decode loop.
+CACHE_4G = LLAMA8B_2L.cache_config(num_blocks=32768, block_size=16, max_seqs=8,
+                                   max_blocks_per_seq=256, dtype="bfloat16")
+DECODE_STEPS = 4
+
+
+@functools.lru_cache(maxsize=None)
+def _engine_step_compile():
+  """(report, findings, optimized HLO) of the engine's jitted step for sm_90 (compiled once)."""
+  from paged_jax import engine  # pylint: disable=g-import-not-at-top
+  step_for_compile = getattr(engine, "step_for_compile", None)
+  if step_for_compile is None:
+    pytest.skip("paged_jax.engine.step_for_compile is not there yet")
+  sharding = jax.sharding.SingleDeviceSharding(ct.sm90_device())
+  fn, args = step_for_compile(LLAMA8B_2L, CACHE_4G, sharding=sharding,
+                              max_num_batched_tokens=64, decode_steps_per_sync=DECODE_STEPS,
+                              attention_backend="pallas")
+  pool = 2 * LLAMA8B_2L.num_layers * layer_pool_bytes(CACHE_4G)
+  assert pool >= 4 * 2**30
+  return pool_copy_findings(fn, args, CACHE_4G, pool_bytes_donated=pool, keep_hlo=True)
+
+
+@pytest.mark.slow   # one compile of the whole step: ~20 s of CPU, minutes on a busy host
+def test_engine_step_compiles_for_h200_without_pool_copies_or_spills():
+  """Allocation, K/V write, attention, sampling and the multi-step decode loop, jitted as
+  the engine runs them: compiles (no spill, shared memory within budget), never copies
+  the 4 GiB pool, and updates it in place (the donated pages alias the outputs)."""
+  report, findings, _ = _engine_step_compile()
+  assert not findings, findings
+  assert not report.spilled_kernels
+  assert report.max_shared_memory <= ct.SM90_SHARED_MEMORY_BYTES
+
+
+_WHILE = re.compile(r"^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = .* while\(.*op_name=\"(?P<op>[^\"]*)\"")
+_COND = re.compile(r"^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = .* conditional\(.*op_name=\"(?P<op>[^\"]*)\"")
+
+
+def host_readbacks(hlo: str) -> dict:
+  """Loops and branches whose XLA GPU thunk copies a predicate to the host and blocks.
+
+  XLA's WhileThunk without a `known_trip_count` copies the condition result to the host
+  and calls BlockHostUntilDone every iteration; every ConditionalThunk does the same for
+  its branch index (xla/backends/gpu/runtime/{while,conditional}_thunk.cc).
+  Returns {"while": [op names], "conditional": [op names]}.
+  """
+  out = {"while": [], "conditional": []}
+  for line in hlo.splitlines():
+    if (m := _WHILE.match(line)) and "known_trip_count" not in line:
+      out["while"].append(m["op"])
+    elif (m := _COND.match(line)):
+      out["conditional"].append(m["op"])
+  return out
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "the multi-step decode lax.while_loop has a data-dependent condition (no known trip "
+    "count), so XLA's GPU WhileThunk reads its predicate back to the host every iteration; "
+    "lax.cond in sampling / block_manager inside the loop body read their branch index "
+    "back too: a static trip count with finished slots masked, and selects instead of "
+    "conds, remove them"))
+def test_multi_step_decode_loop_never_reads_back_to_the_host():
+  """"One host sync per k tokens" holds on a GPU only if the decode loop body has no host
+  readback: the loop needs a known trip count and its body no conditional."""
+  _, _, hlo = _engine_step_compile()
+  readbacks = host_readbacks(hlo)
+  in_loop = [op for op in readbacks["conditional"] if op.startswith("jit(step)/while/")]
+  assert not readbacks["while"] and not in_loop, readbacks
