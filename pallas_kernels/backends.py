@@ -11,8 +11,8 @@ every jax; `gpu_backend="mosaic_gpu", interpret=True` runs the Mosaic kernel und
 interpret mode (jax >= 0.11.2). The target is the first device of the default backend, or
 the device kind of an abstract mesh (deviceless compiles, see compile_target.py).
 
-The ragged (prefill + decode) kernel has no Mosaic GPU version yet: "auto" is Triton there
-and "mosaic_gpu" raises.
+The ragged (prefill + decode) entry dispatches the same way, to
+mosaic_ragged_paged_attention.py or the Triton ragged kernel.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Optional, Tuple
 import jax
 
 from pallas_kernels import mosaic_paged_attention as _mosaic_decode
+from pallas_kernels import mosaic_ragged_paged_attention as _mosaic_ragged
 
 # By module path: the package rebinds these names to the dispatching functions.
 _triton_decode_module = importlib.import_module("pallas_kernels.paged_attention")
@@ -31,6 +32,7 @@ _triton_ragged_module = importlib.import_module("pallas_kernels.ragged_paged_att
 
 GPU_BACKENDS = ("auto", "triton", "mosaic_gpu")
 MOSAIC_DECODE_KNOBS = ("num_splits", "tile_kv", "num_stages")
+MOSAIC_RAGGED_KNOBS = ("q_per_tile", "num_splits", "tile_kv", "num_stages")
 # Hopper device kinds by name, for targets that only carry a kind (abstract devices).
 _SM90_KIND = re.compile(r"\b(GH200|H100|H200|H800|H20)\b")
 
@@ -70,9 +72,11 @@ def _abstract_target():
 
 def choose_decode_backend(gpu_backend, *, num_q_heads, num_kv_heads, head_dim, block_size,
                           q_dtype, page_dtype, quantized=False, tuning=(),
-                          capability="default") -> Tuple[str, str]:
-  """("triton" | "mosaic_gpu", why) for a decode call. `capability` (major, minor) or None
-  overrides the detected target (tests)."""
+                          capability="default",
+                          mosaic_knobs=MOSAIC_DECODE_KNOBS) -> Tuple[str, str]:
+  """("triton" | "mosaic_gpu", why) for a decode (or, with the ragged kernel's
+  `mosaic_knobs`, ragged) call. `capability` (major, minor) or None overrides the
+  detected target (tests)."""
   check_gpu_backend(gpu_backend)
   if gpu_backend != "auto":
     return gpu_backend, "requested"
@@ -81,7 +85,7 @@ def choose_decode_backend(gpu_backend, *, num_q_heads, num_kv_heads, head_dim, b
     return "triton", f"target compute capability {cc} is not sm_90"
   if quantized:
     return "triton", "int8 / fp8 pages (Mosaic kernel: bf16 / f16 only)"
-  foreign = sorted(set(tuning) - set(MOSAIC_DECODE_KNOBS))
+  foreign = sorted(set(tuning) - set(mosaic_knobs))
   if foreign:
     return "triton", f"Triton tuning knobs {foreign} given"
   why = _mosaic_decode.supported_reason(num_q_heads, num_kv_heads, head_dim, block_size,
@@ -89,6 +93,16 @@ def choose_decode_backend(gpu_backend, *, num_q_heads, num_kv_heads, head_dim, b
   if why is not None:
     return "triton", f"Mosaic kernel does not support {why}"
   return "mosaic_gpu", "sm_90 target and supported shape"
+
+
+def _check_mosaic_args(k_scales, v_scales, tuning, knobs):
+  if k_scales is not None or v_scales is not None:
+    raise ValueError("gpu_backend='mosaic_gpu' does not support int8 / fp8 pages with "
+                     "scales yet; use gpu_backend='triton'")
+  foreign = sorted(set(tuning) - set(knobs))
+  if foreign:
+    raise ValueError(f"tuning knobs {foreign} are Triton's; gpu_backend='mosaic_gpu' takes "
+                     f"{knobs}")
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None,
@@ -112,29 +126,36 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None
         q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale, soft_cap=soft_cap,
         sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales,
         interpret=interpret, **tuning)
-  if k_scales is not None or v_scales is not None:
-    raise ValueError("gpu_backend='mosaic_gpu' does not support int8 / fp8 pages with "
-                     "scales yet; use gpu_backend='triton'")
-  foreign = sorted(set(tuning) - set(MOSAIC_DECODE_KNOBS))
-  if foreign:
-    raise ValueError(f"tuning knobs {foreign} are Triton's; gpu_backend='mosaic_gpu' takes "
-                     f"{MOSAIC_DECODE_KNOBS}")
+  _check_mosaic_args(k_scales, v_scales, tuning, MOSAIC_DECODE_KNOBS)
   return _mosaic_decode.paged_attention(
       q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale, soft_cap=soft_cap,
       sliding_window=sliding_window, interpret=interpret, **tuning)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
-                           *, interpret=False, gpu_backend="auto", **kw):
-  """Mixed prefill + decode attention (Triton kernel; see its docstring for arguments).
+                           *, sm_scale=None, soft_cap=None, sliding_window=None,
+                           k_scales=None, v_scales=None, interpret=False, gpu_backend="auto",
+                           **tuning):
+  """Mixed prefill + decode attention on the chosen GPU backend.
 
-  gpu_backend: "auto" and "triton" run the Triton kernel; "mosaic_gpu" raises ValueError
-  (no Mosaic GPU ragged kernel yet).
+  Arguments and result as `pallas_kernels.ragged_paged_attention.ragged_paged_attention`
+  (Triton) and `mosaic_ragged_paged_attention.ragged_paged_attention` (Mosaic GPU);
+  `tuning` holds the chosen kernel's knobs (Triton: q_per_tile, short_q_per_tile,
+  kv_per_tile, kv_splits, num_warps, num_stages; Mosaic GPU: q_per_tile, num_splits,
+  tile_kv, num_stages). gpu_backend: "auto" (module docstring), "triton", "mosaic_gpu".
   """
-  check_gpu_backend(gpu_backend)
-  if gpu_backend == "mosaic_gpu":
-    raise ValueError("gpu_backend='mosaic_gpu' has no ragged (prefill + decode) kernel yet; "
-                     "use gpu_backend='triton' or 'auto'")
-  return _triton_ragged_module.ragged_paged_attention(
+  num_kv_heads, _, block_size, _ = k_pages.shape
+  backend, _ = choose_decode_backend(
+      gpu_backend, num_q_heads=q.shape[1], num_kv_heads=num_kv_heads, head_dim=q.shape[-1],
+      block_size=block_size, q_dtype=q.dtype, page_dtype=k_pages.dtype,
+      quantized=k_scales is not None or v_scales is not None, tuning=tuning,
+      mosaic_knobs=MOSAIC_RAGGED_KNOBS)
+  semantic = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+  if backend == "triton":
+    return _triton_ragged_module.ragged_paged_attention(
+        q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, k_scales=k_scales,
+        v_scales=v_scales, interpret=interpret, **semantic, **tuning)
+  _check_mosaic_args(k_scales, v_scales, tuning, MOSAIC_RAGGED_KNOBS)
+  return _mosaic_ragged.ragged_paged_attention(
       q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, interpret=interpret,
-      **kw)
+      **semantic, **tuning)

@@ -275,14 +275,36 @@ def default_num_splits(batch, num_kv_heads, pages_per_seq, block_size, tile_kv,
   return int(max(1, min(want, max_tiles // 2, max_splits)))
 
 
-def default_num_stages(head_dim) -> int:
-  return 3 if head_dim <= 128 else 2
+SM90_SHARED_MEMORY_BYTES = 232448   # opt-in limit per block (227 KiB)
+_SMEM_SLACK = 4096                  # Mosaic's alignment padding and barriers
+
+
+def default_num_stages(head_dim, tile_kv=64) -> int:
+  """The deepest K/V ring, up to 3, that fits in sm_90 shared memory."""
+  for stages in (3, 2):
+    if shared_memory_bytes(head_dim, tile_kv, stages) + _SMEM_SLACK <= \
+        SM90_SHARED_MEMORY_BYTES:
+      return stages
+  return 1
 
 
 def shared_memory_bytes(head_dim, tile_kv, num_stages, itemsize=2) -> int:
   """Shared memory of one program (buffers only; barriers add a few bytes)."""
   return itemsize * head_dim * (_Q_ROWS + 2 * num_stages * tile_kv) + \
       itemsize * _Q_ROWS * tile_kv + 4 * _Q_ROWS
+
+
+def check_num_stages(num_stages, head_dim, tile_kv) -> int:
+  """Default or validated ring depth; ValueError when over the shared-memory budget."""
+  if num_stages is None:
+    return default_num_stages(head_dim, tile_kv)
+  if int(num_stages) != num_stages or not 1 <= num_stages <= 8:
+    raise ValueError(f"num_stages must be an int in [1, 8], got {num_stages}")
+  need = shared_memory_bytes(head_dim, tile_kv, num_stages) + _SMEM_SLACK
+  if need > SM90_SHARED_MEMORY_BYTES:
+    raise ValueError(f"num_stages={num_stages} with tile_kv={tile_kv}, head_dim={head_dim} "
+                     f"needs ~{need:,} B of shared memory > {SM90_SHARED_MEMORY_BYTES:,}")
+  return int(num_stages)
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None,
@@ -300,7 +322,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None
       detection on.
     num_splits: split-K partitions per (sequence, KV head); default `default_num_splits`.
     tile_kv: keys per loop step, 64 or 128 (several whole pages, or one page slice).
-    num_stages: depth of the shared-memory K/V ring (>= 1; default 3, 2 for D 256).
+    num_stages: depth of the shared-memory K/V ring (default: the deepest of 3, 2, 1 that
+      fits in 227 KiB; 3 at D <= 128 with tile_kv 64).
   Returns:
     [B, Hq, D] in q's dtype, accumulated in float32.
   Raises:
@@ -326,10 +349,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None
                      f"{block_tables.shape}, {lengths.shape}")
   if tile_kv not in (64, 128):
     raise ValueError(f"tile_kv must be 64 or 128, got {tile_kv}")
-  if num_stages is None:
-    num_stages = default_num_stages(head_dim)
-  if int(num_stages) != num_stages or not 1 <= num_stages <= 8:
-    raise ValueError(f"num_stages must be an int in [1, 8], got {num_stages}")
+  num_stages = check_num_stages(num_stages, head_dim, tile_kv)
   if num_splits is None:
     num_splits = default_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size,
                                     tile_kv)

@@ -73,10 +73,19 @@ def test_mosaic_rejects_triton_knobs_and_scales():
   with pytest.raises(ValueError, match="scales"):
     pallas_kernels.paged_attention(*args, gpu_backend="mosaic_gpu", k_scales=scales,
                                    v_scales=scales)
-  with pytest.raises(ValueError, match="ragged"):
+  with pytest.raises(ValueError, match="kv_per_tile"):
     pallas_kernels.ragged_paged_attention(*args[:4], jnp.ones((1,), jnp.int32),
                                           jnp.array([0, 1], jnp.int32), 1,
-                                          gpu_backend="mosaic_gpu")
+                                          gpu_backend="mosaic_gpu", kv_per_tile=32)
+
+
+def test_ragged_auto_choice_uses_ragged_knobs():
+  got, _ = backends.choose_decode_backend("auto", capability=(9, 0), tuning=("q_per_tile",),
+                                          mosaic_knobs=backends.MOSAIC_RAGGED_KNOBS, **LLAMA)
+  assert got == "mosaic_gpu"
+  got, _ = backends.choose_decode_backend("auto", capability=(9, 0), tuning=("kv_splits",),
+                                          mosaic_knobs=backends.MOSAIC_RAGGED_KNOBS, **LLAMA)
+  assert got == "triton"
 
 
 def test_auto_on_cpu_runs_triton_interpreter_with_its_knobs():

@@ -121,6 +121,9 @@ def test_unsupported_shapes_are_refused_with_the_reason():
   args = (jnp.zeros((1, 4), jnp.int32), jnp.ones((1,), jnp.int32))
   with pytest.raises(ValueError, match="block_size 8"):
     mosaic.paged_attention(q, pages, pages, *args)
+  with pytest.raises(ValueError, match="232,448"):
+    mosaic.paged_attention(q, pages.reshape(2, 2, 16, 128), pages.reshape(2, 2, 16, 128),
+                           *args, tile_kv=128, num_stages=3)
   with pytest.raises(ValueError, match="dtypes"):
     mosaic.paged_attention(q.astype(jnp.float32), pages.astype(jnp.float32),
                            pages.astype(jnp.float32), *args)
@@ -156,10 +159,12 @@ def test_wide_features(kw):
 
 # Deviceless compile for sm_90a at real decode shapes (B, Hq, Hkv, D, block_size, context).
 COMPILE_SHAPES = {
-    "llama3_8b": (32, 32, 8, 128, 64, 4096),
-    "llama3_8b_b64_bs16": (64, 32, 8, 128, 16, 4096),
-    "qwen_like_14_2_64": (32, 14, 2, 64, 64, 4096),
-    "gemma_like_d256": (16, 16, 8, 256, 64, 8192),
+    "llama3_8b": ((32, 32, 8, 128, 64, 4096), {}),
+    "llama3_8b_b64_bs16": ((64, 32, 8, 128, 16, 4096), {}),
+    "llama3_8b_bs256_slices": ((32, 32, 8, 128, 256, 4096), {}),
+    "llama3_8b_bs128_tile128": ((32, 32, 8, 128, 128, 4096), dict(tile_kv=128)),
+    "qwen_like_14_2_64": ((32, 14, 2, 64, 64, 4096), {}),
+    "gemma_like_d256": ((16, 16, 8, 256, 64, 8192), {}),
 }
 
 
@@ -169,11 +174,11 @@ def test_deviceless_sm90_compile(name):
   if why:
     pytest.skip(why)
   from mosaic_gpu_support import mosaic_resources  # pylint: disable=g-import-not-at-top
-  batch, hq, hkv, d, bs, ctx = COMPILE_SHAPES[name]
+  (batch, hq, hkv, d, bs, ctx), kw = COMPILE_SHAPES[name]
   pages = ctx // bs
   a = compile_target.abstract
   fn = lambda q, k, v, t, l: pallas_kernels.paged_attention(q, k, v, t, l,
-                                                            gpu_backend="mosaic_gpu")
+                                                            gpu_backend="mosaic_gpu", **kw)
   kernels, report = mosaic_resources(
       fn, a((batch, hq, d), jnp.bfloat16), a((hkv, batch * pages, bs, d), jnp.bfloat16),
       a((hkv, batch * pages, bs, d), jnp.bfloat16), a((batch, pages), jnp.int32),
