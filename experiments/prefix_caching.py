@@ -9,7 +9,7 @@ r"""Automatic prefix caching: hit rates, prefill saved, memory, throughput (pape
     ~30 generated tokens; (b) the paper's few-shot translation prompts: a shared
     80-token (1-shot) and 341-token (5-shot) prefix (`workloads.shared_prefix`).
     For each, the same requests are served by `Engine` (caching off) and
-    `PrefixCachingEngine` (on), one after the other in one run, same KV budget,
+    `Engine` with `enable_prefix_caching=True` (on), one after the other in one run, same KV budget,
     same model, greedy; outputs must be identical. Reported: block hit rate,
     prefill tokens computed, peak / mean KV blocks held by running sequences,
     copies of the shared prefix cached, throughput (generated tokens/s) and its
@@ -41,20 +41,18 @@ PAPER_SPEEDUP = {"1-shot": 1.67, "5-shot": 3.58}   # vLLM paper Fig. 16 (LLaMA-1
 def _engine(caching: bool, *, block_size: int, kv_budget_tokens: int, max_seqs: int,
             max_len: int, budget: int):
   from paged_jax.engine import Engine  # pylint: disable=g-import-not-at-top
-  from paged_jax.engine.prefix_admission import PrefixCachingEngine  # pylint: disable=g-import-not-at-top
   mc, params = serving.tiny_model()
   cc = mc.cache_config(block_size=block_size, num_blocks=kv_budget_tokens // block_size,
                        max_seqs=max_seqs, max_blocks_per_seq=-(-max_len // block_size),
                        enable_prefix_caching=caching)
-  cls = PrefixCachingEngine if caching else Engine
-  return cls(mc, params, cc, max_num_batched_tokens=budget)
+  return Engine(mc, params, cc, max_num_batched_tokens=budget)
 
 
 def _serve(engine, requests) -> Dict:
   """Serves all requests (arriving at t=0); per-step KV blocks held by running sequences."""
   from paged_jax.engine import SamplingParams  # pylint: disable=g-import-not-at-top
   serving.warm_up(engine)
-  if hasattr(engine, "reset_prefix_cache"):
+  if engine.cache_config.enable_prefix_caching:
     engine.reset_prefix_cache()          # the warm-up prompt must not count
   nb = engine.cache_config.num_blocks
   base_tokens = engine.stats["generated_tokens"]
@@ -78,7 +76,7 @@ def _serve(engine, requests) -> Dict:
 def _prefix_copies(engine, prefix: np.ndarray) -> int:
   """Cached blocks holding the shared prefix's first block (1 = stored once)."""
   import jax  # pylint: disable=g-import-not-at-top
-  c = jax.device_get(engine.prefix.cache)
+  c = jax.device_get(engine.state.prefix.cache)
   bs = engine.cache_config.block_size
   first = np.asarray(prefix[:bs])
   hold = np.asarray(c.cached) & (np.asarray(c.block_depth) == 0) & np.all(

@@ -160,7 +160,8 @@ def test_multi_step_decoding_matches_and_syncs_less():
 def test_multi_step_runs_out_of_blocks_inside_the_loop_and_stays_exact(mode):
   # 8 short prompts admitted at once, each growing to 3 blocks: the lax loop meets
   # OUT_OF_BLOCKS mid-way (stops, state kept), the host then preempts.
-  prompts = random_prompts(21, 8, lo=1, hi=2)
+  # (Prompt lengths 1-8: sequences cross block boundaries at different loop steps.)
+  prompts = random_prompts(21, 8, lo=1, hi=8)
   engine = make_engine(preemption_mode=mode, decode_steps_per_sync=4)
   outs = engine.generate(prompts, greedy(44))
   for p, o in zip(prompts, outs):
@@ -259,27 +260,27 @@ def test_preempted_parallel_sampling_and_beam_groups_restore_exactly(mode):
   assert engine.num_free == NUM_BLOCKS
 
 
-def test_failed_reservation_leaves_state_unchanged_and_host_retries():
-  # Device contract: a step whose allocation cannot be met changes nothing.
+def test_failed_reservation_leaves_state_unchanged_and_host_replans():
+  # Device contract: a step whose allocation cannot be met reserves, writes and
+  # samples nothing (this one frees and forks nothing, so the state is unchanged).
+  from paged_jax.engine.inputs import empty_inputs
   engine = make_engine()
   engine.generate(random_prompts(13, 2), greedy(3))
   engine.add_request(random_prompts(14, 1, lo=20, hi=20)[0], greedy(4))
   engine.step()                                    # a live request holding blocks
   before = jax.device_get(engine.state)
-  inputs = engine._build_inputs(engine.scheduler.schedule(0))   # pylint: disable=protected-access
-  alloc = np.zeros((MAX_SEQS,), np.int32)
-  alloc[4:8] = 64                                  # 4 x 4 blocks > the 12 in the pool
-  inputs = inputs.replace(alloc_tokens=alloc)
-  engine.state, out = engine._step(engine.params, engine.state, inputs)   # pylint: disable=protected-access
+  a = empty_inputs(BUDGET, MAX_SEQS, 1)
+  a["alloc_tokens"][4:8] = 64                      # 4 x 4 blocks > the 12 in the pool
+  engine.state, out = engine._step(engine.params, engine.state, step_lib.StepInputs(**a))   # pylint: disable=protected-access
   assert not bool(out.ok) and int(np.max(out.status)) > 0
   after = jax.device_get(engine.state)
-  for a, b in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(after)):
-    np.testing.assert_array_equal(a, b)
+  for x, y in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(after)):
+    np.testing.assert_array_equal(x, y)
 
-  # Host side: with the scheduler's block estimate forced to 0 the device reports
+  # Host side: with the scheduler's block need forced to 0 the device reports
   # OUT_OF_BLOCKS; the engine preempts, re-plans and still produces exact outputs.
   engine = make_engine()
-  engine.scheduler.blocks_needed = lambda seq, n: 0
+  engine.scheduler.chunks_need = lambda group, chunks: 0
   prompts = random_prompts(15, 8, lo=16, hi=24)
   outs = engine.generate(prompts, greedy(24))
   assert engine.stats["out_of_blocks_retries"] > 0

@@ -11,7 +11,6 @@ from hypothesis import given, settings, strategies as st
 
 from paged_jax import prefix_cache as pc
 from paged_jax.engine import Engine, SamplingParams
-from paged_jax.engine.prefix_admission import PrefixCachingEngine
 
 from engine_oracle import MC, ORACLE_LEN, PARAMS, VOCAB
 import engine_oracle
@@ -28,10 +27,8 @@ def dense_greedy(prompt, max_tokens):
 def make(caching, num_blocks=NUM_BLOCKS, **kw):
   cc = MC.cache_config(block_size=BS, num_blocks=num_blocks, max_seqs=MAX_SEQS,
                        max_blocks_per_seq=ORACLE_LEN // BS, enable_prefix_caching=caching)
-  cls = PrefixCachingEngine if caching else Engine
-  extra = {k: kw.pop(k) for k in ("hash_mode", "max_probe") if k in kw}
-  return cls(MC, PARAMS, cc, max_num_batched_tokens=BUDGET, attention_backend="reference",
-             **kw, **extra)
+  return Engine(MC, PARAMS, cc, max_num_batched_tokens=BUDGET, attention_backend="reference",
+                **kw)
 
 
 def shared_prefix_prompts(rng, count, prefix_len, max_suffix=12):
@@ -86,7 +83,7 @@ def test_hits_skip_prefill_and_the_shared_prefix_is_stored_once():
   assert s["hit_blocks"] >= 10 * 11 and s["hit_rate"] > 0.8
   assert s["prefill_tokens"] <= sum(len(p) for p in prompts) - 40 * 11
   # One physical copy of each prefix block: every prompt's first 10 table entries agree.
-  c = jax.device_get(on_eng.prefix.cache)
+  c = jax.device_get(on_eng.state.prefix.cache)
   depth0 = np.nonzero(np.asarray(c.cached) & (np.asarray(c.block_depth) == 0))[0]
   prefix0 = [b for b in depth0 if list(np.asarray(c.block_tokens[b])) == prompts[0][:BS]]
   assert len(prefix0) == 1
@@ -129,12 +126,12 @@ def test_no_cached_or_shared_block_is_written_and_free_stack_holds_no_cached_blo
   rng = np.random.default_rng(4)
   prompts = shared_prefix_prompts(rng, 10, 21, max_suffix=10)
   eng = make(True, decode_steps_per_sync=2)
-  inner = eng._inner_step   # pylint: disable=protected-access
+  inner = eng._step   # pylint: disable=protected-access
   checked = {"writes": 0}
 
   def checked_step(params, state, inputs):
     b = jax.device_get(state.blocks)
-    c = jax.device_get(eng.prefix.cache)
+    c = jax.device_get(state.prefix.cache)
     inp = jax.device_get(inputs)
     cached = np.asarray(c.cached)
     free = np.asarray(b.free_stack)[:int(b.num_free)]
@@ -153,7 +150,7 @@ def test_no_cached_or_shared_block_is_written_and_free_stack_holds_no_cached_blo
         checked["writes"] += 1
     return inner(params, state, inputs)
 
-  eng._inner_step = checked_step   # pylint: disable=protected-access
+  eng._step = checked_step   # pylint: disable=protected-access
   on = outputs(eng.generate(prompts, greedy(8)))
   assert on == outputs(make(False, decode_steps_per_sync=2).generate(
       prompts, greedy(8)))
@@ -172,19 +169,10 @@ def test_reset_prefix_cache_drops_hits():
   assert eng.num_free == NUM_BLOCKS
 
 
-def test_engine_with_the_flag_is_a_prefix_caching_engine():
-  cc = MC.cache_config(block_size=BS, num_blocks=NUM_BLOCKS, max_seqs=MAX_SEQS,
-                       max_blocks_per_seq=ORACLE_LEN // BS, enable_prefix_caching=True)
-  eng = Engine(MC, PARAMS, cc, max_num_batched_tokens=BUDGET, attention_backend="reference")
-  assert isinstance(eng, PrefixCachingEngine)
-  assert not isinstance(make(False), PrefixCachingEngine)
-
-
-def test_engine_requires_the_flag():
-  cc = MC.cache_config(block_size=BS, num_blocks=NUM_BLOCKS, max_seqs=MAX_SEQS,
-                       max_blocks_per_seq=ORACLE_LEN // BS)
+def test_the_flag_turns_caching_on_in_the_same_engine_class():
+  assert make(True).state.prefix is not None and make(False).state.prefix is None
   with pytest.raises(ValueError, match="enable_prefix_caching"):
-    PrefixCachingEngine(MC, PARAMS, cc)
+    make(False).prefix_stats()
 
 
 @pytest.mark.slow

@@ -103,7 +103,7 @@ def expected_hits(model_prefixes, tokens):
 def test_chain_hash_is_sensitive_to_tokens_order_and_parent():
   rng = np.random.default_rng(0)
   toks = jnp.asarray(rng.integers(0, 1 << 20, (20000, 16)), jnp.int32)
-  root = jnp.broadcast_to(jnp.asarray(pc._ROOT, jnp.uint32), (20000, 2))  # pylint: disable=protected-access
+  root = jnp.broadcast_to(jnp.asarray(pc.ROOT_HASH, jnp.uint32), (20000, 2))
   h = np.asarray(pc.chain_hash(root, toks))                  # u32[n, 2]
   h64 = h.astype(np.uint64)
   keys = (h64[:, 0] << np.uint64(32)) | h64[:, 1]

@@ -28,6 +28,7 @@ from paged_jax import block_manager as bm
 from paged_jax.config import CacheConfig, ModelConfig
 from paged_jax.distributed.mesh import validate_tp, tp_size
 from paged_jax.distributed.tp_forward import TensorParallelLlama
+from paged_jax.prefix_cache import step as prefix_step
 
 log = logging.getLogger("paged_jax.distributed")
 
@@ -59,7 +60,11 @@ def make_tp_engine(model_config: ModelConfig, params, cache_config: CacheConfig,
   params = params if "params" in params else {"params": params}
 
   def init_state(cfg: CacheConfig) -> EngineState:
-    return EngineState(blocks=init_replicated_blocks(cfg, mesh), pages=tp_model.init_pages(cfg))
+    prefix = None
+    if cfg.enable_prefix_caching:   # replicated, like the BlockState
+      prefix = jax.jit(lambda: prefix_step.init(cfg), out_shardings=NamedSharding(mesh, P()))()
+    return EngineState(blocks=init_replicated_blocks(cfg, mesh), pages=tp_model.init_pages(cfg),
+                       prefix=prefix)
 
   engine = Engine(model_config, tp_model.shard_params(params), cache_config,
                   attention_backend=attention_backend, model_apply=tp_model.apply,

@@ -4,36 +4,77 @@
     outs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=16, temperature=0))
     outs[0].outputs[0]          # generated ids of the first prompt
 
-Host side: `Scheduler` (FCFS, chunked prefill, preemption) decides what runs;
-`_build_inputs` turns its plan into fixed-shape arrays; `step.make_step` runs
-it on device (allocation, copy-on-write, KV writes, attention, sampling, and
-`decode_steps_per_sync - 1` more decode steps); the results update the host's
-sequences. Parallel sampling forks the prompt's blocks; beam search forks
-beams and relies on copy-on-write. See ARCHITECTURE.md "Data flow of one engine step".
+Host side: `Scheduler` (FCFS, chunked prefill, preemption) plans from the counts
+the previous step returned; `inputs.build_inputs` turns the plan into
+fixed-shape arrays; `step.make_step` runs it on device in ONE jit (frees,
+forks, prefix-cache attach and LRU eviction, reservation with copy-on-write,
+the model, registration of newly full blocks, sampling, `decode_steps_per_sync
+- 1` more decode steps); one host sync brings the outputs back and
+`results.ResultApplier` updates the sequences. See ARCHITECTURE.md.
+
+Failure safety: a step changes host bookkeeping only once its outputs are on
+the host. An exception (KeyboardInterrupt included) before the dispatch undoes
+the plan (`scheduler.Snapshot`); one after it leaves the dispatched step
+pending, and the next call applies its outputs; one while applying undoes the
+partial application and keeps the step pending. SIGINT is deferred only across
+the few lines that hand the donated state to the device and back.
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
+import contextlib
+import functools
 import logging
+import signal
+import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence as Seq, Union
 
 import jax
 import numpy as np
 
-from paged_jax import block_manager as bm
-from paged_jax import kv_cache
+from paged_jax import prefix_cache as pc
 from paged_jax.config import CacheConfig, ModelConfig, OK
-from paged_jax.engine import beam as beam_lib
 from paged_jax.engine import swap
-from paged_jax.engine.params import MAX_STOP_IDS, RequestOutput, SamplingParams
-from paged_jax.engine.scheduler import Batch, Group, Scheduler, Sequence, cdiv
-from paged_jax.engine.step import EngineState, StepInputs, make_step
+from paged_jax.engine.inputs import build_inputs
+from paged_jax.engine.params import RequestOutput, SamplingParams, check_prompt
+from paged_jax.engine.results import ResultApplier, request_output
+from paged_jax.engine.scheduler import Batch, Group, GroupStatus, Scheduler, Sequence, Snapshot, cdiv
+from paged_jax.engine.step import EngineState, init_state as default_init_state
+from paged_jax.engine.compiled import check_params, engine_step, lookup_len
 
 log = logging.getLogger("paged_jax.engine")
-_STEP_CACHE: Dict[Any, Any] = {}   # (model_config, backend, K, C) -> jitted step
+
+
+@jax.jit
+def _prefix_counters(state: EngineState):
+  cache, blocks = state.prefix.cache, state.blocks
+  return dict(hit_blocks=cache.hit_blocks, query_blocks=cache.query_blocks,
+              evictions=cache.evictions, cached_blocks=pc.num_cached_blocks(cache),
+              evictable_blocks=pc.num_evictable(cache, blocks), num_free=blocks.num_free)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _reset_prefix(state: EngineState) -> EngineState:
+  cache, blocks = pc.reset(state.prefix.cache, state.blocks)
+  return state.replace(blocks=blocks, prefix=state.prefix.replace(cache=cache))
+
+
+@contextlib.contextmanager
+def _sigint_deferred():
+  """Holds a SIGINT (KeyboardInterrupt) until the block ends (main thread only)."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  caught = []
+  old = signal.signal(signal.SIGINT, lambda *a: caught.append(a))
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, old)
+    if caught and callable(old):
+      old(*caught[0])
 
 
 class Engine:
@@ -41,8 +82,10 @@ class Engine:
 
   Args:
     model_config: the model's ModelConfig.
-    params: its parameters ({"params": ...} or the bare tree).
-    cache_config: CacheConfig whose layer/head shapes match the model.
+    params: its parameters ({"params": ...} or the bare tree), checked against
+      the model's shapes here.
+    cache_config: CacheConfig whose layer/head shapes match the model;
+      `enable_prefix_caching=True` turns on automatic prefix caching.
     max_num_batched_tokens: per-step token budget (prefill chunks + decodes).
     decode_steps_per_sync: decode steps per device call (multi-step decoding).
     preemption_mode: "recompute" (default) or "swap" (to host memory).
@@ -51,99 +94,70 @@ class Engine:
     model_apply: replaces `LlamaForCausalLM(...).apply` in the jitted step (same
       signature); `paged_jax.distributed` passes its tensor-parallel forward.
     init_state: `cache_config -> EngineState`, e.g. pages created already sharded.
-  With `cache_config.enable_prefix_caching`, `Engine(...)` builds a
-  `prefix_admission.PrefixCachingEngine` (automatic prefix caching).
+    max_probe, hash_mode: prefix-cache table options (`prefix_cache.init`).
   """
-
-  def __new__(cls, model_config=None, params=None, cache_config=None, *args, **kwargs):
-    del model_config, params, args, kwargs
-    if cls is Engine and getattr(cache_config, "enable_prefix_caching", False):
-      from paged_jax.engine.prefix_admission import PrefixCachingEngine  # pylint: disable=g-import-not-at-top
-      return super().__new__(PrefixCachingEngine)
-    return super().__new__(cls)
 
   def __init__(self, model_config: ModelConfig, params, cache_config: CacheConfig, *,
                max_num_batched_tokens: int = 256, decode_steps_per_sync: int = 1,
                preemption_mode: str = "recompute", attention_backend: str = "auto",
                max_beam_width: int = 4, model_apply: Optional[Callable[..., Any]] = None,
-               init_state: Optional[Callable[[CacheConfig], EngineState]] = None):
-    from paged_jax.attention import resolve_backend  # pylint: disable=g-import-not-at-top
-    from paged_jax.models.llama import LlamaForCausalLM  # pylint: disable=g-import-not-at-top
-    if not isinstance(model_config, ModelConfig):
-      raise TypeError(f"model_config must be a ModelConfig, got {type(model_config).__name__}")
-    if not isinstance(cache_config, CacheConfig):
-      raise TypeError(f"cache_config must be a CacheConfig, got {type(cache_config).__name__}")
-    for name in ("num_layers", "num_kv_heads", "head_dim"):
-      if getattr(cache_config, name) != getattr(model_config, name):
-        raise ValueError(f"cache_config.{name}={getattr(cache_config, name)} does not match "
-                         f"the model's {name}={getattr(model_config, name)}")
-    for name, value, lo in (("max_num_batched_tokens", max_num_batched_tokens, 1),
-                            ("decode_steps_per_sync", decode_steps_per_sync, 1),
-                            ("max_beam_width", max_beam_width, 1)):
-      if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
-    if preemption_mode not in ("recompute", "swap"):
-      raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
-    resolve_backend(attention_backend)
+               init_state: Optional[Callable[[CacheConfig], EngineState]] = None,
+               max_probe: int = 16, hash_mode: str = "chained"):
+    self._step, self._buckets = engine_step(
+        model_config, cache_config, max_num_batched_tokens=max_num_batched_tokens,
+        decode_steps_per_sync=decode_steps_per_sync, preemption_mode=preemption_mode,
+        attention_backend=attention_backend, max_beam_width=max_beam_width,
+        model_apply=model_apply)
+    self.params = check_params(model_config, params)
     self.model_config = model_config
     self.cache_config = cache_config
-    self.params = params if "params" in params else {"params": params}
     self.decode_steps_per_sync = decode_steps_per_sync
     self.max_beam_width = max_beam_width
     self.max_num_batched_tokens = max_num_batched_tokens
     self.max_model_len = min(cache_config.max_seq_len, model_config.max_position_embeddings)
-    self._num_candidates = min(model_config.vocab_size, 2 * max_beam_width)
-    key = (model_config, attention_backend, decode_steps_per_sync, self._num_candidates)
-    if model_apply is not None:  # e.g. the tensor-parallel forward (paged_jax.distributed)
-      self._step = make_step(model_apply, num_decode_steps=decode_steps_per_sync,
-                             num_candidates=self._num_candidates,
-                             name=getattr(model_apply, "__qualname__", "custom").replace(".", "_"))
-    else:
-      if key not in _STEP_CACHE:  # engines of one model share compiled steps
-        model = LlamaForCausalLM(model_config, attention_backend=attention_backend)
-        _STEP_CACHE[key] = make_step(model.apply, num_decode_steps=decode_steps_per_sync,
-                                     num_candidates=self._num_candidates)
-      self._step = _STEP_CACHE[key]
-    # Two token buckets: decode-sized (max_seqs) and the full budget -> at most 2 traces.
-    s = cache_config.max_seqs
-    self._buckets = sorted({min(s, max_num_batched_tokens), max_num_batched_tokens})
+    self.prefix_caching = cache_config.enable_prefix_caching
+    self._lookup_len = lookup_len(cache_config, max_num_batched_tokens)
     self.state = (init_state(cache_config) if init_state is not None else
-                  EngineState(blocks=bm.init(cache_config), pages=kv_cache.init(cache_config)))
-    self.num_free = cache_config.num_blocks
-    self.scheduler = Scheduler(block_size=cache_config.block_size, max_seqs=s,
+                  default_init_state(cache_config, max_probe=max_probe, hash_mode=hash_mode))
+    self.scheduler = Scheduler(block_size=cache_config.block_size, max_seqs=cache_config.max_seqs,
                                max_num_batched_tokens=max_num_batched_tokens,
-                               preemption_mode=preemption_mode)
-    self._ids = itertools.count()
-    self._seq_ids = itertools.count()
+                               preemption_mode=preemption_mode,
+                               prefix_caching=self.prefix_caching,
+                               lookup_budget=self._lookup_len)
     self._groups: Dict[Any, Group] = {}
+    self._outbox: Dict[Any, RequestOutput] = {}    # finished, not yet returned
+    self._pending = None     # (batch, outputs, snapshot): dispatched, outputs not applied
+    self._next_id = 0
+    self._arrivals = 0
+    self._seq_ids = 0
     self.stats = collections.Counter()
     self.timing = collections.Counter()
+    self._results = ResultApplier(self.scheduler, self._groups, self.stats,
+                                  cache_config.block_size)
+    nb = cache_config.num_blocks
+    self._counts = dict(num_free=nb, available=nb, num_evictable=0, prefix_hit_blocks=0,
+                        prefix_query_blocks=0)
     log.info("paged_jax engine: block_size=%d num_blocks=%d KV capacity=%d tokens "
              "(%.1f MiB %s), max_seqs=%d, max_model_len=%d, budget=%d tokens/step, "
-             "decode_steps_per_sync=%d, preemption=%s",
-             cache_config.block_size, cache_config.num_blocks, cache_config.num_slots,
-             cache_config.kv_cache_bytes / 2**20, cache_config.dtype, s, self.max_model_len,
-             max_num_batched_tokens, decode_steps_per_sync, preemption_mode)
+             "decode_steps_per_sync=%d, preemption=%s, prefix_caching=%s",
+             cache_config.block_size, nb, cache_config.num_slots,
+             cache_config.kv_cache_bytes / 2**20, cache_config.dtype, cache_config.max_seqs,
+             self.max_model_len, max_num_batched_tokens, decode_steps_per_sync,
+             preemption_mode, self.prefix_caching)
 
   # ---- requests ------------------------------------------------------------------------
-  def add_request(self, prompt: Seq[int], params: Optional[SamplingParams] = None,
-                  request_id: Any = None) -> Any:
-    """Queues a request; validates everything before any device work."""
-    params = params or SamplingParams()
+  def _prepare(self, prompt, params, request_id, taken=()) -> Group:
+    """Validates one request (no state changes) and builds its Group."""
+    params = SamplingParams() if params is None else params
     if not isinstance(params, SamplingParams):
-      raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+      raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
     vocab = self.model_config.vocab_size
-    prompt = [t for t in prompt] if prompt is not None else []
-    if not prompt:
-      raise ValueError("prompt must hold at least one token id")
-    for i, t in enumerate(prompt):
-      if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
-        raise ValueError(f"prompt[{i}]={t!r} is not a token id in [0, {vocab})")
+    prompt = check_prompt(prompt, vocab)
     for t in params.stop_token_ids:
       if t >= vocab:
         raise ValueError(f"stop_token_ids holds {t}, outside [0, {vocab})")
     if params.beam_width > self.max_beam_width:
-      raise ValueError(f"beam_width must be <= max_beam_width={self.max_beam_width}, "
+      raise ValueError(f"beam_width must be in [1, max_beam_width={self.max_beam_width}], "
                        f"got {params.beam_width}")
     p, m = len(prompt), params.max_tokens
     if p + m - 1 > self.max_model_len:
@@ -152,94 +166,208 @@ class Engine:
     c = self.cache_config
     if params.num_seqs > c.max_seqs:
       raise ValueError(f"n / beam_width ({params.num_seqs}) exceeds max_seqs={c.max_seqs}")
-    # Worst case with only the prompt's full blocks shared.
+    # Worst case with only the prompt's full blocks shared (the scheduler's exact
+    # copy-on-write count never exceeds it, so an accepted request fits alone).
     shared = p // c.block_size
     worst = shared + params.num_seqs * (cdiv(p + m - 1, c.block_size) - shared)
     if worst > c.num_blocks:
       raise ValueError(f"request can never fit: it may need {worst} blocks of {c.block_size} "
                        f"tokens, the cache has num_blocks={c.num_blocks}")
-    rid = next(self._ids) if request_id is None else request_id
-    if rid in self._groups:
-      raise ValueError(f"request_id {rid!r} is already in use")
+    if request_id is not None and (request_id in self._groups or request_id in self._outbox
+                                   or request_id in taken):
+      raise ValueError(f"request_id {request_id!r} is already in use")
+    try:
+      hash(request_id)
+    except TypeError:
+      raise ValueError(f"request_id must be hashable, got {type(request_id).__name__}") from None
     count = 1 if params.beam_width > 1 else params.n
-    seqs = [Sequence(seq_id=next(self._seq_ids), index=j, sample_seed=params.seed + j,
-                     tokens=list(int(t) for t in prompt), prompt_len=p, pending_fork=j > 0)
-            for j in range(count)]
-    group = Group(request_id=rid, arrival=next(self._ids), params=params,
-                  prompt=list(prompt), seqs=seqs, slots_needed=params.num_seqs)
-    self._groups[rid] = group
+    seqs = [Sequence(seq_id=-1, index=j, sample_seed=params.seed + j, tokens=list(prompt),
+                     prompt_len=p, pending_fork=j > 0) for j in range(count)]
+    return Group(request_id=request_id, arrival=-1, params=params, prompt=list(prompt),
+                 seqs=seqs, slots_needed=params.num_seqs)
+
+  def _queue(self, group: Group) -> Any:
+    """Gives the group its id (automatic ids skip any id in use) and queues it."""
+    if group.request_id is None:
+      while self._next_id in self._groups or self._next_id in self._outbox:
+        self._next_id += 1
+      group.request_id = self._next_id
+      self._next_id += 1
+    group.arrival = self._arrivals
+    self._arrivals += 1
+    for q in group.seqs:
+      q.seq_id = self._seq_ids
+      self._seq_ids += 1
+    self._groups[group.request_id] = group
     self.scheduler.add(group)
-    return rid
+    return group.request_id
+
+  def add_request(self, prompt: Seq[int], params: Optional[SamplingParams] = None,
+                  request_id: Any = None) -> Any:
+    """Queues a request (validated in full before anything changes); returns its id.
+
+    `prompt`: token ids (list, numpy or jax array, 1-D). A request that could never
+    fit the cache is rejected here with the numbers.
+    """
+    return self._queue(self._prepare(prompt, params, request_id))
 
   def has_unfinished(self) -> bool:
-    return self.scheduler.has_unfinished()
+    """Requests queued or running, or finished outputs not yet returned by `step`."""
+    return bool(self._outbox) or self._pending is not None or self.scheduler.has_unfinished()
 
   def generate(self, prompts: Seq[Seq[int]],
                params: Union[SamplingParams, Seq[SamplingParams], None] = None
                ) -> List[RequestOutput]:
-    """Runs prompts to completion; outputs in prompt order."""
+    """Runs prompts to completion; their outputs in prompt order. All or nothing:
+    the whole batch is validated before any request is queued. Outputs of other
+    requests finishing meanwhile stay for the next `step()`."""
     if params is None or isinstance(params, SamplingParams):
       params = [params] * len(prompts)
     if len(params) != len(prompts):
       raise ValueError(f"params must be one SamplingParams or {len(prompts)}, got {len(params)}")
-    ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
-    done: Dict[Any, RequestOutput] = {}
-    while self.has_unfinished():
-      for out in self.step():
-        done[out.request_id] = out
+    groups = [self._prepare(p, sp, None) for p, sp in zip(prompts, params)]
+    ids = [self._queue(g) for g in groups]
+    while any(i not in self._outbox for i in ids):
+      if not self._advance():
+        raise RuntimeError("the engine made no progress with requests left")
     self.flush()
-    return [done[i] for i in ids]
+    return [self._outbox.pop(i) for i in ids]
+
+  def abort(self, request_id: Any) -> Optional[RequestOutput]:
+    """Stops a request and frees its blocks now; returns its output so far
+    (finish reason "abort"), or its full output if it had finished but was not
+    yet returned, or None for an unknown id."""
+    self._finish_pending()
+    if request_id in self._outbox:
+      return self._outbox.pop(request_id)
+    group = self._groups.get(request_id)
+    if group is None:
+      return None
+    sched = self.scheduler
+    for q in group.seqs:
+      q.finish_reason = "abort"
+      q.swapped_kv = None
+    if group.status == GroupStatus.WAITING:
+      sched.waiting.remove(group)
+    elif group.status == GroupStatus.SWAPPED:
+      sched.swapped.remove(group)
+    out = request_output(group, sorted(group.finished + group.seqs, key=lambda q: q.index))
+    sched.finish_group(group)
+    del self._groups[request_id]
+    self.flush()
+    return out
 
   # ---- the step ------------------------------------------------------------------------
   def step(self) -> List[RequestOutput]:
-    """Schedules and runs one device step; returns requests finished by it.
+    """Runs one device step (or finishes an interrupted one); returns every output
+    finished since the last call, each once.
 
     `timing` accumulates wall seconds: "step_s" (all of it) and "device_s" (the
     jitted call until its outputs reach the host); the rest is host overhead.
     """
     t0 = time.perf_counter()
     try:
-      return self._step_once()
+      self._advance()
     finally:
       self.timing["step_s"] += time.perf_counter() - t0
+    outs = list(self._outbox.values())
+    self._outbox.clear()
+    return outs
 
-  def _step_once(self) -> List[RequestOutput]:
-    sched = self.scheduler
-    for _ in range(self.cache_config.max_seqs + 2):
-      batch = sched.schedule(self.num_free)
+  def _advance(self) -> bool:
+    """One step into the outbox; False when there was nothing to run."""
+    if self._pending is not None:
+      self._finish_pending()
+      return True
+    if not self.scheduler.has_unfinished():
+      return False
+    snap = Snapshot(self.scheduler, self._groups)
+    try:
+      batch = self.scheduler.schedule(self._counts["available"])
       self._swap_outs()
-      self._swap_ins(batch)
-      if not (batch.chunks or batch.frees or batch.forks):
-        if sched.has_unfinished() and not batch.swap_in:
-          raise RuntimeError("the scheduler cannot make progress: no running request fits "
-                             f"the cache ({self.num_free} free blocks)")
-        return []
-      inputs = self._build_inputs(batch)
-      t0 = time.perf_counter()
-      self.state, out = self._step(self.params, self.state, inputs)
-      out = jax.device_get(out)
-      self.timing["device_s"] += time.perf_counter() - t0
+      inputs = build_inputs(batch, self.scheduler.running, buckets=self._buckets,
+                            max_seqs=self.cache_config.max_seqs, lookup_len=self._lookup_len,
+                            vocab_size=self.model_config.vocab_size)
+      if not (batch.chunks or batch.frees or batch.forks or batch.attaches or batch.swap_in):
+        raise RuntimeError(
+            f"the scheduler found nothing to run with {len(self.scheduler.running)} running, "
+            f"{len(self.scheduler.waiting)} waiting, {len(self.scheduler.swapped)} swapped "
+            f"requests and {self._counts['available']} available blocks")
+    except BaseException:
+      snap.restore(self._groups)
+      raise
+    self._dispatch(batch, inputs, snap)
+    self._finish_pending()
+    return True
+
+  def _dispatch(self, batch: Batch, inputs, snap: Snapshot) -> None:
+    """Swap-ins and the jitted step; the new state is kept before anything can raise."""
+    with _sigint_deferred():
+      try:
+        self._swap_ins(batch)
+        t0 = time.perf_counter()
+        self.state, out = self._step(self.params, self.state, inputs)
+      except BaseException:
+        if any(getattr(x, "is_deleted", lambda: False)()
+               for x in jax.tree_util.tree_leaves(self.state)):
+          raise RuntimeError("the engine's device state was consumed by a step that failed; "
+                             "the engine cannot continue") from None
+        snap.restore(self._groups)
+        raise
+      self._pending = (batch, out, t0)
       self.stats["device_steps"] += 1
-      self.num_free = int(out.num_free)
-      if out.ok:
-        break
+
+  def _finish_pending(self) -> None:
+    """Waits for the pending step's outputs (the one host sync) and applies them."""
+    if self._pending is None:
+      return
+    batch, out, t0 = self._pending
+    out = jax.device_get(out)
+    self.timing["device_s"] += time.perf_counter() - t0
+    snap = Snapshot(self.scheduler, self._groups)
+    try:
+      finished = self._apply(batch, out)
+    except BaseException:
+      snap.restore(self._groups)
+      raise
+    with _sigint_deferred():
+      self._pending = None
+      for o in finished:
+        self._outbox[o.request_id] = o
+
+  def _apply(self, batch: Batch, out) -> List[RequestOutput]:
+    ok = bool(out.ok)
+    self.scheduler.commit(batch, ok, out.hit_tokens)
+    self._counts = {k: int(getattr(out, k)) for k in self._counts}
+    if not ok:   # a reservation failed on device: nothing ran; make room, re-plan
       self.stats["out_of_blocks_retries"] += 1
-      sched.preempt_newest()
-      self._swap_outs()
-    else:
-      raise RuntimeError("step failed OUT_OF_BLOCKS after preempting every request")
-    sched.commit(batch)
+      self.scheduler.preempt_newest()
+      return []
     self.stats["steps"] += 1
     self.stats["loop_out_of_blocks"] += int(out.loop_out_of_blocks)
-    return self._process(batch, out)
+    for ch in batch.chunks:
+      seq, nc = ch.seq, ch.seq.num_computed
+      self.stats["prefill_tokens"] += max(0, min(nc + ch.num_tokens, seq.prompt_len) - nc)
+      self.stats["computed_tokens"] += ch.num_tokens
+    for seq in batch.attaches:
+      self.stats["prefix_hit_tokens"] += seq.num_computed
+    return self._results.apply(batch, out)
 
   def flush(self) -> None:
-    """Applies pending frees (runs an empty step) so the device state is clean."""
+    """Applies pending frees now (one step that only frees)."""
+    self._finish_pending()
     if self.scheduler.pending_frees:
       batch = Batch(frees=list(self.scheduler.pending_frees))
-      self.state, out = self._step(self.params, self.state, self._build_inputs(batch))
-      self.num_free = int(jax.device_get(out.num_free))
-      self.scheduler.commit(batch)
+      inputs = build_inputs(batch, [], buckets=self._buckets, max_seqs=self.cache_config.max_seqs,
+                            lookup_len=self._lookup_len, vocab_size=self.model_config.vocab_size)
+      self._dispatch(batch, inputs, Snapshot(self.scheduler, self._groups))
+      self._finish_pending()
+
+  # ---- observability -------------------------------------------------------------------
+  @property
+  def num_free(self) -> int:
+    """Blocks the next plan may use: free plus evictable (as of the last step)."""
+    return self._counts["available"]
 
   @property
   def num_preemptions(self) -> int:
@@ -249,6 +377,49 @@ class Engine:
   def num_swaps(self) -> int:
     return self.scheduler.num_swaps
 
+  def metrics(self) -> Dict[str, Any]:
+    """KV usage, queues and prefix-cache hits as of the last step (no device work)."""
+    s, c = self.scheduler, self._counts
+    return {"num_blocks": self.cache_config.num_blocks, "num_free_blocks": c["num_free"],
+            "num_evictable_blocks": c["num_evictable"], "num_running": len(s.running),
+            "num_waiting": len(s.waiting), "num_swapped": len(s.swapped),
+            "num_preemptions": s.num_preemptions, "num_swaps": s.num_swaps,
+            "prefix_hit_blocks": c["prefix_hit_blocks"],
+            "prefix_query_blocks": c["prefix_query_blocks"],
+            "prefix_hit_rate": (c["prefix_hit_blocks"] / c["prefix_query_blocks"]
+                                if c["prefix_query_blocks"] else 0.0),
+            "prefix_hit_tokens": self.stats["prefix_hit_tokens"],
+            "prefill_tokens": self.stats["prefill_tokens"],
+            "steps": self.stats["steps"], "generated_tokens": self.stats["generated_tokens"]}
+
+  def prefix_stats(self) -> Dict[str, float]:
+    """Prefix-cache counters read from the device (one sync): hit / query blocks,
+    evictions, cached and evictable blocks; host counts of hit and prefill tokens."""
+    if self.state.prefix is None:
+      raise ValueError("prefix_stats needs cache_config.enable_prefix_caching=True")
+    self._finish_pending()
+    d = {k: int(v) for k, v in jax.device_get(_prefix_counters(self.state)).items()}
+    d.update(hit_tokens=self.stats["prefix_hit_tokens"],
+             prefill_tokens=self.stats["prefill_tokens"],
+             computed_tokens=self.stats["computed_tokens"])
+    d["hit_rate"] = d["hit_blocks"] / d["query_blocks"] if d["query_blocks"] else 0.0
+    return d
+
+  def reset_prefix_cache(self) -> None:
+    """Drops every cached block (running sequences keep theirs) and zeroes the
+    prefix counters."""
+    if self.state.prefix is None:
+      raise ValueError("reset_prefix_cache needs cache_config.enable_prefix_caching=True")
+    self.flush()
+    self.state = _reset_prefix(self.state)
+    c = jax.device_get(_prefix_counters(self.state))
+    self._counts.update(num_free=int(c["num_free"]), num_evictable=int(c["evictable_blocks"]),
+                        available=int(c["num_free"]) + int(c["evictable_blocks"]),
+                        prefix_hit_blocks=0, prefix_query_blocks=0)
+    for k in ("prefix_hit_tokens", "prefill_tokens", "computed_tokens"):
+      self.stats[k] = 0
+
+  # ---- swap preemption -----------------------------------------------------------------
   def _swap_outs(self) -> None:
     for seq, slot in self.scheduler.pending_swap_outs:
       seq.swapped_kv = swap.swap_out(self.state, slot, seq.num_computed)
@@ -257,161 +428,9 @@ class Engine:
 
   def _swap_ins(self, batch: Batch) -> None:
     for seq in batch.swap_in:
-      if seq.swapped_kv is None:   # already restored by an earlier attempt of this step
+      if seq.swapped_kv is None:
         continue
       self.state, status = swap.swap_in(self.state, seq.slot, seq.swapped_kv)
       if int(status) != OK:
         raise RuntimeError(f"swap-in of slot {seq.slot} failed with status {int(status)}")
       seq.swapped_kv = None
-      self.num_free -= cdiv(seq.num_computed, self.cache_config.block_size)
-
-  def _build_inputs(self, batch: Batch) -> StepInputs:
-    s = self.cache_config.max_seqs
-    t_max = next(b for b in self._buckets if b >= batch.num_tokens)
-    i32 = lambda n, v=0: np.full((n,), v, np.int32)
-    a = dict(tokens=i32(t_max), positions=i32(t_max), token_row=i32(t_max, -1),
-             row_slot=i32(s, -1), row_q_len=i32(s), free_slots=i32(s, -1), fork_src=i32(s, -1),
-             fork_dst=i32(s, -1), alloc_tokens=i32(s), append_tokens=i32(s),
-             sample_row=i32(s, -1), post_fork_src=i32(s, -1),
-             temperature=np.zeros((s,), np.float32), top_k=i32(s), top_p=np.ones((s,), np.float32),
-             seed=i32(s), sample_index=i32(s), remaining=i32(s, 1),
-             stop_ids=np.full((s, MAX_STOP_IDS), -1, np.int32), multi_step=np.zeros((s,), bool))
-
-    def sampling_row(seq: Sequence, group: Group, row: int):
-      sp, slot = group.params, seq.slot
-      a["sample_row"][slot] = row
-      a["temperature"][slot] = sp.temperature
-      a["top_k"][slot] = sp.top_k
-      a["top_p"][slot] = sp.top_p
-      a["seed"][slot] = seq.sample_seed
-      a["sample_index"][slot] = seq.num_generated
-      a["remaining"][slot] = sp.max_tokens - seq.num_generated
-      a["stop_ids"][slot, :len(sp.stop_token_ids)] = sp.stop_token_ids
-      a["multi_step"][slot] = sp.beam_width == 1
-
-    owner = {id(q): g for g in self.scheduler.running for q in g.seqs}
-    t, leader_row = 0, {}
-    for r, ch in enumerate(batch.chunks):
-      seq, n, nc = ch.seq, ch.num_tokens, ch.seq.num_computed
-      a["tokens"][t:t + n] = seq.tokens[nc:nc + n]
-      a["positions"][t:t + n] = np.arange(nc, nc + n)
-      a["token_row"][t:t + n] = r
-      a["row_slot"][r], a["row_q_len"][r] = seq.slot, n
-      (a["alloc_tokens"] if ch.allocate else a["append_tokens"])[seq.slot] = n
-      leader_row[id(seq)] = r
-      if ch.samples:
-        sampling_row(seq, owner[id(seq)], r)
-      t += n
-    for leader, child in batch.post_forks:
-      a["post_fork_src"][child.slot] = leader.slot
-      if len(child.tokens) == child.prompt_len:
-        sampling_row(child, owner[id(child)], leader_row[id(leader)])
-    a["free_slots"][:len(batch.frees)] = batch.frees
-    for i, (parent, child) in enumerate(batch.forks):
-      a["fork_src"][i], a["fork_dst"][i] = parent.slot, child.slot
-    return StepInputs(**a)
-
-  # ---- results -------------------------------------------------------------------------
-  def _process(self, batch: Batch, out) -> List[RequestOutput]:
-    finished = []
-    owner = {id(q): g for g in self.scheduler.running for q in g.seqs}
-    sampled = [ch.seq for ch in batch.chunks if ch.samples]
-    for ch in batch.chunks:
-      ch.seq.num_computed += ch.num_tokens
-    sampled += [c for _, c in batch.post_forks if len(c.tokens) == c.prompt_len]
-    beam_groups = []
-    for seq in sampled:
-      group, slot = owner[id(seq)], seq.slot
-      if group.is_beam:
-        seq.topk = (out.topk_logprobs[slot], out.topk_ids[slot])
-        if group not in beam_groups:
-          beam_groups.append(group)
-        continue
-      for k in range(out.tokens.shape[0]):
-        if not out.valid[k, slot]:
-          break
-        if k > 0:
-          seq.num_computed += 1
-        tok = int(out.tokens[k, slot])
-        seq.tokens.append(tok)
-        self.stats["generated_tokens"] += 1
-        if tok in group.params.stop_token_ids:
-          self._finish_seq(group, seq, "stop", finished)
-          break
-        if seq.num_generated >= group.params.max_tokens:
-          self._finish_seq(group, seq, "length", finished)
-          break
-    for group in beam_groups:
-      if all(q.topk is not None for q in group.seqs):
-        self._beam_step(group, finished)
-    return finished
-
-  def _finish_seq(self, group: Group, seq: Sequence, reason: str, finished: list) -> None:
-    seq.finish_reason = reason
-    group.seqs.remove(seq)
-    group.finished.append(seq)
-    self.scheduler.free_seq(seq)
-    if not group.seqs:
-      self._finish_group(group, finished)
-
-  def _finish_group(self, group: Group, finished: list) -> None:
-    self.scheduler.finish_group(group)
-    del self._groups[group.request_id]
-    if group.is_beam:
-      best = sorted(group.finished, key=lambda q: -q.cum_logprob)[:group.params.n]
-    else:
-      best = sorted(group.finished, key=lambda q: q.index)
-    finished.append(RequestOutput(
-        request_id=group.request_id, prompt_token_ids=group.prompt,
-        outputs=[q.tokens[q.prompt_len:] for q in best],
-        finish_reasons=[q.finish_reason for q in best],
-        cumulative_logprobs=[q.cum_logprob for q in best] if group.is_beam else None,
-        num_preemptions=group.num_preemptions))
-
-  def _beam_step(self, group: Group, finished: list) -> None:
-    """Selects the next beams; forks parents chosen more than once, frees dropped ones."""
-    sp, live = group.params, list(group.seqs)
-    topv = np.stack([q.topk[0] for q in live])
-    topi = np.stack([q.topk[1] for q in live])
-    chosen, ended = beam_lib.select([q.cum_logprob for q in live], topv, topi,
-                                    sp.beam_width, sp.stop_token_ids)
-    for b, tok, score in ended:
-      group.finished.append(Sequence(seq_id=next(self._seq_ids), index=0, sample_seed=0,
-                                     tokens=live[b].tokens + [tok], prompt_len=live[b].prompt_len,
-                                     cum_logprob=score, finish_reason="stop"))
-    kids = collections.defaultdict(list)
-    for b, tok, score in chosen:
-      kids[b].append((tok, score))
-    kept = {live[b].slot for b in kids}
-    spare = [s for s in group.slots if s not in kept]
-    bs = self.cache_config.block_size
-    new_live = []
-    for b, parent in enumerate(live):
-      parent.topk = None
-      if not kids[b]:
-        self.scheduler.free_seq(parent)
-        continue
-      base = list(parent.tokens)
-      for i, (tok, score) in enumerate(kids[b]):
-        if i == 0:
-          target = parent
-        else:
-          target = Sequence(seq_id=next(self._seq_ids), index=0, sample_seed=0,
-                            tokens=list(base), prompt_len=parent.prompt_len,
-                            num_computed=parent.num_computed, slot=spare.pop(0))
-          shared = parent.num_computed % bs != 0
-          target.last_block_shared = parent.last_block_shared = shared
-          self.scheduler.pending_forks.append((parent, target))
-        target.tokens.append(tok)
-        target.cum_logprob = score
-        new_live.append(target)
-    group.seqs = new_live
-    self.stats["generated_tokens"] += len(new_live)
-    done = (new_live and new_live[0].num_generated >= sp.max_tokens) or (
-        len(group.finished) >= sp.beam_width)
-    if done or not new_live:
-      for q in list(group.seqs):
-        if q.num_generated >= sp.max_tokens:
-          q.finish_reason = "length"
-          group.finished.append(q)
-      self._finish_group(group, finished)

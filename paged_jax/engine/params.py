@@ -10,18 +10,25 @@ from typing import Any, List, Optional
 import numpy as np
 
 MAX_STOP_IDS = 8   # static width of the per-slot stop-id table in the jitted step
+MAX_INT = 2**31 - 1          # int32 device arrays hold every int field
+MAX_SEQS = 2**20             # CacheConfig's largest max_seqs
+MAX_SEED = 2**31 - 1 - 4096  # sample j draws from seed + j (j < max_seqs in practice)
+MAX_TEMPERATURE = 1e4
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
   """How to generate for one request.
 
+  Every field is checked on construction (type and range); a bad value raises a
+  one-line ValueError naming the field and its range.
+
   Attributes:
-    max_tokens: tokens to generate, >= 1.
-    temperature: >= 0; 0 = greedy.
-    top_k: -1 (or 0) = off, else >= 1.
+    max_tokens: tokens to generate, in [1, 2**31 - 1].
+    temperature: in [0, 1e4]; 0 = greedy.
+    top_k: -1 (or 0) = off, else in [1, 2**31 - 1] (a cut >= vocab keeps all).
     top_p: in (0, 1].
-    seed: >= 0; sample j of the request draws from seed + j.
+    seed: in [0, 2**31 - 4097]; sample j of the request draws from seed + j.
     n: >= 1 parallel samples (they share the prompt's blocks).
     beam_width: 1 = no beam search; > 1 = beam search (needs temperature 0);
       returns the n best hypotheses (n <= beam_width).
@@ -37,34 +44,46 @@ class SamplingParams:
   stop_token_ids: tuple = ()
 
   def __post_init__(self):
-    def need_int(name, lo, hi=None):
+    def need_int(name, lo, hi):
       v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {v!r}")
-      if v < lo or (hi is not None and v > hi):
-        rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise ValueError(f"{name} must be in {rng}, got {v}")
-    need_int("max_tokens", 1)
-    need_int("n", 1)
-    need_int("beam_width", 1)
-    need_int("top_k", -1)
-    need_int("seed", 0, 2**31 - 1 - 4096)
-    if not (isinstance(self.temperature, (int, float, np.integer, np.floating)) and math.isfinite(self.temperature)
-            and self.temperature >= 0):
-      raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-    if not (isinstance(self.top_p, (int, float, np.integer, np.floating)) and 0 < self.top_p <= 1):
-      raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-    ids = tuple(self.stop_token_ids)
+      if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or not lo <= v <= hi:
+        raise ValueError(f"{name} must be an int in [{lo}, {hi}], got {v!r}")
+      object.__setattr__(self, name, int(v))
+
+    def need_float(name, lo, hi, lo_open=False):
+      v = getattr(self, name)
+      ok = (not isinstance(v, (bool, np.bool_)) and isinstance(v, (int, float, np.integer,
+                                                                   np.floating))
+            and math.isfinite(v) and (lo < v if lo_open else lo <= v) and v <= hi)
+      if not ok:
+        rng = f"{'(' if lo_open else '['}{lo}, {hi}]"
+        raise ValueError(f"{name} must be a finite number in {rng}, got {v!r}")
+      object.__setattr__(self, name, float(v))
+
+    need_int("max_tokens", 1, MAX_INT)
+    need_int("n", 1, MAX_SEQS)
+    need_int("beam_width", 1, MAX_SEQS)
+    need_int("top_k", -1, MAX_INT)
+    need_int("seed", 0, MAX_SEED)
+    need_float("temperature", 0, MAX_TEMPERATURE)
+    need_float("top_p", 0, 1, lo_open=True)
+    ids = self.stop_token_ids
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+      raise ValueError(f"stop_token_ids must be a sequence of at most {MAX_STOP_IDS} ids in "
+                       f"[0, {MAX_INT}], got {ids!r}")
+    ids = tuple(ids)
     if len(ids) > MAX_STOP_IDS or any(
-        isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0 for t in ids):
-      raise ValueError(f"stop_token_ids must be at most {MAX_STOP_IDS} ids >= 0, got {ids!r}")
+        isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))
+        or not 0 <= t <= MAX_INT for t in ids):
+      raise ValueError(f"stop_token_ids must be a sequence of at most {MAX_STOP_IDS} ids in "
+                       f"[0, {MAX_INT}], got {ids!r}")
     object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
     if self.beam_width > 1:
       if self.temperature != 0:
         raise ValueError(f"beam search (beam_width={self.beam_width}) needs temperature=0, "
                          f"got {self.temperature}")
       if self.n > self.beam_width:
-        raise ValueError(f"n must be <= beam_width={self.beam_width}, got {self.n}")
+        raise ValueError(f"n must be in [1, beam_width={self.beam_width}], got {self.n}")
 
   @property
   def num_seqs(self) -> int:
@@ -82,3 +101,30 @@ class RequestOutput:
   finish_reasons: List[str]
   cumulative_logprobs: Optional[List[float]] = None
   num_preemptions: int = 0
+
+
+def check_prompt(prompt, vocab_size: int) -> List[int]:
+  """The prompt as a list of ints; a one-line ValueError unless it is a non-empty
+  1-D sequence (list, tuple, numpy or jax array) of token ids in [0, vocab_size)."""
+  if prompt is None or isinstance(prompt, (str, bytes)):
+    raise ValueError(f"prompt must be a 1-D sequence of token ids in [0, {vocab_size}), "
+                     f"got {type(prompt).__name__}")
+  try:
+    arr = np.asarray(prompt)
+  except Exception:  # pylint: disable=broad-except
+    raise ValueError(f"prompt must be a 1-D sequence of token ids in [0, {vocab_size})") from None
+  if arr.ndim != 1 or arr.size == 0:
+    raise ValueError(f"prompt must hold at least one token id in [0, {vocab_size}) in one "
+                     f"dimension, got shape {arr.shape}")
+  if isinstance(prompt, (list, tuple)) and any(isinstance(t, (bool, np.bool_)) for t in prompt):
+    arr = np.asarray(prompt, dtype=object)
+  if arr.dtype.kind not in "iu":
+    items = list(prompt) if isinstance(prompt, (list, tuple)) else arr.tolist()
+    bad = next((i for i, t in enumerate(items) if isinstance(t, (bool, np.bool_))
+                or not isinstance(t, (int, np.integer))), 0)
+    raise ValueError(f"prompt[{bad}]={items[bad]!r} is not a token id in [0, {vocab_size})")
+  ids = arr.tolist()
+  for i, t in enumerate(ids):
+    if not 0 <= t < vocab_size:
+      raise ValueError(f"prompt[{i}]={t} is not a token id in [0, {vocab_size})")
+  return ids

@@ -1,11 +1,14 @@
 """Host-side scheduler: waiting / running / swapped queues, FCFS, preemption.
 
 The scheduler decides WHAT runs in a step; the jitted step (`step.py`) does the
-block allocation on device and reports a status per slot. The scheduler keeps a
-conservative estimate of the blocks a step needs (the device's free count is
-authoritative; it is reported back after every step), and when a step reports
-`OUT_OF_BLOCKS` the engine preempts one more group and re-plans (the device
-state is unchanged by contract).
+block allocation on device. It plans from the count the previous step returned
+(free + evictable blocks) and each chunk's exact block need (new blocks plus
+the copy-on-write copies of a shared last block: every writer copies but the
+last remaining holder). It keeps no estimate of blocks released by frees:
+when a running group does not fit, the newest group is preempted and the
+groups from the one that did not fit on wait for the next step, which plans
+from the device's fresh count. Should a reservation still fail on device (a
+status, never a spin), the engine preempts the newest group and re-plans.
 
 Vocabulary:
   Sequence  one token stream (prompt + generated) owning one block-table slot.
@@ -18,14 +21,16 @@ Vocabulary:
 Policy (vLLM's, arXiv:2309.06180 sec. 4.5):
   * running groups are served first, oldest first; decodes take 1 token of the
     per-step token budget, prefills take what is left (chunked prefill);
-  * when the blocks estimate runs out, the newest running group is preempted
-    (all its sequences: "all or nothing"), possibly the one being served;
+  * when the blocks run out, the newest running group is preempted (all its
+    sequences: "all or nothing"), possibly the one being served;
   * preempted groups are either recomputed (back to the waiting queue, their
     K/V dropped) or swapped (K/V copied to host; only single-sequence groups,
     others fall back to recompute);
   * swapped groups come back (oldest first) only in steps without preemption;
   * waiting groups are admitted strictly FCFS when slots, blocks for their whole
-    first sequence and token budget are available.
+    first sequence and token budget are available; with prefix caching an
+    admitted leader is first attached to its longest cached prefix (in the
+    step, `Batch.attaches`) and prefills the rest from the next step on.
 Groups with several sequences re-enter by prefilling the prompt once on their
 leader and forking it (`post_forks`) so the prompt blocks are shared again.
 """
@@ -33,9 +38,10 @@ leader and forking it (`post_forks`) so the prompt blocks are shared again.
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import enum
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 
 class GroupStatus(enum.Enum):
@@ -57,7 +63,8 @@ class Sequence:
   slot: int = -1
   on_device: bool = False       # the slot is active in the device BlockState
   pending_fork: bool = False    # must be forked from the group leader at prompt_len
-  last_block_shared: bool = False   # next append may copy-on-write one block
+  last_block_shared: bool = False   # the partial last block is shared (copy-on-write)
+  share_id: int = -1            # sequences with equal share_id share that block
   cum_logprob: float = 0.0
   topk: Optional[Tuple[Any, Any]] = None   # beam candidates awaiting selection
   swapped_kv: Any = None        # host copy of this sequence's pages (swap mode)
@@ -115,6 +122,7 @@ class Batch:
   swap_out: List[Sequence] = dataclasses.field(default_factory=list)
   swap_in: List[Sequence] = dataclasses.field(default_factory=list)
   preempted: List[Group] = dataclasses.field(default_factory=list)
+  attaches: List[Sequence] = dataclasses.field(default_factory=list)  # prefix lookups
 
   @property
   def num_tokens(self) -> int:
@@ -129,12 +137,15 @@ class Scheduler:
   """FCFS continuous batching with chunked prefill and preemption (host Python)."""
 
   def __init__(self, *, block_size: int, max_seqs: int, max_num_batched_tokens: int,
-               preemption_mode: str = "recompute"):
+               preemption_mode: str = "recompute", prefix_caching: bool = False,
+               lookup_budget: int = 0):
     if preemption_mode not in ("recompute", "swap"):
       raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
     self.block_size = block_size
     self.max_num_batched_tokens = max_num_batched_tokens
     self.preemption_mode = preemption_mode
+    self.prefix_caching = prefix_caching
+    self.lookup_budget = lookup_budget          # prompt tokens looked up per step
     self.waiting: List[Group] = []
     self.running: List[Group] = []
     self.swapped: List[Group] = []
@@ -181,31 +192,31 @@ class Scheduler:
     for seq in group.seqs:
       seq.slot = -1
 
-  # ---- block estimates ----------------------------------------------------------------
+  # ---- block needs -------------------------------------------------------------------
   def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-    """Blocks an append of `num_tokens` may take (copy-on-write included)."""
+    """New blocks an append of `num_tokens` takes (copy-on-write not included)."""
     bs, n = self.block_size, seq.num_computed
-    need = cdiv(n + num_tokens, bs) - cdiv(n, bs)
-    if seq.last_block_shared and n % bs:
-      need += 1
+    return cdiv(n + num_tokens, bs) - cdiv(n, bs)
+
+  def chunks_need(self, group: Group, chunks: List["Chunk"]) -> int:
+    """Exact blocks the group's chunks take in one step: new blocks, plus a copy
+    for every writer into a shared partial last block except the last holder
+    (the device's copy-on-write rule, `block_manager.append`)."""
+    bs = self.block_size
+    need, writers = 0, collections.Counter()
+    for c in chunks:
+      need += self.blocks_needed(c.seq, c.num_tokens)
+      if c.seq.last_block_shared and c.seq.num_computed % bs and not c.allocate:
+        writers[c.seq.share_id] += 1
+    if writers:
+      holders = collections.Counter(q.share_id for q in group.seqs
+                                    if q.last_block_shared and q.num_computed % bs)
+      need += sum(w - (w == holders[sid]) for sid, w in writers.items())
     return need
 
-  def _blocks_held(self, group: Group) -> int:
-    """Blocks the device releases when the group is freed (sharing-aware estimate)."""
-    bs, total = self.block_size, 0
-    for i, seq in enumerate(group.seqs):
-      if not seq.on_device:
-        continue
-      held = cdiv(seq.num_computed, bs)
-      if i > 0:  # the prompt's full blocks are shared with the leader
-        held -= min(seq.prompt_len, seq.num_computed) // bs
-      total += max(held, 0)
-    return total
-
   # ---- preemption -----------------------------------------------------------------------
-  def preempt(self, group: Group, batch: Batch) -> int:
-    """Preempts a running group; returns the blocks its frees should release."""
-    released = self._blocks_held(group)
+  def preempt(self, group: Group, batch: Batch) -> None:
+    """Preempts a running group (its slots are freed at the start of the next step)."""
     self.running.remove(group)
     self.pending_forks = [(p, c) for p, c in self.pending_forks if c not in group.seqs]
     group.num_preemptions += 1
@@ -234,10 +245,9 @@ class Scheduler:
     else:
       group.status = GroupStatus.WAITING
       self._insert_by_arrival(self.waiting, group)
-    return released
 
   def preempt_newest(self) -> Group:
-    """After a device OUT_OF_BLOCKS: preempts the newest running group (re-plan next)."""
+    """After a device OUT_OF_BLOCKS: preempts the newest running group (next plan re-plans)."""
     if not self.running:
       raise RuntimeError("OUT_OF_BLOCKS with no running group to preempt")
     victim = max(self.running, key=lambda g: g.arrival)
@@ -291,22 +301,19 @@ class Scheduler:
     batch = Batch()
     budget = self.max_num_batched_tokens
     free = num_free_blocks
-    # 1. Running groups, oldest first; preempt the newest when blocks run out.
+    # 1. Running groups, oldest first. When one does not fit, the newest group is
+    # preempted (unless frees are pending already) and the rest wait a step: the
+    # next plan sees the freed blocks in the device's count.
     queue = sorted(self.running, key=lambda g: g.arrival)
-    i = 0
-    while i < len(queue):
-      group = queue[i]
+    for group in queue:
       chunks = self._chunks_for(group, budget)
-      need = sum(self.blocks_needed(c.seq, c.num_tokens) for c in chunks)
-      while need > free and queue[-1] is not group:
-        free += self.preempt(queue.pop(), batch)
+      need = self.chunks_need(group, chunks)
       if need > free:
-        queue.pop()
-        free += self.preempt(group, batch)
+        if not self.pending_frees:    # frees pending: their blocks count next step
+          self.preempt(queue[-1], batch)
         break
       budget -= self._take(group, batch, budget, chunks)
       free -= need
-      i += 1
     # Beam forks decided after the last step run first (they take no block).
     batch.forks = list(self.pending_forks)
     # 2. Swapped groups come back only when nothing was preempted.
@@ -316,7 +323,7 @@ class Scheduler:
         seq = group.leader
         need = cdiv(seq.num_computed, self.block_size)
         step_need = self.blocks_needed(seq, min(seq.num_uncomputed, budget))
-        if (len(self.free_slots) < group.slots_needed or need + step_need + 1 > free):
+        if len(self.free_slots) < group.slots_needed or need + step_need > free:
           break
         self.swapped.pop(0)
         self._assign_slots(group)
@@ -329,6 +336,7 @@ class Scheduler:
         free -= step_need
         budget -= used
     # 3. Waiting groups, strict FCFS.
+    lookups = self.lookup_budget
     if not batch.preempted:
       while self.waiting and budget > 0:
         group = self.waiting[0]
@@ -337,18 +345,43 @@ class Scheduler:
           break
         if cdiv(len(lead.tokens), self.block_size) > free:
           break
+        if self.prefix_caching:
+          # Attach only: the hit is known after this step; the rest prefills next.
+          n = self.lookup_len(group)
+          if n > lookups:
+            break
+          lookups -= n
+          self.waiting.pop(0)
+          self._assign_slots(group)
+          group.status = GroupStatus.RUNNING
+          self.running.append(group)
+          batch.attaches.append(lead)
+          free -= cdiv(len(lead.tokens), self.block_size)
+          continue
         self.waiting.pop(0)
         self._assign_slots(group)
         group.status = GroupStatus.RUNNING
         self.running.append(group)
         chunks = self._chunks_for(group, budget)
-        free -= sum(self.blocks_needed(c.seq, c.num_tokens) for c in chunks)
+        free -= self.chunks_need(group, chunks)
         budget -= self._take(group, batch, budget, chunks)
     batch.frees = list(self.pending_frees)
     return batch
 
-  def commit(self, batch: Batch) -> None:
-    """Marks a successfully executed batch's device effects on the host mirror."""
+  @staticmethod
+  def lookup_len(group: Group) -> int:
+    """Prompt tokens a newly admitted leader looks up in the prefix cache (only the
+    prompt while children wait to fork at its end)."""
+    lead = group.leader
+    return lead.prompt_len if any(q.pending_fork for q in group.seqs) else len(lead.tokens)
+
+  def commit(self, batch: Batch, ok: bool = True, hit_tokens=None) -> None:
+    """Records a dispatched batch's device effects. Frees, forks and prefix
+    attaches always happen; chunks and post-forks only when `ok` (the step's
+    reservations succeeded). `hit_tokens[slot]`: cached tokens attached."""
+    for seq in batch.attaches:
+      seq.on_device = True
+      seq.num_computed = int(hit_tokens[seq.slot])
     self.pending_frees = []
     self.pending_forks = []
     self.free_slots.extend(self._released_slots)
@@ -356,6 +389,8 @@ class Scheduler:
     self._released_slots = []
     for _, child in batch.forks:
       child.on_device = True
+    if not ok:
+      return
     for chunk in batch.chunks:
       chunk.seq.on_device = True
       chunk.seq.last_block_shared = False
@@ -366,3 +401,52 @@ class Scheduler:
       shared = leader.prompt_len % self.block_size != 0
       child.last_block_shared = shared
       leader.last_block_shared = shared
+      child.share_id = leader.share_id = leader.seq_id
+
+
+_SEQ_FIELDS = ("num_computed", "slot", "on_device", "pending_fork", "last_block_shared",
+               "share_id", "cum_logprob", "topk", "swapped_kv", "finish_reason")
+_GROUP_FIELDS = ("status", "num_preemptions")
+_SCHED_LISTS = ("waiting", "running", "swapped", "free_slots", "pending_frees",
+                "pending_forks", "_released_slots", "pending_swap_outs")
+
+
+class Snapshot:
+  """The host state of a scheduler and its groups, to undo a step that raised.
+
+  Captures queues, slot lists, counters and every live sequence's fields (token
+  lists only grow during a step, so their lengths suffice): O(live sequences).
+  """
+
+  def __init__(self, sched: Scheduler, groups: Dict[Any, Group]):
+    self.sched = sched
+    self.lists = {k: list(getattr(sched, k)) for k in _SCHED_LISTS}
+    self.counts = (sched.num_preemptions, sched.num_swaps)
+    self.groups = dict(groups)
+    self.group_state = []
+    self.seq_state = []
+    # A step only touches running and swapped groups and the waiting ones it can
+    # admit (at most one per free slot, from the queue's head).
+    touched = sched.running + sched.swapped + sched.waiting[:len(sched.free_slots) + 1]
+    for g in touched:
+      self.group_state.append((g, list(g.seqs), list(g.finished), list(g.slots),
+                               tuple(getattr(g, f) for f in _GROUP_FIELDS)))
+      for q in g.seqs:
+        self.seq_state.append((q, len(q.tokens), tuple(getattr(q, f) for f in _SEQ_FIELDS)))
+
+  def restore(self, groups: Dict[Any, Group]) -> None:
+    """Puts everything back; `groups` (the engine's dict) is refilled in place."""
+    sched = self.sched
+    for k, v in self.lists.items():
+      setattr(sched, k, v)
+    sched.num_preemptions, sched.num_swaps = self.counts
+    groups.clear()
+    groups.update(self.groups)
+    for g, seqs, finished, slots, fields in self.group_state:
+      g.seqs, g.finished, g.slots = seqs, finished, slots
+      for f, v in zip(_GROUP_FIELDS, fields):
+        setattr(g, f, v)
+    for q, n, fields in self.seq_state:
+      del q.tokens[n:]
+      for f, v in zip(_SEQ_FIELDS, fields):
+        setattr(q, f, v)

@@ -8,9 +8,13 @@ Order of device effects in one call (the scheduler plans with this order):
 
   1. free      `free_slots`                  (finished / dropped / preempted sequences)
   2. fork      `fork_src -> fork_dst`        (beam search: new beams share a parent's blocks)
+  2b. with prefix caching: attach the longest cached prefix of newly admitted
+     prompts (`attach_*`; hits reported in `hit_tokens`), then evict LRU
+     cache-only blocks until the step's worst-case block need is free
   3. reserve   allocate first chunks, append later chunks (copy-on-write pairs)
-     -> if any reservation fails, the whole call is a no-op: the returned state
-        equals the input state and `ok` is False (the host preempts and re-plans)
+     -> if any reservation fails, steps 3-7 are no-ops (frees, forks, attaches
+        and evictions stand) and `ok` is False: the host commits those, preempts
+        the newest group and plans the next step from the returned counts
   4. copy_blocks(cow), model forward (per layer: kv_cache.write, ragged attention)
   5. sample one token per slot from `sample_row` (n > 1 children sample from
      their leader's row), beam candidates (top-k log-probs)
@@ -39,6 +43,7 @@ from paged_jax import kv_cache
 from paged_jax.attention import AttentionMetadata
 from paged_jax.config import OK
 from paged_jax.engine import sampling
+from paged_jax.prefix_cache import step as prefix_step
 
 _I32 = jnp.int32
 TRACE_COUNT = collections.Counter()   # name -> traces of jitted engine functions
@@ -46,9 +51,24 @@ TRACE_COUNT = collections.Counter()   # name -> traces of jitted engine function
 
 @flax.struct.dataclass
 class EngineState:
-  """Everything the device keeps between steps (donated into every step)."""
+  """Everything the device keeps between steps (donated into every step).
+
+  Attributes:
+    blocks: the BlockState (block tables, ref counts, free stack).
+    pages: the KVPages.
+    prefix: the prefix cache's `PrefixStepState` (None without prefix caching).
+  """
   blocks: bm.BlockState
   pages: kv_cache.KVPages
+  prefix: Any = None
+
+
+def init_state(cache_config, **prefix_kwargs) -> EngineState:
+  """An empty EngineState (prefix state iff `cache_config.enable_prefix_caching`)."""
+  prefix = (prefix_step.init(cache_config, **prefix_kwargs)
+            if cache_config.enable_prefix_caching else None)
+  return EngineState(blocks=bm.init(cache_config), pages=kv_cache.init(cache_config),
+                     prefix=prefix)
 
 
 @flax.struct.dataclass
@@ -64,6 +84,8 @@ class StepInputs:
     top_k, top_p, seed, sample_index (tokens generated so far), remaining
     (tokens the sequence may still generate, >= 1 where sampling), stop_ids
     [S, num_stop_ids] (-1 pad), multi_step (may continue in the decode loop).
+  Prefix caching (lanes [S], used lanes first): attach_slot (-1 pad),
+    attach_len, attach_start (offset in attach_tokens i32[LK], the packed prompts).
   """
   tokens: jax.Array
   positions: jax.Array
@@ -85,6 +107,10 @@ class StepInputs:
   remaining: jax.Array
   stop_ids: jax.Array
   multi_step: jax.Array
+  attach_slot: jax.Array
+  attach_len: jax.Array
+  attach_start: jax.Array
+  attach_tokens: jax.Array
 
 
 @flax.struct.dataclass
@@ -93,7 +119,10 @@ class StepOutputs:
   first reservation; tokens i32[K, S] and valid bool[K, S] (token of slot s at
   decode iteration k); topk_logprobs f32[S, C] / topk_ids i32[S, C] (candidates
   from the first iteration's logits); num_free i32[] after the step;
-  loop_out_of_blocks bool[] (the decode loop stopped for want of a block)."""
+  loop_out_of_blocks bool[] (the decode loop stopped for want of a block);
+  available i32[]: free plus evictable (cached, unreferenced) blocks, what the
+  next plan may use; hit_tokens i32[S] per slot (attached this step); num_evictable i32[];
+  prefix_hit_blocks / prefix_query_blocks i32[] (running totals, 0 without caching)."""
   ok: jax.Array
   status: jax.Array
   tokens: jax.Array
@@ -102,6 +131,11 @@ class StepOutputs:
   topk_ids: jax.Array
   num_free: jax.Array
   loop_out_of_blocks: jax.Array
+  available: jax.Array
+  hit_tokens: jax.Array
+  num_evictable: jax.Array
+  prefix_hit_blocks: jax.Array
+  prefix_query_blocks: jax.Array
 
 
 def build_metadata(blocks: bm.BlockState, row_slot, row_q_len, token_row, positions):
@@ -133,7 +167,7 @@ def _finished(tokens, remaining, stop_ids):
 
 
 def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candidates: int,
-              name: str = "engine_step"):
+              name: str = "engine_step", max_evict: int = 0, jit: bool = True):
   """Builds the jitted step.
 
   Args:
@@ -141,21 +175,35 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
       (logits f32[S, vocab], pages), e.g. `LlamaForCausalLM(...).apply`.
     num_decode_steps: K >= 1, decode iterations per call (the first included).
     num_candidates: C, beam candidates returned per slot (<= vocab).
+    max_evict: static bound on blocks evicted per step (prefix caching;
+      `prefix_cache.step.max_new_blocks`).
+    jit: False returns the plain function (for `jax.eval_shape` / tracing).
 
   Returns:
     step(params, state: EngineState, inputs: StepInputs) -> (EngineState, StepOutputs),
-    jitted with `state` donated.
+    jitted with `state` donated. Prefix caching runs iff `state.prefix` is set.
   """
 
   def step(params, state: EngineState, inp: StepInputs):
     TRACE_COUNT[name] += 1
-    blocks, pages = state.blocks, state.pages
+    blocks, pages, ps = state.blocks, state.pages, state.prefix
     s_max = blocks.max_seqs
     slots = lax.iota(_I32, s_max)
 
-    # 1-3. frees, beam forks, reservations.
-    b, _ = bm.free(blocks, inp.free_slots)
+    # 1-2. frees, beam forks (and prefix attach / eviction): these always stand.
+    hits = jnp.zeros((s_max,), _I32)
+    if ps is None:
+      b, _ = bm.free(blocks, inp.free_slots)
+    else:
+      ps, b = prefix_step.free(ps, blocks, inp.free_slots)
     b, _ = bm.fork(b, inp.fork_src, inp.fork_dst)
+    if ps is not None:
+      ps, b, hits = prefix_step.attach(ps, b, inp.attach_slot, inp.attach_len,
+                                       inp.attach_start, inp.attach_tokens)
+      ps, b = prefix_step.evict_for(ps, b, inp, num_decode_steps=num_decode_steps,
+                                    max_evict=max_evict)
+    blocks = b
+    # 3. reservations.
     alloc = inp.alloc_tokens > 0
     b, st_alloc = bm.allocate(b, jnp.where(alloc, slots, -1), jnp.maximum(inp.alloc_tokens, 1))
     grow = inp.append_tokens > 0
@@ -223,10 +271,18 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
       carry = (jnp.ones((), _I32), b, pg, tok, cont, out_tokens, out_valid, oob)
       _, b, pg, _, _, out_tokens, out_valid, oob = lax.while_loop(cond, body, carry)
 
-    b_out, pg_out, toks, valid = b, pg, out_tokens, out_valid
-    new_state = EngineState(blocks=b_out, pages=pg_out)
-    return new_state, StepOutputs(ok=ok, status=status, tokens=toks, valid=valid,
-                                  topk_logprobs=topv, topk_ids=topi,
-                                  num_free=bm.num_free_blocks(b_out), loop_out_of_blocks=oob)
+    out = StepOutputs(ok=ok, status=status, tokens=out_tokens, valid=out_valid,
+                      topk_logprobs=topv, topk_ids=topi, num_free=b.num_free,
+                      loop_out_of_blocks=oob, available=b.num_free, hit_tokens=hits,
+                      num_evictable=jnp.zeros((), _I32), prefix_hit_blocks=jnp.zeros((), _I32),
+                      prefix_query_blocks=jnp.zeros((), _I32))
+    if ps is not None:
+      # 8. history and registration of newly full blocks (masked when not ok).
+      ps, b, available = prefix_step.after(ps, b, inp, out, max_items=max_evict)
+      out = out.replace(num_free=b.num_free, available=available,
+                        num_evictable=available - b.num_free,
+                        prefix_hit_blocks=ps.cache.hit_blocks,
+                        prefix_query_blocks=ps.cache.query_blocks)
+    return EngineState(blocks=b, pages=pg, prefix=ps), out
 
-  return jax.jit(step, donate_argnums=(1,))
+  return jax.jit(step, donate_argnums=(1,)) if jit else step

@@ -2,7 +2,8 @@
 
 `swap_out` copies the blocks of one slot to numpy (the engine frees the slot in
 its next step); `swap_in` allocates fresh blocks for a slot and scatters the
-saved pages into them, in one donated jit. Block counts are padded to powers of
+saved pages into them, in one donated jit (evicting cached blocks first with
+prefix caching). Block counts are padded to powers of
 two (capped at max_blocks_per_seq) so only log2(max_blocks_per_seq) shapes trace.
 """
 
@@ -18,6 +19,7 @@ import numpy as np
 
 from paged_jax import block_manager as bm
 from paged_jax.engine.step import EngineState, TRACE_COUNT
+from paged_jax.prefix_cache import evict
 
 _FIELDS = ("k", "v", "k_scale", "v_scale")
 
@@ -66,7 +68,13 @@ def swap_out(state: EngineState, slot: int, num_tokens: int) -> SwappedKV:
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _swap_in(state: EngineState, slot, num_tokens, data):
   TRACE_COUNT["swap_in"] += 1
-  blocks, status = bm.allocate(state.blocks, slot, num_tokens)
+  blocks, prefix = state.blocks, state.prefix
+  if prefix is not None:   # cached blocks nobody holds make room first
+    bs = blocks.block_size
+    cache, blocks, _ = evict.ensure_free(prefix.cache, blocks, (num_tokens + bs - 1) // bs,
+                                         max_evict=blocks.max_blocks_per_seq)
+    prefix = prefix.replace(cache=cache)
+  blocks, status = bm.allocate(blocks, slot, num_tokens)
   width = next(iter(data.values())).shape[2]
   bs = blocks.block_size
   ids = blocks.block_tables[slot, :width]
@@ -75,7 +83,7 @@ def _swap_in(state: EngineState, slot, num_tokens, data):
   pages = state.pages
   updates = {f: getattr(pages, f).at[:, :, ids].set(x.astype(getattr(pages, f).dtype),
                                                     mode="drop") for f, x in data.items()}
-  return EngineState(blocks=blocks, pages=pages.replace(**updates)), status
+  return EngineState(blocks=blocks, pages=pages.replace(**updates), prefix=prefix), status
 
 
 def swap_in(state: EngineState, slot: int, saved: SwappedKV):

@@ -60,7 +60,7 @@ from paged_jax.config import CacheConfig, INVALID, OK, TOO_LONG
 _I32, _U32 = jnp.int32, jnp.uint32
 _INT_MAX = np.iinfo(np.int32).max
 HASH_MODES = ("chained", "constant")
-_ROOT = (0x2545F491, 0x6A09E667)          # parent hash of a depth-0 block
+ROOT_HASH = (0x2545F491, 0x6A09E667)          # parent hash of a depth-0 block
 _SEEDS = (0x9E3779B9, 0x7F4A7C15)
 _MULS = (0x85EBCA6B, 0xC2B2AE35)
 
@@ -158,7 +158,7 @@ def init(cache_config: CacheConfig, *, max_probe: int = 16, table_factor: int = 
       block_depth=z(nb), cached=jnp.zeros((nb,), jnp.bool_), last_used=z(nb),
       table_pos=jnp.full((nb,), -1, _I32), table=jnp.full((h,), -1, _I32),
       chain_block=jnp.full((s,), -1, _I32), chain_gen=z(s),
-      chain_hash=jnp.broadcast_to(jnp.asarray(_ROOT, _U32), (s, 2)),
+      chain_hash=jnp.broadcast_to(jnp.asarray(ROOT_HASH, _U32), (s, 2)),
       chain_len=z(s), chain_ok=jnp.zeros((s,), jnp.bool_), clock=z(), hit_blocks=z(),
       query_blocks=z(), evictions=z(), lru_ring=jnp.full((ring,), -1, _I32),
       lru_stamp=z(ring), lru_head=z(), lru_tail=z(), block_size=bs, max_probe=max_probe,
@@ -250,7 +250,7 @@ def lookup(cache: PrefixCacheState, tokens, length):
     return (j + ok.astype(_I32), jnp.where(ok, hit, parent),
             jnp.where(ok, cache.block_gen[hc], pgen), jnp.where(ok, h, h_par), ids, ok)
 
-  root = jnp.asarray(_ROOT, _U32)
+  root = jnp.asarray(ROOT_HASH, _U32)
   init_c = (jnp.zeros((), _I32), jnp.full((), -1, _I32), jnp.zeros((), _I32), root,
             jnp.full((n_max_static,), -1, _I32), jnp.ones((), jnp.bool_))
   n_hit, _, _, _, ids, _ = lax.while_loop(cond, body, init_c)
@@ -293,7 +293,7 @@ def attach(cache: PrefixCacheState, blocks: bm.BlockState, slot, tokens, length)
   last = jnp.where(n_hit > 0, ids[jnp.maximum(n_hit - 1, 0)], -1)
   lc = jnp.clip(last, 0, nb - 1)
   queried = jnp.where(ok, jnp.clip((length - 1) // bs, 0, p), 0)
-  h_last = jnp.where(n_hit > 0, cache.block_hash[lc], jnp.asarray(_ROOT, _U32))
+  h_last = jnp.where(n_hit > 0, cache.block_hash[lc], jnp.asarray(ROOT_HASH, _U32))
   blocks = blocks.replace(
       ref_count=blocks.ref_count.at[keys].add(1, mode="drop"),
       block_tables=blocks.block_tables.at[row].set(ids, mode="drop"),
@@ -420,7 +420,3 @@ def hit_rate(cache: PrefixCacheState):
                    cache.hit_blocks / jnp.maximum(cache.query_blocks, 1), 0.0)
 
 
-
-# Release, eviction and reset live in a sibling module (re-exported here).
-from paged_jax.prefix_cache_evict import (  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-    ensure_free, free, lru_victims, release, reset, touch, uncache)

@@ -22,7 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import block_manager as bm
-from paged_jax.prefix_cache import PrefixCacheState, _ROOT, _I32, _U32  # pylint: disable=protected-access
+from paged_jax.prefix_cache.core import ROOT_HASH, PrefixCacheState
+
+_I32, _U32 = jnp.int32, jnp.uint32
 
 _INT_MAX = np.iinfo(np.int32).max
 
@@ -204,7 +206,7 @@ def reset(cache: PrefixCacheState, blocks: bm.BlockState):
   return cache.replace(
       table=jnp.full_like(cache.table, -1), chain_block=jnp.full((s,), -1, _I32),
       chain_gen=jnp.zeros((s,), _I32),
-      chain_hash=jnp.broadcast_to(jnp.asarray(_ROOT, _U32), (s, 2)),
+      chain_hash=jnp.broadcast_to(jnp.asarray(ROOT_HASH, _U32), (s, 2)),
       chain_len=jnp.zeros((s,), _I32), chain_ok=jnp.zeros((s,), jnp.bool_),
       hit_blocks=jnp.zeros((), _I32), query_blocks=jnp.zeros((), _I32),
       evictions=jnp.zeros((), _I32), lru_head=cache.lru_tail), blocks

@@ -1,20 +1,23 @@
-"""Prefix caching around the engine step: the device work before and after it.
+"""Prefix caching inside the engine's one jitted step (`paged_jax.engine.step`).
 
-`engine.step` (one jit) frees, forks, reserves, runs the model and samples. With
-prefix caching, two small jitted functions bracket it, both pure and with no
-host sync:
+The engine step calls, in this order, all pure and without a host sync:
 
-  before(cache, blocks, inputs, num_decode_steps)
-      frees the slots the step would free (their cached blocks' LRU time is
-      now, they join the eviction ring; the step's own free becomes a no-op) and evicts least-recently-used cache-only blocks until
-      the step's worst-case block need fits on the free stack;
-  after(cache, blocks, history, inputs, outputs)
+  free(ps, blocks, free_slots)
+      releases the freed slots' cached blocks onto the LRU ring (their last use
+      is now) and frees the slots;
+  attach(ps, blocks, attach_slot, attach_len, attach_tokens)
+      newly admitted prompts take their longest cached prefix (hit blocks join
+      their block tables); the hit token counts go back to the host, which
+      prefills the rest from the next step on;
+  evict_for(ps, blocks, inputs, ...)
+      evicts least-recently-used cache-only blocks until the step's worst-case
+      block need fits on the free stack;
+  after(ps, blocks, inputs, outputs)
       records every token whose K/V the step computed in `history` (i32[S,
       max_seq_len], the ids of each slot's computed tokens), copies history
       rows and registration chains along the step's forks, then registers
-      every block that became full (`prefix_cache.register`).
+      every block that became full (`core.register`).
 
-Admission (`prefix_cache.attach`) runs before the step that prefills the rest.
 Reading `history` instead of host lists keeps registration on device even for
 blocks filled inside the multi-step decode loop.
 """
@@ -29,7 +32,8 @@ from jax import lax
 import jax.numpy as jnp
 
 from paged_jax import block_manager as bm
-from paged_jax import prefix_cache as pc
+from paged_jax.prefix_cache import core as pc
+from paged_jax.prefix_cache import evict
 
 _I32 = jnp.int32
 
@@ -69,21 +73,56 @@ def step_block_need(blocks: bm.BlockState, inputs, num_decode_steps: int):
   lens = blocks.seq_lens
   alloc = jnp.where(inputs.alloc_tokens > 0, cd(inputs.alloc_tokens), 0)
   n = jnp.maximum(inputs.append_tokens, 0)
-  grow = jnp.where(n > 0, cd(lens + n) - cd(lens) + (lens % bs != 0), 0)
+  last = jnp.take_along_axis(blocks.block_tables, jnp.maximum(cd(lens) - 1, 0)[:, None], 1)[:, 0]
+  shared = (lens % bs != 0) & (blocks.ref_count[jnp.clip(last, 0, blocks.num_blocks - 1)] > 1)
+  grow = jnp.where(n > 0, cd(lens + n) - cd(lens) + shared.astype(_I32), 0)
   loop = jnp.where(inputs.multi_step & (inputs.sample_row >= 0),
                    cd(jnp.asarray(num_decode_steps - 1, _I32)) + 1, 0) if num_decode_steps > 1 else 0
   return jnp.sum(alloc + grow + loop).astype(_I32)
 
 
-def before(ps: PrefixStepState, blocks: bm.BlockState, inputs, *, num_decode_steps: int,
-           max_evict: int) -> Tuple[PrefixStepState, bm.BlockState]:
-  """Frees `inputs.free_slots` (release + block_manager.free), then evicts for the
-  step's block need. The step's own free of those slots is then a no-op (the
-  caller passes `free_slots` = -1): blocks a freed slot shared with the cache
-  must be cache-only before eviction looks at them."""
-  cache, blocks, _ = pc.free(ps.cache, blocks, inputs.free_slots)
+def free(ps: PrefixStepState, blocks: bm.BlockState, free_slots):
+  """Frees `free_slots` (i32[n], -1 pad): release to the LRU ring + block_manager.free."""
+  cache, blocks, _ = evict.free(ps.cache, blocks, free_slots)
+  return ps.replace(cache=cache), blocks
+
+
+def attach(ps: PrefixStepState, blocks: bm.BlockState, attach_slot, attach_len,
+           attach_start, attach_tokens):
+  """Attaches the longest cached prefix of each newly admitted prompt.
+
+  Args:
+    attach_slot: i32[A], inactive slots to activate (-1 padding, used lanes first).
+    attach_len: i32[A], prompt tokens to look up (>= 1 where used).
+    attach_start: i32[A], offset of each prompt in `attach_tokens`.
+    attach_tokens: i32[LK], the prompts packed one after the other.
+  Returns:
+    (ps, blocks, hit_tokens i32[max_seqs]): cached tokens each attached slot
+    starts with (0 for other slots).
+  """
+  max_len = ps.history.shape[1]
+  buf = jnp.concatenate([attach_tokens, jnp.zeros((max_len,), _I32)])
+  num = jnp.sum((attach_slot >= 0).astype(_I32))
+  lane = lax.iota(_I32, max_len)
+
+  def body(i, carry):
+    cache, b, hits = carry
+    n = attach_len[i]
+    tok = lax.dynamic_slice(buf, (attach_start[i],), (max_len,))
+    tok = jnp.where(lane < n, tok, 0)
+    cache, b, hit, _ = pc.attach(cache, b, attach_slot[i], tok, n)
+    return cache, b, hits.at[attach_slot[i]].set(hit, mode="drop")
+
+  hits = jnp.zeros((blocks.max_seqs,), _I32)
+  cache, blocks, hits = lax.fori_loop(0, num, body, (ps.cache, blocks, hits))
+  return ps.replace(cache=cache), blocks, hits
+
+
+def evict_for(ps: PrefixStepState, blocks: bm.BlockState, inputs, *, num_decode_steps: int,
+              max_evict: int) -> Tuple[PrefixStepState, bm.BlockState]:
+  """Evicts LRU cache-only blocks until the step's worst-case need is free."""
   need = step_block_need(blocks, inputs, num_decode_steps)
-  cache, blocks, _ = pc.ensure_free(cache, blocks, need, max_evict=max_evict)
+  cache, blocks, _ = evict.ensure_free(ps.cache, blocks, need, max_evict=max_evict)
   return ps.replace(cache=cache), blocks
 
 
@@ -115,8 +154,9 @@ def after(ps: PrefixStepState, blocks: bm.BlockState, inputs, outputs, *,
   s_max, max_len = ps.history.shape
   bs = blocks.block_size
   slots = lax.iota(_I32, s_max)
-  # Beam forks happened before the chunks: the child starts as its parent.
-  ps = _copy_rows(ps, jnp.where(ok, inputs.fork_src, -1), inputs.fork_dst)
+  # Beam forks happened before the chunks (they stand even when reservations
+  # failed): the child starts as its parent.
+  ps = _copy_rows(ps, inputs.fork_src, inputs.fork_dst)
   # This step's chunk tokens at their positions.
   tr = inputs.token_row
   tslot = jnp.where(tr >= 0, inputs.row_slot[jnp.clip(tr, 0, s_max - 1)], -1)

@@ -1,0 +1,134 @@
+"""The engine's jitted step built from its options (shared across engines of one
+model), parameter checks, and `step_for_compile` for ahead-of-time lowering.
+
+    fn, args = step_for_compile(model_config, cache_config, max_num_batched_tokens=256)
+    fn.trace(*args).lower().compile()     # no array is allocated
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import jax
+
+from paged_jax.config import CacheConfig, ModelConfig
+from paged_jax.engine.inputs import input_shapes
+from paged_jax.engine.step import init_state, make_step
+from paged_jax.prefix_cache import step as prefix_step
+
+_STEP_CACHE: Dict[Any, Any] = {}   # options -> jitted step
+
+
+def _check_options(model_config, cache_config, max_num_batched_tokens, decode_steps_per_sync,
+                   preemption_mode, max_beam_width) -> None:
+  if not isinstance(model_config, ModelConfig):
+    raise ValueError(f"model_config must be a ModelConfig, got {type(model_config).__name__}")
+  if not isinstance(cache_config, CacheConfig):
+    raise ValueError(f"cache_config must be a CacheConfig, got {type(cache_config).__name__}")
+  for name in ("num_layers", "num_kv_heads", "head_dim"):
+    if getattr(cache_config, name) != getattr(model_config, name):
+      raise ValueError(f"cache_config.{name}={getattr(cache_config, name)} does not match "
+                       f"the model's {name}={getattr(model_config, name)}")
+  for name, value in (("max_num_batched_tokens", max_num_batched_tokens),
+                      ("decode_steps_per_sync", decode_steps_per_sync),
+                      ("max_beam_width", max_beam_width)):
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2**20:
+      raise ValueError(f"{name} must be an int in [1, {2**20}], got {value!r}")
+  if preemption_mode not in ("recompute", "swap"):
+    raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
+
+
+def token_buckets(cache_config: CacheConfig, max_num_batched_tokens: int) -> List[int]:
+  """Token-count shapes of the step: decode-sized (max_seqs) and the full budget."""
+  return sorted({min(cache_config.max_seqs, max_num_batched_tokens), max_num_batched_tokens})
+
+
+def lookup_len(cache_config: CacheConfig, max_num_batched_tokens: int) -> int:
+  """LK: prompt tokens looked up in the prefix cache per step (1 without caching)."""
+  if not cache_config.enable_prefix_caching:
+    return 1
+  return max(max_num_batched_tokens, cache_config.max_seq_len)
+
+
+def engine_step(model_config: ModelConfig, cache_config: CacheConfig, *,
+                max_num_batched_tokens: int = 256, decode_steps_per_sync: int = 1,
+                preemption_mode: str = "recompute", attention_backend: str = "auto",
+                max_beam_width: int = 4, model_apply: Optional[Callable[..., Any]] = None,
+                jit: bool = True) -> Tuple[Callable[..., Any], List[int]]:
+  """Validates the engine options and returns (jitted step, token buckets)."""
+  from paged_jax.attention import resolve_backend  # pylint: disable=g-import-not-at-top
+  from paged_jax.models.llama import LlamaForCausalLM  # pylint: disable=g-import-not-at-top
+  _check_options(model_config, cache_config, max_num_batched_tokens, decode_steps_per_sync,
+                 preemption_mode, max_beam_width)
+  resolve_backend(attention_backend)
+  candidates = min(model_config.vocab_size, 2 * max_beam_width)
+  max_evict = (prefix_step.max_new_blocks(max_num_batched_tokens, cache_config.max_seqs,
+                                          cache_config.block_size, decode_steps_per_sync)
+               if cache_config.enable_prefix_caching else 0)
+  kw = dict(num_decode_steps=decode_steps_per_sync, num_candidates=candidates,
+            max_evict=max_evict, jit=jit)
+  buckets = token_buckets(cache_config, max_num_batched_tokens)
+  if model_apply is not None:  # e.g. the tensor-parallel forward (paged_jax.distributed)
+    name = getattr(model_apply, "__qualname__", "custom").replace(".", "_")
+    return make_step(model_apply, name=name, **kw), buckets
+  key = (model_config, attention_backend, decode_steps_per_sync, candidates, max_evict, jit)
+  if key not in _STEP_CACHE:  # engines of one model share compiled steps
+    model = LlamaForCausalLM(model_config, attention_backend=attention_backend)
+    _STEP_CACHE[key] = make_step(model.apply, **kw)
+  return _STEP_CACHE[key], buckets
+
+
+def param_shapes(model_config: ModelConfig):
+  """The model's parameter tree as ShapeDtypeStructs ({"params": ...}); allocates nothing."""
+  from paged_jax.models import llama  # pylint: disable=g-import-not-at-top
+  return jax.eval_shape(lambda: llama.init_params(model_config, jax.random.key(0)))
+
+
+def check_params(model_config: ModelConfig, params):
+  """`params` as {"params": tree}; a one-line ValueError naming the first leaf whose
+  path or shape does not fit `model_config`."""
+  if not hasattr(params, "keys"):
+    raise ValueError(f"params must be a dict of arrays, got {type(params).__name__}")
+  params = params if "params" in params else {"params": params}
+  want = dict(jax.tree_util.tree_flatten_with_path(param_shapes(model_config))[0])
+  got = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+  name = lambda path: jax.tree_util.keystr(path)
+  for path in want:
+    if path not in got:
+      raise ValueError(f"params lack {name(path)} of shape {want[path].shape} "
+                       f"(model_config: {model_config.num_layers} layers, hidden "
+                       f"{model_config.hidden_size})")
+    shape = tuple(getattr(got[path], "shape", ()))
+    if shape != tuple(want[path].shape):
+      raise ValueError(f"params{name(path)} has shape {shape}, the model_config needs "
+                       f"{tuple(want[path].shape)}")
+  extra = [p for p in got if p not in want]
+  if extra:
+    raise ValueError(f"params hold {name(extra[0])}, which the model_config has no place for")
+  return params
+
+
+def step_for_compile(model_config: ModelConfig, cache_config: CacheConfig, *, sharding=None,
+                     **engine_options):
+  """The engine's jitted step and `jax.ShapeDtypeStruct` arguments (params, state,
+  inputs) for it, so the whole step lowers and compiles for a device that is not
+  present: `fn.trace(*args).lower().compile()`. No array is allocated.
+
+  Args:
+    sharding: optional `jax.sharding.Sharding` placed on every argument.
+    engine_options: as for `Engine` (max_num_batched_tokens, decode_steps_per_sync,
+      attention_backend, max_beam_width, ...; the largest token bucket is used).
+  """
+  opts = dict(engine_options)
+  for k in ("max_probe", "hash_mode", "init_state"):
+    opts.pop(k, None)
+  fn, buckets = engine_step(model_config, cache_config, **opts)
+  budget = engine_options.get("max_num_batched_tokens", 256)
+  params = param_shapes(model_config)
+  state = jax.eval_shape(lambda: init_state(cache_config))
+  inputs = input_shapes(buckets[-1], cache_config.max_seqs, lookup_len(cache_config, budget))
+  args = (params, state, inputs)
+  if sharding is not None:
+    args = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), args)
+  return fn, args

@@ -1,0 +1,25 @@
+"""Automatic prefix caching: chained block hashes, exact lookup, LRU eviction.
+
+Pure, jittable ops over `block_manager.BlockState`; the engine runs them inside
+its one jitted step. Modules (imports run one way: step -> evict -> core):
+
+  core   PrefixCacheState, hashing, lookup / attach, register, fork_chain, counters
+  evict  LRU ring: release, free, uncache, ensure_free, reset (and the
+         O(num_blocks) reference order `lru_victims` the tests compare with)
+  step   the engine-step pieces: free, attach, evict_for, after (PrefixStepState)
+
+    from paged_jax import prefix_cache as pc
+    cache = pc.init(cache_config)
+    cache, blocks, hit_tokens, status = pc.attach(cache, blocks, slot, tokens, length)
+"""
+
+from paged_jax.prefix_cache.core import (HASH_MODES, ROOT_HASH, PrefixCacheState, attach,
+                                         chain_hash, fork_chain, hit_rate, init, lookup,
+                                         num_cached_blocks, num_evictable, register)
+from paged_jax.prefix_cache.evict import (ensure_free, free, lru_victims, release, reset,
+                                          touch, uncache)
+
+__all__ = ["HASH_MODES", "ROOT_HASH", "PrefixCacheState", "attach", "chain_hash",
+           "ensure_free", "fork_chain", "free", "hit_rate", "init", "lookup", "lru_victims",
+           "num_cached_blocks", "num_evictable", "register", "release", "reset", "touch",
+           "uncache"]
