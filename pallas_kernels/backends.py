@@ -18,6 +18,7 @@ mosaic_ragged_paged_attention.py or the Triton ragged kernel.
 from __future__ import annotations
 
 import importlib
+import logging
 import re
 from typing import Optional, Tuple
 
@@ -31,6 +32,8 @@ _triton_decode_module = importlib.import_module("pallas_kernels.paged_attention"
 _triton_ragged_module = importlib.import_module("pallas_kernels.ragged_paged_attention")
 
 GPU_BACKENDS = ("auto", "triton", "mosaic_gpu")
+_log = logging.getLogger("pallas_kernels")
+_logged = set()
 MOSAIC_DECODE_KNOBS = ("num_splits", "tile_kv", "num_stages")
 MOSAIC_RAGGED_KNOBS = ("q_per_tile", "num_splits", "tile_kv", "num_stages")
 # Hopper device kinds by name, for targets that only carry a kind (abstract devices).
@@ -95,6 +98,14 @@ def choose_decode_backend(gpu_backend, *, num_q_heads, num_kv_heads, head_dim, b
   return "mosaic_gpu", "sm_90 target and supported shape"
 
 
+def _log_choice(entry, requested, backend, why):
+  """One INFO line per distinct choice (at trace time: the engine's start-up compile)."""
+  key = (entry, requested, backend, why)
+  if key not in _logged:
+    _logged.add(key)
+    _log.info("pallas_kernels.%s: gpu_backend=%s -> %s (%s)", entry, requested, backend, why)
+
+
 def _check_mosaic_args(k_scales, v_scales, tuning, knobs):
   if k_scales is not None or v_scales is not None:
     raise ValueError("gpu_backend='mosaic_gpu' does not support int8 / fp8 pages with "
@@ -117,10 +128,11 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None
   gpu_backend: "auto" (module docstring), "triton" or "mosaic_gpu".
   """
   num_kv_heads, _, block_size, _ = k_pages.shape
-  backend, _ = choose_decode_backend(
+  backend, why = choose_decode_backend(
       gpu_backend, num_q_heads=q.shape[1], num_kv_heads=num_kv_heads, head_dim=q.shape[-1],
       block_size=block_size, q_dtype=q.dtype, page_dtype=k_pages.dtype,
       quantized=k_scales is not None or v_scales is not None, tuning=tuning)
+  _log_choice("paged_attention", gpu_backend, backend, why)
   if backend == "triton":
     return _triton_decode_module.paged_attention(
         q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale, soft_cap=soft_cap,
@@ -145,11 +157,12 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens
   tile_kv, num_stages). gpu_backend: "auto" (module docstring), "triton", "mosaic_gpu".
   """
   num_kv_heads, _, block_size, _ = k_pages.shape
-  backend, _ = choose_decode_backend(
+  backend, why = choose_decode_backend(
       gpu_backend, num_q_heads=q.shape[1], num_kv_heads=num_kv_heads, head_dim=q.shape[-1],
       block_size=block_size, q_dtype=q.dtype, page_dtype=k_pages.dtype,
       quantized=k_scales is not None or v_scales is not None, tuning=tuning,
       mosaic_knobs=MOSAIC_RAGGED_KNOBS)
+  _log_choice("ragged_paged_attention", gpu_backend, backend, why)
   semantic = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
   if backend == "triton":
     return _triton_ragged_module.ragged_paged_attention(

@@ -88,8 +88,11 @@ def test_ragged_auto_choice_uses_ragged_knobs():
   assert got == "triton"
 
 
-def test_auto_on_cpu_runs_triton_interpreter_with_its_knobs():
-  """On a CPU host "auto" is Triton: its knobs pass through unchanged."""
+def test_auto_on_cpu_runs_triton_interpreter_with_its_knobs(caplog):
+  """On a CPU host "auto" is Triton: its knobs pass through unchanged; the choice is
+  logged once."""
+  caplog.set_level("INFO", logger="pallas_kernels")
+  backends._logged.clear()  # pylint: disable=protected-access
   rng = np.random.default_rng(0)
   q = jnp.asarray(rng.normal(size=(2, 4, 32)), jnp.float32)
   pages = jnp.asarray(rng.normal(size=(2, 6, 8, 32)), jnp.float32)
@@ -99,3 +102,4 @@ def test_auto_on_cpu_runs_triton_interpreter_with_its_knobs():
                                        num_splits=2, tile_tokens=16)
   want = pallas_kernels.paged_attention_reference(q, pages, pages, tables, lengths)
   np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5, rtol=1e-5)
+  assert "pallas_kernels.paged_attention: gpu_backend=auto -> triton" in caplog.text
