@@ -45,7 +45,7 @@ import numpy as np
 from experiments import common
 from experiments import serving
 from paged_jax import workloads
-from paged_jax.config import cdiv
+from paged_jax.config import cdiv, check_block_size
 
 PAPER_BEST = {"sharegpt": (16, 128), "alpaca": (16, 32)}
 DEFAULT_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -217,8 +217,7 @@ def run(workload_names: Sequence[str] = ("sharegpt", "alpaca"), *,
   num_requests = {**DEFAULT_NUM_REQUESTS, **(num_requests or {})}
   prefix_block_sizes = block_sizes if prefix_block_sizes is None else prefix_block_sizes
   for bs in list(block_sizes) + list(engine_block_sizes):
-    if bs < 1 or bs & (bs - 1):
-      raise ValueError(f"block sizes must be powers of two >= 1, got {bs}")
+    check_block_size(bs)
     if kv_budget_tokens % bs or engine_kv_budget_tokens % bs:
       raise ValueError(f"block size {bs} must divide kv_budget_tokens={kv_budget_tokens} and "
                        f"engine_kv_budget_tokens={engine_kv_budget_tokens}")

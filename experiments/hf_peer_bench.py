@@ -47,7 +47,7 @@ from typing import Dict, List, Sequence
 import numpy as np
 
 from experiments import common
-from paged_jax.config import cdiv
+from paged_jax.config import cdiv, check_int
 
 STORIES = os.path.join(os.path.dirname(__file__), "data", "stories.txt")
 
@@ -213,8 +213,7 @@ def run(checkpoint: str = None, *, num_prompts: int = 32, min_prompt_len: int = 
   for name, v, lo in (("max_new_tokens", max_new_tokens, 1), ("block_size", block_size, 4),
                       ("num_blocks", num_blocks, 1), ("max_batch_tokens", max_batch_tokens, 1),
                       ("repeats", repeats, 1)):
-    if v < lo:
-      raise ValueError(f"{name} must be >= {lo}, got {v}")
+    check_int(name, v, lo)
   threads = torch_threads or os.cpu_count()
   prompts = story_prompts(num_prompts, min_prompt_len, max_prompt_len, seed)
   max_model_len = max(len(p) for p in prompts) + max_new_tokens

@@ -105,7 +105,7 @@ def test_sweep_bigger_blocks_waste_more_and_hold_fewer_requests(sweep_rows):
 
 
 def test_sweep_rejects_bad_block_sizes():
-  with pytest.raises(ValueError, match="powers of two"):
+  with pytest.raises(ValueError, match="block_size must be a power of two"):
     block_size_sweep.run(("alpaca",), block_sizes=(3,), engine_block_sizes=())
   with pytest.raises(ValueError, match="not in block_sizes"):
     block_size_sweep.run(("alpaca",), block_sizes=(16,), engine_block_sizes=(32,))
