@@ -30,7 +30,6 @@ DIR/block_manager_bench.json and DIR/block_manager_bench.png and prints a table.
 
 from __future__ import annotations
 
-import collections
 import datetime
 import os
 import platform
@@ -45,6 +44,7 @@ import numpy as np
 from experiments import common
 from paged_jax import block_manager as bm
 from paged_jax.config import CacheConfig, OK, cdiv
+from paged_jax.testing import BlockModel
 
 FLAGS = flags.FLAGS
 
@@ -105,70 +105,6 @@ def make_schedule(batch, steps, max_len, width, seed, fork_prob=0.0):
     target[due] = rng.integers(new_len + 1, max_len + 1)
     lens += 1
   return init_lens.astype(np.int32), sched
-
-
-class HostAllocator:
-  """The host-side way: deque free list, ref-count list, block list per sequence."""
-
-  def __init__(self, num_blocks, max_seqs, block_size):
-    self.block_size = block_size
-    self.free_ids = collections.deque(range(num_blocks))
-    self.ref = [0] * num_blocks
-    self.tables = [[] for _ in range(max_seqs)]
-    self.lens = [0] * max_seqs
-
-  def allocate(self, slot, num_tokens):
-    need = cdiv(num_tokens, self.block_size)
-    if need > len(self.free_ids):
-      raise RuntimeError("out of blocks")
-    table = self.tables[slot]
-    for _ in range(need):
-      b = self.free_ids.popleft()
-      self.ref[b] = 1
-      table.append(b)
-    self.lens[slot] = num_tokens
-
-  def free(self, slot):
-    for b in reversed(self.tables[slot]):
-      self.ref[b] -= 1
-      if self.ref[b] == 0:
-        self.free_ids.append(b)
-    self.tables[slot] = []
-    self.lens[slot] = 0
-
-  def fork(self, src, dst):
-    self.tables[dst] = list(self.tables[src])
-    for b in self.tables[dst]:
-      self.ref[b] += 1
-    self.lens[dst] = self.lens[src]
-
-  def append(self, slots):
-    """One token per slot; new block at a boundary, copy-on-write if shared."""
-    bs, ref, tables, lens, free_ids = self.block_size, self.ref, self.tables, self.lens, self.free_ids
-    cow = []
-    for s in slots:
-      n = lens[s]
-      table = tables[s]
-      if n % bs == 0:
-        if not free_ids:
-          raise RuntimeError("out of blocks")
-        b = free_ids.popleft()
-        ref[b] = 1
-        table.append(b)
-      elif ref[table[-1]] > 1:
-        b = free_ids.popleft()
-        ref[b] = 1
-        ref[table[-1]] -= 1
-        cow.append((table[-1], b))
-        table[-1] = b
-      lens[s] = n + 1
-    return cow
-
-  def table_array(self, max_blocks):
-    out = np.full((len(self.tables), max_blocks), -1, np.int32)
-    for s, t in enumerate(self.tables):
-      out[s, :len(t)] = t
-    return out
 
 
 def _median_us(times, spread=None, key=None):
@@ -269,14 +205,15 @@ class FusedRunner:
 
 
 class HostRunner:
-  """The host allocator on the same schedule; "upload" adds the block-table transfer."""
+  """A host-side Python allocator on the same schedule (`paged_jax.testing.BlockModel`, the
+  tests' oracle: lists and ints, one request at a time); "upload" adds the block-table
+  transfer."""
 
   def __init__(self, cfg, init_lens, sched):
     self.cfg = cfg
-    self.host = HostAllocator(cfg.num_blocks, cfg.max_seqs, cfg.block_size)
-    for s, n in enumerate(init_lens.tolist()):
-      self.host.allocate(s, n)
-    self.slots = list(range(cfg.max_seqs))
+    self.host = BlockModel.from_config(cfg)
+    assert self.host.allocate(range(cfg.max_seqs), init_lens.tolist()) == [OK] * cfg.max_seqs
+    self.mask, self.ones = [True] * cfg.max_seqs, [1] * cfg.max_seqs
     self.plain = {k: v.tolist() for k, v in sched.items()}
     self.device = jax.devices()[0]
     self.times = {"append": [], "recycle": [], "upload": []}
@@ -288,22 +225,20 @@ class HostRunner:
     alloc = [(s, n) for s, n in zip(plain["alloc"][t], plain["prompt"][t]) if s >= 0]
     forks = [(s, d) for s, d in zip(plain["fork_src"][t], plain["fork_dst"][t]) if d >= 0]
     t0 = time.perf_counter()
-    for s in free:
-      host.free(s)
-    for s, n in alloc:
-      host.allocate(s, n)
-    for s, d in forks:
-      host.fork(s, d)
+    status = (host.free(free) + host.allocate([s for s, _ in alloc], [n for _, n in alloc])
+              + host.fork([s for s, _ in forks], [d for _, d in forks]))
     t1 = time.perf_counter()
-    self.copies += len(host.append(self.slots))
+    grown, cow = host.append(self.mask, self.ones)
     t2 = time.perf_counter()
-    tables = host.table_array(self.cfg.max_blocks_per_seq)
+    tables = host.block_table_array()
     jax.block_until_ready(jax.device_put(tables, self.device))
     t3 = time.perf_counter()
     if record:
       self.times["recycle"].append(t1 - t0)
       self.times["append"].append(t2 - t1)
       self.times["upload"].append(t3 - t1)
+    assert all(x == OK for x in status + grown), (t, status, grown)
+    self.copies += sum(old >= 0 for old, _ in cow)
 
 
 def _initial_state(cfg, init_lens):
@@ -374,7 +309,7 @@ def main(f, out):
     assert j_copies == host.copies, (j_copies, host.copies)  # same copy-on-write work
     # Both did the same bookkeeping: same lengths, same number of free blocks.
     np.testing.assert_array_equal(np.asarray(jit.state.seq_lens), host.host.lens)
-    assert int(jit.state.num_free) == len(host.host.free_ids)
+    assert int(jit.state.num_free) == len(host.host.stack)
     spread = {}
     j_app = _median_us(jit.times["append"], spread, "jit_append")
     j_rec = _median_us(jit.times["recycle"], spread, "jit_recycle")

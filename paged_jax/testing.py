@@ -1,4 +1,4 @@
-"""Reference models for tests and benchmarks: plain Python, no JAX.
+"""Reference models for tests and benchmarks: plain Python (and numpy), no JAX.
 
 `BlockModel` is the block allocator written from the semantics in
 `paged_jax/block_manager.py`'s docstrings, one request at a time in argument
@@ -10,6 +10,8 @@ can use the same oracle.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from paged_jax.config import INVALID, OK, OUT_OF_BLOCKS, TOO_LONG, cdiv
 
@@ -115,6 +117,14 @@ class BlockModel:
       self.lens[d], self.active[d] = self.lens[s], True
       status.append(OK)
     return status
+
+  def block_table_array(self) -> np.ndarray:
+    """i32[max_seqs, max_blocks_per_seq] block tables, -1 past each slot's blocks (the
+    array a host allocator uploads to the device every step)."""
+    out = np.full((self.max_seqs, self.max_blocks_per_seq), -1, np.int32)
+    for s, table in enumerate(self.tables):
+      out[s, :len(table)] = table
+    return out
 
   def token_slots(self, seq_slots, positions) -> list:
     out = []
