@@ -23,58 +23,35 @@ the few lines that hand the donated state to the device and back.
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import logging
-import signal
-import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence as Seq, Union
 
 import jax
-import numpy as np
 
-from paged_jax import prefix_cache as pc
 from paged_jax.config import CacheConfig, ModelConfig, OK
 from paged_jax.engine import swap
 from paged_jax.engine.inputs import build_inputs
-from paged_jax.engine.params import RequestOutput, SamplingParams, check_prompt
+from paged_jax.engine.params import RequestOutput, SamplingParams
 from paged_jax.engine.results import ResultApplier, request_output
-from paged_jax.engine.scheduler import Batch, Group, GroupStatus, Scheduler, Sequence, Snapshot, cdiv
+from paged_jax.engine.scheduler import Batch, Group, GroupStatus, Scheduler
+from paged_jax.engine.requests import prepare_group
+from paged_jax.engine.snapshot import Snapshot, sigint_deferred
 from paged_jax.engine.step import EngineState, init_state as default_init_state
+from paged_jax.prefix_cache import step as prefix_step
 from paged_jax.engine.compiled import check_params, engine_step, lookup_len
 
 log = logging.getLogger("paged_jax.engine")
 
 
-@jax.jit
-def _prefix_counters(state: EngineState):
-  cache, blocks = state.prefix.cache, state.blocks
-  return dict(hit_blocks=cache.hit_blocks, query_blocks=cache.query_blocks,
-              evictions=cache.evictions, cached_blocks=pc.num_cached_blocks(cache),
-              evictable_blocks=pc.num_evictable(cache, blocks), num_free=blocks.num_free)
+_prefix_counters = jax.jit(lambda state: prefix_step.counters(state.prefix, state.blocks))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _reset_prefix(state: EngineState) -> EngineState:
-  cache, blocks = pc.reset(state.prefix.cache, state.blocks)
-  return state.replace(blocks=blocks, prefix=state.prefix.replace(cache=cache))
-
-
-@contextlib.contextmanager
-def _sigint_deferred():
-  """Holds a SIGINT (KeyboardInterrupt) until the block ends (main thread only)."""
-  if threading.current_thread() is not threading.main_thread():
-    yield
-    return
-  caught = []
-  old = signal.signal(signal.SIGINT, lambda *a: caught.append(a))
-  try:
-    yield
-  finally:
-    signal.signal(signal.SIGINT, old)
-    if caught and callable(old):
-      old(*caught[0])
+  prefix, blocks = prefix_step.reset(state.prefix, state.blocks)
+  return state.replace(blocks=blocks, prefix=prefix)
 
 
 class Engine:
@@ -146,45 +123,17 @@ class Engine:
              preemption_mode, self.prefix_caching)
 
   # ---- requests ------------------------------------------------------------------------
-  def _prepare(self, prompt, params, request_id, taken=()) -> Group:
+  def _prepare(self, prompt, params, request_id) -> Group:
     """Validates one request (no state changes) and builds its Group."""
-    params = SamplingParams() if params is None else params
-    if not isinstance(params, SamplingParams):
-      raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-    vocab = self.model_config.vocab_size
-    prompt = check_prompt(prompt, vocab)
-    for t in params.stop_token_ids:
-      if t >= vocab:
-        raise ValueError(f"stop_token_ids holds {t}, outside [0, {vocab})")
-    if params.beam_width > self.max_beam_width:
-      raise ValueError(f"beam_width must be in [1, max_beam_width={self.max_beam_width}], "
-                       f"got {params.beam_width}")
-    p, m = len(prompt), params.max_tokens
-    if p + m - 1 > self.max_model_len:
-      raise ValueError(f"prompt of {p} tokens + max_tokens={m} needs {p + m - 1} cached tokens; "
-                       f"the context holds {self.max_model_len}")
-    c = self.cache_config
-    if params.num_seqs > c.max_seqs:
-      raise ValueError(f"n / beam_width ({params.num_seqs}) exceeds max_seqs={c.max_seqs}")
-    # Worst case with only the prompt's full blocks shared (the scheduler's exact
-    # copy-on-write count never exceeds it, so an accepted request fits alone).
-    shared = p // c.block_size
-    worst = shared + params.num_seqs * (cdiv(p + m - 1, c.block_size) - shared)
-    if worst > c.num_blocks:
-      raise ValueError(f"request can never fit: it may need {worst} blocks of {c.block_size} "
-                       f"tokens, the cache has num_blocks={c.num_blocks}")
-    if request_id is not None and (request_id in self._groups or request_id in self._outbox
-                                   or request_id in taken):
-      raise ValueError(f"request_id {request_id!r} is already in use")
     try:
       hash(request_id)
     except TypeError:
       raise ValueError(f"request_id must be hashable, got {type(request_id).__name__}") from None
-    count = 1 if params.beam_width > 1 else params.n
-    seqs = [Sequence(seq_id=-1, index=j, sample_seed=params.seed + j, tokens=list(prompt),
-                     prompt_len=p, pending_fork=j > 0) for j in range(count)]
-    return Group(request_id=request_id, arrival=-1, params=params, prompt=list(prompt),
-                 seqs=seqs, slots_needed=params.num_seqs)
+    if request_id is not None and (request_id in self._groups or request_id in self._outbox):
+      raise ValueError(f"request_id {request_id!r} is already in use")
+    return prepare_group(prompt, params, request_id, vocab_size=self.model_config.vocab_size,
+                         cache_config=self.cache_config, max_beam_width=self.max_beam_width,
+                         max_model_len=self.max_model_len)
 
   def _queue(self, group: Group) -> Any:
     """Gives the group its id (automatic ids skip any id in use) and queues it."""
@@ -302,7 +251,7 @@ class Engine:
 
   def _dispatch(self, batch: Batch, inputs, snap: Snapshot) -> None:
     """Swap-ins and the jitted step; the new state is kept before anything can raise."""
-    with _sigint_deferred():
+    with sigint_deferred():
       try:
         self._swap_ins(batch)
         t0 = time.perf_counter()
@@ -330,7 +279,7 @@ class Engine:
     except BaseException:
       snap.restore(self._groups)
       raise
-    with _sigint_deferred():
+    with sigint_deferred():
       self._pending = None
       for o in finished:
         self._outbox[o.request_id] = o

@@ -2,7 +2,7 @@
 finish on stop id / max_tokens, beam selection, and the `RequestOutput`s.
 
 Runs only once the step's outputs are on the host (numpy). The engine snapshots
-the scheduler first (`scheduler.Snapshot`) so an exception here undoes every
+the scheduler first (`snapshot.Snapshot`) so an exception here undoes every
 change and the same outputs can be applied again.
 """
 

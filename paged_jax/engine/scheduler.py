@@ -41,7 +41,7 @@ import bisect
 import collections
 import dataclasses
 import enum
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 
 class GroupStatus(enum.Enum):
@@ -152,7 +152,7 @@ class Scheduler:
     self.free_slots: List[int] = list(range(max_seqs))
     self.pending_frees: List[int] = []          # device frees not yet committed
     self.pending_forks: List[Tuple[Sequence, Sequence]] = []   # (parent, child) beam forks
-    self._released_slots: List[int] = []        # back to the pool once frees commit
+    self.released_slots: List[int] = []        # back to the pool once frees commit
     self.pending_swap_outs: List[Tuple[Sequence, int]] = []   # (seq, slot) to copy to host
     self.num_preemptions = 0
     self.num_swaps = 0
@@ -187,7 +187,7 @@ class Scheduler:
       self.running.remove(group)
 
   def _release_slots(self, group: Group) -> None:
-    self._released_slots.extend(group.slots)
+    self.released_slots.extend(group.slots)
     group.slots = []
     for seq in group.seqs:
       seq.slot = -1
@@ -384,9 +384,9 @@ class Scheduler:
       seq.num_computed = int(hit_tokens[seq.slot])
     self.pending_frees = []
     self.pending_forks = []
-    self.free_slots.extend(self._released_slots)
+    self.free_slots.extend(self.released_slots)
     self.free_slots.sort()
-    self._released_slots = []
+    self.released_slots = []
     for _, child in batch.forks:
       child.on_device = True
     if not ok:
@@ -403,50 +403,3 @@ class Scheduler:
       leader.last_block_shared = shared
       child.share_id = leader.share_id = leader.seq_id
 
-
-_SEQ_FIELDS = ("num_computed", "slot", "on_device", "pending_fork", "last_block_shared",
-               "share_id", "cum_logprob", "topk", "swapped_kv", "finish_reason")
-_GROUP_FIELDS = ("status", "num_preemptions")
-_SCHED_LISTS = ("waiting", "running", "swapped", "free_slots", "pending_frees",
-                "pending_forks", "_released_slots", "pending_swap_outs")
-
-
-class Snapshot:
-  """The host state of a scheduler and its groups, to undo a step that raised.
-
-  Captures queues, slot lists, counters and every live sequence's fields (token
-  lists only grow during a step, so their lengths suffice): O(live sequences).
-  """
-
-  def __init__(self, sched: Scheduler, groups: Dict[Any, Group]):
-    self.sched = sched
-    self.lists = {k: list(getattr(sched, k)) for k in _SCHED_LISTS}
-    self.counts = (sched.num_preemptions, sched.num_swaps)
-    self.groups = dict(groups)
-    self.group_state = []
-    self.seq_state = []
-    # A step only touches running and swapped groups and the waiting ones it can
-    # admit (at most one per free slot, from the queue's head).
-    touched = sched.running + sched.swapped + sched.waiting[:len(sched.free_slots) + 1]
-    for g in touched:
-      self.group_state.append((g, list(g.seqs), list(g.finished), list(g.slots),
-                               tuple(getattr(g, f) for f in _GROUP_FIELDS)))
-      for q in g.seqs:
-        self.seq_state.append((q, len(q.tokens), tuple(getattr(q, f) for f in _SEQ_FIELDS)))
-
-  def restore(self, groups: Dict[Any, Group]) -> None:
-    """Puts everything back; `groups` (the engine's dict) is refilled in place."""
-    sched = self.sched
-    for k, v in self.lists.items():
-      setattr(sched, k, v)
-    sched.num_preemptions, sched.num_swaps = self.counts
-    groups.clear()
-    groups.update(self.groups)
-    for g, seqs, finished, slots, fields in self.group_state:
-      g.seqs, g.finished, g.slots = seqs, finished, slots
-      for f, v in zip(_GROUP_FIELDS, fields):
-        setattr(g, f, v)
-    for q, n, fields in self.seq_state:
-      del q.tokens[n:]
-      for f, v in zip(_SEQ_FIELDS, fields):
-        setattr(q, f, v)

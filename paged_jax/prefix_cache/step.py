@@ -196,3 +196,17 @@ def after(ps: PrefixStepState, blocks: bm.BlockState, inputs, outputs, *,
   ps = ps.replace(cache=cache)
   available = blocks.num_free + pc.num_evictable(ps.cache, blocks)
   return ps, blocks, available
+
+
+def counters(ps: PrefixStepState, blocks: bm.BlockState):
+  """Device counters: hit / query blocks, evictions, cached / evictable / free blocks."""
+  cache = ps.cache
+  return dict(hit_blocks=cache.hit_blocks, query_blocks=cache.query_blocks,
+              evictions=cache.evictions, cached_blocks=pc.num_cached_blocks(cache),
+              evictable_blocks=pc.num_evictable(cache, blocks), num_free=blocks.num_free)
+
+
+def reset(ps: PrefixStepState, blocks: bm.BlockState) -> Tuple[PrefixStepState, bm.BlockState]:
+  """Drops every cached block (`evict.reset`); running sequences keep theirs."""
+  cache, blocks = evict.reset(ps.cache, blocks)
+  return ps.replace(cache=cache), blocks

@@ -1,0 +1,50 @@
+"""One request validated in full (prompt, sampling params, fit in the cache)
+before anything changes, and built into a scheduler `Group`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from paged_jax.config import CacheConfig
+from paged_jax.engine.params import SamplingParams, check_prompt
+from paged_jax.engine.scheduler import Group, Sequence, cdiv
+
+
+def prepare_group(prompt, params, request_id: Any, *, vocab_size: int, cache_config: CacheConfig,
+                  max_beam_width: int, max_model_len: int) -> Group:
+  """A Group for the request (id, arrival and sequence ids set when queued).
+
+  Raises a one-line ValueError naming the argument and its allowed range, or the
+  blocks a request that can never fit would need.
+  """
+  params = SamplingParams() if params is None else params
+  if not isinstance(params, SamplingParams):
+    raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+  vocab = vocab_size
+  prompt = check_prompt(prompt, vocab)
+  for t in params.stop_token_ids:
+    if t >= vocab:
+      raise ValueError(f"stop_token_ids holds {t}, outside [0, {vocab})")
+  if params.beam_width > max_beam_width:
+    raise ValueError(f"beam_width must be in [1, max_beam_width={max_beam_width}], "
+                     f"got {params.beam_width}")
+  p, m = len(prompt), params.max_tokens
+  if p + m - 1 > max_model_len:
+    raise ValueError(f"prompt of {p} tokens + max_tokens={m} needs {p + m - 1} cached tokens; "
+                     f"the context holds {max_model_len}")
+  c = cache_config
+  if params.num_seqs > c.max_seqs:
+    raise ValueError(f"n / beam_width ({params.num_seqs}) exceeds max_seqs={c.max_seqs}")
+  # Worst case with only the prompt's full blocks shared (the scheduler's exact
+  # copy-on-write count never exceeds it, so an accepted request fits alone).
+  shared = p // c.block_size
+  worst = shared + params.num_seqs * (cdiv(p + m - 1, c.block_size) - shared)
+  if worst > c.num_blocks:
+    raise ValueError(f"request can never fit: it may need {worst} blocks of {c.block_size} "
+                     f"tokens, the cache has num_blocks={c.num_blocks}")
+  count = 1 if params.beam_width > 1 else params.n
+  seqs = [Sequence(seq_id=-1, index=j, sample_seed=params.seed + j, tokens=list(prompt),
+                   prompt_len=p, pending_fork=j > 0) for j in range(count)]
+  return Group(request_id=request_id, arrival=-1, params=params, prompt=list(prompt),
+               seqs=seqs, slots_needed=params.num_seqs)
+
