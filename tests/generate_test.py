@@ -8,7 +8,7 @@ import pytest
 from experiments import generate
 from paged_jax.config import ModelConfig
 from paged_jax.models import dense, llama, save_hf_checkpoint
-from tokenizer_test import WORDS, write_tokenizer_json  # pylint: disable=g-bad-import-order
+from tokenizer_fixture import WORDS, write_tokenizer_json  # pylint: disable=g-bad-import-order
 
 
 # One cache shape for both tests (2 blocks of 8 per sequence), so the step compiles once.

@@ -3,23 +3,9 @@
 import json
 
 import pytest
-import tokenizers
-from tokenizers import decoders, models, pre_tokenizers, processors
 
 from paged_jax import tokenizer
-
-WORDS = ["<unk>", "<s>", "</s>", "once", "upon", "a", "time", "cat"]
-
-
-def write_tokenizer_json(path):
-  """A word-level tokenizer.json built with the tokenizers API: BOS prepended on encode."""
-  tok = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)},
-                                              unk_token="<unk>"))
-  tok.pre_tokenizer = pre_tokenizers.Whitespace()
-  tok.decoder = decoders.WordPiece()   # joins words with spaces
-  tok.add_special_tokens(["<unk>", "<s>", "</s>"])
-  tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-  tok.save(str(path))
+from tokenizer_fixture import WORDS, write_tokenizer_json  # pylint: disable=g-bad-import-order
 
 
 def test_byte_round_trip_and_errors():
