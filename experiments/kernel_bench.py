@@ -162,6 +162,10 @@ def bench_gpu(cfg, inputs, repeats, calls) -> Dict[str, dict]:
   ours = jax.jit(pallas_kernels.paged_attention)
   fns["kernel_paged"] = (ours, (q, k_pages, v_pages, tables, lengths))
   fns["kernel_contiguous"] = (ours, (q, k_pages, v_pages, identity, lengths))
+  if hasattr(pallas_kernels, "GPU_BACKENDS"):
+    # "auto" may pick Mosaic GPU on Hopper: time the Triton kernel too, pinned.
+    triton = jax.jit(functools.partial(pallas_kernels.paged_attention, gpu_backend="triton"))
+    fns["kernel_triton_paged"] = (triton, (q, k_pages, v_pages, tables, lengths))
   jax_paged = _jax_paged_op()
   if jax_paged is not None:
     p = tables.shape[1]

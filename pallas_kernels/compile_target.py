@@ -251,3 +251,42 @@ def compile_report(jitted, *args, fail_on_spill: bool = True,
   finally:
     if owned:
       shutil.rmtree(dump_dir, ignore_errors=True)
+
+
+@functools.lru_cache(maxsize=None)
+def pallas_gpu_call_targets() -> Tuple[str, ...]:
+  """Custom-call target(s) a Pallas Triton kernel lowers to under this JAX version.
+
+  Read from a one-line kernel lowered for the GPU, so tests never hard-code one version's
+  name (jax 0.10 / 0.11 both say `__gpu$xla.gpu.triton` today; nothing relies on it).
+  """
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas import triton as plgpu  # pylint: disable=g-import-not-at-top
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + 1.0
+
+  def f(x):
+    spec = pl.BlockSpec((16,), lambda i: (0,))
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          grid=(1,), in_specs=[spec], out_specs=spec,
+                          compiler_params=plgpu.CompilerParams(num_warps=1),
+                          name="probe_kernel")(x)
+  text = lower_for_gpu_or_platform(jax.jit(f), jax.ShapeDtypeStruct((16,), jnp.float32))
+  return tuple(sorted(set(re.findall(r"stablehlo\.custom_call @([\w$.]+)", text))))
+
+
+def lower_for_gpu_or_platform(jitted, *args) -> str:
+  """StableHLO text of `jitted(*args)` lowered for CUDA without a GPU.
+
+  With the compile plugin: args placed on the compile-only H200 and `lower_for_gpu`
+  (works on jax 0.10 and 0.11). Without it, jax 0.10's `lowering_platforms=("cuda",)`
+  (0.11's Triton lowering needs the GPU target); raises RuntimeError where neither works.
+  """
+  if unavailable_reason() is None:
+    return lower_for_gpu(jitted, *place(args)).as_text()
+  try:
+    return jitted.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  except Exception as e:  # pylint: disable=broad-except
+    raise RuntimeError(f"cannot lower for CUDA here: {unavailable_reason()}") from e

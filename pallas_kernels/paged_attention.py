@@ -39,6 +39,8 @@ from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import tuning
+
 # Finite "minus infinity" for masked logits: exp(MASK - m) underflows to exactly 0 while
 # (MASK - MASK) stays 0, never NaN.
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -53,16 +55,20 @@ def _next_pow2(x: int) -> int:
   return 1 << max(0, int(x) - 1).bit_length()
 
 
-def _load_pages(ref, page_ids, tok_ids, mask):
+def _load_pages(ref, page_ids, tok_ids, mask, width=None):
   """Masked load of tokens `tok_ids` of pages `page_ids`: ref [NB, bs, *rest] ->
   [ppt, tpp, *rest] (ppt = len(page_ids), tpp = len(tok_ids)).
 
   Every dimension gets an integer index array (page id, token in page, then an iota per
   remaining dimension): Triton turns this into one pointer tensor, and the Pallas
   interpreter into a plain gather (it cannot mix array and slice indices). Masked-off
-  elements are never read from memory and come back as 0.
+  elements are never read from memory and come back as 0. `width` (> rest[-1]) pads the
+  last dimension with zeros in registers (head_dim 80 / 96 computed as 128).
   """
-  rest = ref.shape[2:]
+  rest = list(ref.shape[2:])
+  real_last = rest[-1] if rest else None
+  if width is not None and width != real_last:
+    rest[-1] = width
   full = (page_ids.shape[0], tok_ids.shape[0]) + tuple(rest)
   rank = len(full)
 
@@ -74,6 +80,10 @@ def _load_pages(ref, page_ids, tok_ids, mask):
   idx = [along(0, page_ids), along(1, tok_ids)]
   idx += [along(axis, jnp.arange(size, dtype=jnp.int32))
           for axis, size in enumerate(rest, start=2)]
+  if rest and rest[-1] != real_last:
+    feature = idx[-1]
+    idx[-1] = jnp.minimum(feature, real_last - 1)   # padded features: masked, in bounds
+    mask = jnp.logical_and(mask, feature < real_last)
   return plgpu.load(ref.at[tuple(idx)], mask=mask, other=jnp.zeros(full, ref.dtype))
 
 
@@ -99,8 +109,8 @@ def _decode_kernel(
 ):
   b = pl.program_id(0)
   split = pl.program_id(2)
-  num_blocks, block_size, head_dim = k_ref.shape
-  q_rows = q_ref.shape[0]
+  num_blocks, block_size, _ = k_ref.shape
+  q_rows, head_dim = q_ref.shape  # head_dim padded to a power of two (pages keep theirs)
   # A loop step covers `tile_tokens` tokens: several whole pages when pages are small, or
   # one slice of a page when a page is bigger than the tile (`subtiles` steps per page).
   pages_per_tile = max(1, tile_tokens // block_size)
@@ -140,8 +150,8 @@ def _decode_kernel(
     live = page_live[:, None] & (pos >= start_tok) & (pos < end_tok)  # [ppt, tpp]
     live3 = jnp.broadcast_to(live[:, :, None],
                              (pages_per_tile, tokens_per_page, head_dim))
-    k = _load_pages(k_ref, page_ids, tok_ids, live3)                  # [ppt, tpp, D]
-    v = _load_pages(v_ref, page_ids, tok_ids, live3)
+    k = _load_pages(k_ref, page_ids, tok_ids, live3, head_dim)        # [ppt, tpp, D]
+    v = _load_pages(v_ref, page_ids, tok_ids, live3, head_dim)
     k = k.reshape(tile_tokens, head_dim).astype(compute_dtype)
     v = v.reshape(tile_tokens, head_dim).astype(compute_dtype)
     live_row = live.reshape(1, tile_tokens)
@@ -196,18 +206,19 @@ def _paged_attention_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, 
   pages_per_seq = block_tables.shape[1]
   group = num_q_heads // num_kv_heads
   q_rows = max(_MIN_Q_ROWS, _next_pow2(group))
+  head_dim_p = tuning.padded_head_dim(head_dim)  # pages stay [.., D]: padded on load
 
   q4 = q.reshape(batch, num_kv_heads, group, head_dim)
-  if q_rows != group:
-    q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, q_rows - group), (0, 0)))
+  if q_rows != group or head_dim_p != head_dim:
+    q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, q_rows - group), (0, head_dim_p - head_dim)))
   # Zero-pad the table so every tile's vector load of page ids stays inside the row.
   pages_per_tile = max(1, tile_tokens // block_size)
   tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pages_per_tile)))
   tables_width = tables.shape[1]
 
   compute_dtype = q.dtype
-  # fp32 inputs: IEEE fp32 dots (Triton's default would be TF32).
-  precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+  # f32: 3-pass TF32 on the GPU, IEEE in the interpreter (see pallas_kernels/tuning.py).
+  precision = tuning.dot_precision(q.dtype, interpret)
   out_dtype = q.dtype if num_splits == 1 else jnp.float32
 
   kernel = functools.partial(
@@ -223,19 +234,19 @@ def _paged_attention_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, 
       in_specs=[
           pl.BlockSpec(),                                                       # lengths
           pl.BlockSpec((None, tables_width), lambda b, h, s: (b, 0)),            # tables
-          pl.BlockSpec((None, None, q_rows, head_dim), lambda b, h, s: (b, h, 0, 0)),  # q
+          pl.BlockSpec((None, None, q_rows, head_dim_p), lambda b, h, s: (b, h, 0, 0)),
           pages_spec,                                                           # k_pages
           pages_spec,                                                           # v_pages
           None if k_scales is None else scale_spec,
           None if v_scales is None else scale_spec,
       ],
       out_specs=[
-          pl.BlockSpec((None, None, None, q_rows, head_dim),
+          pl.BlockSpec((None, None, None, q_rows, head_dim_p),
                        lambda b, h, s: (b, h, s, 0, 0)),
           pl.BlockSpec((None, None, None, q_rows), lambda b, h, s: (b, h, s, 0)),
       ],
       out_shape=[
-          jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, q_rows, head_dim),
+          jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, q_rows, head_dim_p),
                                out_dtype),
           jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, q_rows), jnp.float32),
       ],
@@ -249,7 +260,8 @@ def _paged_attention_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, 
     out = o[:, :, 0]
   else:
     out = _combine_splits(o, lse)
-  return out[:, :, :group].reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+  out = out[:, :, :group, :head_dim]
+  return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
 
 _jitted_impl = jax.jit(
@@ -259,23 +271,27 @@ _jitted_impl = jax.jit(
 
 
 def default_num_splits(batch: int, num_kv_heads: int, pages_per_seq: int, block_size: int,
-                       tile_tokens: int, target_programs: int = 264,
+                       tile_tokens: int, target_programs: int = 528,
                        max_splits: int = 32) -> int:
-  """Split-K heuristic: enough programs to fill the GPU about twice (132 SMs on H100/H200)
-  without splits shorter than two page tiles of the longest sequence the table can hold."""
+  """Split-K heuristic: programs for about two waves of resident blocks (132 SMs x 2
+  blocks of 256 threads at ~128 registers on H100/H200: 528), without splits shorter than
+  two page tiles of the longest sequence the table can hold. B=64 x 8 KV heads at 4K
+  context: 2 splits (1,024 programs) instead of 512 programs for 264 slots."""
   max_tiles = -(-pages_per_seq // max(1, tile_tokens // block_size))
   want = -(-target_programs // (batch * num_kv_heads))
   return int(max(1, min(want, max_tiles // 2, max_splits)))
 
 
-def default_tile_tokens(block_size: int, head_dim: int) -> int:
-  """Tokens per loop step: 128 (64 for head_dim > 128), and at least 16 (Triton dot)."""
+def default_tile_tokens(block_size: int, head_dim: int, dtype=jnp.bfloat16) -> int:
+  """Tokens per loop step (tuning.decode_defaults): 128 for 2-byte dtypes at D <= 128,
+  halved for D > 128 and for float32; at least 16 (Triton dot)."""
   del block_size  # Pages smaller than the tile are grouped, bigger ones sliced.
-  return 128 if head_dim <= 128 else 64
+  return tuning.decode_defaults(dtype, tuning.padded_head_dim(head_dim)).tile_tokens
 
 
-def default_num_warps(tile_tokens: int, head_dim: int) -> int:
-  return 8 if tile_tokens * head_dim >= 128 * 128 else 4
+def default_num_warps(tile_tokens: int, head_dim: int, dtype=jnp.bfloat16) -> int:
+  wide = jnp.dtype(dtype).itemsize >= 4
+  return 8 if wide or tile_tokens * tuning.padded_head_dim(head_dim) >= 64 * 128 else 4
 
 
 def _dtype_name(x) -> str:
@@ -300,8 +316,9 @@ def _validate(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sm
     raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_q_heads={num_q_heads}")
   if block_size not in SUPPORTED_BLOCK_SIZES:
     raise ValueError(f"block_size must be a power of two in [1, 256], got {block_size}")
-  if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
-    raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
+  if head_dim < 16 or head_dim > 256:
+    raise ValueError(f"head_dim must be in [16, 256] (computed padded to a power of two), "
+                     f"got {head_dim}")
   if _dtype_name(q) not in _Q_DTYPES:
     raise ValueError(f"q dtype must be one of {_Q_DTYPES}, got {_dtype_name(q)}")
   page_dtype = _dtype_name(k_pages)
@@ -335,15 +352,24 @@ def _validate(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sm
     raise ValueError(f"sliding_window must be an int >= 1, got {sliding_window}")
   if num_splits is not None and (int(num_splits) != num_splits or not 1 <= num_splits <= 256):
     raise ValueError(f"num_splits must be an int in [1, 256], got {num_splits}")
-  if tile_tokens is not None and (int(tile_tokens) != tile_tokens or not
-                                  _MIN_TILE_TOKENS <= tile_tokens <= 1024 or
-                                  tile_tokens & (tile_tokens - 1)):
-    raise ValueError(f"tile_tokens must be a power of two in [{_MIN_TILE_TOKENS}, 1024] "
-                     f"(Triton dot tile), got {tile_tokens}")
+  head_dim_p = tuning.padded_head_dim(head_dim)
+  stages = 3 if num_stages is None else num_stages
+  if num_stages is not None:
+    tuning.check_knob("num_stages", num_stages, 1, 4, why="Triton software pipelining")
+  buffers = tuning.kv_buffers("decode", stages)
+  top = tuning.max_tile(head_dim_p, k_pages.dtype, q.dtype, buffers)
+  if tile_tokens is not None:
+    tuning.check_knob("tile_tokens", tile_tokens, _MIN_TILE_TOKENS, top, pow2=True,
+                      why=f"Triton dot >= 16; above {top}, {stages} stages of K/V tiles at "
+                      f"head_dim {head_dim_p} exceed the sm_90 shared-memory budget of "
+                      f"{tuning.SHARED_MEMORY_BUDGET:,} B")
   if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
     raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {num_warps}")
-  if num_stages is not None and not 1 <= num_stages <= 8:
-    raise ValueError(f"num_stages must be in [1, 8], got {num_stages}")
+  tile = tile_tokens if tile_tokens is not None else default_tile_tokens(
+      block_size, head_dim, q.dtype)
+  tuning.check_shared_memory(knob="num_stages", value=stages, tile=tile,
+                             head_dim_p=head_dim_p, page_dtype=k_pages.dtype,
+                             compute_dtype=q.dtype, buffers=buffers)
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None,
@@ -353,7 +379,9 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None
   """Decode attention over a paged KV cache (one query token per sequence).
 
   Args:
-    q: [B, Hq, D] float32 / bfloat16 / float16; D a power of two in [16, 256].
+    q: [B, Hq, D] float32 / bfloat16 / float16; D in [16, 256] (a D that is not a power
+      of two, e.g. 80 / 96, is computed as the next power of two: q padded with zeros,
+      pages loaded with a feature mask, nothing copied).
     k_pages, v_pages: [Hkv, NB, bs, D] in q's dtype, or int8 / float8_e4m3fn with scales;
       bs a power of two in [1, 256]; Hkv divides Hq.
     block_tables: i32[B, P]; entries past a sequence's length are never read.
@@ -364,11 +392,14 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None
     k_scales, v_scales: f32[Hkv, NB, bs] per-token dequantization scales.
     interpret: run the Pallas interpreter (CPU) instead of compiling for the GPU.
     num_splits: split-K partitions per (sequence, KV head); default `default_num_splits`.
-    tile_tokens: tokens per loop step (power of two in [16, 1024]): whole pages when
+    tile_tokens: tokens per loop step (power of two >= 16, up to what the sm_90 shared
+      memory budget allows for the dtype / head_dim / stages): whole pages when
       block_size <= tile_tokens, else slices of one page; default `default_tile_tokens`.
-    num_warps, num_stages: Triton launch parameters (default `default_num_warps`, 2).
+    num_warps, num_stages: Triton launch parameters (default `default_num_warps`, 3;
+      stages in [1, 4]).
   Returns:
-    [B, Hq, D] in q's dtype, accumulated in float32.
+    [B, Hq, D] in q's dtype, accumulated in float32. float32 dots run as 3-pass TF32 on
+    the GPU (~1e-6 relative error) and IEEE f32 in interpret mode (pallas_kernels/tuning.py).
   Raises:
     ValueError naming the argument and its allowed range, before any tracing.
   """
@@ -377,16 +408,18 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None
   batch, _, head_dim = q.shape
   num_kv_heads, _, block_size, _ = k_pages.shape
   if tile_tokens is None:
-    tile_tokens = default_tile_tokens(block_size, head_dim)
+    tile_tokens = default_tile_tokens(block_size, head_dim, q.dtype)
   if num_splits is None:
     num_splits = default_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size,
                                     tile_tokens)
   if num_warps is None:
-    num_warps = default_num_warps(tile_tokens, head_dim)
+    num_warps = default_num_warps(tile_tokens, head_dim, q.dtype)
+  if num_stages is None:
+    num_stages = tuning.decode_defaults(q.dtype, tuning.padded_head_dim(head_dim)).num_stages
   return _jitted_impl(
       q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
       sm_scale=float(1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale),
       soft_cap=None if soft_cap is None else float(soft_cap),
       sliding_window=None if sliding_window is None else int(sliding_window),
       num_splits=int(num_splits), tile_tokens=int(tile_tokens), num_warps=int(num_warps),
-      num_stages=2 if num_stages is None else int(num_stages), interpret=bool(interpret))
+      num_stages=int(num_stages), interpret=bool(interpret))

@@ -27,12 +27,13 @@ Design (Triton backend, chosen explicitly through `plgpu.CompilerParams`):
     tile's causal bound are never dereferenced; keys at or past the sequence end are
     masked out of the logits and their values zeroed (stale NaN pages cannot leak).
   * Online softmax in base 2 with float32 accumulation; bf16/fp16 operands go to the
-    tensor cores as-is, float32 with IEEE precision. int8 / fp8 pages are converted to
+    tensor cores as-is, float32 as 3-pass TF32 (IEEE in interpret mode; see tuning.py). int8 / fp8 pages are converted to
     the query dtype in registers; their per-token scales multiply the logits (K) and the
     probabilities (V).
   * Split-K (`kv_splits`): when the grid is too small to fill the GPU (few long
     sequences) the KV range of each tile is cut into splits whose partial (acc, max, sum)
-    are merged by a log-sum-exp combine in jnp.
+    are merged by a log-sum-exp combine in jnp. Partials are per (split, tile): their
+    size follows the tiles of the split launch, not the batch's token count.
   * Rows no tile covers (padding past cu_q_lens[num_seqs]) are zero: the output buffer is
     a zero-initialised input aliased to the output (the second launch aliases the
     first launch's result).
@@ -52,11 +53,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import ragged_tiling as tiling
+from pallas_kernels import tuning
 
 # Finite "minus infinity": exp2(MASK - m) is 0 for any real m and MASK - MASK is not NaN.
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _LOG2E = math.log2(math.e)
-_HIGHEST = lax.Precision.HIGHEST
 _SQ = pl.Squeezed()  # a block dimension indexed by the grid and squeezed out of the ref
 
 
@@ -79,17 +80,18 @@ def _ragged_kernel(
     sm_scale: float,
     soft_cap: Optional[float],
     sliding_window: Optional[int],
+    precision,
 ):
   # refs: the aliased input buffers (never read here: they only give the outputs their
   # initial content, zeros or the previous launch's rows), then the outputs: o_ref
-  # [T, G, D] (normalised, q dtype) when kv_splits == 1; else acc_ref f32[T, G, D],
-  # m_ref f32[T, G], l_ref f32[T, G] for this split.
+  # [T, G, D] (normalised, q dtype) when kv_splits == 1; else (nothing aliased) this
+  # (split, tile)'s acc_ref f32[tq, G, D], m_ref f32[tq, G], l_ref f32[tq, G].
   num_outs = 1 if kv_splits == 1 else 3
   out_refs = refs[len(refs) - num_outs:]
   tile = pl.program_id(0)
   split = pl.program_id(2)
-  _, group, head_dim = q_ref.shape
-  num_blocks, block_size, _ = k_ref.shape
+  _, group, head_dim = q_ref.shape  # head_dim padded to a power of two
+  num_blocks, block_size, page_head_dim = k_ref.shape
   pages_per_seq = block_tables_ref.shape[1]
   rows = q_per_tile * group
   compute_dtype = q_ref.dtype
@@ -124,6 +126,17 @@ def _ragged_kernel(
 
   logit_scale = sm_scale if soft_cap is None else 1.0
 
+  def load_kv(ref, page, offset, key_ok):
+    if page_head_dim == head_dim:
+      return ref[page, offset]                                                  # [tk, D]
+    # head_dim 80 / 96: gather the real features, zeros up to the padded width.
+    shape = (kv_per_tile, head_dim)
+    feature = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    idx = (jnp.broadcast_to(page[:, None], shape), jnp.broadcast_to(offset[:, None], shape),
+           jnp.minimum(feature, page_head_dim - 1))
+    mask = (feature < page_head_dim) & key_ok[:, None]
+    return plgpu.load(ref.at[idx], mask=mask, other=jnp.zeros(shape, ref.dtype))
+
   def body(kv_tile, carry):
     acc, m_prev, l_prev = carry
     key_pos = kv_tile * kv_per_tile + jnp.arange(kv_per_tile, dtype=jnp.int32)  # [tk]
@@ -134,10 +147,10 @@ def _ragged_kernel(
     # bounds) and clamp malformed entries so no load can leave the K/V arrays.
     page = jnp.clip(jnp.where(key_ok, page, 0), 0, num_blocks - 1)
     offset = key_pos % block_size
-    k = k_ref[page, offset]                                                     # [tk, D]
+    k = load_kv(k_ref, page, offset, key_ok)                                    # [tk, D]
     if k.dtype != compute_dtype:
       k = k.astype(compute_dtype)
-    logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_HIGHEST,
+    logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                              preferred_element_type=jnp.float32)                # [R, tk]
     if k_scales_ref is not None:
       logits = logits * (k_scales_ref[page, offset] * logit_scale)[None, :]
@@ -154,7 +167,7 @@ def _ragged_kernel(
     correction = jnp.exp2(m_prev - m_next)
     probs = jnp.where(visible, jnp.exp2(logits - m_next[:, None]), 0.0)       # [R, tk]
     l_next = correction * l_prev + jnp.sum(probs, axis=1)
-    v = v_ref[page, offset]                                                     # [tk, D]
+    v = load_kv(v_ref, page, offset, key_ok)                                    # [tk, D]
     if v.dtype != compute_dtype:
       v = v.astype(compute_dtype)
     v = jnp.where(key_ok[:, None], v, jnp.zeros_like(v))  # 0 * NaN from stale pages
@@ -162,7 +175,7 @@ def _ragged_kernel(
       v_scale = jnp.where(key_ok, v_scales_ref[page, offset], 0.0)
       probs = probs * v_scale[None, :]
     pv = lax.dot_general(probs.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
-                         precision=_HIGHEST, preferred_element_type=jnp.float32)
+                         precision=precision, preferred_element_type=jnp.float32)
     return correction[:, None] * acc + pv, m_next, l_next
 
   acc = jnp.zeros((rows, head_dim), jnp.float32)
@@ -178,17 +191,16 @@ def _ragged_kernel(
                                                                     head_dim),
                 mask=row_ok[:, None, None])
   else:
-    acc_ref, m_ref, l_ref = out_refs
-    plgpu.store(acc_ref.at[out_rows], acc.reshape(q_per_tile, group, head_dim),
-                mask=row_ok[:, None, None])
-    plgpu.store(m_ref.at[out_rows], m_i.reshape(q_per_tile, group), mask=row_ok[:, None])
-    plgpu.store(l_ref.at[out_rows], l_i.reshape(q_per_tile, group), mask=row_ok[:, None])
+    acc_ref, m_ref, l_ref = out_refs  # this tile's slot: rows past num_rows are unused
+    acc_ref[...] = acc.reshape(q_per_tile, group, head_dim)
+    m_ref[...] = m_i.reshape(q_per_tile, group)
+    l_ref[...] = l_i.reshape(q_per_tile, group)
 
 
 def _combine_splits(acc, m, l, out_dtype):
-  """Log-sum-exp merge of split-K partials (base-2 maxima).
+  """Log-sum-exp merge of split-K partials (base-2 maxima) over the leading axis.
 
-  acc: f32[splits, T, Hkv, G, D]; m, l: f32[splits, T, Hkv, G] -> [T, Hkv, G, D].
+  acc: f32[splits, *R, D]; m, l: f32[splits, *R] -> [*R, D].
   """
   m_max = jnp.max(m, axis=0)
   weight = jnp.exp2(m - m_max[None])
@@ -199,11 +211,13 @@ def _combine_splits(acc, m, l, out_dtype):
 
 def _kernel_call(q4, k_pages, v_pages, block_tables, k_scales, v_scales, tiles, init, *,
                  q_per_tile, kv_per_tile, kv_splits, sm_scale, soft_cap, sliding_window,
-                 num_warps, num_stages, interpret):
+                 num_warps, num_stages, interpret, precision):
   """One pallas_call over `tiles`; returns [T, Hkv, G, D] in q4.dtype.
 
   Rows of the tiles are (re)written; every other row keeps its value from `init` (the
-  output buffer is `init`, aliased), or is zero when the tiles are split (kv_splits > 1).
+  output buffer is `init`, aliased). Split-K partials are sized by the tiles (splits x
+  num_tiles x q_per_tile rows, not the T rows of the batch), combined there and
+  scattered into `init` at the tiles' rows.
   """
   num_tokens, num_kv_heads, group_p, head_dim = q4.shape
   _, num_blocks, block_size, _ = k_pages.shape
@@ -213,7 +227,7 @@ def _kernel_call(q4, k_pages, v_pages, block_tables, k_scales, v_scales, tiles, 
   full_1d = pl.BlockSpec((num_tiles,), lambda j, h, s: (0,))
   per_head_q = pl.BlockSpec((num_tokens, _SQ, group_p, head_dim),
                             lambda j, h, s: (0, h, 0, 0))
-  per_head_pages = pl.BlockSpec((_SQ, num_blocks, block_size, head_dim),
+  per_head_pages = pl.BlockSpec((_SQ, num_blocks, block_size, k_pages.shape[3]),
                                 lambda j, h, s: (h, 0, 0, 0))
   per_head_scales = pl.BlockSpec((_SQ, num_blocks, block_size), lambda j, h, s: (h, 0, 0))
   in_specs = [
@@ -230,32 +244,42 @@ def _kernel_call(q4, k_pages, v_pages, block_tables, k_scales, v_scales, tiles, 
     out_specs = [per_head_q]
     inits = [init]
   else:
-    split_acc = pl.BlockSpec((_SQ, num_tokens, _SQ, group_p, head_dim),
-                             lambda j, h, s: (s, 0, h, 0, 0))
-    split_ml = pl.BlockSpec((_SQ, num_tokens, _SQ, group_p), lambda j, h, s: (s, 0, h, 0))
-    out_shapes = [jax.ShapeDtypeStruct((kv_splits, *q4.shape), jnp.float32),
-                  jax.ShapeDtypeStruct((kv_splits, *q4.shape[:-1]), jnp.float32),
-                  jax.ShapeDtypeStruct((kv_splits, *q4.shape[:-1]), jnp.float32)]
+    # [splits, tiles, Hkv, tq, G(, D)]: one block per program, written whole.
+    part = (kv_splits, num_tiles, num_kv_heads, q_per_tile, group_p)
+    split_acc = pl.BlockSpec((_SQ, _SQ, _SQ, q_per_tile, group_p, head_dim),
+                             lambda j, h, s: (s, j, h, 0, 0, 0))
+    split_ml = pl.BlockSpec((_SQ, _SQ, _SQ, q_per_tile, group_p),
+                            lambda j, h, s: (s, j, h, 0, 0))
+    out_shapes = [jax.ShapeDtypeStruct(part + (head_dim,), jnp.float32),
+                  jax.ShapeDtypeStruct(part, jnp.float32),
+                  jax.ShapeDtypeStruct(part, jnp.float32)]
     out_specs = [split_acc, split_ml, split_ml]
-    inits = [jnp.zeros(o.shape, o.dtype) for o in out_shapes]
+    inits = []
   first_alias = len(jax.tree.leaves(args))  # None scales are empty pytrees: no operand
   kernel = functools.partial(
       _ragged_kernel, q_per_tile=q_per_tile, kv_per_tile=kv_per_tile, kv_splits=kv_splits,
-      sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+      sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+      precision=precision)
   outs = pl.pallas_call(
       kernel,
       grid=grid,
-      in_specs=in_specs + out_specs,
+      in_specs=in_specs + out_specs[:len(inits)],
       out_specs=out_specs,
       out_shape=out_shapes,
-      input_output_aliases={first_alias + i: i for i in range(len(out_shapes))},
+      input_output_aliases={first_alias + i: i for i in range(len(inits))},
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name=f"ragged_paged_attention_tq{q_per_tile}_tk{kv_per_tile}_s{kv_splits}",
   )(*args, *inits)
   if kv_splits == 1:
     return outs[0]
-  return _combine_splits(*outs, q4.dtype)
+  part = _combine_splits(*outs, q4.dtype)                     # [tiles, Hkv, tq, G, D]
+  part = jnp.swapaxes(part, 1, 2).reshape(num_tiles * q_per_tile, num_kv_heads, group_p,
+                                          head_dim)
+  local = jnp.arange(q_per_tile, dtype=jnp.int32)
+  rows = tiles.row_start[:, None] + local[None, :]
+  rows = jnp.where(local[None, :] < tiles.num_rows[:, None], rows, num_tokens)  # dropped
+  return init.at[rows.reshape(-1)].set(part, mode="drop")
 
 
 @functools.partial(
@@ -271,13 +295,14 @@ def _ragged_paged_attention_jit(q, k_pages, v_pages, block_tables, kv_lens, cu_q
   num_kv_heads = k_pages.shape[0]
   group = num_q_heads // num_kv_heads
   group_p = tiling.next_pow2(group)  # Triton tensors need power-of-two sizes.
+  head_dim_p = tuning.padded_head_dim(head_dim)  # pages keep D: padded on load
   q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-  if group_p != group:
-    q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, group_p - group), (0, 0)))
+  if group_p != group or head_dim_p != head_dim:
+    q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, group_p - group), (0, head_dim_p - head_dim)))
   block_tables = block_tables.astype(jnp.int32)
   common = dict(kv_per_tile=kv_per_tile, sm_scale=sm_scale, soft_cap=soft_cap,
                 sliding_window=sliding_window, num_warps=num_warps, num_stages=num_stages,
-                interpret=interpret)
+                interpret=interpret, precision=tuning.dot_precision(q.dtype, interpret))
   out4 = jnp.zeros(q4.shape, q4.dtype)  # rows no tile covers (padding) stay zero
   for tile_class in tiling.tile_classes(num_tokens, q_per_tile, short_q_per_tile, kv_splits):
     tiles = tiling.query_tiles(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens,
@@ -287,14 +312,14 @@ def _ragged_paged_attention_jit(q, k_pages, v_pages, block_tables, kv_lens, cu_q
     out4 = _kernel_call(q4, k_pages, v_pages, block_tables, k_scales, v_scales, tiles, out4,
                         q_per_tile=tile_class.q_per_tile, kv_splits=tile_class.kv_splits,
                         **common)
-  return out4[:, :, :group].reshape(num_tokens, num_q_heads, head_dim)
+  return out4[:, :, :group, :head_dim].reshape(num_tokens, num_q_heads, head_dim)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
                            *, sm_scale=None, soft_cap=None, sliding_window=None,
                            k_scales=None, v_scales=None, interpret=False,
                            q_per_tile=None, short_q_per_tile=None, kv_per_tile=None,
-                           kv_splits=None, num_warps=4, num_stages=2):
+                           kv_splits=None, num_warps=None, num_stages=None):
   """Mixed prefill + decode paged attention (Pallas, Triton GPU backend).
 
   Args:
@@ -312,16 +337,20 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens
     sliding_window: W -> a query at position p sees keys in (p - W, p].
     k_scales, v_scales: f32[Hkv, NB, bs] per-token dequantisation scales or None.
     interpret: run the Pallas interpreter (CPU tests) instead of compiling for the GPU.
-    q_per_tile: query tokens per prefill tile (power of two; default 64 // G, so a tile
-      holds ~64 logit rows; at least 16 // G).
+    q_per_tile: query tokens per prefill tile (power of two; default: a tile holds ~64
+      logit rows, 32 for float32 (tuning.ragged_defaults); at least 16 // G).
     short_q_per_tile: sequences with at most this many new queries (decode rows, short
       chunks) get one tile of this size in a first launch, so a decode row does not pay
       for a 64-row tile (power of two <= q_per_tile; default max(1, 16 // G); equal to
       q_per_tile: a single launch for every sequence).
-    kv_per_tile: keys per inner step (power of two >= 16; default 64, 32 for D > 128).
+    kv_per_tile: keys per inner step (power of two >= 16, up to what the sm_90 shared
+      memory budget allows; default tuning.ragged_defaults: 64 for bf16/fp16 at D <= 128).
     kv_splits: split-K factor of the short-sequence launch (>= 1; default: enough
       programs to fill ~2 waves of a GPU; 1 in interpret mode).
-    num_warps, num_stages: Triton compiler parameters.
+    num_warps, num_stages: Triton compiler parameters (default tuning.ragged_defaults).
+    head_dim: any D in [16, 256]; one that is not a power of two (80, 96) is computed as
+      the next power of two (q zero-padded, K/V loaded with a feature mask).
+    float32 runs its dots as 3-pass TF32 on the GPU, IEEE in interpret mode.
 
   Returns:
     [T, Hq, D] in q.dtype.
@@ -341,4 +370,4 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens
       sm_scale=cfg.sm_scale, soft_cap=cfg.soft_cap, sliding_window=cfg.sliding_window,
       interpret=bool(interpret), q_per_tile=cfg.q_per_tile,
       short_q_per_tile=cfg.short_q_per_tile, kv_per_tile=cfg.kv_per_tile,
-      kv_splits=cfg.kv_splits, num_warps=num_warps, num_stages=num_stages)
+      kv_splits=cfg.kv_splits, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import tuning
+
 Q_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 PAGE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int8, jnp.float8_e4m3fn)
 NUM_WARPS = (1, 2, 4, 8, 16)
@@ -76,6 +78,8 @@ class RaggedConfig:
   short_q_per_tile: int
   kv_per_tile: int
   kv_splits: int
+  num_warps: int = 4
+  num_stages: int = 2
 
 
 def max_query_tiles(num_tokens: int, num_seqs: int, q_per_tile: int, min_q_len: int = 1,
@@ -111,11 +115,11 @@ def tile_classes(num_tokens: int, q_per_tile: int, short_q_per_tile: int,
   return classes
 
 
-def default_q_per_tile(group: int) -> Tuple[int, int]:
-  """(q_per_tile, short_q_per_tile): ~64 logit rows per prefill tile, 16 per short one."""
+def default_q_per_tile(group: int, rows: int = 64) -> Tuple[int, int]:
+  """(q_per_tile, short_q_per_tile): ~`rows` logit rows per prefill tile, 16 per short."""
   group_p = next_pow2(group)
   short = max(1, MIN_DOT_ROWS // group_p)
-  return max(short, 64 // group_p), short
+  return max(short, rows // group_p), short
 
 
 def default_kv_splits(num_tiles: int, num_kv_heads: int, max_kv_tokens: int,
@@ -158,7 +162,7 @@ def validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, *,
   if head_dim_k != head_dim:
     raise ValueError(f"head_dim of k_pages ({head_dim_k}) must equal head_dim of q "
                      f"({head_dim})")
-  _check_int("head_dim", head_dim, 16, 256, pow2=True)
+  _check_int("head_dim", head_dim, 16, 256)
   _check_int("num_blocks", num_blocks, 1)
   _check_int("block_size", block_size, 1, 1024)
   if block_tables.ndim != 2 or block_tables.shape[0] < 1 or block_tables.shape[1] < 1:
@@ -192,15 +196,27 @@ def validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, *,
   group = num_q_heads // num_kv_heads
   group_p = next_pow2(group)
   min_tile = max(1, MIN_DOT_ROWS // group_p)
-  default_long, default_short = default_q_per_tile(group)
+  head_dim_p = tuning.padded_head_dim(head_dim)
+  tune = tuning.ragged_defaults(q.dtype, head_dim_p, padded=head_dim_p != head_dim)
+  default_long, default_short = default_q_per_tile(group, tune.rows)
   q_per_tile = default_long if q_per_tile is None else q_per_tile
   _check_int("q_per_tile", q_per_tile, min_tile, 1024, pow2=True)
   if short_q_per_tile is None:
     short_q_per_tile = min(default_short, q_per_tile)
   _check_int("short_q_per_tile", short_q_per_tile, min_tile, q_per_tile, pow2=True)
+  num_warps = tune.num_warps if num_warps is None else num_warps
+  num_stages = tune.num_stages if num_stages is None else num_stages
+  _check_int("num_stages", num_stages, 1, 4)
+  buffers = tuning.kv_buffers("ragged", num_stages)
+  rows = q_per_tile * group_p
+  top = tuning.max_tile(head_dim_p, k_pages.dtype, q.dtype, buffers, rows)
   if kv_per_tile is None:
-    kv_per_tile = 64 if head_dim <= 128 else 32
+    kv_per_tile = min(tune.kv_per_tile, top)
   _check_int("kv_per_tile", kv_per_tile, 16, 1024, pow2=True)
+  tuning.check_shared_memory(knob="q_per_tile/kv_per_tile",
+                             value=f"{q_per_tile}/{kv_per_tile}", tile=kv_per_tile,
+                             head_dim_p=head_dim_p, page_dtype=k_pages.dtype,
+                             compute_dtype=q.dtype, buffers=buffers, q_rows=rows)
   if kv_splits is None:
     if interpret:
       kv_splits = 1  # the interpreter runs programs one by one: splitting only costs time
@@ -214,11 +230,11 @@ def validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, *,
   _check_int("num_warps", num_warps, 1, 16)
   if num_warps not in NUM_WARPS:
     raise ValueError(f"num_warps must be one of {NUM_WARPS}, got {num_warps}")
-  _check_int("num_stages", num_stages, 1, 8)
   return RaggedConfig(sm_scale=scale, soft_cap=cap, sliding_window=sliding_window,
                       q_per_tile=int(q_per_tile), short_q_per_tile=int(short_q_per_tile),
                       kv_per_tile=int(kv_per_tile),
-                      kv_splits=int(kv_splits))
+                      kv_splits=int(kv_splits), num_warps=int(num_warps),
+                      num_stages=int(num_stages))
 
 
 class QueryTiles(NamedTuple):
@@ -254,7 +270,9 @@ def query_tiles(cu_q_lens, kv_lens, num_seqs, *, num_tokens: int, q_per_tile: in
   tiles_per_seq = (q_lens + q_per_tile - 1) // q_per_tile
   tile_ends = jnp.cumsum(tiles_per_seq).astype(jnp.int32)           # [S]
   tile = jnp.arange(num_tiles, dtype=jnp.int32)
-  seq = jnp.searchsorted(tile_ends, tile, side="right").astype(jnp.int32)
+  # Sequence of each tile: how many sequences end at or before it (a [tiles, S] compare
+  # and sum, one fusion; jnp.searchsorted would be a while loop of tiny kernels).
+  seq = jnp.sum(tile_ends[None, :] <= tile[:, None], axis=1, dtype=jnp.int32)
   active = seq < num_seqs_max
   seq = jnp.minimum(seq, num_seqs_max - 1)
   first_tile_of_seq = tile_ends[seq] - tiles_per_seq[seq]

@@ -17,9 +17,19 @@ import pytest
 
 from experiments import ragged_bench
 from paged_jax import attention
-from pallas_kernels import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention  # Triton kernel
 
-TRITON_CALL = "__gpu$xla.gpu.triton"
+from pallas_kernels import compile_target
+
+
+def _triton_call():
+  """The Pallas Triton custom-call target of this JAX version (read, never assumed)."""
+  try:
+    targets = compile_target.pallas_gpu_call_targets()
+  except RuntimeError as e:
+    pytest.skip(str(e))
+  assert len(targets) == 1, targets
+  return targets[0]
 _IR_DTYPE = {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.bfloat16): "bf16",
              jnp.dtype(jnp.float16): "f16", jnp.dtype(jnp.int8): "i8",
              jnp.dtype(jnp.float8_e4m3fn): "f8E4M3FN"}
@@ -44,24 +54,25 @@ def lower_ragged(*, num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim, b
   def f(q, k, v, tables, kv_lens, cu_q_lens, live, k_scales, v_scales):
     if via_dispatch:
       return attention.ragged_paged_attention(q, k, v, tables, kv_lens, cu_q_lens, live,
-                                              backend="pallas", k_scales=k_scales,
+                                              backend="pallas:triton", k_scales=k_scales,
                                               v_scales=v_scales, **kw)
     return ragged_paged_attention(q, k, v, tables, kv_lens, cu_q_lens, live,
                                   k_scales=k_scales, v_scales=v_scales, **kw)
 
-  lowered = jax.jit(f).trace(q, pages, pages, tables, kv_lens, cu_q_lens, live, scales,
-                             scales).lower(lowering_platforms=("cuda",))
+  text = compile_target.lower_for_gpu_or_platform(jax.jit(f), q, pages, pages, tables,
+                                                  kv_lens, cu_q_lens, live, scales, scales)
   pages_type = (f"tensor<{num_kv_heads}x{num_blocks}x{block_size}x{head_dim}x"
                 f"{_IR_DTYPE[jnp.dtype(page_dtype)]}>")
-  return lowered.as_text(), pages_type
+  return text, pages_type
 
 
 def assert_triton_kernel(text, pages_type):
   calls = re.findall(r"stablehlo\.custom_call @([\w$.]+)", text)
+  triton_call = _triton_call()
   # One launch for short (decode) sequences, one for prefill chunks (or a single one).
-  assert calls in ([TRITON_CALL], [TRITON_CALL] * 2), calls
+  assert calls in ([triton_call], [triton_call] * 2), calls
   assert "ragged_paged_attention_tq" in text  # our kernel, by its pallas_call name
-  call_lines = [l for l in text.splitlines() if TRITON_CALL in l]
+  call_lines = [l for l in text.splitlines() if triton_call in l]
   for line in call_lines:
     assert pages_type in line, "the pages must be operands of the kernel"
   for line in text.splitlines():
@@ -119,8 +130,13 @@ def test_benchmark_configs_lower(cfg):
     dict(num_tokens=4, num_seqs=4, num_q_heads=32, num_kv_heads=8, head_dim=128,
          block_size=16, pages_per_seq=2048, kv_splits=16),
     dict(num_tokens=512, num_seqs=16, num_q_heads=32, num_kv_heads=8, head_dim=128,
-         block_size=16, pages_per_seq=64, q_per_tile=16, kv_per_tile=128, num_warps=8,
+         block_size=16, pages_per_seq=64, q_per_tile=16, kv_per_tile=64, num_warps=8,
          num_stages=3),
+    # head_dim not a power of two (computed as 128 / 128), f32 and bf16.
+    dict(num_tokens=64, num_seqs=4, num_q_heads=32, num_kv_heads=8, head_dim=80,
+         block_size=16, pages_per_seq=16, dtype=jnp.float32),
+    dict(num_tokens=64, num_seqs=4, num_q_heads=16, num_kv_heads=4, head_dim=96,
+         block_size=32, pages_per_seq=16, kv_splits=4),
 ])
 def test_kernel_configs_lower(cfg):
   assert_triton_kernel(*lower_ragged(**cfg))

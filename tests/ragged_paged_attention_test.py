@@ -145,6 +145,9 @@ FAST_CASES = [
     (4, 64, 16, jnp.bfloat16, jnp.float8_e4m3fn, {}),
     (3, 64, 4, jnp.float32, None, {}),  # group 3 (padded to 4), block size 4
     (8, 64, 16, jnp.float32, None, {"short_q_per_tile": 4, "q_per_tile": 8}),
+    # head_dim not a power of two: computed as 128, pages loaded with a feature mask.
+    (4, 80, 16, jnp.float32, None, {"kv_splits": 2}),
+    (2, 96, 8, jnp.bfloat16, None, {}),
 ]
 
 
@@ -229,6 +232,26 @@ def test_query_tiles_match_python_model():
     assert len(tiles.seq) == bound >= len(want), f"seed={seed}"
 
 
+def test_query_tiles_have_no_search_loop():
+  """Tile -> sequence is a compare-and-sum, not jnp.searchsorted's while loop (on a GPU a
+  loop of tiny kernels per forward)."""
+  jaxpr = jax.make_jaxpr(lambda cu, kv, n: ragged_tiling.query_tiles(
+      cu, kv, n, num_tokens=512, q_per_tile=16))(
+          jnp.zeros((9,), jnp.int32), jnp.zeros((8,), jnp.int32), jnp.int32(8))
+  assert "while" not in str(jaxpr)
+
+
+def test_split_partials_are_sized_by_tiles():
+  """A 1 x 2048 prefill: split-K partials follow the split launch's tiles, not T rows."""
+  args, _, _ = make_batch(np.random.default_rng(3), seqs=[(2048, 2048)], num_kv_heads=2,
+                          group=2, head_dim=64, block_size=16, padding_rows=0, dead_seqs=0)
+  jaxpr = str(jax.make_jaxpr(lambda *a: ragged_paged_attention(*a, kv_splits=8))(*args))
+  # The largest f32 buffer is the output-sized one (T x Hq x D), never splits x T x ...
+  sizes = [int(np.prod([int(d) for d in m.split(",") if d]))
+           for m in __import__("re").findall(r"f32\[([\d,]+)\]", jaxpr)]
+  assert max(sizes) <= 2048 * 4 * 64
+
+
 def test_tile_classes_cover_every_sequence_once():
   for tokens, tq, short in [(64, 16, 4), (64, 16, 16), (3, 16, 4), (1, 8, 2)]:
     classes = ragged_tiling.tile_classes(tokens, tq, short, kv_splits=3)
@@ -256,8 +279,8 @@ def _small_args(**over):
     (dict(q=jnp.zeros((4, 4, 64), jnp.int32)), "q dtype"),
     (dict(q=jnp.zeros((4, 3, 64))), "num_kv_heads"),
     (dict(v_pages=jnp.zeros((2, 8, 8, 64))), "v_pages shape"),
-    (dict(q=jnp.zeros((4, 4, 48)), k_pages=jnp.zeros((2, 8, 16, 48)),
-          v_pages=jnp.zeros((2, 8, 16, 48))), "head_dim"),
+    (dict(q=jnp.zeros((4, 4, 384)), k_pages=jnp.zeros((2, 8, 16, 384)),
+          v_pages=jnp.zeros((2, 8, 16, 384))), "head_dim"),
     (dict(q=jnp.zeros((4, 4, 32))), "head_dim of k_pages"),
     (dict(k_pages=jnp.zeros((2, 8, 2048, 64)), v_pages=jnp.zeros((2, 8, 2048, 64))),
      "block_size"),
@@ -271,10 +294,14 @@ def _small_args(**over):
     (dict(k_scales=jnp.ones((2, 8, 8))), "k_scales"),
     (dict(q_per_tile=3), "q_per_tile"),
     (dict(q_per_tile=2), "q_per_tile"),  # 2 rows x group 2 < 16 rows for tl.dot
-    (dict(short_q_per_tile=64), "short_q_per_tile"),  # > q_per_tile (32 for group 2)
+    (dict(short_q_per_tile=64), "short_q_per_tile"),  # > q_per_tile (16: f32, group 2)
     (dict(kv_per_tile=8), "kv_per_tile"),
     (dict(kv_splits=0), "kv_splits"),
     (dict(num_warps=3), "num_warps"),
+    (dict(num_stages=8), "num_stages"),
+    # Over the sm_90 shared-memory budget: refused before tracing, naming the budget.
+    (dict(q_per_tile=1024), "q_per_tile.*232,448"),
+    (dict(kv_per_tile=1024), "kv_per_tile.*232,448"),
 ])
 def test_bad_arguments_raise_naming_the_argument(over, needle):
   args, kw = _small_args(**over)

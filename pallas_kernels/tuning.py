@@ -1,0 +1,197 @@
+"""Resource model of the Triton kernels on sm_90 (H100 / H200): defaults and knob budgets.
+
+Both kernels keep one K tile and one V tile of `tile_tokens x head_dim` (decode) or
+`kv_per_tile x head_dim` (ragged) in shared memory per pipeline stage, plus layout-conversion
+scratch, and hold the [rows, head_dim] f32 accumulator and the [rows, tile] logits in
+registers. The limits of one sm_90 thread block are 232,448 B of (opt-in) shared memory
+and 255 registers per thread; a config over either fails to compile (shared memory) or
+spills (registers). The defaults below were chosen with the deviceless compile of
+`pallas_kernels.compile_target` (`python -m experiments.gpu_compile_report`), and
+`tests/gpu_compile_kernels_test.py` compiles every default for sm_90 with XLA's
+fail-on-spill option on. Hand-set knobs are checked against the shared-memory estimate
+before tracing (`check_shared_memory`), so a config over the budget fails with a one-line
+ValueError naming the argument and the budget instead of a RESOURCE_EXHAUSTED from XLA.
+
+float32 on the GPU: dots run as 3-pass TF32 on the tensor cores
+(`lax.DotAlgorithmPreset.TF32_TF32_F32_X3`: the f32 operands are split into a TF32 high part
+and a TF32 remainder, three MMAs, f32 accumulation; error ~1e-6 relative, the f32 test
+tolerance). IEEE f32 dots (precision HIGHEST) compile to FMA loops that spill 15-60 KB per
+thread at head_dim 128 and do not fit shared memory at the bf16 tile sizes. The Pallas
+interpreter (CPU) keeps precision HIGHEST.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from jax import lax
+import jax.numpy as jnp
+
+SHARED_MEMORY_BUDGET = 232448        # sm_90 opt-in shared memory per thread block (bytes)
+REGISTERS_PER_SM = 65536
+MAX_THREADS_PER_SM = 2048
+NUM_SMS = 132                        # H100 SXM / H200
+HBM_BYTES_PER_S = 4.8e12             # H200
+F32_GPU_PRECISION = lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+_SCRATCH_BYTES = 8192                # reduction / layout-conversion scratch (measured)
+
+
+def next_pow2(x: int) -> int:
+  return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def padded_head_dim(head_dim: int) -> int:
+  """Head dim the kernels compute with: the next power of two (Triton tensor sizes).
+
+  Pages keep their real head_dim; the kernels load the first `head_dim` features with a
+  mask (zeros past it), so 80 / 96 run as 128 without copying the cache."""
+  return max(16, next_pow2(head_dim))
+
+
+def dot_precision(dtype, interpret: bool):
+  """Precision of the kernels' dots for operands of `dtype` (see the module docstring)."""
+  if jnp.dtype(dtype) != jnp.dtype(jnp.float32):
+    return None                       # bf16 / fp16 operands, f32 accumulation
+  return lax.Precision.HIGHEST if interpret else F32_GPU_PRECISION
+
+
+def _itemsize(dtype) -> int:
+  return jnp.dtype(dtype).itemsize
+
+
+def kv_buffers(kernel: str, num_stages: int) -> int:
+  """K/V tile buffers per operand: the decode kernel's cp.async ring holds stages - 1
+  tiles in flight; the ragged kernel's gathers stage every tile through shared memory."""
+  return max(1, num_stages - 1) if kernel == "decode" else max(1, num_stages)
+
+
+def shared_memory_estimate(tile: int, head_dim_p: int, page_dtype, compute_dtype,
+                           buffers: int, q_rows: int = 0) -> int:
+  """Upper estimate of one program's shared memory (bytes).
+
+  `buffers` K and V tiles of `tile` x `head_dim_p` in the page dtype, one operand tile
+  and the [q_rows, head_dim_p] query in the compute dtype for the layout conversions
+  feeding the MMA (twice for f32: TF32 x3 keeps a high and a remainder operand), and a
+  fixed scratch. Calibrated on sm_90 compiles (jax 0.10.2 / Triton): above the measured
+  value for every default in tests/gpu_compile_kernels_test.py.
+  """
+  pipeline = buffers * 2 * tile * head_dim_p * _itemsize(page_dtype)
+  convert = (tile + q_rows) * head_dim_p * max(_itemsize(compute_dtype),
+                                               _itemsize(page_dtype))
+  if jnp.dtype(compute_dtype) == jnp.dtype(jnp.float32):
+    convert *= 2
+  return pipeline + convert + _SCRATCH_BYTES
+
+
+def check_shared_memory(*, knob: str, value, tile: int, head_dim_p: int, page_dtype,
+                        compute_dtype, buffers: int, q_rows: int = 0) -> None:
+  """Raises a one-line ValueError when the estimate is over SHARED_MEMORY_BUDGET."""
+  need = shared_memory_estimate(tile, head_dim_p, page_dtype, compute_dtype, buffers,
+                                q_rows)
+  if need > SHARED_MEMORY_BUDGET:
+    raise ValueError(
+        f"{knob}={value} needs ~{need:,} B of shared memory per thread block (tile {tile} x "
+        f"head_dim {head_dim_p}, {buffers} buffers, {jnp.dtype(page_dtype).name} pages, "
+        f"{jnp.dtype(compute_dtype).name} compute) > the sm_90 budget of "
+        f"{SHARED_MEMORY_BUDGET:,} B: use a smaller tile or fewer stages")
+
+
+def max_tile(head_dim_p: int, page_dtype, compute_dtype, buffers: int,
+             q_rows: int = 0) -> int:
+  """Largest power-of-two tile (<= 1024) whose shared-memory estimate fits the budget."""
+  tile = 1024
+  while tile > 16 and shared_memory_estimate(tile, head_dim_p, page_dtype, compute_dtype,
+                                             buffers, q_rows) > SHARED_MEMORY_BUDGET:
+    tile //= 2
+  return tile
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTuning:
+  tile_tokens: int
+  num_warps: int
+  num_stages: int
+
+
+def decode_defaults(compute_dtype, head_dim_p: int) -> DecodeTuning:
+  """Decode kernel defaults (sm_90 compiles: no spill, shared memory in budget).
+
+  3 stages: Triton then prefetches the block-table load of the next tile together with
+  the K/V loads (cp.async; with 2 stages the page-id load stays a synchronous ld.global
+  in every iteration's critical path) at no extra shared memory (73,760 vs 73,728 B at
+  bf16 D 128). f32 (TF32 x3): 64 tokens x D 128 at 8 warps (178 registers), 16 x D 256
+  (250 registers; 32 tokens spill).
+  """
+  wide = jnp.dtype(compute_dtype).itemsize >= 4
+  if wide:
+    tile = 64 if head_dim_p <= 128 else 16
+  else:
+    tile = 128 if head_dim_p <= 128 else 64
+  warps = 8 if wide or tile * head_dim_p >= 64 * 128 else 4
+  return DecodeTuning(tile_tokens=tile, num_warps=warps, num_stages=3)
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedTuning:
+  rows: int          # logit rows per prefill tile (q_per_tile * padded group)
+  kv_per_tile: int
+  num_warps: int
+  num_stages: int
+
+
+def ragged_defaults(compute_dtype, head_dim_p: int, padded: bool = False) -> RaggedTuning:
+  """Ragged kernel defaults (sm_90 compiles, tests/gpu_compile_kernels_test.py).
+
+  bf16 / fp16: ~64 logit rows x 64 keys at D <= 128 with 8 warps (178 registers; 4 warps
+  sit at 255 and spill 8 B in the mixed batch); D 256: 64 rows x 32 keys. f32 (TF32 x3)
+  keeps the registers of its three operand pairs: 32 rows x 32 keys (8 warps at D 128:
+  232 registers; 4 at D <= 64) and 16 rows x 16 keys at D 256 (32 rows spill 1.2 KB).
+  A padded head_dim (80, 96) gathers K/V with a feature mask, which costs registers:
+  half the keys per step (64 keys spill 152 B at D 96).
+  """
+  if jnp.dtype(compute_dtype).itemsize >= 4:
+    if head_dim_p > 128:
+      tune = RaggedTuning(rows=16, kv_per_tile=16, num_warps=8, num_stages=2)
+    else:
+      tune = RaggedTuning(rows=32, kv_per_tile=32, num_warps=8 if head_dim_p > 64 else 4,
+                          num_stages=2)
+  elif head_dim_p > 128:
+    tune = RaggedTuning(rows=64, kv_per_tile=32, num_warps=8, num_stages=2)
+  else:
+    tune = RaggedTuning(rows=64, kv_per_tile=64, num_warps=8, num_stages=2)
+  if padded and tune.kv_per_tile > 16:
+    tune = dataclasses.replace(tune, kv_per_tile=tune.kv_per_tile // 2, num_warps=8)
+  return tune
+
+
+def resident_blocks(registers: int, threads: int, shared_memory: int) -> int:
+  """Thread blocks one SM holds at once (registers, shared memory, threads bound)."""
+  by_regs = REGISTERS_PER_SM // max(1, registers * threads)
+  by_smem = (233472 // shared_memory) if shared_memory else 32
+  return max(0, min(by_regs, by_smem, MAX_THREADS_PER_SM // max(1, threads), 32))
+
+
+def wave_efficiency(programs: int, slots: int) -> float:
+  """Busy fraction of the SM slots over the waves `programs` take (tail effect)."""
+  if programs <= 0 or slots <= 0:
+    return 0.0
+  waves = -(-programs // slots)
+  return programs / (waves * slots)
+
+
+def default_decode_programs(num_warps: int) -> int:
+  """Programs to aim for: two waves of the blocks an SM keeps resident (~128 registers)."""
+  return 2 * NUM_SMS * max(1, resident_blocks(128, 32 * num_warps, 0))
+
+
+def check_knob(name: str, value, lo: int, hi: int, pow2: bool = False,
+               why: Optional[str] = None) -> None:
+  """One-line ValueError naming the argument, its allowed range and the reason."""
+  ok = isinstance(value, (int,)) and not isinstance(value, bool) and lo <= value <= hi
+  if ok and pow2:
+    ok = value & (value - 1) == 0
+  if not ok:
+    kind = "a power of two in" if pow2 else "in"
+    reason = f" ({why})" if why else ""
+    raise ValueError(f"{name} must be {kind} [{lo}, {hi}]{reason}, got {value!r}")
