@@ -153,24 +153,23 @@ def check_flags(f) -> None:
 
 def main(f, out):
   """Runs the experiment with parsed flags `f` (this module's FLAGS) into directory `out`."""
-  del f  # this module's private FLAGS; kept for common.run_app's calling convention
-  check_flags(FLAGS)
-  requests = workloads.synthetic(FLAGS.workload, FLAGS.num_requests, seed=FLAGS.seed,
-                                 max_len=FLAGS.max_len)
+  check_flags(f)
+  requests = workloads.synthetic(f.workload, f.num_requests, seed=f.seed,
+                                 max_len=f.max_len)
   start = time.time()
-  results = run(requests, block_size=FLAGS.block_size, kv_budget_tokens=FLAGS.kv_budget_tokens,
-                max_len=FLAGS.max_len, watermark=FLAGS.watermark)
+  results = run(requests, block_size=f.block_size, kv_budget_tokens=f.kv_budget_tokens,
+                max_len=f.max_len, watermark=f.watermark)
   seconds = time.time() - start
   common.write_json(out / "memory_waste.json", results)
-  meta = common.run_metadata(FLAGS)
+  meta = common.run_metadata(f)
   meta.update(seconds=round(seconds, 2), paper_token_states=PAPER_TOKEN_STATES,
               partition=list(CATEGORIES))
   common.write_json(out / "memory_waste_meta.json", meta)
   png = plot(results, out / "memory_waste.png",
-             f"{FLAGS.workload}-like, {FLAGS.num_requests} requests, KV budget "
-             f"{FLAGS.kv_budget_tokens} tokens, block size {FLAGS.block_size}")
-  print(f"memory_waste: {FLAGS.workload}-like stream, {FLAGS.num_requests} requests, "
-        f"T={FLAGS.kv_budget_tokens} slots, block_size={FLAGS.block_size} ({seconds:.1f} s)")
+             f"{f.workload}-like, {f.num_requests} requests, KV budget "
+             f"{f.kv_budget_tokens} tokens, block size {f.block_size}")
+  print(f"memory_waste: {f.workload}-like stream, {f.num_requests} requests, "
+        f"T={f.kv_budget_tokens} slots, block_size={f.block_size} ({seconds:.1f} s)")
   print(summary_table(results))
   for name in ALLOCATORS:
     if results[name]["averaged_over"] != "saturated":
