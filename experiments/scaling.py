@@ -210,7 +210,8 @@ def main(f, out):
   for r in rows:
     r["step_time_ratio"] = r["step_seconds"] / t1
   result = dict(
-      machine="CPU, simulated devices (XLA host platform) sharing this machine's cores",
+      **common.run_metadata(FLAGS),
+      devices="CPU, simulated devices (XLA host platform) sharing this machine's cores",
       jax_version=jax.__version__, model=MODEL.__dict__, workload=FLAGS.workload,
       num_requests=FLAGS.num_requests, max_output=FLAGS.max_output,
       kv_mib_per_device=FLAGS.kv_mib_per_device, block_size=FLAGS.block_size,

@@ -106,7 +106,8 @@ def main(f, out):
     json.dump({"model": config.to_hf_config(), "train": dataclasses.asdict(tc),
                "num_params": llama.num_params(params), "history": history,
                "train_tokens": int(len(train_stream)), "eval_tokens": int(len(eval_stream)),
-               "greedy_sample": text, "backend": jax.default_backend()}, f, indent=1)
+               "greedy_sample": text, "backend": jax.default_backend(),
+               **common.run_metadata(FLAGS)}, f, indent=1)
   plot_curve(history, os.path.join(FLAGS.out, "loss_curve.png"))
   print("greedy sample:", text)
 
