@@ -10,8 +10,6 @@ package initialisation makes that direction safe).
 import ast
 import os
 
-import pytest
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("paged_jax", "pallas_kernels", "experiments")
 
@@ -85,28 +83,9 @@ def cycles(graph):
   return sorted(out)
 
 
-# Cycles in committed main that the engine-core work is removing (engine <-> prefix-cache
-# admission, prefix cache <-> its eviction). Listed so this test keeps every other part of
-# the tree cycle-free meanwhile; the xfail test below reports them while they last
-# (delete this set once they are gone).
-KNOWN = {("paged_jax.engine.engine", "paged_jax.engine.prefix_admission"),
-         ("paged_jax.prefix_cache", "paged_jax.prefix_cache_evict")}
-
-
-def _show(found):
-  return "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
-
-
-def test_no_import_cycles_outside_the_known_ones():
-  new = [c for c in cycles(import_graph(ROOT)) if c not in KNOWN]
-  assert not new, _show(new)
-
-
-@pytest.mark.xfail(reason="the KNOWN engine / prefix-cache cycles, until removed",
-                   strict=False)
-def test_no_import_cycles_at_all():
+def test_no_import_cycles():
   found = cycles(import_graph(ROOT))
-  assert not found, _show(found)
+  assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
 def test_detects_cycles_through_functions_and_relative_imports(tmp_path):
