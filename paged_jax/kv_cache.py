@@ -144,6 +144,10 @@ def dequantize(q: jax.Array, scale: Optional[jax.Array]) -> jax.Array:
 
 def _check_layer(pages: KVPages, layer) -> int:
   """The layer as a Python int; each layer is its own array, so it must be static."""
+  if not isinstance(pages.k, LayerStack):
+    raise TypeError(f"KVPages.k must be a LayerStack (one array per layer), got "
+                    f"{type(pages.k).__name__}; build pages with kv_cache.init or "
+                    f"KVPages.from_stacked")
   if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
     raise TypeError(f"layer must be a Python int (each layer's pages are their own array), "
                     f"got {type(layer).__name__}")

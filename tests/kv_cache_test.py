@@ -205,6 +205,10 @@ def test_bad_arguments_raise_clear_errors():
     kv_cache.zero_blocks(pages, jnp.zeros((2, 2), jnp.int32))
   with pytest.raises(TypeError, match="cache_config"):
     kv_cache.init({"block_size": 4})
+  with pytest.raises(TypeError, match="LayerStack"):   # a stacked array is no longer pages
+    kv_cache.write(pages.replace(k=jnp.zeros(pages.k.shape)), 0, x, x, slots)
+  with pytest.raises(TypeError, match="Python int"):
+    kv_cache.layer(pages, jnp.int32(0))
 
 
 def test_layer_stack_indexes_like_the_stacked_array():
