@@ -86,8 +86,8 @@ def choose_decode_backend(gpu_backend, *, num_q_heads, num_kv_heads, head_dim, b
   cc = compute_capability() if capability == "default" else capability
   if cc is None or cc[0] != 9:
     return "triton", f"target compute capability {cc} is not sm_90"
-  if quantized:
-    return "triton", "int8 / fp8 pages (Mosaic kernel: bf16 / f16 only)"
+  if quantized:  # the Mosaic decode kernel takes them, but only when asked for
+    return "triton", "int8 / fp8 pages (Mosaic GPU: only with gpu_backend='mosaic_gpu')"
   foreign = sorted(set(tuning) - set(mosaic_knobs))
   if foreign:
     return "triton", f"Triton tuning knobs {foreign} given"
@@ -106,10 +106,10 @@ def _log_choice(entry, requested, backend, why):
     _log.info("pallas_kernels.%s: gpu_backend=%s -> %s (%s)", entry, requested, backend, why)
 
 
-def _check_mosaic_args(k_scales, v_scales, tuning, knobs):
-  if k_scales is not None or v_scales is not None:
-    raise ValueError("gpu_backend='mosaic_gpu' does not support int8 / fp8 pages with "
-                     "scales yet; use gpu_backend='triton'")
+def _check_mosaic_args(k_scales, v_scales, tuning, knobs, scales_ok=False):
+  if not scales_ok and (k_scales is not None or v_scales is not None):
+    raise ValueError("gpu_backend='mosaic_gpu' ragged attention does not support int8 / fp8 "
+                     "pages with scales yet; use gpu_backend='triton'")
   foreign = sorted(set(tuning) - set(knobs))
   if foreign:
     raise ValueError(f"tuning knobs {foreign} are Triton's; gpu_backend='mosaic_gpu' takes "
@@ -138,10 +138,11 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None
         q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale, soft_cap=soft_cap,
         sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales,
         interpret=interpret, **tuning)
-  _check_mosaic_args(k_scales, v_scales, tuning, MOSAIC_DECODE_KNOBS)
+  _check_mosaic_args(k_scales, v_scales, tuning, MOSAIC_DECODE_KNOBS, scales_ok=True)
   return _mosaic_decode.paged_attention(
       q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale, soft_cap=soft_cap,
-      sliding_window=sliding_window, interpret=interpret, **tuning)
+      sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales,
+      interpret=interpret, **tuning)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,

@@ -16,7 +16,9 @@ partial and its log-sum-exp, and the wrapper merges them stably.
 
 Supported (anything else: use the Triton kernel; `supported_reason` says why, and
 `backends.paged_attention(gpu_backend="auto")` falls back to Triton by itself):
-  * q and pages bfloat16 or float16, same dtype (no float32, no int8 / fp8 pages yet);
+  * q bfloat16 or float16; pages of q's dtype, or int8 / float8_e4m3fn with f32 per-token
+    k_scales / v_scales (TMA into 8-bit rings, converted per step into a q-dtype tile in
+    shared memory; scales multiply logits and probabilities); no float32;
   * block_size a power of two >= 16 (smaller pages fall back to Triton: a TMA slice of
     the swizzled tile must cover whole 8-row swizzle groups and a page per copy is too
     little work below that);
@@ -52,6 +54,7 @@ _Q_ROWS = 64              # wgmma M: the GQA group is padded to this many rows.
 _SWIZZLE = 128            # bytes; 64 bf16 / f16 elements per swizzled row.
 _MIN_BLOCK_SIZE = 16
 _DTYPES = ("bfloat16", "float16")
+_QUANT_DTYPES = ("int8", "float8_e4m3fn")
 MIN_JAX_INTERPRET = (0, 11, 2)
 
 
@@ -69,10 +72,15 @@ def interpret_unavailable_reason() -> Optional[str]:
 
 
 def supported_reason(num_q_heads, num_kv_heads, head_dim, block_size, q_dtype,
-                     page_dtype) -> Optional[str]:
-  """None when this kernel supports the shape / dtypes, else why not (one line)."""
+                     page_dtype, quantized=False) -> Optional[str]:
+  """None when this kernel supports the shape / dtypes, else why not (one line).
+  `quantized`: int8 / float8_e4m3fn pages with scales (decode kernel only)."""
   q_name, page_name = jnp.dtype(q_dtype).name, jnp.dtype(page_dtype).name
-  if q_name not in _DTYPES or page_name != q_name:
+  if quantized:
+    if q_name not in _DTYPES or page_name not in _QUANT_DTYPES:
+      return (f"dtypes q={q_name} pages={page_name} with scales (Mosaic kernel: bf16/f16 q, "
+              f"{'/'.join(_QUANT_DTYPES)} pages)")
+  elif q_name not in _DTYPES or page_name != q_name:
     return f"dtypes q={q_name} pages={page_name} (Mosaic kernel: bf16/f16 pages = q dtype)"
   if block_size < _MIN_BLOCK_SIZE or block_size & (block_size - 1):
     return f"block_size {block_size} (Mosaic kernel: power of two >= {_MIN_BLOCK_SIZE})"
@@ -89,13 +97,20 @@ def _decode_kernel(
     q_ref,        # [B, Hkv, 64, D] (GMEM) query group of each KV head, zero-padded rows
     k_ref,        # [Hkv, NB, bs, D] (GMEM)
     v_ref,        # [Hkv, NB, bs, D] (GMEM)
+    ks_ref,       # f32[Hkv, NB, bs] (GMEM) per-token K scales, or None (float pages)
+    vs_ref,       # f32[Hkv, NB, bs] (GMEM) per-token V scales, or None
     o_ref,        # [B, Hkv, S, 64, D] (GMEM) per-split output, normalized by its own sum
     lse_ref,      # f32[B, Hkv, S, 64] (GMEM) per-split log-sum-exp, -inf when empty
     scratch,
     *,
     num_splits, tile_kv, num_stages, sm_scale, soft_cap, sliding_window,
     accumulate_in_place):
-  q_smem, k_smem, v_smem, p_smem, lse_smem, q_bar, k_bars, v_bars = scratch
+  q_smem, k_smem, v_smem, p_smem, lse_smem, q_bar, k_bars, v_bars, *quant = scratch
+  # int8 / fp8 pages: TMA into 8-bit rings (+ scale rings), converted per step into the
+  # one-slot q-dtype tiles k_smem / v_smem that wgmma reads; scales multiply the logits
+  # (K) and the probabilities (V) column-wise.
+  quantized = bool(quant)
+  k_land, v_land, ks_smem, vs_smem = quant if quantized else (k_smem, v_smem, None, None)
   h, b, split = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("s")
   _, num_blocks, block_size, head_dim = k_ref.shape
   pages_per_seq = tables_ref.shape[1]
@@ -124,8 +139,13 @@ def _decode_kernel(
       rows = pl.ds(lax.rem(tok, jnp.int32(block_size)) if block_size > tile_kv else 0,
                    tokens_per_copy)
       dst = pl.ds(i * tokens_per_copy, tokens_per_copy)
-      plgpu.copy_gmem_to_smem(k_ref.at[h, page, rows], k_smem.at[slot, dst], k_bars.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[h, page, rows], v_smem.at[slot, dst], v_bars.at[slot])
+      plgpu.copy_gmem_to_smem(k_ref.at[h, page, rows], k_land.at[slot, dst], k_bars.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[h, page, rows], v_land.at[slot, dst], v_bars.at[slot])
+      if quantized:
+        plgpu.copy_gmem_to_smem(ks_ref.at[h, page, rows], ks_smem.at[slot, dst],
+                                k_bars.at[slot])
+        plgpu.copy_gmem_to_smem(vs_ref.at[h, page, rows], vs_smem.at[slot, dst],
+                                v_bars.at[slot])
 
   plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
   for s in range(num_stages):
@@ -139,11 +159,17 @@ def _decode_kernel(
     slot = lax.rem(step, jnp.int32(num_stages))
     tok0 = (lo + step) * tile_kv
     plgpu.barrier_wait(k_bars.at[slot])
+    cslot = step * 0 if quantized else slot   # compute tile (traced: a literal index fails to lower)
+    if quantized:
+      _dequantize(k_land.at[slot], k_smem.at[cslot])
+      plgpu.commit_smem()
 
     def qk_scope(acc_ref):
-      plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+      plgpu.wgmma(acc_ref, q_smem, k_smem.at[cslot].transpose((1, 0)))
       return acc_ref[...]
     logits = pl.run_scoped(qk_scope, plgpu.ACC((_Q_ROWS, tile_kv), jnp.float32))
+    if quantized:
+      logits = logits * _columns(ks_smem.at[slot], logits.shape)
     logits = logits * sm_scale
     if soft_cap is not None:
       logits = soft_cap * jnp.tanh(logits / soft_cap)
@@ -155,9 +181,13 @@ def _decode_kernel(
     alpha = jnp.exp2(m_i - m_new)
     p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
     l_i = l_i * alpha + p.sum(axis=1)
-    p_smem[...] = p.astype(dtype)
+    if not quantized:
+      p_smem[...] = p.astype(dtype)
 
     plgpu.barrier_wait(v_bars.at[slot])
+    if quantized:
+      p_smem[...] = (p * _columns(vs_smem.at[slot], p.shape)).astype(dtype)
+      _dequantize(v_land.at[slot], v_smem.at[cslot])
     # Rows outside [start_tok, end_tok) of an edge tile may hold stale data (even NaN)
     # that 0 * NaN would carry into PV: zero them in shared memory.
     @pl.when((tok0 < start_tok) | (tok0 + tile_kv > end_tok))
@@ -166,13 +196,13 @@ def _decode_kernel(
                                            layout=plgpu.Layout.WGMMA)
       keep = (rows >= start_tok) & (rows < end_tok)
       for c in range(head_dim // 64):
-        v_cols = v_smem.at[slot, :, pl.ds(c * 64, 64)]
+        v_cols = v_smem.at[cslot, :, pl.ds(c * 64, 64)]
         v_tile = v_cols[...]
         v_cols[...] = jnp.where(keep, v_tile, jnp.zeros_like(v_tile))
     plgpu.commit_smem()
 
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    pv_v = v_smem.at[slot]
+    pv_v = v_smem.at[cslot]
     if accumulate_in_place:  # compiled: wgmma adds onto the rescaled acc (no second tile)
       acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p_smem, pv_v))(
           plgpu.ACC.init(acc))
@@ -202,6 +232,32 @@ def _decode_kernel(
   plgpu.wait_smem_to_gmem(0)
 
 
+def _dequantize(src, dst):
+  """8-bit [T, D] tile -> dst's dtype, one 128-column swizzle tile at a time (registers).
+  fp8 goes through f32: sm_90 converts e4m3 only to f16 in hardware."""
+  head_dim = src.shape[-1]
+  chunk = min(head_dim, 128)
+  for c in range(head_dim // chunk):
+    cols = pl.ds(c * chunk, chunk)
+    x = src.at[:, cols][...]
+    if x.dtype != jnp.int8:
+      x = x.astype(jnp.float32)
+    dst.at[:, cols][...] = x.astype(dst.dtype)
+
+
+def _columns(scale_ref, shape):
+  """f32[T] scales in shared memory -> [64, T] broadcast along rows (WGMMA layout)."""
+  cols = plgpu.load(scale_ref, layout=plgpu.Layout.WGMMA.reduce(0))
+  return lax.broadcast_in_dim(cols, shape, [1])
+
+
+def _transforms(dtype, head_dim):
+  """Tiling + swizzle of a [rows, head_dim] shared-memory tile for TMA and wgmma."""
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = min(_SWIZZLE, head_dim * itemsize)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
 def _combine_splits(o, lse):
   """Merges split-K partials: o f32[..., S, R, D], lse f32[..., S, R] -> f32[..., R, D]."""
   top = jnp.max(lse, axis=-2, keepdims=True)
@@ -212,28 +268,39 @@ def _combine_splits(o, lse):
   return out / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
-def _paged_attention_impl(q, k_pages, v_pages, block_tables, lengths, *, sm_scale, soft_cap,
-                          sliding_window, num_splits, tile_kv, num_stages, interpret):
+def _paged_attention_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, *,
+                          sm_scale, soft_cap, sliding_window, num_splits, tile_kv, num_stages,
+                          interpret):
   batch, num_q_heads, head_dim = q.shape
   num_kv_heads, _, block_size, _ = k_pages.shape
   group = num_q_heads // num_kv_heads
   dtype = q.dtype
+  quantized = k_scales is not None
   q4 = q.reshape(batch, num_kv_heads, group, head_dim)
   q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, _Q_ROWS - group), (0, 0)))   # [B, Hkv, 64, D]
 
-  transforms = (plgpu.TilingTransform((8, _SWIZZLE // jnp.dtype(dtype).itemsize)),
-                plgpu.SwizzleTransform(_SWIZZLE))
+  transforms = _transforms(dtype, head_dim)
   pages_per_tile = max(1, tile_kv // block_size)
-  scratch = (
-      plgpu.SMEM((_Q_ROWS, head_dim), dtype, transforms=transforms),              # q / out
-      plgpu.SMEM((num_stages, tile_kv, head_dim), dtype, transforms=transforms),  # K ring
-      plgpu.SMEM((num_stages, tile_kv, head_dim), dtype, transforms=transforms),  # V ring
-      plgpu.SMEM((_Q_ROWS, tile_kv), dtype, transforms=transforms),               # P
-      plgpu.SMEM((_Q_ROWS,), jnp.float32),                                        # lse
+  compute_slots = 1 if quantized else num_stages
+  copies_per_barrier = pages_per_tile * (2 if quantized else 1)
+  scratch = [
+      plgpu.SMEM((_Q_ROWS, head_dim), dtype, transforms=transforms),                # q / out
+      plgpu.SMEM((compute_slots, tile_kv, head_dim), dtype, transforms=transforms),  # K
+      plgpu.SMEM((compute_slots, tile_kv, head_dim), dtype, transforms=transforms),  # V
+      plgpu.SMEM((_Q_ROWS, tile_kv), dtype, transforms=transforms),                  # P
+      plgpu.SMEM((_Q_ROWS,), jnp.float32),                                           # lse
       plgpu.Barrier(num_barriers=1),
-      plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=num_stages),
-      plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=num_stages),
-  )
+      plgpu.Barrier(num_arrivals=copies_per_barrier, num_barriers=num_stages),
+      plgpu.Barrier(num_arrivals=copies_per_barrier, num_barriers=num_stages),
+  ]
+  if quantized:  # 8-bit K / V rings and their scale rings
+    page_transforms = _transforms(k_pages.dtype, head_dim)
+    scratch += [
+        plgpu.SMEM((num_stages, tile_kv, head_dim), k_pages.dtype, transforms=page_transforms),
+        plgpu.SMEM((num_stages, tile_kv, head_dim), v_pages.dtype, transforms=page_transforms),
+        plgpu.SMEM((num_stages, tile_kv), jnp.float32),
+        plgpu.SMEM((num_stages, tile_kv), jnp.float32),
+    ]
   kernel = functools.partial(
       _decode_kernel, num_splits=num_splits, tile_kv=tile_kv, num_stages=num_stages,
       sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
@@ -241,18 +308,27 @@ def _paged_attention_impl(q, k_pages, v_pages, block_tables, lengths, *, sm_scal
   params = dict(compiler_params=plgpu.CompilerParams())
   if interpret:
     params["interpret"] = plgpu.InterpretGPUParams(detect_races=True)
+  inputs = [lengths.astype(jnp.int32), block_tables.astype(jnp.int32), q4, k_pages, v_pages]
+  if quantized:
+    inputs += [k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)]
+
+  def body(*refs):
+    n = len(inputs)
+    ins = list(refs[:n]) + ([] if quantized else [None, None])
+    kernel(*ins, refs[n], refs[n + 1], refs[n + 2:])
+
   o, lse = plgpu.kernel(
-      lambda *refs: kernel(*refs[:7], refs[7:]),
+      body,
       kernel_name=f"paged_decode_mgpu_bs{block_size}_tile{tile_kv}_splits{num_splits}",
       out_type=(jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, _Q_ROWS, head_dim),
                                      dtype),
                 jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, _Q_ROWS),
                                      jnp.float32)),
-      scratch_types=scratch,
+      scratch_types=tuple(scratch),
       grid=(num_kv_heads, batch, num_splits),
       grid_names=("h", "b", "s"),
       **params,
-  )(lengths.astype(jnp.int32), block_tables.astype(jnp.int32), q4, k_pages, v_pages)
+  )(*inputs)
 
   if num_splits == 1:
     out = o[:, :, 0].astype(jnp.float32)
@@ -279,28 +355,34 @@ SM90_SHARED_MEMORY_BYTES = 232448   # opt-in limit per block (227 KiB)
 _SMEM_SLACK = 4096                  # Mosaic's alignment padding and barriers
 
 
-def default_num_stages(head_dim, tile_kv=64) -> int:
+def default_num_stages(head_dim, tile_kv=64, page_itemsize=None) -> int:
   """The deepest K/V ring, up to 3, that fits in sm_90 shared memory."""
   for stages in (3, 2):
-    if shared_memory_bytes(head_dim, tile_kv, stages) + _SMEM_SLACK <= \
-        SM90_SHARED_MEMORY_BYTES:
+    if shared_memory_bytes(head_dim, tile_kv, stages, page_itemsize=page_itemsize) + \
+        _SMEM_SLACK <= SM90_SHARED_MEMORY_BYTES:
       return stages
   return 1
 
 
-def shared_memory_bytes(head_dim, tile_kv, num_stages, itemsize=2) -> int:
-  """Shared memory of one program (buffers only; barriers add a few bytes)."""
-  return itemsize * head_dim * (_Q_ROWS + 2 * num_stages * tile_kv) + \
+def shared_memory_bytes(head_dim, tile_kv, num_stages, itemsize=2, page_itemsize=None) -> int:
+  """Shared memory of one program (buffers only; barriers add a few bytes).
+  `page_itemsize` (1) for int8 / fp8 pages: 8-bit + scale rings, one-slot compute tiles."""
+  compute_slots = num_stages if page_itemsize is None else 1
+  out = itemsize * head_dim * (_Q_ROWS + 2 * compute_slots * tile_kv) + \
       itemsize * _Q_ROWS * tile_kv + 4 * _Q_ROWS
+  if page_itemsize is not None:
+    out += 2 * num_stages * tile_kv * (head_dim * page_itemsize + 4)
+  return out
 
 
-def check_num_stages(num_stages, head_dim, tile_kv) -> int:
+def check_num_stages(num_stages, head_dim, tile_kv, page_itemsize=None) -> int:
   """Default or validated ring depth; ValueError when over the shared-memory budget."""
   if num_stages is None:
-    return default_num_stages(head_dim, tile_kv)
+    return default_num_stages(head_dim, tile_kv, page_itemsize)
   if int(num_stages) != num_stages or not 1 <= num_stages <= 8:
     raise ValueError(f"num_stages must be an int in [1, 8], got {num_stages}")
-  need = shared_memory_bytes(head_dim, tile_kv, num_stages) + _SMEM_SLACK
+  need = shared_memory_bytes(head_dim, tile_kv, num_stages,
+                             page_itemsize=page_itemsize) + _SMEM_SLACK
   if need > SM90_SHARED_MEMORY_BYTES:
     raise ValueError(f"num_stages={num_stages} with tile_kv={tile_kv}, head_dim={head_dim} "
                      f"needs ~{need:,} B of shared memory > {SM90_SHARED_MEMORY_BYTES:,}")
@@ -308,16 +390,18 @@ def check_num_stages(num_stages, head_dim, tile_kv) -> int:
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None,
-                    soft_cap=None, sliding_window=None, interpret=False, num_splits=None,
-                    tile_kv=64, num_stages=None):
+                    soft_cap=None, sliding_window=None, k_scales=None, v_scales=None,
+                    interpret=False, num_splits=None, tile_kv=64, num_stages=None):
   """Decode attention over a paged KV cache on the Mosaic GPU backend (sm_90a).
 
   Args:
     q: [B, Hq, D] bfloat16 / float16; D in {64, 128, 256}; Hq / Hkv <= 64.
-    k_pages, v_pages: [Hkv, NB, bs, D] in q's dtype; bs a power of two >= 16.
+    k_pages, v_pages: [Hkv, NB, bs, D] in q's dtype, or int8 / float8_e4m3fn with scales;
+      bs a power of two >= 16.
     block_tables: i32[B, P]; entries past a sequence's length are never used (clamped).
     lengths: i32[B] (query at position lengths[b] - 1); 0 gives zeros; clamped to P * bs.
     sm_scale: default 1/sqrt(D). soft_cap: c * tanh(logits / c). sliding_window: W.
+    k_scales, v_scales: f32[Hkv, NB, bs] per-token scales of int8 / fp8 pages, else None.
     interpret: run under Mosaic GPU interpret mode on a CPU (jax >= 0.11.2), with race
       detection on.
     num_splits: split-K partitions per (sequence, KV head); default `default_num_splits`.
@@ -336,8 +420,12 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None
                      f"{q.shape}, {k_pages.shape}, {v_pages.shape}")
   batch, num_q_heads, head_dim = q.shape
   num_kv_heads, _, block_size, page_dim = k_pages.shape
+  quantized = k_scales is not None or v_scales is not None
   why = supported_reason(num_q_heads, num_kv_heads, head_dim, block_size, q.dtype,
-                         k_pages.dtype)
+                         k_pages.dtype, quantized)
+  for name, sc in (("k_scales", k_scales), ("v_scales", v_scales)):
+    if why is None and quantized and (sc is None or sc.shape != k_pages.shape[:3]):
+      why = f"{name} {None if sc is None else sc.shape} (need f32{list(k_pages.shape[:3])})"
   if why is None and page_dim != head_dim:
     why = f"page head_dim {page_dim} != q head_dim {head_dim}"
   if why is None and v_pages.dtype != k_pages.dtype:
@@ -349,7 +437,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None
                      f"{block_tables.shape}, {lengths.shape}")
   if tile_kv not in (64, 128):
     raise ValueError(f"tile_kv must be 64 or 128, got {tile_kv}")
-  num_stages = check_num_stages(num_stages, head_dim, tile_kv)
+  num_stages = check_num_stages(num_stages, head_dim, tile_kv, 1 if quantized else None)
   if num_splits is None:
     num_splits = default_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size,
                                     tile_kv)
@@ -361,7 +449,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None
   if interpret and interpret_unavailable_reason():
     raise ValueError(interpret_unavailable_reason())
   return _jitted_impl(
-      q, k_pages, v_pages, block_tables, lengths,
+      q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
       sm_scale=float(1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale),
       soft_cap=None if soft_cap is None else float(soft_cap),
       sliding_window=None if sliding_window is None else int(sliding_window),

@@ -70,9 +70,14 @@ def test_mosaic_rejects_triton_knobs_and_scales():
   with pytest.raises(ValueError, match="tile_tokens"):
     pallas_kernels.paged_attention(*args, gpu_backend="mosaic_gpu", tile_tokens=32)
   scales = jnp.ones((2, 4, 16), jnp.float32)
-  with pytest.raises(ValueError, match="scales"):
+  with pytest.raises(ValueError, match="dtypes"):  # bf16 pages with scales: not int8/fp8
     pallas_kernels.paged_attention(*args, gpu_backend="mosaic_gpu", k_scales=scales,
                                    v_scales=scales)
+  with pytest.raises(ValueError, match="scales"):
+    pallas_kernels.ragged_paged_attention(*args[:4], jnp.ones((1,), jnp.int32),
+                                          jnp.array([0, 1], jnp.int32), 1,
+                                          gpu_backend="mosaic_gpu", k_scales=scales,
+                                          v_scales=scales)
   with pytest.raises(ValueError, match="kv_per_tile"):
     pallas_kernels.ragged_paged_attention(*args[:4], jnp.ones((1,), jnp.int32),
                                           jnp.array([0, 1], jnp.int32), 1,

@@ -36,7 +36,7 @@ def boundary_lengths(bs, extra=()):
 
 
 def run_case(seed, *, block_size, group, head_dim, dtype="bfloat16", lengths=None,
-             num_kv_heads=2, via_package=False, interpret=True, **kw):
+             num_kv_heads=2, via_package=False, interpret=True, quant=None, **kw):
   """Runs the Mosaic kernel on a random poisoned cache; returns the relative error against
   the float64 oracle (and checks finiteness, exact zeros for length 0, no races)."""
   from mosaic_gpu_support import races_found  # pylint: disable=g-import-not-at-top
@@ -45,9 +45,12 @@ def run_case(seed, *, block_size, group, head_dim, dtype="bfloat16", lengths=Non
   pages_per_seq = max(1, -(-max(lengths) // block_size)) + int(rng.integers(0, 3))
   need = sum(-(-n // block_size) for n in lengths)
   np_dtype = NP_DTYPES[dtype]
-  k, v, _, _, tables = make_cache(rng, num_kv_heads=num_kv_heads, num_blocks=need + 3,
-                                  block_size=block_size, head_dim=head_dim, lengths=lengths,
-                                  pages_per_seq=pages_per_seq, dtype=np_dtype)
+  k, v, ks, vs, tables = make_cache(rng, num_kv_heads=num_kv_heads, num_blocks=need + 3,
+                                    block_size=block_size, head_dim=head_dim,
+                                    lengths=lengths, pages_per_seq=pages_per_seq,
+                                    dtype=np_dtype, quant=quant)
+  if quant:
+    kw = dict(kw, k_scales=jnp.asarray(ks), v_scales=jnp.asarray(vs))
   for s, n in enumerate(lengths):
     tail = np.arange(-(-n // block_size), pages_per_seq)
     if tail.size:
@@ -69,7 +72,7 @@ def run_case(seed, *, block_size, group, head_dim, dtype="bfloat16", lengths=Non
     if n == 0:
       assert np.all(out[b] == 0), "length 0 must give zeros"
   sem = {k_: kw[k_] for k_ in ("soft_cap", "sliding_window") if k_ in kw}
-  want = decode_oracle(q, k, v, None, None, tables, lengths,
+  want = decode_oracle(q, k, v, ks, vs, tables, lengths,
                        sm_scale=kw.get("sm_scale") or 1 / math.sqrt(head_dim),
                        soft_cap=sem.get("soft_cap"), window=sem.get("sliding_window"))
   return rel_err(out, want)
@@ -91,6 +94,19 @@ def test_interpret_matches_oracle(block_size, group, head_dim, dtype, extra, kw)
   err = run_case(block_size + 3 * group + head_dim, block_size=block_size, group=group,
                  head_dim=head_dim, dtype=dtype, lengths=boundary_lengths(block_size, extra),
                  **kw)
+  assert err <= TOL, err
+
+
+@pytest.mark.parametrize("quant,block_size,head_dim", [
+    ("int8", 16, 128),
+    pytest.param("fp8", 64, 64, marks=pytest.mark.slow),
+    pytest.param("int8", 256, 256, marks=pytest.mark.slow),
+    pytest.param("fp8", 32, 128, marks=pytest.mark.slow)])
+def test_quantized_pages(quant, block_size, head_dim):
+  """int8 / fp8 pages with per-token scales (through the package entry)."""
+  err = run_case(7 + block_size + head_dim, block_size=block_size, group=4,
+                 head_dim=head_dim, quant=quant, via_package=True, num_splits=2,
+                 lengths=boundary_lengths(block_size, (300,)))
   assert err <= TOL, err
 
 
@@ -158,6 +174,8 @@ def test_wide_features(kw):
 
 
 # Deviceless compile for sm_90a at real decode shapes (B, Hq, Hkv, D, block_size, context).
+# Default: one shape per model family; the rest (knob and dtype variants) are slow.
+COMPILE_DEFAULT = ("llama3_8b", "qwen_like_14_2_64", "gemma_like_d256", "llama3_8b_int8")
 COMPILE_SHAPES = {
     "llama3_8b": ((32, 32, 8, 128, 64, 4096), {}),
     "llama3_8b_b64_bs16": ((64, 32, 8, 128, 16, 4096), {}),
@@ -165,24 +183,33 @@ COMPILE_SHAPES = {
     "llama3_8b_bs128_tile128": ((32, 32, 8, 128, 128, 4096), dict(tile_kv=128)),
     "qwen_like_14_2_64": ((32, 14, 2, 64, 64, 4096), {}),
     "gemma_like_d256": ((16, 16, 8, 256, 64, 8192), {}),
+    "llama3_8b_int8": ((32, 32, 8, 128, 64, 4096), dict(page_dtype=jnp.int8)),
+    "llama3_8b_fp8_bs16": ((32, 32, 8, 128, 16, 4096), dict(page_dtype=jnp.float8_e4m3fn)),
+    "gemma_like_d256_int8": ((16, 16, 8, 256, 64, 8192), dict(page_dtype=jnp.int8)),
 }
 
 
-@pytest.mark.parametrize("name", sorted(COMPILE_SHAPES))
+@pytest.mark.parametrize("name", [n if n in COMPILE_DEFAULT else
+                                  pytest.param(n, marks=pytest.mark.slow)
+                                  for n in sorted(COMPILE_SHAPES)])
 def test_deviceless_sm90_compile(name):
   why = compile_target.unavailable_reason()
   if why:
     pytest.skip(why)
   from mosaic_gpu_support import mosaic_resources  # pylint: disable=g-import-not-at-top
   (batch, hq, hkv, d, bs, ctx), kw = COMPILE_SHAPES[name]
+  kw = dict(kw)
+  page_dtype = kw.pop("page_dtype", jnp.bfloat16)
   pages = ctx // bs
   a = compile_target.abstract
-  fn = lambda q, k, v, t, l: pallas_kernels.paged_attention(q, k, v, t, l,
-                                                            gpu_backend="mosaic_gpu", **kw)
+  quantized = page_dtype != jnp.bfloat16
+  fn = lambda q, k, v, t, l, ks, vs: pallas_kernels.paged_attention(
+      q, k, v, t, l, k_scales=ks, v_scales=vs, gpu_backend="mosaic_gpu", **kw)
+  scales = a((hkv, batch * pages, bs), jnp.float32) if quantized else None
   kernels, report = mosaic_resources(
-      fn, a((batch, hq, d), jnp.bfloat16), a((hkv, batch * pages, bs, d), jnp.bfloat16),
-      a((hkv, batch * pages, bs, d), jnp.bfloat16), a((batch, pages), jnp.int32),
-      a((batch,), jnp.int32))
+      fn, a((batch, hq, d), jnp.bfloat16), a((hkv, batch * pages, bs, d), page_dtype),
+      a((hkv, batch * pages, bs, d), page_dtype), a((batch, pages), jnp.int32),
+      a((batch,), jnp.int32), scales, scales)
   assert len(kernels) == 1 and kernels[0].name.startswith(f"paged_decode_mgpu_bs{bs}_")
   kernel = kernels[0]
   print(name, kernel, "xla temp bytes", report.temp_bytes)
