@@ -122,14 +122,28 @@ class Injector:
       monkeypatch.setattr(engine._results, "apply", wrap(engine._results.apply))  # pylint: disable=protected-access
 
 
-@pytest.mark.parametrize("caching", [False, True])
-@pytest.mark.parametrize("point", POINTS)
+_REF = {}
+
+
+def reference(caching):
+  if caching not in _REF:
+    prompts, params = workload()
+    ref = make_engine(caching=caching, preemption_mode="swap")
+    _REF[caching] = {r.request_id: r.outputs for r in ref.generate(prompts, params)}
+    assert ref.num_preemptions > 0   # the small pool preempts: those paths are covered too
+  return _REF[caching]
+
+
+# Default: each point once, caching on or off alternately; all pairs with --slow.
+FAULT_CASES = [pytest.param(p, c, marks=[pytest.mark.slow] if (i % 2 == 0) != c else [])
+               for i, p in enumerate(POINTS) for c in (False, True)]
+
+
+@pytest.mark.parametrize("point, caching", FAULT_CASES)
 def test_a_fault_anywhere_in_a_step_changes_no_output_and_leaks_nothing(monkeypatch, point,
                                                                         caching):
   prompts, params = workload()
-  ref = make_engine(caching=caching, preemption_mode="swap")
-  want = {r.request_id: r.outputs for r in ref.generate(prompts, params)}
-  assert ref.num_preemptions > 0   # the small pool preempts: those paths are covered too
+  want = reference(caching)
   for k, exc in ((2, KeyboardInterrupt), (7, RuntimeError), (19, KeyboardInterrupt)):
     engine = make_engine(caching=caching, preemption_mode="swap")
     for p, sp in zip(prompts, params):

@@ -13,6 +13,7 @@ from engine_oracle import MC, ORACLE_LEN, PARAMS, VOCAB
 
 BS, MAX_SEQS, BUDGET = 16, 8, 8
 BOUND = 6            # every mix below needs at most 6 blocks for its largest request
+REF_BLOCKS = 12      # the reference pool: engine_test.py's shape (its compiled step)
 
 
 def cdiv(a, b):
@@ -32,7 +33,7 @@ def make(num_blocks, caching, mode):
                 preemption_mode=mode)
 
 
-def random_mix(seed, count=7):
+def random_mix(seed, count=5):
   """Requests whose worst case is <= BOUND blocks, the first exactly BOUND (n=2,
   a prompt that does not end on a block boundary: the case that used to hang)."""
   rng = np.random.default_rng(seed)
@@ -82,7 +83,7 @@ def run(engine, reqs, max_steps):
 
 def check(seed, caching, mode, delta):
   reqs = random_mix(seed)
-  want = run(make(48, caching, mode), reqs, max_steps=500)
+  want = run(make(REF_BLOCKS, caching, mode), reqs, max_steps=1000)
   engine = make(BOUND + delta, caching, mode)
   # Each request alone takes <= (prompt / budget + max_tokens) steps; preemptions
   # at most restart it: a generous but finite bound that a livelock exceeds.

@@ -351,6 +351,9 @@ class Scheduler:
           if n > lookups:
             break
           lookups -= n
+          # Paced like an admission that prefills: a prompt admitted later hits
+          # what earlier ones registered, instead of all missing at once.
+          budget -= min(n, budget)
           self.waiting.pop(0)
           self._assign_slots(group)
           group.status = GroupStatus.RUNNING
