@@ -106,10 +106,7 @@ def _log_choice(entry, requested, backend, why):
     _log.info("pallas_kernels.%s: gpu_backend=%s -> %s (%s)", entry, requested, backend, why)
 
 
-def _check_mosaic_args(k_scales, v_scales, tuning, knobs, scales_ok=False):
-  if not scales_ok and (k_scales is not None or v_scales is not None):
-    raise ValueError("gpu_backend='mosaic_gpu' ragged attention does not support int8 / fp8 "
-                     "pages with scales yet; use gpu_backend='triton'")
+def _check_mosaic_knobs(tuning, knobs):
   foreign = sorted(set(tuning) - set(knobs))
   if foreign:
     raise ValueError(f"tuning knobs {foreign} are Triton's; gpu_backend='mosaic_gpu' takes "
@@ -138,7 +135,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None
         q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale, soft_cap=soft_cap,
         sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales,
         interpret=interpret, **tuning)
-  _check_mosaic_args(k_scales, v_scales, tuning, MOSAIC_DECODE_KNOBS, scales_ok=True)
+  _check_mosaic_knobs(tuning, MOSAIC_DECODE_KNOBS)
   return _mosaic_decode.paged_attention(
       q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale, soft_cap=soft_cap,
       sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales,
@@ -169,7 +166,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens
     return _triton_ragged_module.ragged_paged_attention(
         q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, k_scales=k_scales,
         v_scales=v_scales, interpret=interpret, **semantic, **tuning)
-  _check_mosaic_args(k_scales, v_scales, tuning, MOSAIC_RAGGED_KNOBS)
+  _check_mosaic_knobs(tuning, MOSAIC_RAGGED_KNOBS)
   return _mosaic_ragged.ragged_paged_attention(
-      q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, interpret=interpret,
-      **semantic, **tuning)
+      q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, k_scales=k_scales,
+      v_scales=v_scales, interpret=interpret, **semantic, **tuning)

@@ -25,15 +25,19 @@ TOL = 1e-2
 
 
 def run_case(seed, *, q_lens, kv_lens, block_size=16, group=4, num_kv_heads=2, head_dim=128,
-             num_seqs=None, pad_rows=3, dtype=ml_dtypes.bfloat16, via_package=False, **kw):
+             num_seqs=None, pad_rows=3, dtype=ml_dtypes.bfloat16, via_package=False,
+             quant=None, **kw):
   from mosaic_gpu_support import races_found  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(seed)
   num_seqs = len(q_lens) if num_seqs is None else num_seqs
   pages = max(-(-n // block_size) for n in kv_lens) + 1
   need = sum(-(-n // block_size) for n in kv_lens)
-  k, v, _, _, tables = make_cache(rng, num_kv_heads=num_kv_heads, num_blocks=need + 3,
-                                  block_size=block_size, head_dim=head_dim, lengths=kv_lens,
-                                  pages_per_seq=pages, dtype=dtype)
+  k, v, ks, vs, tables = make_cache(rng, num_kv_heads=num_kv_heads, num_blocks=need + 3,
+                                    block_size=block_size, head_dim=head_dim,
+                                    lengths=kv_lens, pages_per_seq=pages, dtype=dtype,
+                                    quant=quant)
+  if quant:
+    kw = dict(kw, k_scales=jnp.asarray(ks), v_scales=jnp.asarray(vs))
   cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
   q = rng.normal(size=(int(cu[-1]) + pad_rows, num_kv_heads * group, head_dim)).astype(dtype)
   args = [jnp.asarray(x) for x in (q, k, v, tables, np.asarray(kv_lens, np.int32), cu)]
@@ -48,6 +52,9 @@ def run_case(seed, *, q_lens, kv_lens, block_size=16, group=4, num_kv_heads=2, h
   out = np.asarray(out.astype(jnp.float32))
   assert np.isfinite(out).all(), "NaN/inf: a stale page reached the output"
   assert np.all(out[cu[num_seqs]:] == 0), "padding rows must be zeros"
+  if quant:  # the oracle takes dequantized float64 pages
+    k = k.astype(np.float64) * ks[..., None]
+    v = v.astype(np.float64) * vs[..., None]
   want = ragged_oracle(q, k, v, tables, kv_lens, cu, num_seqs,
                        sm_scale=kw.get("sm_scale") or 1 / math.sqrt(head_dim),
                        soft_cap=kw.get("soft_cap"), window=kw.get("sliding_window"))
@@ -80,6 +87,14 @@ def test_wide_grid(block_size, group, head_dim):
                  kv_lens=[1, 5, 3 * block_size + 1, 200, 700], block_size=block_size,
                  group=group, head_dim=head_dim, num_kv_heads=1 if group == 8 else 2,
                  dtype=np.float16 if head_dim == 64 else ml_dtypes.bfloat16)
+  assert err <= TOL, err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quant", ["int8", "fp8"])
+def test_quantized_pages(quant):
+  err = run_case(9, q_lens=[1, 12, 1], kv_lens=[33, 80, 150], quant=quant, num_splits=2,
+                 via_package=True)
   assert err <= TOL, err
 
 
