@@ -276,7 +276,8 @@ PAPER_RATIO = {"orca_max": "2-4x (OPT-13B ShareGPT: 2.7-8x)", "orca_pow2": "2-4x
 
 
 def demo_rows(result: Dict, label: str) -> List[List[str]]:
-  """[what, ours, paper] rows: paged's sustainable rate over each Orca system's.
+  """[what, ours, paper] rows: paged's sustainable rate over each Orca system's, on the
+  swept grid and interpolated between swept rates.
 
   ">=" marks a system whose latency stayed under the SLO at every swept rate (its limit
   lies beyond the sweep)."""
@@ -289,9 +290,11 @@ def demo_rows(result: Dict, label: str) -> List[List[str]]:
     if name == "paged":
       continue
     ratio = result["paged_rate_ratio"][f"paged_over_{name}"]
+    ours = f"{ratio:.2f}x ({fmt('paged')} vs {fmt(name)} req/s)"
+    if interp.get("paged") and interp.get(name):
+      ours += f"; interpolated {interp['paged'] / interp[name]:.2f}x"
     rows.append([f"max request rate at the latency SLO, paged / {serving_sweep.LABELS[name]}, "
-                 f"{label}", f"{ratio:.2f}x ({fmt('paged')} vs {fmt(name)} req/s)",
-                 PAPER_RATIO.get(name, "2-4x")])
+                 f"{label}", ours, PAPER_RATIO.get(name, "2-4x")])
   return rows
 
 
