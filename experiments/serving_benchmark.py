@@ -50,7 +50,9 @@ def stream(workload: str, rate: float, duration_s: float, seed: int, max_len: in
   """
   times = serving.arrival_times(rate, duration_s, seed)
   if workload == "sharegpt-real":
-    base = workloads.sharegpt_real_requests(num_total, seed=seed, max_len=max_len)
+    # Real first prompt/answer pairs, lengths / 4 like the synthetic ShareGPT-like stream.
+    base = workloads.sharegpt_real(num_total, seed=seed, max_len=max_len,
+                                   scale=serving.STREAM_SCALE["sharegpt"])
   else:
     base = serving.scaled_requests(workload, num_total, seed=seed, max_len=max_len)
   return [dataclasses.replace(r, arrival_time=float(t)) for r, t in zip(base, times)]

@@ -58,3 +58,15 @@ def test_bad_flags_end_with_one_line(flag, message, tmp_path):
   assert proc.returncode != 0
   last = proc.stderr.strip().splitlines()[-1]
   assert last.startswith("error:") and message in last, proc.stderr[-1500:]
+
+
+@pytest.mark.slow
+def test_sharegpt_real_stream_for_the_benchmark():
+  from experiments import serving_benchmark
+  from paged_jax import workloads
+  if workloads.sharegpt_real_available():
+    pytest.skip(workloads.sharegpt_real_available())
+  reqs = serving_benchmark.stream("sharegpt-real", 4.0, 5.0, 0, 256, 40)
+  times = serving.arrival_times(4.0, 5.0, 0)
+  assert [r.arrival_time for r in reqs] == list(times)
+  assert all(r.total_len <= 256 and max(r.prompt_token_ids) < 256 for r in reqs)
