@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -49,3 +50,21 @@ def test_errors_name_the_file_and_the_problem(tmp_path):
   with pytest.raises(ValueError, match=r"doc.md: .*sharing.json: no committed result"):
     render_results.render_files([str(doc)], results_dir=str(tmp_path))
   assert render_results.main(["--check", str(doc), f"--results={tmp_path}"]) == 1
+
+
+def test_index_reads_its_figures_from_the_committed_json():
+  rows = render_results._index_rows(render_results.RESULTS)
+  mw = json.load(open(os.path.join(render_results.RESULTS, "memory_waste", "memory_waste.json")))
+  assert rows[0][1].startswith(f"{100 * mw['paged']['token_utilization']:.1f}%")
+  assert all(len(r) == 5 and r[1] for r in rows)
+
+
+def test_benchmarks_stays_small_and_free_of_issue_numbers():
+  text = open(os.path.join(ROOT, "BENCHMARKS.md"), encoding="utf-8").read()
+  assert len(text.encode()) < 20_000
+  assert not re.search(r"\bissue\b|#\d", text, re.I)
+
+
+def test_compact_keeps_cells_and_drops_padding():
+  assert render_results._compact("| a   | bb |\n| --- | -- |\n| 1   |    |") == (
+      "| a | bb |\n| --- | --- |\n| 1 |  |")

@@ -12,9 +12,11 @@ them is replaced by the table rendered from experiments/results/:
     (generated: do not edit by hand)
     <!-- /results:memory_waste -->
 
-Each section renders with the experiment's own `summary_rows` / `summary_table`, so a
-table in the docs reads exactly as the experiment printed it when it ran. An unknown
-section name, a missing JSON file or an unclosed marker is an error naming the file.
+A section renders with the experiment's own `summary_rows` / `summary_table` where it has
+one (the table reads as the experiment printed it); otherwise a renderer here reads the
+committed files only (GPU runs, the compile report, host overhead, the claims `index`).
+Columns are not padded, to keep the docs small. An unknown section name, a missing result
+file or an unclosed marker is an error naming the file.
 """
 
 from __future__ import annotations
