@@ -88,6 +88,50 @@ def _hf_peer_runs(results_dir: str) -> str:
                        "ratio", "outputs equal"])
 
 
+def _serving_runs(results_dir: str) -> List[Tuple[str, dict]]:
+  """(run directory, JSON) of every committed serving_benchmark run, in name order."""
+  base = os.path.join(results_dir, "serving_benchmark")
+  runs = sorted(d for d in (os.listdir(base) if os.path.isdir(base) else [])
+                if os.path.exists(os.path.join(base, d, "serving_benchmark.json")))
+  if not runs:
+    raise FileNotFoundError(f"{base}/*/serving_benchmark.json: no committed result "
+                            "(run the experiment first)")
+  return [(d, _load(base, os.path.join(d, "serving_benchmark.json"))) for d in runs]
+
+
+def _max_rate(sec: dict, name: str) -> str:
+  """'24 (26.8)': swept rate (interpolated crossing); '>=8' when no swept rate missed."""
+  swept, interp = sec["max_rate_at_slo"][name], sec["max_rate_at_slo_interpolated"][name]
+  return f">={swept:g}" if interp is None else f"{swept:g} ({interp:.1f})"
+
+
+def _serving(results_dir: str) -> str:
+  """Per run and system: engine slots, max request rate under the SLO, paged's ratio."""
+  rows = []
+  for run, doc in _serving_runs(results_dir):
+    for name, c in doc["systems"].items():
+      ratio = doc["paged_rate_ratio"].get(f"paged_over_{name}")
+      rows.append([run, doc["flags"]["clock"], name, c["max_seqs"], _max_rate(doc, name),
+                   "" if ratio is None else f"{ratio:.2f}x", f"{max(c['mean_running']):.1f}",
+                   f"{doc['slo_s_per_token']:.3f}"])
+  return _table(rows, ["run", "clock", "system", "max_seqs", "max req/s at SLO",
+                       "paged / it", "max mean running", "SLO s/token"])
+
+
+def _serving_fig14(results_dir: str) -> str:
+  """The --fig14 sections: paged vs Orca(Oracle) with parallel sampling and beam search."""
+  rows = []
+  for run, doc in _serving_runs(results_dir):
+    for mode, sec in doc.get("fig14", {}).items():
+      ratio = sec["paged_rate_ratio"].get("paged_over_orca_oracle")
+      bound = ">=" if sec["max_rate_at_slo_interpolated"]["paged"] is None else ""
+      rows.append([run, mode, _max_rate(sec, "paged"), _max_rate(sec, "orca_oracle"),
+                   "" if ratio is None else f"{bound}{ratio:.2f}x"])
+  if not rows:
+    raise FileNotFoundError("no committed serving_benchmark run has a fig14 section")
+  return _table(rows, ["run", "mode", "paged req/s", "Orca(Oracle) req/s", "paged / Oracle"])
+
+
 def _summary(doc) -> str:
   return _table(doc["rows"], ["what", "ours", "paper"])
 
@@ -249,19 +293,26 @@ def _index_rows(results_dir: str) -> List[list]:
                "; ".join(f"{tp[w]['speedup_tokens_per_step']:.2f}x" for w in ("sharegpt", "alpaca")),
                "2-4x (throughput, Fig. 12)", "throughput/", "`experiments.demo`"])
   sh = load("sharing/sharing.json")["rows"]
-  for w in ("sharegpt", "alpaca"):
-    for mode in ("parallel", "beam"):
+  for mode in ("parallel", "beam"):
+    ours, paper = [], []
+    for w in ("sharegpt", "alpaca"):
       rs = [r for r in sh if r["workload"] == w and r["mode"] == mode]
-      lo, hi = min(r["savings"] for r in rs), max(r["savings"] for r in rs)
-      p = rs[0]["paper_savings"]
-      rows.append([f"blocks saved, {mode} width 2-6 ({w})", f"{_pct(lo)}-{_pct(hi)}",
-                   f"{_pct(p[0])}-{_pct(p[1])}", "sharing/", "`experiments.demo`"])
+      ours.append(f"{_pct(min(r['savings'] for r in rs))}-{_pct(max(r['savings'] for r in rs))}")
+      paper.append("-".join(_pct(x) for x in rs[0]["paper_savings"]))
+    rows.append([f"blocks saved, {mode} width 2-6 (ShareGPT; Alpaca)", "; ".join(ours),
+                 "; ".join(paper), "sharing/", "`experiments.demo`"])
   pc = {r["workload"]: r for r in load("prefix_caching/prefix_caching.json")["serving"]}
   shots = [k for k in pc if pc[k]["paper_ratio"]]
   rows.append(["prefix caching on over off (" + ", ".join(shots) + ")",
                "; ".join(f"{pc[k]['throughput_ratio']:.2f}x" for k in shots),
                "; ".join(f"{pc[k]['paper_ratio']}x" for k in shots), "prefix_caching/",
                "`experiments.prefix_caching`"])
+  for run, doc in _serving_runs(results_dir):
+    r = doc["paged_rate_ratio"]
+    rows.append([f"max req/s at the latency SLO, paged over Orca Max; Oracle ({run})",
+                 "; ".join(_x(r.get(f"paged_over_{k}")) + "x" for k in ("orca_max", "orca_oracle")),
+                 "2.7-8x; 1.7-2.7x", f"serving_benchmark/{run}/",
+                 "`experiments.serving_benchmark`"])
   best = load("block_size_sweep/block_size_sweep_best.json")
   rows.append(["best block size (ShareGPT; Alpaca)",
                "; ".join(f"{best[w]['best']}" for w in ("sharegpt", "alpaca")),
@@ -327,6 +378,8 @@ SECTIONS: Dict[str, Tuple[object, Callable]] = {
     "hf_peer": ("hf_peer/hf_peer.json", _hf_peer),
     "hf_peer_batch128": ("hf_peer/batch128/hf_peer.json", _hf_peer),
     "hf_peer_runs": (lambda d: d, _hf_peer_runs),
+    "serving_benchmark": (lambda d: d, _serving),
+    "serving_benchmark_fig14": (lambda d: d, _serving_fig14),
     "prefix_caching": ("prefix_caching/prefix_caching.json", _rows_with("prefix_caching",
                                                                         "serving")),
     "prefix_caching_block_size": ("prefix_caching/prefix_caching.json", _prefix_sweep),
