@@ -8,8 +8,9 @@ on the paged cache, i.e. gather pages through a randomly permuted block table th
 vs `contiguous_decode_attention` on a contiguous cache of the same content; the ratio is
 the price of paging for the reference path.
 
-On GPU: the Pallas paged kernel (pallas_kernels.paged_attention) against, in the same run
-and on the same shapes,
+On GPU: the Pallas paged kernel (pallas_kernels.paged_attention, gpu_backend "auto": Mosaic
+GPU on Hopper where it applies; the Triton kernel is also timed pinned, kernel_triton_paged,
+column triton/ours) against, in the same run and on the same shapes,
   kernel_contiguous  the same kernel with an identity block table (pages in order): the
                      "paged costs <= 5% over contiguous" comparison;
   jax_paged          jax.experimental.pallas.ops.gpu.paged_attention (JAX's Triton op, same
@@ -275,13 +276,14 @@ def main(argv):
       rows.append([r["batch"], r["context"], r["block_size"], med("kernel_paged"),
                    t["kernel_paged"]["GBps"], t["kernel_paged"]["fraction_of_copy_bw"],
                    med("kernel_paged") / med("kernel_contiguous"),
-                   med("jax_paged") / med("kernel_paged"), med("dense") / med("kernel_paged")])
+                   med("jax_paged") / med("kernel_paged"), med("dense") / med("kernel_paged"),
+                   med("kernel_triton_paged") / med("kernel_paged")])
     else:
       rows.append([r["batch"], r["context"], r["block_size"], med("reference_paged"),
                    med("reference_contiguous"),
                    med("reference_paged") / med("reference_contiguous")])
   headers = (["batch", "context", "bs", "paged ms", "GB/s", "frac copy bw",
-              "paged/contig", "jax_paged/ours", "dense/ours"] if on_gpu else
+              "paged/contig", "jax_paged/ours", "dense/ours", "triton/ours"] if on_gpu else
              ["batch", "context", "bs", "ref paged ms", "ref contig ms", "paged/contig"])
   path = common.write_json(out_dir / "kernel_bench.json", {"meta": meta, "results": results})
   print(common.table(rows, headers))

@@ -145,17 +145,20 @@ def ragged_defaults(compute_dtype, head_dim_p: int, padded: bool = False) -> Rag
 
   bf16 / fp16: ~64 logit rows x 64 keys at D <= 128 with 8 warps (178 registers; 4 warps
   sit at 255 and spill 8 B in the mixed batch); D 256: 64 rows x 32 keys. f32 (TF32 x3)
-  keeps the registers of its three operand pairs: 32 rows x 32 keys, 8 warps (232
-  registers at D 128; 4 warps spill at D 64 G 8 on jax 0.11's Triton) and 16 rows x 16
-  keys at D 256 (32 rows spill 1.2 KB).
+  keeps the registers of its three operand pairs: 32 rows x 32 keys, 8 warps at D 128
+  (232 registers); 32 rows x 16 keys, 4 warps at D <= 64 (126 registers: at D 64, G 8,
+  32 keys spill with 4 warps on jax 0.11's Triton and 8 warps spill on 0.10's); 16 rows
+  x 16 keys at D 256 (32 rows spill 1.2 KB).
   A padded head_dim (80, 96) gathers K/V with a feature mask, which costs registers:
   half the keys per step (64 keys spill 152 B at D 96).
   """
   if jnp.dtype(compute_dtype).itemsize >= 4:
     if head_dim_p > 128:
       tune = RaggedTuning(rows=16, kv_per_tile=16, num_warps=8, num_stages=2)
-    else:
+    elif head_dim_p > 64:
       tune = RaggedTuning(rows=32, kv_per_tile=32, num_warps=8, num_stages=2)
+    else:
+      tune = RaggedTuning(rows=32, kv_per_tile=16, num_warps=4, num_stages=2)
   elif head_dim_p > 128:
     tune = RaggedTuning(rows=64, kv_per_tile=32, num_warps=8, num_stages=2)
   else:
