@@ -309,9 +309,11 @@ def _index_rows(results_dir: str) -> List[list]:
                "`experiments.prefix_caching`"])
   for run, doc in _serving_runs(results_dir):
     r = doc["paged_rate_ratio"]
-    rows.append([f"max req/s at the latency SLO, paged over Orca Max; Oracle ({run})",
+    sharegpt = doc["flags"]["workload"] == "sharegpt"
+    rows.append([f"max req/s at the latency SLO, paged over Orca Max; Oracle "
+                 f"({doc['flags']['workload']}, {doc['flags']['clock']} clock)",
                  "; ".join(_x(r.get(f"paged_over_{k}")) + "x" for k in ("orca_max", "orca_oracle")),
-                 "2.7-8x; 1.7-2.7x", f"serving_benchmark/{run}/",
+                 "2.7-8x; 1.7-2.7x" if sharegpt else "2-4x", f"serving_benchmark/{run}/",
                  "`experiments.serving_benchmark`"])
   best = load("block_size_sweep/block_size_sweep_best.json")
   rows.append(["best block size (ShareGPT; Alpaca)",
