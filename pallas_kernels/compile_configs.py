@@ -137,7 +137,7 @@ def resolved(case: Case) -> Dict[str, Any]:
   knobs = dict(case.knobs)
   dp = tuning.padded_head_dim(d)
   if case.kernel == "decode":
-    dec = tuning.decode_defaults(case.dtype, dp)
+    dec = tuning.decode_defaults(case.dtype, dp, padded=dp != d)
     return {"tile_tokens": knobs.get("tile_tokens", dec.tile_tokens),
             "num_stages": knobs.get("num_stages", dec.num_stages)}
   fn, args = build(case)

@@ -34,10 +34,12 @@ def default_tile_tokens(block_size: int, head_dim: int, dtype=jnp.bfloat16) -> i
   """Tokens per loop step (tuning.decode_defaults): 128 for 2-byte dtypes at D <= 128,
   halved for D > 128 and for float32; at least 16 (Triton dot)."""
   del block_size  # Pages smaller than the tile are grouped, bigger ones sliced.
-  return tuning.decode_defaults(dtype, tuning.padded_head_dim(head_dim)).tile_tokens
+  head_dim_p = tuning.padded_head_dim(head_dim)
+  return tuning.decode_defaults(dtype, head_dim_p, padded=head_dim_p != head_dim).tile_tokens
 
 
 def default_num_warps(tile_tokens: int, head_dim: int, dtype=jnp.bfloat16) -> int:
+  """8 warps for big tiles and for float32, else 4 (tuning.decode_defaults)."""
   wide = jnp.dtype(dtype).itemsize >= 4
   return 8 if wide or tile_tokens * tuning.padded_head_dim(head_dim) >= 64 * 128 else 4
 

@@ -114,21 +114,24 @@ class DecodeTuning:
   num_stages: int
 
 
-def decode_defaults(compute_dtype, head_dim_p: int) -> DecodeTuning:
+def decode_defaults(compute_dtype, head_dim_p: int, padded: bool = False) -> DecodeTuning:
   """Decode kernel defaults (sm_90 compiles: no spill, shared memory in budget).
 
   3 stages: Triton then prefetches the block-table load of the next tile together with
   the K/V loads (cp.async; with 2 stages the page-id load stays a synchronous ld.global
   in every iteration's critical path) at no extra shared memory (73,760 vs 73,728 B at
   bf16 D 128). f32 (TF32 x3): 64 tokens x D 128 at 8 warps (178 registers), 16 x D 256
-  (250 registers; 32 tokens spill).
+  at 8 (250 registers; 32 tokens spill), 32 x D <= 64 at 8 (94-113 registers; 64 tokens
+  spill at 8 warps on jax 0.11's Triton and at 4 warps with int8 pages on 0.10's).
   """
   wide = jnp.dtype(compute_dtype).itemsize >= 4
   if wide:
-    tile = 64 if head_dim_p <= 128 else 16
+    tile = 32 if head_dim_p <= 64 else (64 if head_dim_p <= 128 else 16)
   else:
     tile = 128 if head_dim_p <= 128 else 64
   warps = 8 if wide or tile * head_dim_p >= 64 * 128 else 4
+  if padded and tile > 16:
+    tile //= 2   # the feature-masked gather of D 80 / 96 costs registers (spills at 2x)
   return DecodeTuning(tile_tokens=tile, num_warps=warps, num_stages=3)
 
 
@@ -150,7 +153,7 @@ def ragged_defaults(compute_dtype, head_dim_p: int, padded: bool = False) -> Rag
   32 keys spill with 4 warps on jax 0.11's Triton and 8 warps spill on 0.10's); 16 rows
   x 16 keys at D 256 (32 rows spill 1.2 KB).
   A padded head_dim (80, 96) gathers K/V with a feature mask, which costs registers:
-  half the keys per step (64 keys spill 152 B at D 96).
+  half the keys per step (64 keys spill 152 B at D 96), and half the rows for f32.
   """
   if jnp.dtype(compute_dtype).itemsize >= 4:
     if head_dim_p > 128:
@@ -163,8 +166,10 @@ def ragged_defaults(compute_dtype, head_dim_p: int, padded: bool = False) -> Rag
     tune = RaggedTuning(rows=64, kv_per_tile=32, num_warps=8, num_stages=2)
   else:
     tune = RaggedTuning(rows=64, kv_per_tile=64, num_warps=8, num_stages=2)
-  if padded and tune.kv_per_tile > 16:
-    tune = dataclasses.replace(tune, kv_per_tile=tune.kv_per_tile // 2, num_warps=8)
+  if padded:
+    wide = jnp.dtype(compute_dtype).itemsize >= 4
+    tune = dataclasses.replace(tune, kv_per_tile=max(16, tune.kv_per_tile // 2), num_warps=8,
+                               rows=max(16, tune.rows // 2) if wide else tune.rows)
   return tune
 
 
