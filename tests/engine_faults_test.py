@@ -118,8 +118,8 @@ class Injector:
       engine._step = wrap(engine._step)   # pylint: disable=protected-access
     elif point == "wait":   # the host blocked on the device's outputs
       monkeypatch.setattr(jax, "device_get", wrap(jax.device_get))
-    elif point == "apply":
-      monkeypatch.setattr(engine._results, "apply", wrap(engine._results.apply))  # pylint: disable=protected-access
+    elif point == "apply":   # mid-way: earlier sequences of the step already have tokens
+      monkeypatch.setattr(engine.scheduler, "free_seq", wrap(engine.scheduler.free_seq))
 
 
 _REF = {}
@@ -144,7 +144,8 @@ def test_a_fault_anywhere_in_a_step_changes_no_output_and_leaks_nothing(monkeypa
                                                                         caching):
   prompts, params = workload()
   want = reference(caching)
-  for k, exc in ((2, KeyboardInterrupt), (7, RuntimeError), (19, KeyboardInterrupt)):
+  ks = (1, 3, 5) if point == "apply" else (2, 7, 19)   # free_seq runs once per finish
+  for k, exc in zip(ks, (KeyboardInterrupt, RuntimeError, KeyboardInterrupt)):
     engine = make_engine(caching=caching, preemption_mode="swap")
     for p, sp in zip(prompts, params):
       engine.add_request(p, sp)
