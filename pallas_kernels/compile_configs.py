@@ -174,7 +174,11 @@ def measure(case: Case, fail_on_spill: bool = True) -> Dict[str, Any]:
         "resident_blocks_per_sm": blocks,
         "wave_efficiency": (tuning.wave_efficiency(programs, blocks * tuning.NUM_SMS)
                             if blocks else None)})
+  hq, _, d, _ = MODELS[case.model]
+  rows = case.batch if case.kernel == "decode" else WORKLOADS[case.workload][1]
+  activation = rows * hq * tuning.padded_head_dim(d) * 4   # padded q / output rows in f32
   return {"case": case.name, "kernel": case.kernel, "model": case.model,
+          "activation_bytes": activation,
           "dtype": case.dtype, "page_dtype": case.pdtype.name,
           "block_size": case.block_size, "resolved": cfg, "launches": launches,
           "temp_bytes": report.temp_bytes, "pool_bytes": pool, "kv_bytes_read": nbytes,
