@@ -158,9 +158,5 @@ def main(argv, flag_values=None):
   cli(FLAGS if flag_values is None else flag_values)
 
 
-# tests/engine_test.py calls the old private name; keep it until that test moves to
-# define_flags.
-_define_flags = define_flags
-
 if __name__ == "__main__":
   common.run_app(cli, define_flags)

@@ -226,7 +226,7 @@ def test_generate_cli_on_saved_checkpoint(tmp_path):
           f"--num_blocks={NUM_BLOCKS}", f"--max_seqs={MAX_SEQS}",
           f"--max_num_batched_tokens={BUDGET}", "--attention_backend=reference"]
   cli_flags = flags.FlagValues()   # private registry: the global FLAGS stays untouched
-  generate._define_flags(cli_flags)  # pylint: disable=protected-access
+  generate.define_flags(cli_flags)
   cli_flags(argv)
   buf = io.StringIO()
   with contextlib.redirect_stdout(buf):

@@ -66,7 +66,9 @@ class Engine:
     max_num_batched_tokens: per-step token budget (prefill chunks + decodes).
     decode_steps_per_sync: decode steps per device call (multi-step decoding).
     preemption_mode: "recompute" (default) or "swap" (to host memory).
-    attention_backend: "auto", "reference", "pallas", "pallas_interpret".
+    attention_backend: one of `attention.BACKENDS`: "auto", "reference", "pallas",
+      "pallas_interpret", or with the GPU kernel family forced ("pallas:triton",
+      "pallas:mosaic_gpu", "pallas_interpret:triton", "pallas_interpret:mosaic_gpu").
     max_beam_width: largest beam_width accepted (sets the candidate count).
     model_apply: replaces `LlamaForCausalLM(...).apply` in the jitted step (same
       signature); `paged_jax.distributed` passes its tensor-parallel forward.

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -91,7 +90,3 @@ def swap_in(state: EngineState, slot: int, saved: SwappedKV):
   on a non-OK status the state is unchanged."""
   return _swap_in(state, jnp.asarray(slot, jnp.int32), jnp.asarray(saved.num_tokens, jnp.int32),
                   {k: jnp.asarray(v) for k, v in saved.pages.items()})
-
-
-def bytes_of(saved: Optional[SwappedKV]) -> int:
-  return 0 if saved is None else saved.nbytes
