@@ -15,8 +15,11 @@ so XLA updates the O(num_blocks) arrays in place.
 Batch policy (every op): requests act as if applied one at a time in argument
 (slot) order. A request that cannot be satisfied gets `OUT_OF_BLOCKS`,
 `TOO_LONG` or `INVALID` (`paged_jax.config`) and leaves its slot exactly as it
-was; later requests still run on the blocks it did not take. If the whole batch
-fits this is one prefix sum; only a shortage runs an O(batch) `lax.scan`.
+was; later requests still run on the blocks it did not take. Up to the first
+shortfall this is one prefix sum; after it at most `width - 1` more requests can
+fit (`width` the static per-request block bound), each found by an O(batch)
+vector round. No `lax.cond`/`lax.switch` and no data-dependent loop: on GPU
+either would copy a predicate to the host and block, every step.
 Negative slot ids are padding: `INVALID`, no effect.
 
 Invariants: a slot with `L` tokens holds `cdiv(L, block_size)` blocks in the
@@ -167,6 +170,67 @@ def _drop_neg(idx: jax.Array, size: int) -> jax.Array:
   return jnp.where(idx < 0, size, idx)
 
 
+def _rounds(num_rounds: int, body, carry):
+  """`body` applied `num_rounds` (static) times: unrolled when few, else a fori_loop with a
+  static trip count (an XLA while with a known trip count: no host readback on GPU)."""
+  if num_rounds <= 8:
+    for _ in range(num_rounds):
+      carry = body(carry)
+    return carry
+  return lax.fori_loop(0, num_rounds, lambda _, c: body(c), carry)
+
+
+def _first_failure(fast_need: jax.Array, num_free: jax.Array):
+  """Prefix where every request gets its `fast_need`: (f, blocks left after it).
+
+  f is the first request whose inclusive prefix sum of `fast_need` exceeds `num_free`
+  (len if none): requests before f all succeed, f fails with fewer than its need left.
+  """
+  n = fast_need.shape[0]
+  iota = lax.iota(_I32, n)
+  csum = jnp.cumsum(fast_need)
+  f = jnp.min(jnp.where(csum > num_free, iota, n))
+  return f, num_free - jnp.sum(jnp.where(iota < f, fast_need, 0))
+
+
+def _allocate_plan(sc, cand, first, need, num_free, s_max: int, width: int):
+  """Which allocate requests succeed (ok) and which name a slot already taken (dup), as if
+  applied one at a time, without a scan or a branch.
+
+  Up to the first failure f (a prefix sum) every candidate that is first for its slot
+  succeeds. f fails with fewer than need[f] <= width blocks left, and every later
+  success takes >= 1 block, so at most width - 1 more succeed: each of width - 1 rounds
+  finds the next one (the first later request that fits and names an unclaimed slot) with
+  O(n) vector work, settling the requests it passes. O(n * width) in all, the same order
+  as the pop window; no data-dependent branch.
+  """
+  n = sc.shape[0]
+  iota = lax.iota(_I32, n)
+  fast_need = jnp.where(cand & first, need, 0)
+  f, remaining = _first_failure(fast_need, num_free)
+  before = iota < f
+  ok = cand & first & before
+  dup = cand & ~first & before
+  claimed = jnp.zeros((s_max,), jnp.bool_).at[jnp.where(ok, sc, s_max)].set(True, mode="drop")
+
+  def round_(carry):
+    pos, remaining, claimed, ok, dup = carry
+    later, taken = iota > pos, claimed[sc]
+    elig = later & cand & ~taken & (need <= remaining)
+    j = jnp.min(jnp.where(elig, iota, n))  # n: none; settles every later request
+    hit = iota == j
+    dup = dup | (later & (iota <= j) & cand & taken)
+    remaining = remaining - jnp.sum(jnp.where(hit, need, 0))
+    claimed = claimed.at[jnp.where(hit, sc, s_max)].set(True, mode="drop")
+    return j, remaining, claimed, ok | hit, dup
+
+  pos, _, claimed, ok, dup = _rounds(width - 1, round_, (f - 1, remaining, claimed, ok, dup))
+  # Left after the rounds: no request fits any more (see above); those naming a slot
+  # claimed by now are duplicates.
+  dup = dup | ((iota > pos) & cand & claimed[sc])
+  return ok, dup
+
+
 def allocate(state: BlockState, slot, num_tokens):
   """Activates `slot` holding `num_tokens` tokens in `cdiv(num_tokens, bs)` fresh blocks.
 
@@ -192,22 +256,8 @@ def allocate(state: BlockState, slot, num_tokens):
   cand = ~bad & ~too_long
   need = jnp.where(cand, cdiv(jnp.clip(n_tok, 0, max_len), bs), 0)
   first = _first_of_slot(slots, cand, s_max)
-
-  def fast():  # every candidate fits: only duplicate slots fail
-    return cand & first, cand & ~first
-
-  def slow():  # blocks run short: decide in argument order
-    def body(carry, x):
-      remaining, claimed = carry
-      s, c, nd = x
-      dup = c & claimed[s]
-      ok = c & ~dup & (nd <= remaining)
-      return (remaining - jnp.where(ok, nd, 0), claimed.at[s].set(claimed[s] | ok)), (ok, dup)
-    init_carry = (state.num_free, jnp.zeros((s_max,), jnp.bool_))
-    return lax.scan(body, init_carry, (sc, cand, need))[1]
-
-  fits = jnp.sum(jnp.where(cand & first, need, 0)) <= state.num_free
-  ok, dup = lax.cond(fits, fast, slow)
+  width = _blocks_bound(static_n, bs, state.max_blocks_per_seq, cow=False)
+  ok, dup = _allocate_plan(sc, cand, first, need, state.num_free, s_max, width)
   # A slot taken by an earlier request of the batch is active by now: INVALID
   # takes precedence over TOO_LONG, as in one-at-a-time application.
   iota = lax.iota(_I32, slots.shape[0])
@@ -217,7 +267,6 @@ def allocate(state: BlockState, slot, num_tokens):
   status = jnp.where(bad | dup, INVALID,
                      jnp.where(too_long, TOO_LONG, jnp.where(ok, OK, OUT_OF_BLOCKS)))
 
-  width = _blocks_bound(static_n, bs, state.max_blocks_per_seq, cow=False)
   blocks, total = _pop(state, jnp.where(ok, need, 0), width)
   rows = jnp.where(ok, sc, s_max)
   state = state.replace(
@@ -252,6 +301,49 @@ def _writer_groups(ref_count, shared, last_block, refs):
   return ref_count, idle, rep
 
 
+def _append_decide(cand, grow, shared, refs, rep, cow_fast, num_free, width: int):
+  """(ok, cow) per slot as if slots appended one at a time, in slot order; no scan, no branch.
+
+  Up to the first failure f (a prefix sum of grow + cow_fast) every candidate succeeds
+  and copies as `cow_fast` says. f fails with fewer than its need <= width blocks left;
+  later successes needing no block (no growth, no copy) always go through and each other
+  one takes >= 1 block, so at most width - 1 of them remain: each of width - 1 rounds
+  finds the next (recomputing copies with the group's copy count so far) with O(max_seqs)
+  vector work. Decode (max_new_tokens=1, width 1) is the prefix sum alone.
+  """
+  s_max = cand.shape[0]
+  iota = lax.iota(_I32, s_max)
+  gid = jnp.clip(rep, 0, s_max - 1)
+  f, remaining = _first_failure(jnp.where(cand, grow + cow_fast.astype(_I32), 0), num_free)
+  before = iota < f
+  ok, cow = cand & before, cow_fast & before
+  copies = jnp.zeros((s_max,), _I32).at[jnp.where(ok & cow, rep, s_max)].add(1, mode="drop")
+
+  def need_now(copies):
+    cow_now = shared & (refs - copies[gid] > 1)
+    return cow_now, grow + cow_now.astype(_I32)
+
+  def round_(carry):
+    pos, remaining, copies, ok, cow = carry
+    later = iota > pos
+    cow_now, nd = need_now(copies)
+    elig = later & cand & (nd > 0) & (nd <= remaining)
+    j = jnp.min(jnp.where(elig, iota, s_max))  # s_max: none; settles every later slot
+    span, hit = later & (iota <= j), iota == j
+    # Before j only block-free appends fit (a fitting one needing blocks would be j).
+    ok = ok | (span & cand & (nd <= remaining))
+    cow = cow | (span & cow_now)
+    remaining = remaining - jnp.sum(jnp.where(hit, nd, 0))
+    copies = copies.at[jnp.where(hit & cow_now, rep, s_max)].add(1, mode="drop")
+    return j, remaining, copies, ok, cow
+
+  pos, remaining, copies, ok, cow = _rounds(
+      width - 1, round_, (f - 1, remaining, copies, ok, cow))
+  later = iota > pos
+  cow_now, nd = need_now(copies)
+  return ok | (later & cand & (nd <= remaining)), cow | (later & cow_now)
+
+
 def _append_plan(state: BlockState, slot_mask, num_new_tokens, max_new_tokens):
   """Decides append per slot.
 
@@ -276,33 +368,15 @@ def _append_plan(state: BlockState, slot_mask, num_new_tokens, max_new_tokens):
   refs = state.ref_count[jnp.clip(last_block, 0, state.num_blocks - 1)]
   # Writers into a shared (ref > 1), partially filled last block.
   shared = cand & (n_ok > 0) & (lens % bs != 0) & (refs > 1)
-  # Most steps share nothing: skip the scratch scatters then (each scatter over
-  # a num_blocks-long array is a separate, thread-split kernel on XLA:CPU).
-  ref_count, idle, rep = lax.cond(
-      jnp.any(shared), _writer_groups,
-      lambda r, sh, lb, rf: (r, jnp.zeros_like(rf), jnp.full_like(rf, s_max)),
-      state.ref_count, shared, last_block, refs)
+  # Masked scratch scatters (non-writers' indices are dropped): O(max_seqs) in place, run
+  # every step (no lax.cond: on GPU its branch index is read back to the host).
+  ref_count, idle, rep = _writer_groups(state.ref_count, shared, last_block, refs)
   # If every candidate succeeds, each writer copies except a group's last
   # writer when no idle holder remains (it then sees ref_count == 1).
-  cow_fast = shared & ((idle > 0) | (rep != lax.iota(_I32, s_max)))
-
-  def fast():
-    return cand, cow_fast
-
-  def slow():  # blocks run short: decide in slot order, counting copies per group
-    def body(carry, x):
-      remaining, copies = carry
-      c, g, sh, r, gid = x
-      cow = sh & (r - copies[gid] > 1)
-      need = g + cow.astype(_I32)
-      ok = c & (need <= remaining)
-      copies = copies.at[gid].add((ok & cow).astype(_I32))
-      return (remaining - jnp.where(ok, need, 0), copies), (ok, cow)
-    init_carry = (state.num_free, jnp.zeros((s_max,), _I32))
-    return lax.scan(body, init_carry, (cand, grow, shared, refs, rep))[1]
-
-  fast_need = jnp.sum(grow + cow_fast.astype(_I32))
-  ok, cow = lax.cond(fast_need <= state.num_free, fast, slow)
+  iota = lax.iota(_I32, s_max)
+  cow_fast = shared & ((idle > 0) | (rep != iota))
+  width = _blocks_bound(max_new_tokens, bs, state.max_blocks_per_seq, cow=True)
+  ok, cow = _append_decide(cand, grow, shared, refs, rep, cow_fast, state.num_free, width)
   cow = ok & cow
   status = jnp.where(bad, INVALID, jnp.where(
       too_long, TOO_LONG, jnp.where(cand & ~ok, OUT_OF_BLOCKS, OK)))

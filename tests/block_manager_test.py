@@ -551,3 +551,59 @@ class HostManagerTest(chex.TestCase):
 
 if __name__ == "__main__":
   absltest.main()
+
+
+def _ok_after_shortfall(status) -> int:
+  """Requests that succeed after an earlier one of the same batch ran out of blocks."""
+  status = np.asarray(status).reshape(-1).tolist()
+  first = status.index(OUT_OF_BLOCKS) if OUT_OF_BLOCKS in status else len(status)
+  return sum(s == OK for s in status[first + 1:])
+
+
+class ShortfallTailTest(chex.TestCase):
+  """Batches whose requests keep succeeding after a shortfall, one at a time: the block
+  manager decides them without a scan or a lax.cond (a prefix sum up to the first
+  shortfall, then one vector round per later success), so these must match the model."""
+
+  def test_successes_after_a_shortfall_match_model(self):
+    cfg = CacheConfig(block_size=2, num_blocks=14, max_seqs=8, max_blocks_per_seq=7)
+    s_max, nb = cfg.max_seqs, cfg.num_blocks
+    seen = {"allocate": 0, "append": 0, "append_cow": 0}
+    for seed in range(40):
+      rng = np.random.default_rng(seed)
+      state, model = bm.init(cfg), BlockModel.from_config(cfg)
+      # Large first requests so a later, smaller one often still fits; duplicate slots
+      # whose first request ran short may take the slot.
+      slots = rng.integers(0, s_max, size=8)
+      counts = rng.integers(1, cfg.max_seq_len + 1, size=8)
+      state, status = j_allocate(state, jnp.asarray(slots, jnp.int32),
+                                 jnp.asarray(counts, jnp.int32))
+      np.testing.assert_array_equal(status, model.allocate(slots.tolist(), counts.tolist()))
+      seen["allocate"] += _ok_after_shortfall(status)
+      assert_matches_model(state, model)
+      live = np.flatnonzero(model.active)
+      if live.size:  # share blocks, so appends also copy on write
+        srcs = rng.choice(live, size=4)
+        dsts = rng.integers(0, s_max, size=4)
+        state, status = j_fork(state, jnp.asarray(srcs, jnp.int32), jnp.asarray(dsts, jnp.int32))
+        np.testing.assert_array_equal(status, model.fork(srcs.tolist(), dsts.tolist()))
+      for bound in (None, 5):
+        mask = rng.random(s_max) < 0.9
+        counts = rng.integers(0, 6, size=s_max)
+        state, status, cow = j_append(state, jnp.asarray(mask), jnp.asarray(counts, jnp.int32),
+                                      max_new_tokens=bound)
+        expected, cow_expected = model.append(mask.tolist(), counts.tolist(), bound)
+        np.testing.assert_array_equal(status, expected)
+        np.testing.assert_array_equal(cow, np.asarray(cow_expected, np.int32))
+        seen["append"] += _ok_after_shortfall(status)
+        tail = np.asarray(status).tolist()
+        after = tail.index(OUT_OF_BLOCKS) + 1 if OUT_OF_BLOCKS in tail else s_max
+        seen["append_cow"] += int((np.asarray(cow)[after:, 0] >= 0).sum())
+        assert_matches_model(state, model)
+        check_invariants(state)
+      state, _ = j_free(state, jnp.arange(s_max, dtype=jnp.int32))
+      assert int(state.num_free) == nb
+    # The batches must have exercised successes (and copies) past a shortfall.
+    self.assertGreater(seen["allocate"], 10, seen)
+    self.assertGreater(seen["append"], 10, seen)
+    self.assertGreater(seen["append_cow"], 0, seen)

@@ -77,19 +77,17 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   hot = temperature > 0
 
-  # Branches skip work no row asks for: XLA's CPU sort of [S, V] costs ~1 ms at
-  # S=16, V=256 (measured), ~20x the rest of sampling.
-  def draw():
-    def plain():
-      temp = jnp.where(hot, temperature, 1.0).astype(jnp.float32)
-      return logits.astype(jnp.float32) / temp[:, None]
-    needs_filter = jnp.any(hot & ((top_k > 0) | (top_p < 1)))
-    masked = jax.lax.cond(needs_filter,
-                          lambda: filtered_logits(logits, temperature, top_k, top_p), plain)
-    keys = row_keys(seeds, sample_index)
-    return jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, masked).astype(jnp.int32)
-
-  drawn = jax.lax.cond(jnp.any(hot), draw, lambda: greedy)
+  # No lax.cond on "any row hot / filtered": on GPU a conditional copies its branch index
+  # to the host and blocks, every step (and every iteration of the multi-step decode
+  # loop). Both sides are computed and selected per row; the filter's [S, V] sort now
+  # runs every step (on XLA:CPU ~1 ms at S=16, V=256: the price of no host sync on GPU).
+  temp = jnp.where(hot, temperature, 1.0).astype(jnp.float32)
+  plain = logits.astype(jnp.float32) / temp[:, None]
+  filtered = hot & ((top_k > 0) | (top_p < 1))
+  masked = jnp.where(filtered[:, None], filtered_logits(logits, temperature, top_k, top_p),
+                     plain)
+  keys = row_keys(seeds, sample_index)
+  drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, masked).astype(jnp.int32)
   return jnp.where(hot, drawn, greedy)
 
 
