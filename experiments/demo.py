@@ -136,7 +136,7 @@ def _serving_benchmark(out) -> Dict:
   clock and on the virtual step clock; the full sweep is experiments.serving_benchmark."""
   from experiments import serving_benchmark as sb  # pylint: disable=g-import-not-at-top
   res = {}
-  for clock, rates in (("wall", ["2", "4", "8"]), ("step", ["4", "8", "12", "16", "24"])):
+  for clock, rates in (("wall", ["2", "8", "16"]), ("step", ["4", "8", "12", "16", "24"])):
     f = sb.config(rates=rates, duration_s=4.0, clock=clock,
                   systems=["paged", "orca_max", "orca_oracle"])
     r = sb.run(f)
