@@ -366,11 +366,15 @@ def _append_plan(state: BlockState, slot_mask, num_new_tokens, max_new_tokens):
   last_block = jnp.take_along_axis(
       state.block_tables, jnp.maximum(old_blocks - 1, 0)[:, None], axis=1)[:, 0]
   refs = state.ref_count[jnp.clip(last_block, 0, state.num_blocks - 1)]
+  # Materialise `refs` before the scratch scatters below update ref_count in place: XLA:GPU
+  # otherwise re-gathers it from the original inside later fusions, which then must keep
+  # the original alive and copy the whole num_blocks-long array (seen in the sm_90 compile).
+  ref_count, refs = lax.optimization_barrier((state.ref_count, refs))
   # Writers into a shared (ref > 1), partially filled last block.
   shared = cand & (n_ok > 0) & (lens % bs != 0) & (refs > 1)
   # Masked scratch scatters (non-writers' indices are dropped): O(max_seqs) in place, run
   # every step (no lax.cond: on GPU its branch index is read back to the host).
-  ref_count, idle, rep = _writer_groups(state.ref_count, shared, last_block, refs)
+  ref_count, idle, rep = _writer_groups(ref_count, shared, last_block, refs)
   # If every candidate succeeds, each writer copies except a group's last
   # writer when no idle holder remains (it then sees ref_count == 1).
   iota = lax.iota(_I32, s_max)
