@@ -202,7 +202,8 @@ def _allocate_plan(sc, cand, first, need, num_free, s_max: int, width: int):
   success takes >= 1 block, so at most width - 1 more succeed: each of width - 1 rounds
   finds the next one (the first later request that fits and names an unclaimed slot) with
   O(n) vector work, settling the requests it passes. O(n * width) in all, the same order
-  as the pop window; no data-dependent branch.
+  as the pop window; no data-dependent branch. Nor can more than n - 1 requests follow
+  f: min(width, n) - 1 rounds.
   """
   n = sc.shape[0]
   iota = lax.iota(_I32, n)
@@ -224,7 +225,8 @@ def _allocate_plan(sc, cand, first, need, num_free, s_max: int, width: int):
     claimed = claimed.at[jnp.where(hit, sc, s_max)].set(True, mode="drop")
     return j, remaining, claimed, ok | hit, dup
 
-  pos, _, claimed, ok, dup = _rounds(width - 1, round_, (f - 1, remaining, claimed, ok, dup))
+  pos, _, claimed, ok, dup = _rounds(min(width, n) - 1, round_,
+                                     (f - 1, remaining, claimed, ok, dup))
   # Left after the rounds: no request fits any more (see above); those naming a slot
   # claimed by now are duplicates.
   dup = dup | ((iota > pos) & cand & claimed[sc])
@@ -309,7 +311,8 @@ def _append_decide(cand, grow, shared, refs, rep, cow_fast, num_free, width: int
   later successes needing no block (no growth, no copy) always go through and each other
   one takes >= 1 block, so at most width - 1 of them remain: each of width - 1 rounds
   finds the next (recomputing copies with the group's copy count so far) with O(max_seqs)
-  vector work. Decode (max_new_tokens=1, width 1) is the prefix sum alone.
+  vector work (at most max_seqs - 1 slots follow f: min(width, max_seqs) - 1 rounds).
+  Decode (max_new_tokens=1, width 1) is the prefix sum alone.
   """
   s_max = cand.shape[0]
   iota = lax.iota(_I32, s_max)
@@ -338,7 +341,7 @@ def _append_decide(cand, grow, shared, refs, rep, cow_fast, num_free, width: int
     return j, remaining, copies, ok, cow
 
   pos, remaining, copies, ok, cow = _rounds(
-      width - 1, round_, (f - 1, remaining, copies, ok, cow))
+      min(width, s_max) - 1, round_, (f - 1, remaining, copies, ok, cow))
   later = iota > pos
   cow_now, nd = need_now(copies)
   return ok | (later & cand & (nd <= remaining)), cow | (later & cow_now)
