@@ -10,8 +10,8 @@
 # timed-out step is recorded and the next one still runs. Exit status: 0 only if every
 # step passed.
 #
-# Files in $OUT: env.txt, tests.log, kernel_bench.log, kernel_bench.json, ragged_bench.log,
-# ragged_bench.json, summary.txt.
+# Files in $OUT: env.txt, tests.log, mosaic_tests.log, engine.log, engine_*.json,
+# kernel_bench.log, kernel_bench.json, ragged_bench.log, ragged_bench.json, summary.txt.
 # Knobs (environment): PYTHON (default python3), PYTEST_WORKERS (default 8),
 # KERNEL_BENCH_FLAGS, RAGGED_BENCH_FLAGS (replace the default benchmark flags).
 
@@ -34,15 +34,15 @@ if [[ $DRY_RUN == 1 ]]; then
   export JAX_PLATFORMS=cpu PAGED_JAX_TEST_COMPILED=0
   TEST_MARK=(-m "not slow")
   WORKERS="${PYTEST_WORKERS:-2}"
-  T_TESTS=900; T_KB=600; T_RB=600
+  T_TESTS=900; T_MOSAIC=600; T_ENGINE=300; T_KB=600; T_RB=600
   KB_FLAGS="${KERNEL_BENCH_FLAGS:---batch=1 --context=512 --block_size=16 --repeats=2}"
   RB_FLAGS="${RAGGED_BENCH_FLAGS:---dry_run --scenarios=decode64,mixed --block_size=16 --repeats=2}"
 else
   export JAX_PLATFORMS=cuda PAGED_JAX_TEST_COMPILED=1
   TEST_MARK=()
   WORKERS="${PYTEST_WORKERS:-8}"
-  T_TESTS=120; T_KB=70; T_RB=100
-  KB_FLAGS="${KERNEL_BENCH_FLAGS:---batch=1,8,64,256 --context=4096 --block_size=16,128}"
+  T_TESTS=150; T_MOSAIC=120; T_ENGINE=90; T_KB=90; T_RB=100
+  KB_FLAGS="${KERNEL_BENCH_FLAGS:---batch=1,8,64,256 --context=4096 --block_size=16,64,128}"
   RB_FLAGS="${RAGGED_BENCH_FLAGS:-}"
 fi
 
@@ -83,6 +83,27 @@ step tests "$T_TESTS" "$OUT/tests.log" "$PY" -m pytest -q -rfE -p no:cacheprovid
   tests/ragged_paged_attention_test.py tests/paged_attention_test.py \
   tests/cuda_lowering_ragged_test.py tests/cuda_lowering_test.py
 
+# 2b. Mosaic GPU kernels (compiled on sm_90: their interpret grids stay in the CPU suite) and
+#     the gpu_backend dispatch.
+step mosaic_tests "$T_MOSAIC" "$OUT/mosaic_tests.log" "$PY" -m pytest -q -rfE -p no:cacheprovider \
+  -n "$WORKERS" -m "not slow" tests/mosaic_paged_attention_test.py \
+  tests/mosaic_ragged_paged_attention_test.py tests/gpu_backends_test.py
+
+# 2c. The engine end to end on this machine's attention backend vs the reference backend
+#     (shipped model, greedy, multi-step decode): the token lists must be equal.
+engine_check() {
+  local be
+  for be in reference auto; do
+    "$PY" -m experiments.generate --prompt_ids="1,2,3,4,5;10,20,30;7;65,66,67,68,69,70" \
+      --max_tokens=48 --decode_steps_per_sync=4 --attention_backend="$be" \
+      > "$OUT/engine_$be.json" || return 1
+  done
+  cmp "$OUT/engine_reference.json" "$OUT/engine_auto.json" && echo "engine outputs equal"
+}
+export -f engine_check
+export PY OUT
+step engine "$T_ENGINE" "$OUT/engine.log" bash -c engine_check
+
 # 3. Decode kernel benchmark (experiments/kernel_bench.py).
 # shellcheck disable=SC2086
 step kernel_bench "$T_KB" "$OUT/kernel_bench.log" "$PY" -m experiments.kernel_bench \
@@ -101,6 +122,8 @@ echo
 echo "---- tests ----"
 grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | head -20 || true
 grep -E "(passed|failed|error)" "$OUT/tests.log" | tail -1 || true
+grep -E "(passed|failed|error)" "$OUT/mosaic_tests.log" | tail -1 || true
+tail -1 "$OUT/engine.log" || true
 echo "---- kernel_bench ----"
 grep -E "^\|" "$OUT/kernel_bench.log" | tail -12 || true
 echo "---- ragged_bench ----"
