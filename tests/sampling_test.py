@@ -101,3 +101,27 @@ def test_top_logprobs_match_log_softmax():
   order = np.argsort(-lp, axis=-1)[:, :6]
   np.testing.assert_array_equal(np.asarray(ids), order)
   np.testing.assert_allclose(np.asarray(vals), np.take_along_axis(lp, order, -1), rtol=1e-5)
+
+
+def test_each_row_samples_as_if_alone_in_a_mixed_batch():
+  """Greedy, plain-temperature and filtered rows share one batch with no branch on the
+  batch (no lax.cond: per-row selects); each row must draw exactly what it draws alone,
+  and a plain row exactly categorical(its key, logits / temperature)."""
+  rng = np.random.default_rng(11)
+  s, v = 6, 50
+  logits = rng.normal(size=(s, v)).astype(np.float32) * 3
+  temp = np.array([0.0, 1.0, 0.7, 1.3, 1.0, 0.5], np.float32)
+  top_k = np.array([-1, -1, 5, 1, -1, 3], np.int32)
+  top_p = np.array([1.0, 1.0, 1.0, 1.0, 0.5, 0.9], np.float32)
+  seeds = rng.integers(0, 2**30, size=s).astype(np.int32)
+  index = rng.integers(0, 100, size=s).astype(np.int32)
+  rows = lambda sel: tuple(jnp.asarray(a[sel]) for a in (logits, temp, top_k, top_p, seeds, index))
+  full = np.asarray(_SAMPLE(*rows(np.arange(s))))
+  for i in range(s):
+    assert int(_SAMPLE(*rows(np.array([i])))[0]) == full[i], i
+  assert full[0] == np.argmax(logits[0]) and full[3] == np.argmax(logits[3])  # greedy, top-1
+  keys = sampling.row_keys(jnp.asarray(seeds), jnp.asarray(index))
+  assert full[1] == int(jax.random.categorical(keys[1], jnp.asarray(logits[1] / temp[1])))
+  kept = np.asarray(sampling.filtered_logits(*rows(np.arange(s))[:4]))
+  assert all(np.isfinite(kept[i, full[i]]) for i in range(s))
+  assert np.isinf(kept[4]).sum() > 0 and np.isinf(kept[2]).sum() == v - 5
