@@ -295,6 +295,31 @@ def run_kernel(body, inputs, out_shapes, scratch, *, grid, grid_names, name, int
                       grid=grid, grid_names=grid_names, **params)(*inputs)
 
 
+def launch(kernel, inputs, k_scales, v_scales, *, out_lead, dtype, page_dtype, head_dim,
+           block_size, tile_kv, num_stages, grid, grid_names, name, interpret):
+  """Runs `kernel(*inputs, ks_ref, vs_ref, o_ref, lse_ref, scratch)` via `run_kernel`.
+
+  The f32 scales (when quantized) follow `inputs`; ks_ref / vs_ref are None otherwise.
+  Returns o dtype[*out_lead, Q_ROWS, D] and lse f32[*out_lead, Q_ROWS].
+  """
+  quantized = k_scales is not None
+  inputs = list(inputs)
+  if quantized:
+    inputs += [k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)]
+
+  def body(*refs):
+    n = len(inputs)
+    kernel(*refs[:n], *([] if quantized else [None, None]), refs[n], refs[n + 1],
+           refs[n + 2:])
+
+  return run_kernel(
+      body, inputs,
+      (jax.ShapeDtypeStruct((*out_lead, Q_ROWS, head_dim), dtype),
+       jax.ShapeDtypeStruct((*out_lead, Q_ROWS), jnp.float32)),
+      scratch_types(dtype, page_dtype, head_dim, block_size, tile_kv, num_stages, quantized),
+      grid=grid, grid_names=grid_names, name=name, interpret=interpret)
+
+
 def combine_splits(o, lse):
   """Merges split-K partials: o f32[..., S, R, D], lse f32[..., S, R] -> f32[..., R, D]."""
   top = jnp.max(lse, axis=-2, keepdims=True)

@@ -82,28 +82,17 @@ def _paged_attention_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, 
   num_kv_heads, _, block_size, _ = k_pages.shape
   group = num_q_heads // num_kv_heads
   dtype = q.dtype
-  quantized = k_scales is not None
   q4 = q.reshape(batch, num_kv_heads, group, head_dim)
   q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, _Q_ROWS - group), (0, 0)))   # [B, Hkv, 64, D]
   inputs = [lengths.astype(jnp.int32), block_tables.astype(jnp.int32), q4, k_pages, v_pages]
-  if quantized:
-    inputs += [k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)]
   kernel = functools.partial(
       _decode_kernel, sliding_window=sliding_window, num_splits=num_splits,
       tile_kv=tile_kv, num_stages=num_stages, sm_scale=sm_scale, soft_cap=soft_cap,
       interpret=interpret)
-
-  def body(*refs):
-    n = len(inputs)
-    kernel(*refs[:n], *([] if quantized else [None, None]), refs[n], refs[n + 1],
-           refs[n + 2:])
-
-  o, lse = core.run_kernel(
-      body, inputs,
-      (jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, _Q_ROWS, head_dim), dtype),
-       jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, _Q_ROWS), jnp.float32)),
-      core.scratch_types(dtype, k_pages.dtype, head_dim, block_size, tile_kv, num_stages,
-                         quantized),
+  o, lse = core.launch(
+      kernel, inputs, k_scales, v_scales, out_lead=(batch, num_kv_heads, num_splits),
+      dtype=dtype, page_dtype=k_pages.dtype, head_dim=head_dim, block_size=block_size,
+      tile_kv=tile_kv, num_stages=num_stages,
       grid=(num_kv_heads, batch, num_splits), grid_names=("h", "b", "s"),
       name=f"paged_decode_mgpu_bs{block_size}_tile{tile_kv}_splits{num_splits}",
       interpret=interpret)

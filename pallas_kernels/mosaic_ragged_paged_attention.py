@@ -134,27 +134,16 @@ def _ragged_impl(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs
   seq, first_row, n_tok, pos0 = tile_arrays
   q_tiles = q_rows[:, first_row[:, None] * group + jnp.arange(_Q_ROWS)[None, :]]
 
-  quantized = k_scales is not None
   inputs = [kv_lens, block_tables.astype(jnp.int32), seq, n_tok, pos0, q_tiles, k_pages,
             v_pages]
-  if quantized:
-    inputs += [k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)]
   kernel = functools.partial(
       _ragged_kernel, group=group, sliding_window=sliding_window, num_splits=num_splits,
       tile_kv=tile_kv, num_stages=num_stages, sm_scale=sm_scale, soft_cap=soft_cap,
       interpret=interpret)
-
-  def body(*refs):
-    n = len(inputs)
-    kernel(*refs[:n], *([] if quantized else [None, None]), refs[n], refs[n + 1],
-           refs[n + 2:])
-
-  o, lse = core.run_kernel(
-      body, inputs,
-      (jax.ShapeDtypeStruct((num_kv_heads, n_max, num_splits, _Q_ROWS, head_dim), dtype),
-       jax.ShapeDtypeStruct((num_kv_heads, n_max, num_splits, _Q_ROWS), jnp.float32)),
-      core.scratch_types(dtype, k_pages.dtype, head_dim, block_size, tile_kv, num_stages,
-                         quantized),
+  o, lse = core.launch(
+      kernel, inputs, k_scales, v_scales, out_lead=(num_kv_heads, n_max, num_splits),
+      dtype=dtype, page_dtype=k_pages.dtype, head_dim=head_dim, block_size=block_size,
+      tile_kv=tile_kv, num_stages=num_stages,
       grid=(num_kv_heads, n_max, num_splits), grid_names=("h", "t", "s"),
       name=f"ragged_paged_mgpu_bs{block_size}_q{q_per_tile}_splits{num_splits}",
       interpret=interpret)
