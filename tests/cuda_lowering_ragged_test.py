@@ -21,15 +21,9 @@ from pallas_kernels.ragged_paged_attention import ragged_paged_attention  # Trit
 
 from pallas_kernels import compile_target
 
+import lowering_support
 
-def _triton_call():
-  """The Pallas Triton custom-call target of this JAX version (read, never assumed)."""
-  try:
-    targets = compile_target.pallas_gpu_call_targets()
-  except RuntimeError as e:
-    pytest.skip(str(e))
-  assert len(targets) == 1, targets
-  return targets[0]
+
 _IR_DTYPE = {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.bfloat16): "bf16",
              jnp.dtype(jnp.float16): "f16", jnp.dtype(jnp.int8): "i8",
              jnp.dtype(jnp.float8_e4m3fn): "f8E4M3FN"}
@@ -43,13 +37,12 @@ def lower_ragged(*, num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim, b
   num_blocks = num_blocks or num_seqs * pages_per_seq
   sds = jax.ShapeDtypeStruct
   q = sds((num_tokens, num_q_heads, head_dim), dtype)
-  pages = sds((num_kv_heads, num_blocks, block_size, head_dim), page_dtype)
+  pages, scales = lowering_support.page_args(num_kv_heads, num_blocks, block_size, head_dim,
+                                                page_dtype)
   tables = sds((num_seqs, pages_per_seq), jnp.int32)
   kv_lens = sds((num_seqs,), jnp.int32)
   cu_q_lens = sds((num_seqs + 1,), jnp.int32)
   live = sds((), jnp.int32)
-  quantized = jnp.dtype(page_dtype) in (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
-  scales = sds((num_kv_heads, num_blocks, block_size), jnp.float32) if quantized else None
 
   def f(q, k, v, tables, kv_lens, cu_q_lens, live, k_scales, v_scales):
     if via_dispatch:
@@ -68,7 +61,7 @@ def lower_ragged(*, num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim, b
 
 def assert_triton_kernel(text, pages_type):
   calls = re.findall(r"stablehlo\.custom_call @([\w$.]+)", text)
-  triton_call = _triton_call()
+  triton_call = lowering_support.triton_call()
   # One launch for short (decode) sequences, one for prefill chunks (or a single one).
   assert calls in ([triton_call], [triton_call] * 2), calls
   assert "ragged_paged_attention_tq" in text  # our kernel, by its pallas_call name

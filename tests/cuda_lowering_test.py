@@ -22,15 +22,7 @@ from pallas_kernels.paged_attention import paged_attention  # the Triton kernel 
 
 from pallas_kernels import compile_target
 
-
-def _triton_call():
-  """The Pallas Triton custom-call target of this JAX version (read, never assumed)."""
-  try:
-    targets = compile_target.pallas_gpu_call_targets()
-  except RuntimeError as e:
-    pytest.skip(str(e))
-  assert len(targets) == 1, targets
-  return targets[0]
+import lowering_support
 
 
 def lower_decode(*, batch, num_q_heads, num_kv_heads, head_dim, block_size, pages_per_seq,
@@ -41,11 +33,10 @@ def lower_decode(*, batch, num_q_heads, num_kv_heads, head_dim, block_size, page
   num_blocks = num_blocks or batch * pages_per_seq
   sds = jax.ShapeDtypeStruct
   q = sds((batch, num_q_heads, head_dim), dtype)
-  pages = sds((num_kv_heads, num_blocks, block_size, head_dim), page_dtype)
+  pages, scales = lowering_support.page_args(num_kv_heads, num_blocks, block_size, head_dim,
+                                                page_dtype)
   tables = sds((batch, pages_per_seq), jnp.int32)
   lengths = sds((batch,), jnp.int32)
-  quantized = jnp.dtype(page_dtype) in (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
-  scales = sds((num_kv_heads, num_blocks, block_size), jnp.float32) if quantized else None
 
   def f(q, k, v, tables, lengths, k_scales, v_scales):
     if via_dispatch:
@@ -62,7 +53,7 @@ def lower_decode(*, batch, num_q_heads, num_kv_heads, head_dim, block_size, page
 
 def assert_triton_kernel(text, block_size):
   calls = re.findall(r"stablehlo\.custom_call @([\w$.]+)", text)
-  assert calls == [_triton_call()], calls
+  assert calls == [lowering_support.triton_call()], calls
   assert f"paged_decode_bs{block_size}_" in text  # our kernel, by its pallas_call name
   # The pages enter the custom call as they are: no gather builds a contiguous copy.
   assert "stablehlo.gather" not in text and "stablehlo.dynamic_slice" not in text
