@@ -5,6 +5,8 @@ block table in plain Python, builds its contiguous K/V, and runs per-head softma
 attention in float64: nothing here calls the code under test.
 """
 
+import math
+
 import ml_dtypes
 import numpy as np
 
@@ -101,6 +103,42 @@ def decode_oracle(q, k, v, ks, vs, tables, lengths, **kw):
     vc = contiguous(v, vs, tables[b], length)
     out[b] = oracle_one(q[b:b + 1].astype(np.float64), [length - 1], kc, vc, length, **kw)[0]
   return out
+
+
+def decode_case(rng, *, block_size, group, head_dim, lengths, num_kv_heads, dtype, quant,
+                spare_blocks):
+  """A random decode batch on a poisoned cache of `spare_blocks` more blocks than needed.
+
+  Some table entries past each length point far outside the pool: never dereferenced.
+  Returns (q, k, v, k_scales, v_scales, tables) as NumPy arrays.
+  """
+  pages_per_seq = max(1, -(-max(lengths) // block_size)) + int(rng.integers(0, 3))
+  need = sum(-(-n // block_size) for n in lengths)
+  k, v, ks, vs, tables = make_cache(rng, num_kv_heads=num_kv_heads,
+                                    num_blocks=need + spare_blocks, block_size=block_size,
+                                    head_dim=head_dim, lengths=lengths,
+                                    pages_per_seq=pages_per_seq, dtype=dtype, quant=quant)
+  for s, n in enumerate(lengths):
+    tail = np.arange(-(-n // block_size), pages_per_seq)
+    if tail.size:
+      tables[s, rng.choice(tail)] = 10**6
+  q = rng.normal(size=(len(lengths), num_kv_heads * group, head_dim)).astype(dtype)
+  return q, k, v, ks, vs, tables
+
+
+def check_decode_output(out, q, k, v, ks, vs, tables, lengths, kw, *, finite_msg):
+  """Checks a decode kernel's output (shape, dtype, finite, zeros for length 0); returns
+  (out as f32 NumPy, the float64 oracle) under the soft cap / window / sm_scale in `kw`."""
+  assert out.shape == q.shape and out.dtype == q.dtype
+  out = np.asarray(out.astype(np.float32))
+  assert np.isfinite(out).all(), finite_msg
+  for b, n in enumerate(lengths):
+    if n == 0:
+      assert np.all(out[b] == 0), "length 0 must give zeros"
+  want = decode_oracle(q, k, v, ks, vs, tables, lengths,
+                       sm_scale=kw.get("sm_scale") or 1 / math.sqrt(q.shape[-1]),
+                       soft_cap=kw.get("soft_cap"), window=kw.get("sliding_window"))
+  return out, want
 
 
 def ragged_oracle(q, k, v, tables, kv_lens, cu, num_seqs, **kw):

@@ -11,15 +11,14 @@ Default cases stay under ~60 s of interpret time; the wide grid is marked slow. 
 0.10.2 everything here skips (its Mosaic interpreter is private and fails on wgmma).
 """
 
-import math
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 
-from attention_oracle import decode_oracle, make_cache, rel_err
+from attention_oracle import (check_decode_output, decode_case, decode_oracle, make_cache,
+                              rel_err)
 import pallas_kernels
 from pallas_kernels import compile_target
 from pallas_kernels import mosaic_paged_attention as mosaic
@@ -42,20 +41,11 @@ def run_case(seed, *, block_size, group, head_dim, dtype="bfloat16", lengths=Non
   from mosaic_gpu_support import races_found  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(seed)
   lengths = lengths if lengths is not None else boundary_lengths(block_size)
-  pages_per_seq = max(1, -(-max(lengths) // block_size)) + int(rng.integers(0, 3))
-  need = sum(-(-n // block_size) for n in lengths)
-  np_dtype = NP_DTYPES[dtype]
-  k, v, ks, vs, tables = make_cache(rng, num_kv_heads=num_kv_heads, num_blocks=need + 3,
-                                    block_size=block_size, head_dim=head_dim,
-                                    lengths=lengths, pages_per_seq=pages_per_seq,
-                                    dtype=np_dtype, quant=quant)
+  q, k, v, ks, vs, tables = decode_case(
+      rng, block_size=block_size, group=group, head_dim=head_dim, lengths=lengths,
+      num_kv_heads=num_kv_heads, dtype=NP_DTYPES[dtype], quant=quant, spare_blocks=3)
   if quant:
     kw = dict(kw, k_scales=jnp.asarray(ks), v_scales=jnp.asarray(vs))
-  for s, n in enumerate(lengths):
-    tail = np.arange(-(-n // block_size), pages_per_seq)
-    if tail.size:
-      tables[s, rng.choice(tail)] = 10**6
-  q = rng.normal(size=(len(lengths), num_kv_heads * group, head_dim)).astype(np_dtype)
   args = [jnp.asarray(x) for x in (q, k, v, tables, np.asarray(lengths, np.int32))]
   if via_package:
     out = pallas_kernels.paged_attention(*args, interpret=interpret, gpu_backend="mosaic_gpu",
@@ -65,16 +55,8 @@ def run_case(seed, *, block_size, group, head_dim, dtype="bfloat16", lengths=Non
   out = jax.block_until_ready(out)
   if interpret:
     assert not races_found(), "GPU interpret mode reported a race"
-  assert out.shape == q.shape and out.dtype == q.dtype
-  out = np.asarray(out.astype(jnp.float32))
-  assert np.isfinite(out).all(), "NaN/inf: a stale page reached the output"
-  for b, n in enumerate(lengths):
-    if n == 0:
-      assert np.all(out[b] == 0), "length 0 must give zeros"
-  sem = {k_: kw[k_] for k_ in ("soft_cap", "sliding_window") if k_ in kw}
-  want = decode_oracle(q, k, v, ks, vs, tables, lengths,
-                       sm_scale=kw.get("sm_scale") or 1 / math.sqrt(head_dim),
-                       soft_cap=sem.get("soft_cap"), window=sem.get("sliding_window"))
+  out, want = check_decode_output(out, q, k, v, ks, vs, tables, lengths, kw,
+                                  finite_msg="NaN/inf: a stale page reached the output")
   return rel_err(out, want)
 
 

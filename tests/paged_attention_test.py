@@ -21,7 +21,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from attention_oracle import decode_oracle, make_cache, rel_err
+from attention_oracle import (check_decode_output, decode_case, decode_oracle, make_cache,
+                              rel_err)
 from paged_jax import attention
 from pallas_kernels import paged_attention, paged_attention_reference
 
@@ -44,33 +45,19 @@ def run_case(seed, *, block_size, group, head_dim, dtype="float32", lengths=None
   relative error against the float64 oracle."""
   rng = np.random.default_rng(seed)
   lengths = lengths if lengths is not None else boundary_lengths(block_size)
-  pages_per_seq = max(1, -(-max(lengths) // block_size)) + int(rng.integers(0, 3))
-  need = sum(-(-n // block_size) for n in lengths)
   np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16,
               "float16": np.float16}[dtype]
-  k, v, ks, vs, tables = make_cache(rng, num_kv_heads=num_kv_heads, num_blocks=need + 5,
-                                    block_size=block_size, head_dim=head_dim, lengths=lengths,
-                                    pages_per_seq=pages_per_seq, dtype=np_dtype, quant=quant)
-  # Some table entries past the length point far outside the pool: never dereferenced.
-  for s, n in enumerate(lengths):
-    tail = np.arange(-(-n // block_size), pages_per_seq)
-    if tail.size:
-      tables[s, rng.choice(tail)] = 10**6
-  q = rng.normal(size=(len(lengths), num_kv_heads * group, head_dim)).astype(np_dtype)
+  q, k, v, ks, vs, tables = decode_case(
+      rng, block_size=block_size, group=group, head_dim=head_dim, lengths=lengths,
+      num_kv_heads=num_kv_heads, dtype=np_dtype, quant=quant, spare_blocks=5)
   args = [jnp.asarray(x) for x in (q, k, v, tables, np.asarray(lengths, np.int32))]
   scales = {} if ks is None else dict(k_scales=jnp.asarray(ks), v_scales=jnp.asarray(vs))
   # The Triton kernel itself (the package's paged_attention dispatches by gpu_backend).
   out = kernel_module.paged_attention(*args, interpret=interpret, **scales, **kw)
-  assert out.shape == q.shape and out.dtype == q.dtype
-  out = np.asarray(out.astype(jnp.float32))
-  assert np.isfinite(out).all(), "NaN/inf: a stale page was read or an output left unwritten"
-  for b, n in enumerate(lengths):
-    if n == 0:
-      assert np.all(out[b] == 0), "length 0 must give zeros"
+  out, want = check_decode_output(
+      out, q, k, v, ks, vs, tables, lengths, kw,
+      finite_msg="NaN/inf: a stale page was read or an output left unwritten")
   kw_sem = {k_: v_ for k_, v_ in kw.items() if k_ in ("soft_cap", "sliding_window")}
-  want = decode_oracle(q, k, v, ks, vs, tables, lengths,
-                       sm_scale=kw.get("sm_scale") or 1 / math.sqrt(head_dim),
-                       soft_cap=kw_sem.get("soft_cap"), window=kw_sem.get("sliding_window"))
   if check_reference:
     ref = paged_attention_reference(*args, **scales,
                                     **{k_: v_ for k_, v_ in kw.items() if k_ == "sm_scale"},
