@@ -27,6 +27,9 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+# Split-K partials merge exactly as the Triton decode kernel's.
+from pallas_kernels.paged_attention import combine_splits  # pylint: disable=unused-import
+
 try:  # Mosaic GPU Pallas; its interpreter needs jax >= 0.11.2 (checked by callers).
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -318,16 +321,6 @@ def launch(kernel, inputs, k_scales, v_scales, *, out_lead, dtype, page_dtype, h
        jax.ShapeDtypeStruct((*out_lead, Q_ROWS), jnp.float32)),
       scratch_types(dtype, page_dtype, head_dim, block_size, tile_kv, num_stages, quantized),
       grid=grid, grid_names=grid_names, name=name, interpret=interpret)
-
-
-def combine_splits(o, lse):
-  """Merges split-K partials: o f32[..., S, R, D], lse f32[..., S, R] -> f32[..., R, D]."""
-  top = jnp.max(lse, axis=-2, keepdims=True)
-  top = jnp.where(jnp.isfinite(top), top, 0.0)
-  w = jnp.exp(lse - top)                      # 0 for empty splits (lse = -inf)
-  denom = jnp.sum(w, axis=-2)
-  out = jnp.sum(w[..., None] * o, axis=-3)
-  return out / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
 def validate(entry, q, k_pages, v_pages, k_scales, v_scales, *, tile_kv, num_stages,

@@ -192,7 +192,7 @@ def _decode_kernel(
   lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
-def _combine_splits(o, lse):
+def combine_splits(o, lse):
   """Merges split-K partials: o f32[..., S, G, D], lse f32[..., S, G] -> f32[..., G, D]."""
   lse_max = jnp.max(lse, axis=-2, keepdims=True)
   lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
@@ -263,7 +263,7 @@ def _paged_attention_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, 
   if num_splits == 1:
     out = o[:, :, 0]
   else:
-    out = _combine_splits(o, lse)
+    out = combine_splits(o, lse)
   out = out[:, :, :group, :head_dim]
   return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
