@@ -298,9 +298,9 @@ def test_one_dispatch_and_one_host_sync_per_step(monkeypatch, caching):
   calls = collections.Counter()
   inner = engine._step   # pylint: disable=protected-access
 
-  def counted(*a):
+  def counted(*a, **kw):
     calls["dispatch"] += 1
-    return inner(*a)
+    return inner(*a, **kw)
 
   real_get = jax.device_get
 

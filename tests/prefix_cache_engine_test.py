@@ -129,7 +129,7 @@ def test_no_cached_or_shared_block_is_written_and_free_stack_holds_no_cached_blo
   inner = eng._step   # pylint: disable=protected-access
   checked = {"writes": 0}
 
-  def checked_step(params, state, inputs):
+  def checked_step(params, state, inputs, **bucket):
     b = jax.device_get(state.blocks)
     c = jax.device_get(state.prefix.cache)
     inp = jax.device_get(inputs)
@@ -148,7 +148,7 @@ def test_no_cached_or_shared_block_is_written_and_free_stack_holds_no_cached_blo
         # A block another live sequence reads is copied first (copy-on-write).
         assert holders == 1 or int(b.ref_count[blk]) > 1
         checked["writes"] += 1
-    return inner(params, state, inputs)
+    return inner(params, state, inputs, **bucket)
 
   eng._step = checked_step   # pylint: disable=protected-access
   on = outputs(eng.generate(prompts, greedy(8)))

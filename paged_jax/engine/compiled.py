@@ -7,16 +7,32 @@ model), parameter checks, and `step_for_compile` for ahead-of-time lowering.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import jax
 
 from paged_jax.config import CacheConfig, ModelConfig
-from paged_jax.engine.inputs import input_shapes
+from paged_jax.engine.inputs import StepBuckets, input_shapes
 from paged_jax.engine.step import init_state, make_step
 from paged_jax.prefix_cache import step as prefix_step
 
+log = logging.getLogger("paged_jax.engine")
 _STEP_CACHE: Dict[Any, Any] = {}   # options -> jitted step
+_SEEN_BUCKETS: Dict[Any, set] = {}   # id(jitted step) -> shape buckets it was called with
+
+
+def note_bucket(step_fn, bucket, buckets: StepBuckets) -> bool:
+  """Logs (INFO) the first call of `step_fn` with `bucket` (T, R, W, decode_only), i.e.
+  the call that compiles it; True then. Engines sharing a step share the record."""
+  seen = _SEEN_BUCKETS.setdefault(id(step_fn), set())
+  if bucket in seen:
+    return False
+  seen.add(bucket)
+  log.info("paged_jax engine: compiling step shape tokens=%d rows=%d width=%d blocks "
+           "decode_only=%s (%d shapes so far, at most %d)", *bucket, len(seen),
+           buckets.max_variants)
+  return True
 
 
 def _check_options(model_config, cache_config, max_num_batched_tokens, decode_steps_per_sync,
@@ -38,9 +54,14 @@ def _check_options(model_config, cache_config, max_num_batched_tokens, decode_st
     raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
 
 
-def token_buckets(cache_config: CacheConfig, max_num_batched_tokens: int) -> List[int]:
-  """Token-count shapes of the step: decode-sized (max_seqs) and the full budget."""
-  return sorted({min(cache_config.max_seqs, max_num_batched_tokens), max_num_batched_tokens})
+def step_buckets(cache_config: CacheConfig, max_num_batched_tokens: int,
+                 decode_steps_per_sync: int, shape_buckets: bool = True) -> StepBuckets:
+  """The step's shape buckets (tokens, rows, block-table widths; see StepBuckets)."""
+  return StepBuckets.make(max_seqs=cache_config.max_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens,
+                          max_blocks_per_seq=cache_config.max_blocks_per_seq,
+                          block_size=cache_config.block_size,
+                          decode_steps=decode_steps_per_sync, enabled=shape_buckets)
 
 
 def lookup_len(cache_config: CacheConfig, max_num_batched_tokens: int) -> int:
@@ -54,8 +75,9 @@ def engine_step(model_config: ModelConfig, cache_config: CacheConfig, *,
                 max_num_batched_tokens: int = 256, decode_steps_per_sync: int = 1,
                 preemption_mode: str = "recompute", attention_backend: str = "auto",
                 max_beam_width: int = 4, model_apply: Optional[Callable[..., Any]] = None,
-                jit: bool = True) -> Tuple[Callable[..., Any], List[int]]:
-  """Validates the engine options and returns (jitted step, token buckets)."""
+                shape_buckets: bool = True, jit: bool = True
+                ) -> Tuple[Callable[..., Any], StepBuckets]:
+  """Validates the engine options and returns (jitted step, its shape buckets)."""
   from paged_jax.attention import resolve_backend  # pylint: disable=g-import-not-at-top
   from paged_jax.models.llama import LlamaForCausalLM  # pylint: disable=g-import-not-at-top
   _check_options(model_config, cache_config, max_num_batched_tokens, decode_steps_per_sync,
@@ -67,7 +89,8 @@ def engine_step(model_config: ModelConfig, cache_config: CacheConfig, *,
                if cache_config.enable_prefix_caching else 0)
   kw = dict(num_decode_steps=decode_steps_per_sync, num_candidates=candidates,
             max_evict=max_evict, jit=jit)
-  buckets = token_buckets(cache_config, max_num_batched_tokens)
+  buckets = step_buckets(cache_config, max_num_batched_tokens, decode_steps_per_sync,
+                         shape_buckets)
   if model_apply is not None:  # e.g. the tensor-parallel forward (paged_jax.distributed)
     name = getattr(model_apply, "__qualname__", "custom").replace(".", "_")
     return make_step(model_apply, name=name, **kw), buckets
@@ -117,7 +140,8 @@ def step_for_compile(model_config: ModelConfig, cache_config: CacheConfig, *, sh
   Args:
     sharding: optional `jax.sharding.Sharding` placed on every argument.
     engine_options: as for `Engine` (max_num_batched_tokens, decode_steps_per_sync,
-      attention_backend, max_beam_width, ...; the largest token bucket is used).
+      attention_backend, max_beam_width, ...; the largest bucket is used: T = budget,
+      R = max_seqs, W = max_blocks_per_seq, ragged attention).
   """
   opts = dict(engine_options)
   for k in ("max_probe", "hash_mode", "init_state"):
@@ -126,7 +150,8 @@ def step_for_compile(model_config: ModelConfig, cache_config: CacheConfig, *, sh
   budget = engine_options.get("max_num_batched_tokens", 256)
   params = param_shapes(model_config)
   state = jax.eval_shape(lambda: init_state(cache_config))
-  inputs = input_shapes(buckets[-1], cache_config.max_seqs, lookup_len(cache_config, budget))
+  inputs = input_shapes(buckets.tokens[-1], cache_config.max_seqs,
+                        lookup_len(cache_config, budget))
   args = (params, state, inputs)
   if sharding is not None:
     args = jax.tree_util.tree_map(

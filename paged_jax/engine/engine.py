@@ -40,7 +40,7 @@ from paged_jax.engine.requests import prepare_group
 from paged_jax.engine.snapshot import Snapshot, sigint_deferred
 from paged_jax.engine.step import EngineState, init_state as default_init_state
 from paged_jax.prefix_cache import step as prefix_step
-from paged_jax.engine.compiled import check_params, engine_step, lookup_len
+from paged_jax.engine.compiled import check_params, engine_step, lookup_len, note_bucket
 
 log = logging.getLogger("paged_jax.engine")
 
@@ -74,6 +74,9 @@ class Engine:
       signature); `paged_jax.distributed` passes its tensor-parallel forward.
     init_state: `cache_config -> EngineState`, e.g. pages created already sharded.
     max_probe, hash_mode: prefix-cache table options (`prefix_cache.init`).
+    shape_buckets: True (default): each step runs on the smallest shape bucket
+      (tokens, rows, block-table width) that holds what is live, so a step costs
+      what is live; False: every step at the largest shape (for comparisons).
   """
 
   def __init__(self, model_config: ModelConfig, params, cache_config: CacheConfig, *,
@@ -81,12 +84,12 @@ class Engine:
                preemption_mode: str = "recompute", attention_backend: str = "auto",
                max_beam_width: int = 4, model_apply: Optional[Callable[..., Any]] = None,
                init_state: Optional[Callable[[CacheConfig], EngineState]] = None,
-               max_probe: int = 16, hash_mode: str = "chained"):
+               max_probe: int = 16, hash_mode: str = "chained", shape_buckets: bool = True):
     self._step, self._buckets = engine_step(
         model_config, cache_config, max_num_batched_tokens=max_num_batched_tokens,
         decode_steps_per_sync=decode_steps_per_sync, preemption_mode=preemption_mode,
         attention_backend=attention_backend, max_beam_width=max_beam_width,
-        model_apply=model_apply)
+        model_apply=model_apply, shape_buckets=shape_buckets)
     self.params = check_params(model_config, params)
     self.model_config = model_config
     self.cache_config = cache_config
@@ -252,12 +255,16 @@ class Engine:
     return True
 
   def _dispatch(self, batch: Batch, inputs, snap: Snapshot) -> None:
-    """Swap-ins and the jitted step; the new state is kept before anything can raise."""
+    """Swap-ins and the jitted step; the new state is kept before anything can raise.
+    `inputs`: (StepInputs, shape bucket (T, R, W, decode_only)) from build_inputs."""
+    inputs, bucket = inputs
     with sigint_deferred():
       try:
         self._swap_ins(batch)
+        note_bucket(self._step, bucket, self._buckets)   # logs a shape's first (compiling) call
         t0 = time.perf_counter()
-        self.state, out = self._step(self.params, self.state, inputs)
+        self.state, out = self._step(self.params, self.state, inputs, width=bucket[2],
+                                     decode_only=bucket[3])
       except BaseException:
         if any(getattr(x, "is_deleted", lambda: False)()
                for x in jax.tree_util.tree_leaves(self.state)):

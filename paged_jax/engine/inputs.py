@@ -1,12 +1,15 @@
-"""A scheduler `Batch` as the fixed-shape `StepInputs` of the jitted step (host numpy).
+"""A scheduler `Batch` as the fixed-shape `StepInputs` of the jitted step (host numpy),
+and the shape buckets the step runs on.
 
-Shapes: T tokens (the smallest token bucket >= the batch's tokens), S = max_seqs
-slots / rows / attach lanes, LK packed prompt tokens for prefix-cache lookups.
+Shapes: T tokens and R rows (the smallest buckets >= what is live), S = max_seqs
+slots / attach lanes, LK packed prompt tokens for prefix-cache lookups; the static
+block-table width W (columns attention reads) rides along as a jit static argument.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Sequence as Seq
+import dataclasses
+from typing import Dict, Sequence as Seq, Tuple
 
 import jax
 import numpy as np
@@ -16,12 +19,75 @@ from paged_jax.engine.scheduler import Batch, Group, Scheduler, Sequence
 from paged_jax.engine.step import StepInputs
 
 
-def empty_inputs(num_tokens: int, max_seqs: int, lookup_len: int) -> Dict[str, np.ndarray]:
-  """Numpy arrays of a step that does nothing (every entry padding)."""
+def _geometric(largest: int, smallest: int, factor: int) -> Tuple[int, ...]:
+  """smallest, smallest * factor, ... below `largest`, then `largest` itself."""
+  out, v = [], smallest
+  while v < largest:
+    out.append(v)
+    v *= factor
+  return tuple(out) + (largest,)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBuckets:
+  """The shape buckets of the step, chosen per step from what is live.
+
+  Like the few batch sizes a serving engine captures: tokens T (a step's new
+  tokens), rows R (attention rows = chunks, and sampled slots), widths W
+  (block-table columns attention reads: the longest live sequence after the step,
+  decode loop included). Each (T, R, W, decode_only) compiles once; a decode-only
+  step (every row one new token) runs the decode kernel with T = R.
+  `enabled=False` pins every step to the largest bucket (T = budget, R = S,
+  W = max_blocks_per_seq, ragged attention): the unbucketed step.
+  """
+  tokens: Tuple[int, ...]
+  rows: Tuple[int, ...]
+  widths: Tuple[int, ...]
+  block_size: int
+  decode_steps: int
+  enabled: bool = True
+
+  @classmethod
+  def make(cls, *, max_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int,
+           block_size: int, decode_steps: int, enabled: bool = True) -> "StepBuckets":
+    if not enabled:
+      return cls((max_num_batched_tokens,), (max_seqs,), (max_blocks_per_seq,), block_size,
+                 decode_steps, enabled=False)
+    # Tokens by 4x (a prefill chunk's cost is mostly the model's matmuls); rows and
+    # widths by 2x (attention cost is rows x width on the reference path). The
+    # smallest buckets keep small engines (tests) at one or two shapes each.
+    return cls(_geometric(max_num_batched_tokens, min(16, max_num_batched_tokens), 4),
+               _geometric(max_seqs, min(8, max_seqs), 2),
+               _geometric(max_blocks_per_seq, min(4, max_blocks_per_seq), 2),
+               block_size, decode_steps)
+
+  @property
+  def max_variants(self) -> int:
+    """Upper bound on distinct compiled shapes: mixed (T, R, W) + decode-only (R, W)."""
+    return (len(self.tokens) + self.enabled) * len(self.rows) * len(self.widths)
+
+  def pick(self, num_tokens: int, num_rows: int, max_len: int, decode_only: bool):
+    """(T, R, W, decode_only) for a step with `num_tokens` new tokens, `num_rows`
+    rows / sampled slots, and `max_len` tokens in its longest row after the step."""
+    up = lambda sizes, n: next((b for b in sizes if b >= n), sizes[-1])
+    rows = up(self.rows, num_rows)
+    if self.decode_steps > 1:
+      max_len += self.decode_steps - 1          # the decode loop's tokens
+    width = up(self.widths, -(-max(max_len, 1) // self.block_size))
+    decode_only = decode_only and self.enabled
+    tokens = rows if decode_only else up(self.tokens, num_tokens)
+    return tokens, rows, width, decode_only
+
+
+def empty_inputs(num_tokens: int, max_seqs: int, lookup_len: int,
+                 num_rows: int = None) -> Dict[str, np.ndarray]:
+  """Numpy arrays of a step that does nothing (every entry padding); R = num_rows
+  (default max_seqs)."""
   s = max_seqs
+  r = max_seqs if num_rows is None else num_rows
   i32 = lambda n, v=0: np.full((n,), v, np.int32)
   return dict(tokens=i32(num_tokens), positions=i32(num_tokens), token_row=i32(num_tokens, -1),
-              row_slot=i32(s, -1), row_q_len=i32(s), free_slots=i32(s, -1), fork_src=i32(s, -1),
+              row_slot=i32(r, -1), row_q_len=i32(r), free_slots=i32(s, -1), fork_src=i32(s, -1),
               fork_dst=i32(s, -1), alloc_tokens=i32(s), append_tokens=i32(s),
               sample_row=i32(s, -1), post_fork_src=i32(s, -1),
               temperature=np.zeros((s,), np.float32), top_k=i32(s),
@@ -37,11 +103,20 @@ def input_shapes(num_tokens: int, max_seqs: int, lookup_len: int) -> StepInputs:
   return StepInputs(**{k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in a.items()})
 
 
-def build_inputs(batch: Batch, running: Seq[Group], *, buckets: Seq[int], max_seqs: int,
-                 lookup_len: int, vocab_size: int) -> StepInputs:
-  """Fills the step's arrays from the batch (chunks, frees, forks, attaches)."""
-  t_max = next(b for b in buckets if b >= batch.num_tokens)
-  a = empty_inputs(t_max, max_seqs, lookup_len)
+def build_inputs(batch: Batch, running: Seq[Group], *, buckets: StepBuckets, max_seqs: int,
+                 lookup_len: int, vocab_size: int):
+  """Fills the step's arrays from the batch (chunks, frees, forks, attaches).
+
+  Returns (StepInputs, bucket (T, R, W, decode_only)); pass W and decode_only to the
+  step as `width=`, `decode_only=`.
+  """
+  chunks = batch.chunks
+  max_len = max((ch.seq.num_computed + ch.num_tokens for ch in chunks), default=0)
+  # Rows also hold the sampled slots (n > 1 children sample from their leader's row).
+  num_sampled = sum(ch.samples for ch in chunks) + len(batch.post_forks)
+  bucket = buckets.pick(batch.num_tokens, max(len(chunks), num_sampled), max_len,
+                        all(ch.num_tokens == 1 for ch in chunks))
+  a = empty_inputs(bucket[0], max_seqs, lookup_len, num_rows=bucket[1])
 
   def sampling_row(seq: Sequence, group: Group, row: int):
     sp, slot = group.params, seq.slot
@@ -81,5 +156,7 @@ def build_inputs(batch: Batch, running: Seq[Group], *, buckets: Seq[int], max_se
     a["attach_slot"][i], a["attach_len"][i], a["attach_start"][i] = seq.slot, n, start
     a["attach_tokens"][start:start + n] = seq.tokens[:n]
     start += n
-  return StepInputs(**a)
+  # The row bucket must give every sampled slot a lane (the step samples R lanes).
+  assert np.sum(a["sample_row"] >= 0) <= bucket[1], (np.sum(a["sample_row"] >= 0), bucket)
+  return StepInputs(**a), bucket
 

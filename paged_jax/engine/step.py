@@ -1,8 +1,8 @@
 """THE engine step: one `jax.jit` doing block reservation, copy-on-write, KV
 writes, attention and sampling, with the allocator state and the KV pages
-donated. Multi-step decoding runs further decode steps in a `lax.while_loop`
-inside the same jit (block allocation included), so the host syncs once per
-`num_decode_steps` tokens.
+donated. Multi-step decoding runs further decode steps in a fixed-trip
+`lax.fori_loop` inside the same jit (block allocation included), so the host
+syncs once per `num_decode_steps` tokens.
 
 Order of device effects in one call (the scheduler plans with this order):
 
@@ -21,11 +21,14 @@ Order of device effects in one call (the scheduler plans with this order):
   6. post-fork `post_fork_src -> slot`    (parallel sampling: children share the prompt)
   7. decode loop, iterations 1 .. num_decode_steps-1, for slots with
      `multi_step` set that have not finished (stop id / max_tokens): append one
-     token each (stops early, state kept, if a block runs out), forward, sample.
+     token each (if a block runs out the remaining iterations do nothing, state
+     kept), forward, sample.
 
-Shapes are fixed by (max_num_batched_tokens T, max_seqs S, num_decode_steps K,
-num_stop_ids, num_candidates), so the step traces once per engine; `TRACE_COUNT`
-counts traces for the no-retracing test.
+Shapes: the state is full size (max_seqs S slots, max_blocks_per_seq P); per call
+the work follows a shape bucket (T tokens, R rows, W block-table columns,
+decode_only), chosen by the host from what is live (`compiled.StepBuckets`), so
+attention and sampling cost what is live, not what S and P allow. The step
+traces once per bucket; `TRACE_COUNT` counts traces for the no-retracing tests.
 """
 
 from __future__ import annotations
@@ -73,11 +76,12 @@ def init_state(cache_config, **prefix_kwargs) -> EngineState:
 
 @flax.struct.dataclass
 class StepInputs:
-  """One step's plan as fixed-shape arrays (T tokens, S slots = S rows).
+  """One step's plan as fixed-shape arrays (T tokens, R rows, S slots).
 
   Token level [T]: tokens, positions, token_row (row of each token, -1 = padding).
-  Row level [S]: row_slot (slot of each attention row, -1 = padding; live rows
-    first), row_q_len (new tokens of the row).
+  Row level [R] (the row bucket, >= the rows and >= the sampled slots): row_slot
+    (slot of each attention row, -1 = padding; live rows first), row_q_len (new
+    tokens of the row).
   Slot level [S]: free_slots (-1 pad), fork_src/fork_dst (-1 pad), alloc_tokens
     (> 0: allocate that many tokens in this inactive slot), append_tokens (> 0:
     append), sample_row (-1: no sample), post_fork_src (-1: none), temperature,
@@ -138,17 +142,26 @@ class StepOutputs:
   prefix_query_blocks: jax.Array
 
 
-def build_metadata(blocks: bm.BlockState, row_slot, row_q_len, token_row, positions):
-  """AttentionMetadata for packed rows (after the reservation of this step's tokens)."""
+def build_metadata(blocks: bm.BlockState, row_slot, row_q_len, token_row, positions,
+                   width=None):
+  """AttentionMetadata for packed rows (after the reservation of this step's tokens).
+
+  row_slot / row_q_len: i32[R] (R = the step's row bucket, <= max_seqs); the block
+  tables are the live rows' views `block_tables[row_slot, :width]` ([R, W], W = the
+  width bucket, default max_blocks_per_seq): a gather of R x W ids, so attention
+  reads only the blocks the bucket covers, and the full-size state is untouched.
+  """
   s_max = blocks.max_seqs
+  rows = row_slot.shape[0]
+  width = blocks.max_blocks_per_seq if width is None else width
   live = row_slot >= 0
   rs = jnp.clip(row_slot, 0, s_max - 1)
   q_lens = jnp.where(live, row_q_len, 0)
   cu = jnp.concatenate([jnp.zeros((1,), _I32), jnp.cumsum(q_lens).astype(_I32)])
-  token_slot = jnp.where(token_row >= 0, row_slot[jnp.clip(token_row, 0, s_max - 1)], -1)
+  token_slot = jnp.where(token_row >= 0, row_slot[jnp.clip(token_row, 0, rows - 1)], -1)
   return AttentionMetadata(
       slot_mapping=bm.token_slots(blocks, token_slot, positions),
-      block_tables=blocks.block_tables[rs],
+      block_tables=blocks.block_tables[rs, :width],
       kv_lens=jnp.where(live, blocks.seq_lens[rs], 0),
       cu_q_lens=cu,
       num_seqs=jnp.sum(live).astype(_I32),
@@ -166,13 +179,32 @@ def _finished(tokens, remaining, stop_ids):
   return is_stop | (remaining <= 1)
 
 
+def _lanes(mask, num_lanes: int):
+  """i32[num_lanes]: the slots where `mask` (bool[S]) holds, in slot order, padded with
+  S (out of range: gathers clamp, `.at[...].set(mode="drop")` drops). The host sizes
+  the row bucket so that every sampled slot gets a lane."""
+  return jnp.nonzero(mask, size=num_lanes, fill_value=mask.shape[0])[0].astype(_I32)
+
+
+def _sample_lanes(logits, lane_slot, inp: StepInputs, index_offset=0):
+  """Samples one token per lane (lane l: slot lane_slot[l], logits row l).
+
+  logits f32[R, V]; lane_slot i32[R]. Sampling is keyed per request (seed,
+  sample_index), so a slot draws the same token whatever lane or bucket it sits in.
+  Returns i32[R].
+  """
+  ls = jnp.clip(lane_slot, 0, inp.temperature.shape[0] - 1)
+  return sampling.sample(logits, inp.temperature[ls], inp.top_k[ls], inp.top_p[ls],
+                         inp.seed[ls], inp.sample_index[ls] + index_offset)
+
+
 def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candidates: int,
               name: str = "engine_step", max_evict: int = 0, jit: bool = True):
   """Builds the jitted step.
 
   Args:
     apply_fn: (params, tokens i32[T], positions i32[T], pages, meta) ->
-      (logits f32[S, vocab], pages), e.g. `LlamaForCausalLM(...).apply`.
+      (logits f32[R, vocab], pages), e.g. `LlamaForCausalLM(...).apply`.
     num_decode_steps: K >= 1, decode iterations per call (the first included).
     num_candidates: C, beam candidates returned per slot (<= vocab).
     max_evict: static bound on blocks evicted per step (prefix caching;
@@ -180,14 +212,19 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     jit: False returns the plain function (for `jax.eval_shape` / tracing).
 
   Returns:
-    step(params, state: EngineState, inputs: StepInputs) -> (EngineState, StepOutputs),
-    jitted with `state` donated. Prefix caching runs iff `state.prefix` is set.
+    step(params, state: EngineState, inputs: StepInputs, *, width=None,
+    decode_only=False) -> (EngineState, StepOutputs), jitted with `state` donated
+    and `width` / `decode_only` static. The shape bucket of a call is (T tokens,
+    R rows: `inputs.row_slot.shape`, W = `width` block-table columns attention
+    reads, default max_blocks_per_seq; `decode_only`: every row has one new token,
+    so attention runs the decode kernel). Prefix caching runs iff `state.prefix` is set.
   """
 
-  def step(params, state: EngineState, inp: StepInputs):
+  def step(params, state: EngineState, inp: StepInputs, width=None, decode_only=False):
     TRACE_COUNT[name] += 1
     blocks, pages, ps = state.blocks, state.pages, state.prefix
     s_max = blocks.max_seqs
+    rows = inp.row_slot.shape[0]          # R: row bucket (live rows and sampled slots)
     slots = lax.iota(_I32, s_max)
 
     # 1-2. frees, beam forks (and prefix attach / eviction): these always stand.
@@ -222,14 +259,21 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     k_steps = num_decode_steps
 
     pg = kv_cache.copy_blocks(pages, cow)
-    meta = build_metadata(b, row_slot, inp.row_q_len, token_row, inp.positions)
-    logits, pg = apply_fn(params, inp.tokens, inp.positions, pg, meta)   # [S rows, V]
+    meta = build_metadata(b, row_slot, inp.row_q_len, token_row, inp.positions,
+                          width).replace(decode_only=decode_only)
+    logits, pg = apply_fn(params, inp.tokens, inp.positions, pg, meta)   # [R rows, V]
     sampled = (inp.sample_row >= 0) & ok
-    slot_logits = logits[jnp.clip(inp.sample_row, 0, s_max - 1)]          # [S slots, V]
-    tok = sampling.sample(slot_logits, inp.temperature, inp.top_k, inp.top_p, inp.seed,
-                          inp.sample_index)
+    # Sampling runs on R lanes (the sampled slots), not on all S slots.
+    lane_slot = _lanes(inp.sample_row >= 0, rows)
+    lane_logits = logits[jnp.clip(inp.sample_row[jnp.clip(lane_slot, 0, s_max - 1)],
+                                  0, rows - 1)]                          # [R lanes, V]
+    lane_tok = _sample_lanes(lane_logits, lane_slot, inp)
+    tok = jnp.zeros((s_max,), _I32).at[lane_slot].set(lane_tok, mode="drop")
     tok = jnp.where(sampled, tok, 0)
-    topv, topi = sampling.top_logprobs(slot_logits, num_candidates)
+    lane_v, lane_i = sampling.top_logprobs(lane_logits, num_candidates)
+    topv = jnp.zeros((s_max, num_candidates), lane_v.dtype).at[lane_slot].set(lane_v,
+                                                                               mode="drop")
+    topi = jnp.zeros((s_max, num_candidates), _I32).at[lane_slot].set(lane_i, mode="drop")
     post_src = jnp.where(ok, inp.post_fork_src, -1)
     b, _ = bm.fork(b, post_src, jnp.where(post_src >= 0, slots, -1))
     out_tokens = jnp.zeros((k_steps, s_max), _I32).at[0].set(tok)
@@ -238,38 +282,40 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     oob = jnp.zeros((), jnp.bool_)
 
     if k_steps > 1:
-      def cond(carry):
-        i, _, _, _, cont, _, _, oob = carry
-        return (i < k_steps) & jnp.any(cont) & ~oob
-
-      def body(carry):
-        i, b_cur, pg_cur, last, cont, out_t, out_v, _ = carry
+      # A fixed trip count (k - 1 iterations, finished / out-of-blocks slots masked):
+      # a data-dependent while condition makes XLA:GPU read the predicate back to the
+      # host every iteration (tests/gpu_compile_model_test.py). Iterations after every
+      # slot finished run on no live row: nothing is written or sampled.
+      def body(i, carry):
+        b_cur, pg_cur, last, cont, out_t, out_v, oob_before = carry
+        cont = cont & ~oob_before        # out of blocks once: the loop is over
         b_new, st, cow_i = bm.append(b_cur, cont, 1)
         oob = jnp.any(cont & (st != OK))
         live = cont & ~oob               # out of blocks: this iteration does nothing
         b_new = _select(oob, b_cur, b_new)
         cow_i = jnp.where(live[:, None], cow_i, -1)
-        # Pack the live slots into the first rows, one token each.
-        order = jnp.argsort(~live, stable=True).astype(_I32)
+        # Pack the live slots into the first R rows, one token each (live slots are
+        # sampled slots, at most R of them).
+        order = jnp.argsort(~live, stable=True).astype(_I32)[:rows]
         row_live = live[order]
         row_slot = jnp.where(row_live, order, -1)
         rs = jnp.clip(row_slot, 0, s_max - 1)
         positions = jnp.where(row_live, b_new.seq_lens[rs] - 1, 0)
-        token_row = jnp.where(row_live, slots, -1)
+        token_row = jnp.where(row_live, lax.iota(_I32, rows), -1)
         pg2 = kv_cache.copy_blocks(pg_cur, cow_i)
-        meta = build_metadata(b_new, row_slot, row_live.astype(_I32), token_row, positions)
-        logits, pg2 = apply_fn(params, last[rs], positions, pg2, meta)
-        inv = jnp.zeros((s_max,), _I32).at[order].set(slots)   # slot s sits in row inv[s]
-        new = sampling.sample(logits[inv], inp.temperature, inp.top_k, inp.top_p, inp.seed,
-                              inp.sample_index + i)
+        meta = build_metadata(b_new, row_slot, row_live.astype(_I32), token_row, positions,
+                              width).replace(decode_only=True)
+        logits, pg2 = apply_fn(params, last[rs], positions, pg2, meta)   # [R, V]
+        new_rows = _sample_lanes(logits, row_slot, inp, index_offset=i)
+        new = last.at[jnp.where(row_live, order, s_max)].set(new_rows, mode="drop")
         new = jnp.where(live, new, last)
         fin = _finished(new, inp.remaining - i, inp.stop_ids)
         out_t = out_t.at[i].set(jnp.where(live, new, out_t[i]))
         out_v = out_v.at[i].set(live)
-        return (jnp.where(oob, i, i + 1), b_new, pg2, new, live & ~fin, out_t, out_v, oob)
+        return (b_new, pg2, new, live & ~fin, out_t, out_v, oob_before | oob)
 
-      carry = (jnp.ones((), _I32), b, pg, tok, cont, out_tokens, out_valid, oob)
-      _, b, pg, _, _, out_tokens, out_valid, oob = lax.while_loop(cond, body, carry)
+      carry = (b, pg, tok, cont, out_tokens, out_valid, oob)
+      b, pg, _, _, out_tokens, out_valid, oob = lax.fori_loop(1, k_steps, body, carry)
 
     out = StepOutputs(ok=ok, status=status, tokens=out_tokens, valid=out_valid,
                       topk_logprobs=topv, topk_ids=topi, num_free=b.num_free,
@@ -285,4 +331,6 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
                         prefix_query_blocks=ps.cache.query_blocks)
     return EngineState(blocks=b, pages=pg, prefix=ps), out
 
-  return jax.jit(step, donate_argnums=(1,)) if jit else step
+  if not jit:
+    return step
+  return jax.jit(step, donate_argnums=(1,), static_argnames=("width", "decode_only"))

@@ -1,0 +1,125 @@
+"""Shape buckets: a step runs on the smallest (tokens, rows, block-table width,
+decode_only) bucket that holds what is live. Outputs must equal the unbucketed
+engine's (`shape_buckets=False`: every step at the largest shape, ragged
+attention) token for token, and greedy ones the dense oracle's; each bucket
+traces once and their number stays within the bucket set."""
+
+import numpy as np
+import pytest
+
+from paged_jax.engine import Engine, SamplingParams
+from paged_jax.engine import compiled as compiled_lib
+from paged_jax.engine import engine as engine_mod
+from paged_jax.engine import step as step_lib
+
+from engine_oracle import MC, ORACLE_LEN, PARAMS, VOCAB, dense_greedy
+
+# 16 slots (rows 8, 16), 4-token blocks of up to 64 tokens (widths 4, 8, 16 blocks),
+# 32 tokens per step (tokens 16, 32); 40 blocks: the traffic below preempts.
+BLOCK_SIZE, NUM_BLOCKS, MAX_SEQS, BUDGET = 4, 40, 16, 32
+
+
+def make_engine(shape_buckets=True, caching=False, **kw):
+  cc = MC.cache_config(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_seqs=MAX_SEQS,
+                       max_blocks_per_seq=ORACLE_LEN // BLOCK_SIZE,
+                       enable_prefix_caching=caching)
+  return Engine(MC, PARAMS, cc, max_num_batched_tokens=BUDGET, attention_backend="reference",
+                shape_buckets=shape_buckets, **kw)
+
+
+def prompts_of(seed, count, lo, hi, prefix=()):
+  rng = np.random.default_rng(seed)
+  return [list(prefix) + [int(t) for t in rng.integers(0, VOCAB, int(rng.integers(lo, hi + 1)))]
+          for _ in range(count)]
+
+
+def record_buckets(monkeypatch):
+  """Shape buckets the engine's steps used (wraps engine.build_inputs)."""
+  used = []
+  real = engine_mod.build_inputs
+
+  def wrapped(*a, **kw):
+    inputs, bucket = real(*a, **kw)
+    used.append(bucket)
+    return inputs, bucket
+  monkeypatch.setattr(engine_mod, "build_inputs", wrapped)
+  return used
+
+
+def mixed_requests():
+  """Greedy prompts of mixed lengths (chunked prefills beside decodes), a parallel
+  sampling group (n=3, seeded temperature) and a beam search."""
+  greedy = prompts_of(1, 10, 1, 30)
+  reqs = [(p, SamplingParams(max_tokens=int(8 + 3 * i), temperature=0.0))
+          for i, p in enumerate(greedy)]
+  reqs.append((prompts_of(2, 1, 12, 12)[0],
+               SamplingParams(max_tokens=10, n=3, temperature=0.8, seed=5)))
+  reqs.append((prompts_of(3, 1, 9, 9)[0], SamplingParams(max_tokens=6, beam_width=2,
+                                                          temperature=0.0)))
+  return reqs
+
+
+def run(engine, reqs):
+  outs = engine.generate([p for p, _ in reqs], [sp for _, sp in reqs])
+  return [o.outputs for o in outs]
+
+
+# Slow (cold: every bucket compiles twice over, ~2-4 min on a loaded 2-core CPU); the
+# trace-count test below runs by default.
+@pytest.mark.slow
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_bucketed_outputs_equal_the_largest_bucket_and_the_oracle(monkeypatch, decode_steps):
+  reqs = mixed_requests()
+  used = record_buckets(monkeypatch)
+  engine = make_engine(decode_steps_per_sync=decode_steps)
+  got = run(engine, reqs)
+  assert engine.num_preemptions > 0                       # the traffic really preempted
+  # Several buckets, decode-only ones among them, none at the largest width.
+  assert len({b[:3] for b in used}) >= 3 and any(b[3] for b in used)
+  assert min(b[1] for b in used) < MAX_SEQS and min(b[2] for b in used) < ORACLE_LEN // 4
+  monkeypatch.undo()
+  full = make_engine(shape_buckets=False, decode_steps_per_sync=decode_steps)
+  assert got == run(full, reqs)
+  for (p, sp), o in zip(reqs, got):
+    if sp.n == 1 and sp.beam_width == 1:
+      assert o[0] == dense_greedy(PARAMS, p, sp.max_tokens)
+  assert engine.num_free == NUM_BLOCKS
+
+
+@pytest.mark.slow
+def test_bucketed_prefix_caching_equals_the_largest_bucket(monkeypatch):
+  shared = prompts_of(4, 1, 20, 20)[0]
+  reqs = [(p, SamplingParams(max_tokens=8, temperature=0.0))
+          for p in prompts_of(5, 8, 2, 12, prefix=shared)]
+  used = record_buckets(monkeypatch)
+  engine = make_engine(caching=True, decode_steps_per_sync=4)
+  got = run(engine, reqs[:2]) + run(engine, reqs[2:])      # later prompts hit the cache
+  assert engine.metrics()["prefix_hit_blocks"] > 0 and len(set(used)) >= 2
+  monkeypatch.undo()
+  full = make_engine(shape_buckets=False, caching=True, decode_steps_per_sync=4)
+  assert got == run(full, reqs[:2]) + run(full, reqs[2:])
+  for (p, sp), o in zip(reqs, got):
+    assert o[0] == dense_greedy(PARAMS, p, 8)
+
+
+def test_each_bucket_traces_once_and_their_number_is_bounded():
+  # A long run of changing traffic: every shape it meets traces exactly once (a new
+  # entry in the engine's bucket record), however many steps run on it.
+  engine = make_engine(decode_steps_per_sync=2)
+  seen = compiled_lib._SEEN_BUCKETS.setdefault(id(engine._step), set())  # pylint: disable=protected-access
+  before_seen, before = set(seen), sum(step_lib.TRACE_COUNT.values())
+  rng = np.random.default_rng(11)
+  steps, added = 0, 0
+  while steps < 80:
+    if added < 24 and rng.random() < 0.4:
+      sp = SamplingParams(max_tokens=int(rng.integers(1, 24)), n=int(rng.integers(1, 3)),
+                          temperature=float(rng.choice([0.0, 0.7])), seed=int(rng.integers(99)))
+      engine.add_request(prompts_of(int(rng.integers(1e6)), 1, 1, 36)[0], sp)
+      added += 1
+    if engine.has_unfinished():
+      engine.step()
+    steps += 1
+  new = seen - before_seen
+  assert sum(step_lib.TRACE_COUNT.values()) - before == len(new)
+  assert len(seen) <= engine._buckets.max_variants     # pylint: disable=protected-access
+  assert len(seen) >= 4                                  # it did move between buckets
