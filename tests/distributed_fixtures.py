@@ -21,13 +21,15 @@ def model_config(**kw) -> ModelConfig:
   return ModelConfig(**base)
 
 
-def random_params(config, seed):
-  """Flax-initialised tree refilled with O(1) random values so logits are well separated."""
+def random_params(config, seed, matrix_scale=1.5):
+  """Flax-initialised tree refilled with O(1) random values so every part matters (and
+  logits are well separated): norm weights around 1, matrices ~ N(0, matrix_scale^2 / fan_in).
+  """
   params = llama.init_params(config, jax.random.key(seed))
   leaves, treedef = jax.tree_util.tree_flatten(params)
   keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-  new = [1.0 + 0.3 * jax.random.normal(k, x.shape) if x.ndim == 1 else
-         jax.random.normal(k, x.shape) / np.sqrt(x.shape[0]) * 1.5
+  new = [1.0 + 0.3 * jax.random.normal(k, x.shape, x.dtype) if x.ndim == 1 else
+         jax.random.normal(k, x.shape, x.dtype) / np.sqrt(x.shape[0]) * matrix_scale
          for k, x in zip(keys, leaves)]
   return jax.tree_util.tree_unflatten(treedef, new)
 

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file as st_load_numpy
 from safetensors.numpy import save_file as st_save_numpy
 
+from distributed_fixtures import random_params
 from paged_jax import tokenizer
 from paged_jax.config import ModelConfig
 from paged_jax.models import DEFAULT_CHECKPOINT, dense, hf_checkpoint as hc, llama
@@ -27,12 +28,7 @@ def _config(tied=False, **kw):
 
 
 def _random_params(config, seed):
-  params = llama.init_params(config, jax.random.key(seed))
-  leaves, treedef = jax.tree_util.tree_flatten(params)
-  keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-  return jax.tree_util.tree_unflatten(
-      treedef, [jax.random.normal(k, x.shape) * (0.3 if x.ndim == 1 else 1 / np.sqrt(x.shape[0]))
-                + (1.0 if x.ndim == 1 else 0.0) for k, x in zip(keys, leaves)])
+  return random_params(config, seed, matrix_scale=1.0)
 
 
 def _hf_numpy_forward(t, cfg, tokens):

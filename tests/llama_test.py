@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from distributed_fixtures import random_params as _random_params
 from paged_jax import attention, kv_cache, tokenizer
 from paged_jax.config import CacheConfig, ModelConfig
 from paged_jax.models import DEFAULT_CHECKPOINT, dense, llama, load_hf_checkpoint
@@ -16,20 +17,6 @@ def _config(num_heads=4, num_kv_heads=2, tied=False, **kw):
               rope_theta=500.0, tie_word_embeddings=tied, max_position_embeddings=256)
   base.update(kw)
   return ModelConfig(**base)
-
-
-def _random_params(config, seed):
-  """Flax-initialised tree, refilled with O(1) random values so every part matters."""
-  params = llama.init_params(config, jax.random.key(seed))
-  leaves, treedef = jax.tree_util.tree_flatten(params)
-  keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-  new = []
-  for k, leaf in zip(keys, leaves):
-    if leaf.ndim == 1:  # norm weights around 1
-      new.append(1.0 + 0.3 * jax.random.normal(k, leaf.shape, leaf.dtype))
-    else:
-      new.append(jax.random.normal(k, leaf.shape, leaf.dtype) / np.sqrt(leaf.shape[0]) * 1.5)
-  return jax.tree_util.tree_unflatten(treedef, new)
 
 
 _dense_jit = jax.jit(dense.forward, static_argnums=1)
