@@ -10,9 +10,9 @@ launch or copy of pool size, for sm_90, with ShapeDtypeStruct arguments (nothing
 
 The whole engine step (`paged_jax.engine.step_for_compile`, 4 GiB pool, 4-step decode loop)
 compiles with 17.4 MB of temp buffers and its pages aliased in place; its thunk sequence also
-shows where a GPU run waits on the host (`host_readbacks`): the decode `lax.while_loop` has
-no known trip count and its body holds `lax.cond`s, each read back and blocked on per
-iteration (a strict xfail until the engine's loop changes).
+shows where a GPU run waits on the host (`host_readbacks`): the decode loop (a fixed-trip
+`fori_loop`, finished slots masked) has a known trip count and its body no `lax.cond`, so
+nothing is read back per iteration.
 """
 
 import functools
@@ -210,12 +210,6 @@ def host_readbacks(hlo: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "the multi-step decode lax.while_loop has a data-dependent condition (no known trip "
-    "count), so XLA's GPU WhileThunk reads its predicate back to the host every iteration; "
-    "lax.cond in sampling / block_manager inside the loop body read their branch index "
-    "back too: a static trip count with finished slots masked, and selects instead of "
-    "conds, remove them"))
 def test_multi_step_decode_loop_never_reads_back_to_the_host():
   """"One host sync per k tokens" holds on a GPU only if the decode loop body has no host
   readback: the loop needs a known trip count and its body no conditional."""
