@@ -232,6 +232,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  from absl import app  # pylint: disable=g-import-not-at-top
-  _define_flags()
-  app.run(main)
+  # One runner for every experiment: one-line errors for bad flags and bad values.
+  common.run_app(lambda flag_values, out: main([sys.argv[0]]), _define_flags)

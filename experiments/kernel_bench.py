@@ -32,13 +32,13 @@ Writes DIR/kernel_bench.json and prints a table.
 from __future__ import annotations
 
 import functools
+import sys
 import itertools
 import math
 import platform
 import time
 from typing import Dict, List
 
-from absl import app
 from absl import flags
 import jax
 import jax.numpy as jnp
@@ -292,5 +292,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  _define_flags()
-  app.run(main)
+  # One runner for every experiment: one-line errors for bad flags and bad values.
+  common.run_app(lambda flag_values, out: main([sys.argv[0]]), _define_flags)

@@ -30,11 +30,11 @@ lowering tests read its scenarios) next to other experiments cannot clash on --s
 from __future__ import annotations
 
 import functools
+import sys
 import platform
 import time
 from typing import List
 
-from absl import app
 from absl import flags
 import jax
 import jax.numpy as jnp
@@ -282,5 +282,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  _define_flags()
-  app.run(main)
+  # One runner for every experiment: one-line errors for bad flags and bad values.
+  common.run_app(lambda flag_values, out: main([sys.argv[0]]), _define_flags)
