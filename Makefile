@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?= -n 2 -m "not slow"
 
 # jax 0.11.2 under Python 3.12 (the GPU device image's versions): `make test-next`.
-PYTHON_NEXT ?= $(shell PYENV_VERSION=$$(pyenv versions --bare 2>/dev/null | grep '^3\.12' | tail -1) pyenv which python3.12 2>/dev/null || command -v python3.12)
+PYTHON_NEXT ?= $(or $(lastword $(wildcard $(PYENV_ROOT)/versions/3.12*/bin/python3.12 $(HOME)/.pyenv/versions/3.12*/bin/python3.12)),$(shell command -v python3.12))
 VENV_NEXT ?= .venv312
 JAX_NEXT ?= 0.11.2
 
