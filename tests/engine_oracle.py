@@ -6,19 +6,12 @@ occur), and the dense, cache-free forward of `paged_jax/models/dense.py` as the
 oracle every engine output is compared with.
 """
 
-import os
-import tempfile
 
 import jax
 import numpy as np
 
 from paged_jax.config import ModelConfig
 from paged_jax.models import dense, llama
-
-# Reruns reuse compiled steps (the first run on a fresh machine compiles them).
-jax.config.update("jax_compilation_cache_dir",
-                  os.path.join(tempfile.gettempdir(), "paged_jax_test_jit_cache"))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 VOCAB = 96
 MC = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
