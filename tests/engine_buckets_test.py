@@ -4,33 +4,26 @@ engine's (`shape_buckets=False`: every step at the largest shape, ragged
 attention) token for token, and greedy ones the dense oracle's; each bucket
 traces once and their number stays within the bucket set."""
 
+import functools
+
 import numpy as np
 import pytest
 
-from paged_jax.engine import Engine, SamplingParams
+from paged_jax.engine import SamplingParams
 from paged_jax.engine import compiled as compiled_lib
 from paged_jax.engine import engine as engine_mod
 from paged_jax.engine import step as step_lib
 
-from engine_oracle import MC, ORACLE_LEN, PARAMS, VOCAB, dense_greedy
+from engine_oracle import ORACLE_LEN, PARAMS, dense_greedy, oracle_engine, random_prompts
 
 # 16 slots (rows 8, 16), 4-token blocks of up to 64 tokens (widths 4, 8, 16 blocks),
 # 32 tokens per step (tokens 16, 32); 40 blocks: the traffic below preempts.
 BLOCK_SIZE, NUM_BLOCKS, MAX_SEQS, BUDGET = 4, 40, 16, 32
 
 
-def make_engine(shape_buckets=True, caching=False, **kw):
-  cc = MC.cache_config(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_seqs=MAX_SEQS,
-                       max_blocks_per_seq=ORACLE_LEN // BLOCK_SIZE,
-                       enable_prefix_caching=caching)
-  return Engine(MC, PARAMS, cc, max_num_batched_tokens=BUDGET, attention_backend="reference",
-                shape_buckets=shape_buckets, **kw)
-
-
-def prompts_of(seed, count, lo, hi, prefix=()):
-  rng = np.random.default_rng(seed)
-  return [list(prefix) + [int(t) for t in rng.integers(0, VOCAB, int(rng.integers(lo, hi + 1)))]
-          for _ in range(count)]
+make_engine = functools.partial(oracle_engine, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
+                                max_seqs=MAX_SEQS, budget=BUDGET)
+prompts_of = random_prompts
 
 
 def record_buckets(monkeypatch):

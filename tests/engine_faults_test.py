@@ -5,6 +5,7 @@ anything changes, outputs never lost, abort, metrics, one dispatch and one host
 sync per step, and `step_for_compile`."""
 
 import collections
+import functools
 
 import jax
 import numpy as np
@@ -14,28 +15,16 @@ from paged_jax.config import ModelConfig
 from paged_jax.engine import Engine, SamplingParams, step_for_compile
 from paged_jax.engine import engine as engine_mod
 
-from engine_oracle import MC, ORACLE_LEN, PARAMS, VOCAB, dense_greedy
+from engine_oracle import (MC, PARAMS, VOCAB, dense_greedy, greedy, oracle_engine,
+                           random_prompts)
 
 # The cache shape of engine_test.py (its compiled step is reused).
 BLOCK_SIZE, NUM_BLOCKS, MAX_SEQS, BUDGET = 16, 12, 8, 8
 
 
-def make_engine(num_blocks=NUM_BLOCKS, caching=False, **kw):
-  cc = MC.cache_config(block_size=BLOCK_SIZE, num_blocks=num_blocks, max_seqs=MAX_SEQS,
-                       max_blocks_per_seq=ORACLE_LEN // BLOCK_SIZE,
-                       enable_prefix_caching=caching)
-  return Engine(MC, PARAMS, cc, max_num_batched_tokens=BUDGET, attention_backend="reference",
-                **kw)
-
-
-def greedy(max_tokens, **kw):
-  return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
-
-
-def prompts_of(seed, count, lo=1, hi=24):
-  rng = np.random.default_rng(seed)
-  return [[int(t) for t in rng.integers(0, VOCAB, size=int(rng.integers(lo, hi + 1)))]
-          for _ in range(count)]
+make_engine = functools.partial(oracle_engine, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
+                                max_seqs=MAX_SEQS, budget=BUDGET)
+prompts_of = random_prompts
 
 
 def drain(engine, max_steps=2000):

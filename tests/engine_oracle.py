@@ -1,4 +1,4 @@
-"""The small model and dense greedy oracle shared by the engine-level tests.
+"""The small model, dense greedy oracle and engine factory shared by the engine tests.
 
 One tiny Llama (`MC`), its weights scaled so next-token distributions are peaked
 (greedy near-ties, where float rounding could legitimately flip an argmax, do not
@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from paged_jax.config import ModelConfig
+from paged_jax.engine import Engine, SamplingParams
 from paged_jax.models import dense, llama
 
 VOCAB = 96
@@ -47,3 +48,27 @@ def dense_greedy(params, prompt, max_tokens, stop=()):
     if nxt in stop:
       break
   return out
+
+
+def oracle_engine(*, block_size, num_blocks, max_seqs, budget, caching=False, **engine_kw):
+  """An Engine on MC / PARAMS with the reference attention backend.
+
+  Each slot holds up to ORACLE_LEN tokens, so every output can be checked against the
+  dense oracle. `budget` is max_num_batched_tokens; `engine_kw` go to Engine.
+  """
+  cc = MC.cache_config(block_size=block_size, num_blocks=num_blocks, max_seqs=max_seqs,
+                       max_blocks_per_seq=ORACLE_LEN // block_size,
+                       enable_prefix_caching=caching)
+  return Engine(MC, PARAMS, cc, max_num_batched_tokens=budget, attention_backend="reference",
+                **engine_kw)
+
+
+def random_prompts(seed, count, lo=1, hi=24, prefix=()):
+  """`count` prompts of `prefix` + lo..hi random ids (seeded)."""
+  rng = np.random.default_rng(seed)
+  return [list(prefix) + [int(t) for t in rng.integers(0, VOCAB, int(rng.integers(lo, hi + 1)))]
+          for _ in range(count)]
+
+
+def greedy(max_tokens, **kw):
+  return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)

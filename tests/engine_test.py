@@ -4,6 +4,7 @@ modes, parallel sampling vs independent runs, beam search vs a reference beam
 search, multi-step decoding, no retracing, bad input, and the generate CLI."""
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -17,28 +18,16 @@ from paged_jax.engine import Engine, SamplingParams
 from paged_jax.engine import step as step_lib
 from paged_jax.models import dense, llama
 
-from engine_oracle import MC, ORACLE_LEN, PARAMS, VOCAB, dense_greedy, dense_logprobs
+from engine_oracle import (MC, ORACLE_LEN, PARAMS, VOCAB, dense_greedy, dense_logprobs, greedy,
+                           oracle_engine, random_prompts)
 
 # One cache shape for (almost) every test so the jitted step compiles once per file:
 # 12 blocks of 16 tokens, 8 slots of up to 64 tokens, 8 tokens per step (one bucket).
 BLOCK_SIZE, NUM_BLOCKS, MAX_SEQS, BUDGET = 16, 12, 8, 8
 
 
-def random_prompts(seed, count, lo=1, hi=24):
-  rng = np.random.default_rng(seed)
-  return [[int(t) for t in rng.integers(0, VOCAB, size=int(rng.integers(lo, hi + 1)))]
-          for _ in range(count)]
-
-
-def make_engine(**kw):
-  cc = MC.cache_config(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_seqs=MAX_SEQS,
-                       max_blocks_per_seq=ORACLE_LEN // BLOCK_SIZE)
-  return Engine(MC, PARAMS, cc, max_num_batched_tokens=BUDGET, attention_backend="reference",
-                **kw)
-
-
-def greedy(max_tokens, **kw):
-  return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+make_engine = functools.partial(oracle_engine, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
+                                max_seqs=MAX_SEQS, budget=BUDGET)
 
 
 def test_greedy_matches_dense_oracle_with_chunked_prefill_and_queueing():
