@@ -18,8 +18,9 @@ Batch policy (every op): requests act as if applied one at a time in argument
 was; later requests still run on the blocks it did not take. Up to the first
 shortfall this is one prefix sum; after it at most `width - 1` more requests can
 fit (`width` the static per-request block bound), each found by an O(batch)
-vector round. No `lax.cond`/`lax.switch` and no data-dependent loop: on GPU
-either would copy a predicate to the host and block, every step.
+vector round (`paged_jax.block_rounds`). No `lax.cond`/`lax.switch` and no
+data-dependent loop: on GPU either would copy a predicate to the host and block,
+every step.
 Negative slot ids are padding: `INVALID`, no effect.
 
 Invariants: a slot with `L` tokens holds `cdiv(L, block_size)` blocks in the
@@ -45,6 +46,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from paged_jax import block_rounds
 from paged_jax.config import CacheConfig, INVALID, OK, OUT_OF_BLOCKS, TOO_LONG, cdiv
 
 _I32 = jnp.int32
@@ -129,28 +131,6 @@ def num_free_blocks(state: BlockState) -> jax.Array:
   return state.num_free
 
 
-def _blocks_bound(max_tokens: Optional[int], bs: int, p: int, cow: bool) -> int:
-  """Static bound on blocks one request can pop (width of the pop window)."""
-  if max_tokens is None:
-    return p
-  if cow:  # cdiv(L + n, bs) - cdiv(L, bs) + cow <= cdiv(n - 1, bs) + 1
-    k = cdiv(max(max_tokens - 1, 0), bs) + 1
-  else:
-    k = cdiv(max_tokens, bs)
-  return max(1, min(p, k))
-
-
-def _first_of_slot(slots: jax.Array, member: jax.Array, s_max: int) -> jax.Array:
-  """bool[n]: entry i is the first member naming its slot (slots in [0, s_max)).
-
-  A scatter-min into an s_max-sized array: O(n + max_seqs), no sort.
-  """
-  iota = lax.iota(_I32, slots.shape[0])
-  first = jnp.full((s_max,), slots.shape[0], _I32).at[jnp.where(member, slots, s_max)].min(
-      iota, mode="drop")
-  return member & (first[jnp.clip(slots, 0, s_max - 1)] == iota)
-
-
 def _pop(state: BlockState, need: jax.Array, width: int):
   """Pops `need[i]` blocks for request i (in order) off the stack.
 
@@ -163,74 +143,6 @@ def _pop(state: BlockState, need: jax.Array, width: int):
   take = k < need[:, None]
   pos = jnp.clip(state.num_free - 1 - off[:, None] - k, 0, state.num_blocks - 1)
   return jnp.where(take, state.free_stack[pos], -1), jnp.sum(need)
-
-
-def _drop_neg(idx: jax.Array, size: int) -> jax.Array:
-  """Maps negative ids to `size` so `.at[...](mode="drop")` ignores them."""
-  return jnp.where(idx < 0, size, idx)
-
-
-def _rounds(num_rounds: int, body, carry):
-  """`body` applied `num_rounds` (static) times: unrolled when few, else a fori_loop with a
-  static trip count (an XLA while with a known trip count: no host readback on GPU)."""
-  if num_rounds <= 8:
-    for _ in range(num_rounds):
-      carry = body(carry)
-    return carry
-  return lax.fori_loop(0, num_rounds, lambda _, c: body(c), carry)
-
-
-def _first_failure(fast_need: jax.Array, num_free: jax.Array):
-  """Prefix where every request gets its `fast_need`: (f, blocks left after it).
-
-  f is the first request whose inclusive prefix sum of `fast_need` exceeds `num_free`
-  (len if none): requests before f all succeed, f fails with fewer than its need left.
-  """
-  n = fast_need.shape[0]
-  iota = lax.iota(_I32, n)
-  csum = jnp.cumsum(fast_need)
-  f = jnp.min(jnp.where(csum > num_free, iota, n))
-  return f, num_free - jnp.sum(jnp.where(iota < f, fast_need, 0))
-
-
-def _allocate_plan(sc, cand, first, need, num_free, s_max: int, width: int):
-  """Which allocate requests succeed (ok) and which name a slot already taken (dup), as if
-  applied one at a time, without a scan or a branch.
-
-  Up to the first failure f (a prefix sum) every candidate that is first for its slot
-  succeeds. f fails with fewer than need[f] <= width blocks left, and every later
-  success takes >= 1 block, so at most width - 1 more succeed: each of width - 1 rounds
-  finds the next one (the first later request that fits and names an unclaimed slot) with
-  O(n) vector work, settling the requests it passes. O(n * width) in all, the same order
-  as the pop window; no data-dependent branch. Nor can more than n - 1 requests follow
-  f: min(width, n) - 1 rounds.
-  """
-  n = sc.shape[0]
-  iota = lax.iota(_I32, n)
-  fast_need = jnp.where(cand & first, need, 0)
-  f, remaining = _first_failure(fast_need, num_free)
-  before = iota < f
-  ok = cand & first & before
-  dup = cand & ~first & before
-  claimed = jnp.zeros((s_max,), jnp.bool_).at[jnp.where(ok, sc, s_max)].set(True, mode="drop")
-
-  def round_(carry):
-    pos, remaining, claimed, ok, dup = carry
-    later, taken = iota > pos, claimed[sc]
-    elig = later & cand & ~taken & (need <= remaining)
-    j = jnp.min(jnp.where(elig, iota, n))  # n: none; settles every later request
-    hit = iota == j
-    dup = dup | (later & (iota <= j) & cand & taken)
-    remaining = remaining - jnp.sum(jnp.where(hit, need, 0))
-    claimed = claimed.at[jnp.where(hit, sc, s_max)].set(True, mode="drop")
-    return j, remaining, claimed, ok | hit, dup
-
-  pos, _, claimed, ok, dup = _rounds(min(width, n) - 1, round_,
-                                     (f - 1, remaining, claimed, ok, dup))
-  # Left after the rounds: no request fits any more (see above); those naming a slot
-  # claimed by now are duplicates.
-  dup = dup | ((iota > pos) & cand & claimed[sc])
-  return ok, dup
 
 
 def allocate(state: BlockState, slot, num_tokens):
@@ -257,9 +169,9 @@ def allocate(state: BlockState, slot, num_tokens):
   too_long = ~bad & (n_tok > max_len)
   cand = ~bad & ~too_long
   need = jnp.where(cand, cdiv(jnp.clip(n_tok, 0, max_len), bs), 0)
-  first = _first_of_slot(slots, cand, s_max)
-  width = _blocks_bound(static_n, bs, state.max_blocks_per_seq, cow=False)
-  ok, dup = _allocate_plan(sc, cand, first, need, state.num_free, s_max, width)
+  first = block_rounds.first_of_slot(slots, cand, s_max)
+  width = block_rounds.blocks_bound(static_n, bs, state.max_blocks_per_seq, cow=False)
+  ok, dup = block_rounds.allocate_decide(sc, cand, first, need, state.num_free, s_max, width)
   # A slot taken by an earlier request of the batch is active by now: INVALID
   # takes precedence over TOO_LONG, as in one-at-a-time application.
   iota = lax.iota(_I32, slots.shape[0])
@@ -272,79 +184,12 @@ def allocate(state: BlockState, slot, num_tokens):
   blocks, total = _pop(state, jnp.where(ok, need, 0), width)
   rows = jnp.where(ok, sc, s_max)
   state = state.replace(
-      ref_count=state.ref_count.at[_drop_neg(blocks, nb)].set(1, mode="drop"),
+      ref_count=state.ref_count.at[block_rounds.drop_neg(blocks, nb)].set(1, mode="drop"),
       num_free=state.num_free - total,
       block_tables=state.block_tables.at[rows, :width].set(blocks, mode="drop"),
       seq_lens=state.seq_lens.at[rows].set(n_tok, mode="drop"),
       active=state.active.at[rows].set(True, mode="drop"))
   return state, status.reshape(shape).astype(_I32)
-
-
-def _writer_groups(ref_count, shared, last_block, refs):
-  """Groups the slots writing into a shared last block, without a sort.
-
-  Uses `ref_count` as scratch: the entries of the writers' blocks are set to
-  the highest writing slot, read back, then restored. With the state donated
-  this is O(max_seqs) work in place, never O(num_blocks). Each scatter's
-  indices depend on the preceding gather, which lets XLA keep the array in
-  place instead of copying it.
-  Returns (ref_count (restored: equal to the input), idle i32[S]: holders of
-  the slot's block that are not writing, rep i32[S]: highest writing slot of
-  the group, used as group id and to spot the group's last writer).
-  """
-  s_max = shared.shape[0]
-  nb, iota = ref_count.shape[0], lax.iota(_I32, s_max)
-  keys = jnp.where(shared, last_block, nb)
-  ref_count = ref_count.at[keys].set(-1, mode="drop").at[keys].max(iota, mode="drop")
-  rep = jnp.where(shared, ref_count[jnp.clip(last_block, 0, nb - 1)], s_max)
-  ref_count = ref_count.at[jnp.where(rep == iota, last_block, nb)].set(refs, mode="drop")
-  writers = jnp.zeros((s_max,), _I32).at[rep].add(1, mode="drop")
-  idle = refs - writers[jnp.clip(rep, 0, s_max - 1)]
-  return ref_count, idle, rep
-
-
-def _append_decide(cand, grow, shared, refs, rep, cow_fast, num_free, width: int):
-  """(ok, cow) per slot as if slots appended one at a time, in slot order; no scan, no branch.
-
-  Up to the first failure f (a prefix sum of grow + cow_fast) every candidate succeeds
-  and copies as `cow_fast` says. f fails with fewer than its need <= width blocks left;
-  later successes needing no block (no growth, no copy) always go through and each other
-  one takes >= 1 block, so at most width - 1 of them remain: each of width - 1 rounds
-  finds the next (recomputing copies with the group's copy count so far) with O(max_seqs)
-  vector work (at most max_seqs - 1 slots follow f: min(width, max_seqs) - 1 rounds).
-  Decode (max_new_tokens=1, width 1) is the prefix sum alone.
-  """
-  s_max = cand.shape[0]
-  iota = lax.iota(_I32, s_max)
-  gid = jnp.clip(rep, 0, s_max - 1)
-  f, remaining = _first_failure(jnp.where(cand, grow + cow_fast.astype(_I32), 0), num_free)
-  before = iota < f
-  ok, cow = cand & before, cow_fast & before
-  copies = jnp.zeros((s_max,), _I32).at[jnp.where(ok & cow, rep, s_max)].add(1, mode="drop")
-
-  def need_now(copies):
-    cow_now = shared & (refs - copies[gid] > 1)
-    return cow_now, grow + cow_now.astype(_I32)
-
-  def round_(carry):
-    pos, remaining, copies, ok, cow = carry
-    later = iota > pos
-    cow_now, nd = need_now(copies)
-    elig = later & cand & (nd > 0) & (nd <= remaining)
-    j = jnp.min(jnp.where(elig, iota, s_max))  # s_max: none; settles every later slot
-    span, hit = later & (iota <= j), iota == j
-    # Before j only block-free appends fit (a fitting one needing blocks would be j).
-    ok = ok | (span & cand & (nd <= remaining))
-    cow = cow | (span & cow_now)
-    remaining = remaining - jnp.sum(jnp.where(hit, nd, 0))
-    copies = copies.at[jnp.where(hit & cow_now, rep, s_max)].add(1, mode="drop")
-    return j, remaining, copies, ok, cow
-
-  pos, remaining, copies, ok, cow = _rounds(
-      min(width, s_max) - 1, round_, (f - 1, remaining, copies, ok, cow))
-  later = iota > pos
-  cow_now, nd = need_now(copies)
-  return ok | (later & cand & (nd <= remaining)), cow | (later & cow_now)
 
 
 def _append_plan(state: BlockState, slot_mask, num_new_tokens, max_new_tokens):
@@ -377,13 +222,14 @@ def _append_plan(state: BlockState, slot_mask, num_new_tokens, max_new_tokens):
   shared = cand & (n_ok > 0) & (lens % bs != 0) & (refs > 1)
   # Masked scratch scatters (non-writers' indices are dropped): O(max_seqs) in place, run
   # every step (no lax.cond: on GPU its branch index is read back to the host).
-  ref_count, idle, rep = _writer_groups(ref_count, shared, last_block, refs)
+  ref_count, idle, rep = block_rounds.writer_groups(ref_count, shared, last_block, refs)
   # If every candidate succeeds, each writer copies except a group's last
   # writer when no idle holder remains (it then sees ref_count == 1).
   iota = lax.iota(_I32, s_max)
   cow_fast = shared & ((idle > 0) | (rep != iota))
-  width = _blocks_bound(max_new_tokens, bs, state.max_blocks_per_seq, cow=True)
-  ok, cow = _append_decide(cand, grow, shared, refs, rep, cow_fast, state.num_free, width)
+  width = block_rounds.blocks_bound(max_new_tokens, bs, state.max_blocks_per_seq, cow=True)
+  ok, cow = block_rounds.append_decide(cand, grow, shared, refs, rep, cow_fast, state.num_free,
+                                       width)
   cow = ok & cow
   status = jnp.where(bad, INVALID, jnp.where(
       too_long, TOO_LONG, jnp.where(cand & ~ok, OUT_OF_BLOCKS, OK)))
@@ -423,7 +269,8 @@ def append(state: BlockState, slot_mask, num_new_tokens, *,
       state, slot_mask, num_new_tokens, max_new_tokens)
   cow_i = cow.astype(_I32)
   need = jnp.where(ok, grow + cow_i, 0)
-  width = _blocks_bound(max_new_tokens, state.block_size, state.max_blocks_per_seq, cow=True)
+  width = block_rounds.blocks_bound(max_new_tokens, state.block_size, state.max_blocks_per_seq,
+                                    cow=True)
   blocks, total = _pop(state, need, width)  # k = 0 is the copy target when cow
   k = lax.iota(_I32, width)[None, :]
   old_blocks = cdiv(state.seq_lens, state.block_size)
@@ -432,8 +279,8 @@ def append(state: BlockState, slot_mask, num_new_tokens, *,
   rows = jnp.where(blocks >= 0, lax.iota(_I32, s_max)[:, None], s_max)
   cow_src = jnp.where(cow, last_block, -1)
   # One scatter: popped blocks go 0 -> 1, copied-from blocks lose this holder.
-  ref_count = ref_count.at[jnp.concatenate([_drop_neg(blocks, nb).reshape(-1),
-                                            _drop_neg(cow_src, nb)])].add(
+  ref_count = ref_count.at[jnp.concatenate([block_rounds.drop_neg(blocks, nb).reshape(-1),
+                                            block_rounds.drop_neg(cow_src, nb)])].add(
       jnp.concatenate([jnp.ones((blocks.size,), _I32), jnp.full((s_max,), -1, _I32)]),
       mode="drop")
   state = state.replace(
@@ -465,9 +312,9 @@ def free(state: BlockState, slot):
   slots = slot.reshape(-1)
   sc = jnp.clip(slots, 0, s_max - 1)
   live = (slots >= 0) & (slots < s_max) & state.active[sc]
-  ok = _first_of_slot(slots, live, s_max)
+  ok = block_rounds.first_of_slot(slots, live, s_max)
   held = jnp.where(ok[:, None], state.block_tables[sc], -1).reshape(-1)  # (request, column) order
-  keys = _drop_neg(held, nb)
+  keys = block_rounds.drop_neg(held, nb)
   gather_at = jnp.clip(held, 0, nb - 1)
   pos = lax.iota(_I32, held.shape[0])
   # Decrement (duplicates accumulate), then mark each block that reached 0 once,
