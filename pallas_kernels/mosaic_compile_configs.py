@@ -1,0 +1,272 @@
+"""The Mosaic GPU kernel configurations, compiled deviceless for sm_90a (H200).
+
+Shared by experiments/gpu_compile_report.py (the resource table, `--backends=mosaic_gpu`)
+and tests/mosaic_compile_configs_test.py (0 spills, shared memory within budget). The Triton
+configurations are pallas_kernels/compile_configs.py; the shapes are the same real models'
+(Llama-3-8B 32/8 x 128, Qwen-like 14/2 x 64, Gemma-like 8/4 x 256 with soft cap 50 and a
+4096-token sliding window), restricted to what the Mosaic kernels accept (bf16 / f16 q;
+pages of q's dtype or int8 / fp8 with scales; block sizes: powers of two >= 16; D 64 / 128
+/ 256). `unsupported_cases()` are recorded with the reason they fall back to Triton.
+
+    row = measure(MosaicCase("decode", "llama8b", block_size=64))
+    row["registers"], row["spill_bytes"], row["shared_memory"], row["occupancy"]
+
+Registers and spills come from ptxas (`MOSAIC_GPU_DUMP_PTXAS`), shared memory from Mosaic's
+`smem_scratch_bytes` (buffers + barriers), threads from the PTX `.maxntid`. Needs jax >=
+0.11.2 and the jax-cuda12 plugin / pjrt wheels (`unavailable_reason()` says why not).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import os
+import re
+import shutil
+import tempfile
+from typing import Any, Dict, List, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import compile_target as ct
+from pallas_kernels import mosaic_attention_core as core
+
+MODELS = {  # name: (q heads, kv heads, head_dim, extra semantics)
+    "llama8b": (32, 8, 128, {}),
+    "qwen": (14, 2, 64, {}),
+    "gemma": (8, 4, 256, {"soft_cap": 50.0, "sliding_window": 4096}),
+    "d80": (32, 8, 80, {}),   # unsupported here (D % 64 != 0): Triton's
+}
+# Ragged workloads: [(q_len, kv_len)] per sequence, num_tokens (padded); as compile_configs.
+WORKLOADS = {
+    "decode64": ([(1, 4096)] * 64, 64),
+    "prefill2k": ([(2048, 2048)], 2048),
+    "mixed": ([(1, 2048)] * 64 + [(512, 2048)] * 2, 1088),
+    "engine256": ([(128, 512), (64, 64)] + [(1, 512)] * 6, 256),
+}
+QUANT = ("int8", "float8_e4m3fn")
+SHORT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "int8": "int8",
+         "float8_e4m3fn": "fp8"}
+THREADS_PER_SM = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicCase:
+  """One Mosaic kernel call. kernel: "decode" or "ragged"; dtype: q's; page_dtype: None
+  (= dtype) or int8 / float8_e4m3fn; knobs: the kernel's tuning keywords."""
+  kernel: str
+  model: str
+  dtype: str = "bfloat16"
+  page_dtype: Optional[str] = None
+  block_size: int = 64
+  batch: int = 64
+  context: int = 4096
+  workload: str = "decode64"
+  knobs: Tuple[Tuple[str, Any], ...] = ()
+
+  @property
+  def name(self) -> str:
+    pages = f"/{SHORT[self.page_dtype]}" if self.page_dtype else ""
+    work = (f"B{self.batch}x{self.context // 1024}k" if self.kernel == "decode"
+            else self.workload)
+    knobs = "".join(f",{k}={v}" for k, v in self.knobs)
+    return f"{self.kernel}:{self.model}:{SHORT[self.dtype]}{pages}:bs{self.block_size}:{work}{knobs}"
+
+  @property
+  def pdtype(self):
+    return jnp.dtype(self.page_dtype or self.dtype)
+
+  def supported_reason(self) -> Optional[str]:
+    hq, hkv, d, _ = MODELS[self.model]
+    return core.supported_reason(hq, hkv, d, self.block_size, self.dtype, self.pdtype,
+                                 self.page_dtype in QUANT)
+
+
+def default_cases() -> List[MosaicCase]:
+  """The report's configs: every accepted block size at the Llama-3-8B headline (B 64,
+  4K context), f16, int8 / fp8 pages, a wide KV tile, Qwen's group of 7 (split-K), Gemma's
+  D 256 with soft cap + window (8K context, split-K); ragged prefill, mixed and the
+  engine's 256-token step."""
+  d, r = "decode", "ragged"
+  return [
+      *(MosaicCase(d, "llama8b", block_size=bs) for bs in (16, 32, 64, 128, 256)),
+      MosaicCase(d, "llama8b", knobs=(("tile_kv", 128),)),
+      MosaicCase(d, "llama8b", "float16"),
+      MosaicCase(d, "llama8b", page_dtype="int8"),
+      MosaicCase(d, "llama8b", page_dtype="float8_e4m3fn", block_size=16),
+      MosaicCase(d, "qwen"),
+      MosaicCase(d, "qwen", "float16", "int8", block_size=32, batch=256),
+      MosaicCase(d, "gemma", batch=16, context=8192),
+      MosaicCase(d, "gemma", page_dtype="int8", batch=16, context=8192),
+      MosaicCase(r, "llama8b", workload="prefill2k"),
+      MosaicCase(r, "llama8b", block_size=16, workload="mixed"),
+      MosaicCase(r, "llama8b", page_dtype="int8", workload="engine256"),
+      MosaicCase(r, "qwen", block_size=32, workload="engine256"),
+      MosaicCase(r, "gemma", workload="engine256"),
+      MosaicCase(r, "gemma", "float16", "float8_e4m3fn", block_size=16, workload="engine256"),
+  ]
+
+
+def unsupported_cases() -> List[MosaicCase]:
+  """Configs the Mosaic kernels refuse (the engine uses Triton for them): the reason is
+  recorded, nothing is compiled."""
+  return [MosaicCase("decode", "llama8b", block_size=8),
+          MosaicCase("decode", "llama8b", "float32"),
+          MosaicCase("decode", "d80")]
+
+
+def unavailable_reason() -> Optional[str]:
+  """None when the Mosaic configs can be compiled here, else a one-line reason."""
+  if core.plgpu is None or core._jax_version() < (0, 11, 2):  # pylint: disable=protected-access
+    return f"the Mosaic GPU kernels need jax >= 0.11.2, this is jax {jax.__version__}"
+  return ct.unavailable_reason()
+
+
+def resolved(case: MosaicCase) -> Dict[str, Any]:
+  """The knobs the kernel's defaults resolve to, and its grid."""
+  from pallas_kernels import mosaic_paged_attention as mpa  # pylint: disable=g-import-not-at-top
+  hq, hkv, d, _ = MODELS[case.model]
+  knobs = dict(case.knobs)
+  tile_kv = knobs.get("tile_kv", 64)
+  quant = 1 if case.page_dtype in QUANT else None
+  stages = knobs.get("num_stages") or core.default_num_stages(d, tile_kv, quant)
+  if case.kernel == "decode":
+    pages = -(-case.context // case.block_size)
+    splits = knobs.get("num_splits") or mpa.default_num_splits(
+        case.batch, hkv, pages, case.block_size, tile_kv)
+    return {"tile_kv": tile_kv, "num_stages": stages, "num_splits": splits,
+            "grid": [hkv, case.batch, splits]}
+  seqs, tokens = WORKLOADS[case.workload]
+  q_per_tile = knobs.get("q_per_tile") or core.Q_ROWS // (hq // hkv)
+  splits = knobs.get("num_splits", 1)
+  n_max = max(1, min(tokens, -(-tokens // q_per_tile) + len(seqs)))
+  return {"tile_kv": tile_kv, "num_stages": stages, "num_splits": splits,
+          "q_per_tile": q_per_tile, "grid": [hkv, n_max, splits]}
+
+
+def kv_bytes(case: MosaicCase) -> int:
+  """K/V bytes (scales included) of the live keys each program must read: per sequence
+  for decode, per query tile for ragged (each tile reads its own keys). Queries, outputs
+  and split partials are not counted."""
+  _, hkv, d, sem = MODELS[case.model]
+  per_token = hkv * 2 * (d * case.pdtype.itemsize + (4 if case.page_dtype in QUANT else 0))
+  window = sem.get("sliding_window")
+  if case.kernel == "decode":
+    return case.batch * (min(case.context, window) if window else case.context) * per_token
+  tq = resolved(case)["q_per_tile"]
+  tokens = 0
+  for q_len, kv_len in WORKLOADS[case.workload][0]:
+    for start in range(0, q_len, tq):
+      pos0 = kv_len - q_len + start
+      end = pos0 + min(tq, q_len - start)
+      tokens += end - (max(pos0 - window + 1, 0) if window else 0)
+  return tokens * per_token
+
+
+def build(case: MosaicCase):
+  """(fn, abstract args on the compile-only H200) through the package entry points."""
+  import pallas_kernels  # pylint: disable=g-import-not-at-top
+  hq, hkv, d, sem = MODELS[case.model]
+  a, knobs = ct.abstract, dict(case.knobs)
+  if case.kernel == "decode":
+    num_seqs, rows = case.batch, case.batch
+    pages_per_seq = -(-case.context // case.block_size)
+  else:
+    seqs, rows = WORKLOADS[case.workload]
+    num_seqs = len(seqs)
+    pages_per_seq = -(-max(kv for _, kv in seqs) // case.block_size)
+  nb = num_seqs * pages_per_seq
+  pages = a((hkv, nb, case.block_size, d), case.pdtype)
+  scales = a((hkv, nb, case.block_size), jnp.float32) if case.page_dtype in QUANT else None
+  common = (a((rows, hq, d), case.dtype), pages, pages, a((num_seqs, pages_per_seq), jnp.int32),
+            a((num_seqs,), jnp.int32))
+  if case.kernel == "decode":
+    def fn(q, k, v, t, n, ks, vs):
+      return pallas_kernels.paged_attention(q, k, v, t, n, k_scales=ks, v_scales=vs,
+                                            gpu_backend="mosaic_gpu", **sem, **knobs)
+    return fn, (*common, scales, scales)
+
+  def rfn(q, k, v, t, kl, cu, n, ks, vs):
+    return pallas_kernels.ragged_paged_attention(
+        q, k, v, t, kl, cu, n, k_scales=ks, v_scales=vs, gpu_backend="mosaic_gpu", **sem,
+        **knobs)
+  return rfn, (*common, a((num_seqs + 1,), jnp.int32), a((), jnp.int32), scales, scales)
+
+
+@contextlib.contextmanager
+def _env(**values):
+  old = {k: os.environ.get(k) for k in values}
+  os.environ.update(values)
+  try:
+    yield
+  finally:
+    for k, v in old.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
+
+
+def _read_dump(dump: str) -> List[Dict[str, Any]]:
+  kernels = []
+  for path in sorted(glob.glob(os.path.join(dump, "*.ptxas"))):
+    stem = path[:-len(".ptxas")]
+    text = open(path).read()
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    smem = re.search(r"smem_scratch_bytes=(\d+)", open(stem + ".resources.txt").read())
+    ntid = re.search(r"\.maxntid (\d+), (\d+), (\d+)", open(stem + ".ptx").read())
+    kernels.append({"kernel": re.sub(r"_\d+$", "", os.path.basename(stem)),  # dump's _0
+                    "registers": int(re.search(r"Used (\d+) registers", text).group(1)),
+                    "spill_bytes": int(spill.group(1)) + int(spill.group(2)),
+                    "shared_memory": int(smem.group(1)),
+                    "threads": int(ntid.group(1)) * int(ntid.group(2)) * int(ntid.group(3))})
+  return kernels
+
+
+def resident_blocks(registers: int, threads: int, shared_memory: int) -> int:
+  """Blocks an sm_90 SM holds at once: registers (allocated per warp in units of 256),
+  shared memory (228 KiB per SM, 1 KiB reserved per block), threads, 32 blocks."""
+  warps = -(-threads // 32)
+  regs_per_warp = -(-registers * 32 // 256) * 256
+  by_regs = ct.SM90_REGISTERS_PER_SM // max(1, regs_per_warp * warps)
+  by_smem = 233472 // (shared_memory + 1024)
+  return max(0, min(by_regs, by_smem, THREADS_PER_SM // max(1, threads), 32))
+
+
+def measure(case: MosaicCase, hbm_bytes_per_s: float = ct.H200_HBM_BYTES_PER_S,
+            copy_bytes_per_s: Optional[float] = None) -> Dict[str, Any]:
+  """Compiles `case` for sm_90a; its one Mosaic kernel's resources and the modelled bound
+  (K/V bytes over `hbm_bytes_per_s` and, if given, the measured `copy_bytes_per_s`)."""
+  fn, args = build(case)
+  dump = tempfile.mkdtemp(prefix="pj_mosaic_cfg_")
+  try:
+    with _env(MOSAIC_GPU_DUMP_TO=dump, MOSAIC_GPU_DUMP_PTXAS="1"):
+      report = ct.compile_report(jax.jit(fn), *args, fail_on_spill=False)
+    kernels = _read_dump(dump)
+  finally:
+    shutil.rmtree(dump, ignore_errors=True)
+  if len(kernels) != 1:
+    raise RuntimeError(f"{case.name}: expected one Mosaic kernel, got {kernels}")
+  k = kernels[0]
+  cfg = resolved(case)
+  if f"_bs{case.block_size}_" not in k["kernel"] or \
+      not k["kernel"].endswith(f"_splits{cfg['num_splits']}"):
+    raise RuntimeError(f"{case.name}: kernel {k['kernel']} is not the resolved {cfg}")
+  blocks = resident_blocks(k["registers"], k["threads"], k["shared_memory"])
+  programs = cfg["grid"][0] * cfg["grid"][1] * cfg["grid"][2]
+  slots = blocks * 132
+  nbytes = kv_bytes(case)
+  row = {"case": case.name, "kernel": case.kernel, "model": case.model, "dtype": case.dtype,
+         "page_dtype": case.pdtype.name, "block_size": case.block_size,
+         "workload": (f"B{case.batch} ctx {case.context}" if case.kernel == "decode"
+                      else case.workload),
+         "resolved": cfg, **k, "resident_blocks_per_sm": blocks,
+         "occupancy": blocks * k["threads"] / THREADS_PER_SM,
+         "wave_efficiency": programs / (-(-programs // slots) * slots) if slots else None,
+         "temp_bytes": report.temp_bytes, "kv_bytes_read": nbytes,
+         "modelled_us_at_hbm_spec": nbytes / hbm_bytes_per_s * 1e6}
+  if copy_bytes_per_s:
+    row["modelled_us_at_measured_copy"] = nbytes / copy_bytes_per_s * 1e6
+  return row
