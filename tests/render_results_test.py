@@ -1,4 +1,5 @@
-"""tools/render_results.py: docs tables from the committed results, markers, errors."""
+"""tools/render_results.py (+ tools/render_*.py): docs tables from the committed results,
+markers, errors."""
 
 import json
 import os
@@ -9,6 +10,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
+import render_gpu  # pylint: disable=g-import-not-at-top,wrong-import-position
+import render_index  # pylint: disable=g-import-not-at-top,wrong-import-position
 import render_results  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
@@ -53,7 +56,7 @@ def test_errors_name_the_file_and_the_problem(tmp_path):
 
 
 def test_index_reads_its_figures_from_the_committed_json():
-  rows = render_results._index_rows(render_results.RESULTS)
+  rows = render_index.index_rows(render_results.RESULTS)
   mw = json.load(open(os.path.join(render_results.RESULTS, "memory_waste", "memory_waste.json")))
   assert rows[0][1].startswith(f"{100 * mw['paged']['token_utilization']:.1f}%")
   assert all(len(r) == 5 and r[1] for r in rows)
@@ -68,3 +71,36 @@ def test_benchmarks_stays_small_and_free_of_issue_numbers():
 def test_compact_keeps_cells_and_drops_padding():
   assert render_results._compact("| a   | bb |\n| --- | -- |\n| 1   |    |") == (
       "| a | bb |\n| --- | --- |\n| 1 |  |")
+
+
+def test_mosaic_table_has_every_committed_config_once():
+  doc = json.load(open(os.path.join(render_results.RESULTS, "gpu_compile_report",
+                                    "mosaic_gpu_compile_report.json")))
+  lines = render_results.render_section("mosaic_gpu_compile_report").splitlines()[2:]
+  cases = [l.split(" | ")[0][2:] for l in lines]
+  expanded = []   # "decode:m:bf16:bs16/32:W" -> the committed names it stands for
+  for case in cases:
+    head, sizes, tail = re.match(r"(.*:bs)([\d/]+)(:.*)", case).groups()
+    expanded += [f"{head}{bs}{tail}" for bs in sizes.split("/")]
+  assert sorted(expanded) == sorted(r["case"] for r in doc["rows"])
+  regs = {r["case"]: r["registers"] for r in doc["rows"]}
+  first = lines[0].split(" | ")
+  assert first[1] == "/".join(str(regs[c]) for c in expanded[:len(first[1].split("/"))])
+
+
+def test_block_size_rows_merge_only_when_the_rest_is_equal():
+  rows = [["decode:m:bf16:bs16:W", 187, 0, "123", 1, "9.0"],
+          ["decode:m:bf16:bs32:W", 182, 0, "123", 1, "9.0"],
+          ["decode:m:bf16:bs64:W", 168, 0, "99", 1, "9.0"],     # smem differs: own row
+          ["decode:m:f16:bs128:W", 168, 0, "123", 1, "9.0"]]    # dtype differs: own row
+  assert render_gpu._group_block_sizes(rows) == [
+      ["decode:m:bf16:bs16/32:W", "187/182", 0, "123", 1, "9.0"],
+      ["decode:m:bf16:bs64:W", "168", 0, "99", 1, "9.0"],
+      ["decode:m:f16:bs128:W", "168", 0, "123", 1, "9.0"]]
+
+
+def test_render_modules_stay_small():
+  tools = os.path.join(ROOT, "tools")
+  for name in os.listdir(tools):
+    if name.startswith("render") and name.endswith(".py"):
+      assert sum(1 for _ in open(os.path.join(tools, name))) <= 400, name

@@ -1,0 +1,120 @@
+"""Renderers of the engine experiments' results (memory, serving, sharing, prefix caching,
+the transformers peer, host overhead) for tools/render_results.py."""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, List, Tuple
+
+from render_common import cell, load, table
+
+
+def memory_waste(doc) -> str:
+  from experiments import memory_waste as experiment  # pylint: disable=g-import-not-at-top
+  return experiment.summary_table(doc)
+
+
+def rows_with(module: str, key=None) -> Callable:
+  """A renderer: `module.summary_rows(doc[key] or doc)` under `module.HEADERS`."""
+  def render(doc) -> str:
+    import importlib  # pylint: disable=g-import-not-at-top
+    mod = importlib.import_module(f"experiments.{module}")
+    return table(mod.summary_rows(doc if key is None else doc[key]), mod.HEADERS)
+  return render
+
+
+def hf_peer(doc) -> str:
+  from experiments import hf_peer_bench  # pylint: disable=g-import-not-at-top
+  rows = [[mode, name, e["median_s"], e["output_tokens_per_s"], e["requests_per_s"]]
+          for mode, m in doc["modes"].items() for name, e in m["engines"].items()]
+  return table(rows, hf_peer_bench.HEADERS)
+
+
+def hf_peer_runs(results_dir: str) -> str:
+  """Both committed hf_peer runs (32 and 128 prompts): tokens/s per mode and the ratio."""
+  rows = []
+  for rel in ("hf_peer/hf_peer.json", "hf_peer/batch128/hf_peer.json"):
+    doc = load(results_dir, rel)
+    for mode in ("steady", "end_to_end"):
+      e = doc["modes"][mode]["engines"]
+      rows.append([doc["workload"]["num_prompts"], doc["workload"]["kv_blocks"], mode,
+                   f"{e['paged_jax']['output_tokens_per_s']:.0f}",
+                   f"{e['transformers']['output_tokens_per_s']:.0f}",
+                   f"{doc['modes'][mode]['ratio_tokens_per_s']:.2f}x",
+                   f"{doc['agreement']['exact_match_fraction']:.2f}"])
+  return table(rows, ["prompts", "KV blocks", "mode", "paged_jax tok/s", "transformers tok/s",
+                       "ratio", "outputs equal"])
+
+
+def serving_runs(results_dir: str) -> List[Tuple[str, dict]]:
+  """(run directory, JSON) of every committed serving_benchmark run, in name order."""
+  base = os.path.join(results_dir, "serving_benchmark")
+  runs = sorted(d for d in (os.listdir(base) if os.path.isdir(base) else [])
+                if os.path.exists(os.path.join(base, d, "serving_benchmark.json")))
+  if not runs:
+    raise FileNotFoundError(f"{base}/*/serving_benchmark.json: no committed result "
+                            "(run the experiment first)")
+  return [(d, load(base, os.path.join(d, "serving_benchmark.json"))) for d in runs]
+
+
+def _max_rate(sec: dict, name: str) -> str:
+  """'24 (26.8)': swept rate (interpolated crossing); '>=8' when no swept rate missed."""
+  swept, interp = sec["max_rate_at_slo"][name], sec["max_rate_at_slo_interpolated"][name]
+  return f">={swept:g}" if interp is None else f"{swept:g} ({interp:.1f})"
+
+
+def serving(results_dir: str, every_row: bool = True) -> str:
+  """Per run and system: engine slots, max request rate under the SLO, paged's ratio.
+  `every_row=False` names each run on its first row only (smaller)."""
+  rows = []
+  for run, doc in serving_runs(results_dir):
+    for i, (name, c) in enumerate(doc["systems"].items()):
+      ratio = doc["paged_rate_ratio"].get(f"paged_over_{name}")
+      rows.append([run if every_row or not i else "", name, c["max_seqs"], _max_rate(doc, name),
+                   "" if ratio is None else f"{ratio:.2f}x", f"{max(c['mean_running']):.1f}"])
+  return table(rows, ["run", "system", "max_seqs", "max req/s at SLO", "paged / it",
+                       "max mean running"])
+
+
+def serving_fig14(results_dir: str) -> str:
+  """The --fig14 sections: paged vs Orca(Oracle) with parallel sampling and beam search."""
+  rows = []
+  for run, doc in serving_runs(results_dir):
+    for mode, sec in doc.get("fig14", {}).items():
+      ratio = sec["paged_rate_ratio"].get("paged_over_orca_oracle")
+      bound = ">=" if sec["max_rate_at_slo_interpolated"]["paged"] is None else ""
+      rows.append([run, mode, _max_rate(sec, "paged"), _max_rate(sec, "orca_oracle"),
+                   "" if ratio is None else f"{bound}{ratio:.2f}x"])
+  if not rows:
+    raise FileNotFoundError("no committed serving_benchmark run has a fig14 section")
+  return table(rows, ["run", "mode", "paged req/s", "Orca(Oracle) req/s", "paged / Oracle"])
+
+
+def summary(doc) -> str:
+  return table(doc["rows"], ["what", "ours", "paper"])
+
+
+def host_overhead(doc) -> str:
+  rows = [[name, r["device_calls"], f"{r['wall_us_per_token']:.1f}",
+           f"{r['host_us_per_token']:.1f}", f"{r['device_us_per_token']:.1f}",
+           f"{r['host_overhead_ratio_vs_python']:.2f}", f"{r['wall_ratio_vs_python']:.2f}",
+           r["same_tokens_as_python_allocator"]] for name, r in doc["results"].items()]
+  return table(rows, ["path", "device calls", "wall us/token", "host us/token",
+                       "device us/token", "host vs python", "wall vs python", "same tokens"])
+
+
+def prefix_sweep(doc) -> str:
+  rows = [[r["block_size"], f"{r['hit_rate']:.3f}", f"{r['lost_tokens']:.1f}"]
+          for r in doc["block_size_sweep"]]
+  return table(rows, ["block size", "hit tokens / shared tokens", "shared tokens lost (mean)"])
+
+
+def _us(s: float) -> str:
+  return f"{s * 1e6:.1f}" if s < 1e-3 else f"{s * 1e6:,.0f}"
+
+
+def prefix_cost(doc) -> str:
+  rows = [[f"{r['num_blocks']:,}", _us(r["lookup_s_per_block"]), _us(r["evict16_s"]),
+           _us(r["topk16_s"]), _us(r["count_evictable_s"])] for r in doc["lookup_cost"]]
+  return table(rows, ["num_blocks", "lookup us / block", "evict 16 (LRU ring) us",
+                       "evict 16 (top-k scan) us", "count evictable us"])
