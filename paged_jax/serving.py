@@ -100,13 +100,39 @@ def greedy(request) -> "SamplingParams":
   return SamplingParams(max_tokens=request.output_len, temperature=0.0)
 
 
-def warm_up(engine) -> None:
-  """Compiles the engine's step for both token buckets (a long prefill, then decodes)."""
-  from paged_jax.engine import SamplingParams  # pylint: disable=g-import-not-at-top
+def warm_up(engine, requests: Optional[Sequence] = None,
+            params_fn: Optional[Callable] = None) -> Dict:
+  """Compiles `engine`'s step, before anything is timed, for every shape bucket a run
+  of `requests` can reach (`paged_jax.engine.compiled.reachable_buckets`), ahead of time:
+  nothing runs on the device, the engine's state is untouched; logged at INFO.
+
+  The reachable set: at most min(max_seqs, num_blocks) live sequences (each holds a
+  block of its own; max_seqs when blocks can be shared: n > 1, beams, prefix caching),
+  none longer than the longest request (prompt + output), n sampled lanes per row for
+  parallel sampling. Without `requests`, any request the engine takes (max_model_len,
+  n up to its max_beam_width).
+
+  Args:
+    engine: a `paged_jax.engine.Engine` (shape buckets on or off).
+    requests: the workload.Request list to be served (lengths), or None.
+    params_fn: request -> SamplingParams (default greedy).
+  Returns:
+    {"shapes": buckets in the set, "compiled", "already" (compiled before), "seconds"}.
+  """
+  from paged_jax.engine import compiled  # pylint: disable=g-import-not-at-top
   c = engine.cache_config
-  prompt_len = min(engine.max_num_batched_tokens, engine.max_model_len - 2,
-                   c.num_slots - 2 * c.block_size)
-  engine.generate([[1] * max(1, prompt_len)], SamplingParams(max_tokens=2, temperature=0.0))
+  if requests is None:
+    max_len, lanes, shared = engine.max_model_len, engine.max_beam_width, True
+  else:
+    params = [(params_fn or greedy)(r) for r in requests]
+    max_len = min(engine.max_model_len, max(r.total_len for r in requests))
+    lanes = max(p.n if p.beam_width == 1 else 1 for p in params)
+    shared = any(p.num_seqs > 1 for p in params)
+  shared = shared or engine.prefix_caching
+  max_rows = c.max_seqs if shared else min(c.max_seqs, c.num_blocks)
+  shapes = compiled.reachable_buckets(engine._buckets, max_rows=max_rows,  # pylint: disable=protected-access
+                                      max_len=max_len, lanes_per_row=lanes)
+  return dict(compiled.compile_buckets(engine, shapes), shapes=len(shapes))
 
 
 def serve(engine, requests: Sequence, params_fn: Callable = greedy, *,
@@ -120,7 +146,8 @@ def serve(engine, requests: Sequence, params_fn: Callable = greedy, *,
     params_fn: request -> SamplingParams.
     track_sharing: read `metrics.sharing_savings` of the block state after every
       step (one host read per step) and report its step-summed ratio.
-    warmup: compile first (`warm_up`) so the timing excludes tracing.
+    warmup: compile every shape the run can reach first (`warm_up`), so the timing
+      excludes tracing and compiling.
     keep_outputs: also return "outputs": per request (stream order), the generated ids
       of each sample / hypothesis.
     progress: optional object with `update(n)` (a tqdm bar), called per finished request.
@@ -128,12 +155,17 @@ def serve(engine, requests: Sequence, params_fn: Callable = greedy, *,
     {"requests", "seconds", "requests_per_s", "tokens_per_s" (generated tokens, every
     sample or beam counted), "generated_tokens", "mean_latency_s", "p90_latency_s"
     (finish time of each request), "steps", "preemptions", "swaps",
-    "tokens_per_step" (machine-independent), "mean_running_seqs", "max_running_seqs", "sharing_savings" (1 - sum of used blocks
-    / sum of blocks without sharing, over steps; None unless tracked)}.
+    "tokens_per_step" (machine-independent), "mean_running_seqs", "max_running_seqs",
+    "sharing_savings" (1 - sum of used blocks / sum of blocks without sharing, over
+    steps; None unless tracked), "engine_step_s" / "device_s" / "host_s" (inside
+    engine.step: all / jitted call to outputs on host / the rest), "step_traces_in_run"
+    (step traces inside the timing: 0 after a complete warm-up), "warm_up" (its dict)}.
   """
   from paged_jax import metrics  # pylint: disable=g-import-not-at-top
-  if warmup:
-    warm_up(engine)
+  from paged_jax.engine import step as step_lib  # pylint: disable=g-import-not-at-top
+  warm = warm_up(engine, requests, params_fn) if warmup else None
+  traces_before = sum(step_lib.TRACE_COUNT.values())
+  timing_before = dict(engine.timing)
   base_tokens = engine.stats["generated_tokens"]
   base_steps, base_pre, base_swaps = (engine.stats["steps"], engine.num_preemptions,
                                       engine.num_swaps)
@@ -162,6 +194,8 @@ def serve(engine, requests: Sequence, params_fn: Callable = greedy, *,
       used += s["used_blocks"]
       unshared += s["unshared_blocks"]
   seconds = time.perf_counter() - start
+  traces = sum(step_lib.TRACE_COUNT.values()) - traces_before
+  timing = {k: engine.timing[k] - timing_before.get(k, 0.0) for k in ("step_s", "device_s")}
   engine.flush()
   if set(latency) != set(ids):
     raise RuntimeError(f"{len(set(ids) - set(latency))} requests never finished")
@@ -182,6 +216,12 @@ def serve(engine, requests: Sequence, params_fn: Callable = greedy, *,
       "mean_running_seqs": running_sum / max(steps, 1),
       "max_running_seqs": int(running_max),
       "sharing_savings": (1.0 - used / unshared if unshared else 0.0) if track_sharing else None,
+      # Where the time went: engine.step() in total, and its jitted call until the
+      # outputs reached the host (the rest of the step is host work).
+      "engine_step_s": timing["step_s"], "device_s": timing["device_s"],
+      "host_s": timing["step_s"] - timing["device_s"],
+      "step_traces_in_run": int(traces),    # 0: nothing compiled inside the timing
+      "warm_up": warm,
   }
   if keep_outputs:
     result["outputs"] = [outputs[i] for i in ids]
@@ -307,7 +347,10 @@ def serve_online(engine, requests: Sequence, gate, params_fn: Callable = greedy,
   Returns:
     {"summary": latency.summarize(...), "arrival", "first_token", "finish" (f64[n], s),
     "output_len" (i32[n]), "steps", "mean_running", "max_running", "preemptions",
-    "ttft_observed" (bool: first tokens were read from the engine)}.
+    "ttft_observed" (bool: first tokens were read from the engine), "step_traces_in_run"
+    (engine step traces while serving: 0 after a complete `warm_up`), "engine_step_s" /
+    "device_s" (wall s in engine.step / in its jitted call; nan for engines without
+    `timing`)}.
   """
   from paged_jax import latency  # pylint: disable=g-import-not-at-top
   clock = clock or WallClock()
@@ -319,7 +362,10 @@ def serve_online(engine, requests: Sequence, gate, params_fn: Callable = greedy,
   params = {r.request_id: params_fn(r) for r in requests}
   first: Dict = {}
   finish: Dict = {}
+  from paged_jax.engine import step as step_lib  # pylint: disable=g-import-not-at-top
   base_pre = getattr(engine, "num_preemptions", 0)
+  traces = sum(step_lib.TRACE_COUNT.values())
+  timing = dict(getattr(engine, "timing", {}))
   nxt = steps = running_sum = running_max = 0
   observed = True
   while len(finish) < len(reqs):
@@ -354,6 +400,8 @@ def serve_online(engine, requests: Sequence, gate, params_fn: Callable = greedy,
       gate.release(out.request_id)
     if progress is not None and done:
       progress.update(len(done))
+  traces = sum(step_lib.TRACE_COUNT.values()) - traces
+  spent = {k: v - timing.get(k, 0.0) for k, v in getattr(engine, "timing", {}).items()}
   if hasattr(engine, "flush"):
     engine.flush()
   ids = [r.request_id for r in requests]
@@ -365,4 +413,6 @@ def serve_online(engine, requests: Sequence, gate, params_fn: Callable = greedy,
           "first_token": t1, "finish": fin, "output_len": out_len, "steps": steps,
           "mean_running": running_sum / max(steps, 1), "max_running": running_max,
           "preemptions": int(getattr(engine, "num_preemptions", 0) - base_pre),
-          "ttft_observed": observed}
+          "ttft_observed": observed, "step_traces_in_run": int(traces),
+          "engine_step_s": spent.get("step_s", math.nan),
+          "device_s": spent.get("device_s", math.nan)}

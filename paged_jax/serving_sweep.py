@@ -89,7 +89,9 @@ def run_point(system: str, requests: Sequence, *, kv_budget_tokens: int, block_s
               attention_backend: str = "auto", max_num_batched_tokens: int = 256) -> Dict:
   """One system at one arrival stream: a fresh warmed-up engine, `serve_online`.
 
-  Returns `serve_online`'s dict plus "max_seqs" and "pool_tokens".
+  Every step shape the stream can reach is compiled before serving (`serving.warm_up`).
+  Returns `serve_online`'s dict plus "max_seqs", "pool_tokens", "warm_up_compiled"
+  (shapes compiled for this point) and "warm_up_shapes" (shapes in its reachable set).
   """
   sizes = sizes or system_sizes(system, requests, kv_budget_tokens=kv_budget_tokens,
                                 block_size=block_size, max_len=max_len)
@@ -97,10 +99,11 @@ def run_point(system: str, requests: Sequence, *, kv_budget_tokens: int, block_s
                                max_seqs=sizes["max_seqs"], max_len=max_len,
                                attention_backend=attention_backend,
                                max_num_batched_tokens=max_num_batched_tokens)
-  serving.warm_up(engine)
+  warm = serving.warm_up(engine, requests, params_fn)
   gate = gate_lib.make_gate(system, kv_budget_tokens, max_len)
   res = serving.serve_online(engine, requests, gate, params_fn, clock=clock, progress=progress)
-  res.update(max_seqs=sizes["max_seqs"], pool_tokens=sizes["pool_tokens"])
+  res.update(max_seqs=sizes["max_seqs"], pool_tokens=sizes["pool_tokens"],
+             warm_up_compiled=warm["compiled"], warm_up_shapes=warm["shapes"])
   return res
 
 
@@ -120,6 +123,9 @@ def curve(rates: Sequence[float], points: Sequence[Dict]) -> Dict:
   out["max_running"] = [p["max_running"] for p in points]
   out["preemptions"] = [p["preemptions"] for p in points]
   out["steps"] = [p["steps"] for p in points]
+  for k in ("step_traces_in_run", "engine_step_s", "device_s", "warm_up_compiled",
+            "warm_up_shapes"):
+    out[k] = [p.get(k) for p in points]
   out["max_seqs"] = points[0]["max_seqs"] if points else None
   out["pool_tokens"] = points[0]["pool_tokens"] if points else None
   return out

@@ -3,23 +3,28 @@ model), parameter checks, and `step_for_compile` for ahead-of-time lowering.
 
     fn, args = step_for_compile(model_config, cache_config, max_num_batched_tokens=256)
     fn.trace(*args).lower().compile()     # no array is allocated
+
+    shapes = reachable_buckets(engine._buckets, max_rows=8, max_len=256)
+    compile_buckets(engine, shapes)       # every shape compiled before serving
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import jax
 
 from paged_jax.config import CacheConfig, ModelConfig
-from paged_jax.engine.inputs import StepBuckets, input_shapes
-from paged_jax.engine.step import init_state, make_step
+from paged_jax.engine.inputs import StepBuckets, empty_inputs, input_shapes
+from paged_jax.engine.step import StepInputs, init_state, make_step
 from paged_jax.prefix_cache import step as prefix_step
 
 log = logging.getLogger("paged_jax.engine")
 _STEP_CACHE: Dict[Any, Any] = {}   # options -> jitted step
 _SEEN_BUCKETS: Dict[Any, set] = {}   # id(jitted step) -> shape buckets it was called with
+_AOT_DONE: set = set()   # (id(jitted step), argument shapes, bucket) compiled ahead of time
 
 
 def note_bucket(step_fn, bucket, buckets: StepBuckets) -> bool:
@@ -157,3 +162,82 @@ def step_for_compile(model_config: ModelConfig, cache_config: CacheConfig, *, sh
     args = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), args)
   return fn, args
+
+
+def reachable_buckets(buckets: StepBuckets, *, max_rows: int, max_len: int,
+                      lanes_per_row: int = 1) -> List[Tuple[int, int, int, bool]]:
+  """The shape buckets (T, R, W, decode_only) a step can land on when at most `max_rows`
+  sequences are live and none is longer than `max_len` tokens (as `StepBuckets.pick`
+  would choose them), smallest first.
+
+  `lanes_per_row` > 1 (parallel sampling: n children sample from their leader's row)
+  lets the sampled lanes outnumber the chunks; with 1, a mixed step of T tokens has
+  at most T - 1 rows (one chunk has >= 2 tokens), which drops (T, R) pairs with
+  R > T. A frees-only step is decode_only at the smallest row bucket.
+  """
+  if max_rows < 1 or max_len < 1 or lanes_per_row < 1:
+    raise ValueError(f"max_rows, max_len and lanes_per_row must be >= 1, got "
+                     f"{max_rows}, {max_len}, {lanes_per_row}")
+  if not buckets.enabled:   # one shape: the largest
+    return [(buckets.tokens[-1], buckets.rows[-1], buckets.widths[-1], False)]
+  max_rows = min(max_rows, buckets.rows[-1])
+  rows = sorted({buckets.pick(1, k, 1, True)[1] for k in range(1, max_rows + 1)})
+  width_max = buckets.pick(1, 1, max_len, False)[2]
+  out = []
+  for w in (w for w in buckets.widths if w <= width_max):
+    for r in rows:
+      out.append((r, r, w, True))
+      fewest_rows = max([b for b in buckets.rows if b < r], default=0) + 1
+      for t in (t for t in buckets.tokens if t >= 2):
+        # A mixed step has a chunk of >= 2 tokens, so <= T - 1 chunks, each sampling
+        # at most lanes_per_row slots.
+        if fewest_rows <= min((t - 1) * lanes_per_row, max_rows):
+          out.append((t, r, w, False))
+  return sorted(out, key=lambda b: (b[3], b[0], b[1], b[2]))
+
+
+def compile_buckets(engine, shapes, *, max_shapes: Optional[int] = None) -> Dict[str, Any]:
+  """Compiles `engine`'s step ahead of time for each shape bucket in `shapes` (from
+  `reachable_buckets`) not yet compiled for arguments of its shapes (params, state):
+  `jit(...).trace(abstract args).lower().compile()` fills the cache the engine's calls
+  use, so no step of those shapes traces or compiles later (JAX 0.10 and 0.11). Nothing
+  runs on the device; the state is untouched.
+
+  Bounded: at most `max_shapes` (default the engine's `max_variants`) shapes; logged
+  at INFO per shape and in total. Returns {"compiled", "already", "seconds"}.
+  """
+  step_fn, buckets = engine._step, engine._buckets   # pylint: disable=protected-access
+  bound = buckets.max_variants if max_shapes is None else max_shapes
+  shapes = list(dict.fromkeys(tuple(s) for s in shapes))
+  if len(shapes) > bound:
+    raise ValueError(f"{len(shapes)} shapes to compile, more than the bound {bound}")
+  abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+  params = jax.tree_util.tree_map(abstract, engine.params)
+  state = jax.tree_util.tree_map(abstract, engine.state)
+  seen = _SEEN_BUCKETS.setdefault(id(step_fn), set())
+  lk = engine._lookup_len   # pylint: disable=protected-access
+  # Engines of one model share the jitted step but not their state's shapes (pool,
+  # max_seqs): a compiled shape is keyed by both.
+  leaves, treedef = jax.tree_util.tree_flatten((params, state))
+  signature = (id(step_fn), str(treedef), lk,
+               tuple((x.shape, str(x.dtype)) for x in leaves))
+  t0, compiled, already = time.perf_counter(), 0, 0
+  for bucket in shapes:
+    if (signature, bucket) in _AOT_DONE:
+      already += 1
+      continue
+    tokens, rows, width, decode_only = bucket
+    inputs = StepInputs(**{k: abstract(v) for k, v in empty_inputs(
+        tokens, engine.cache_config.max_seqs, lk, num_rows=rows).items()})
+    t1 = time.perf_counter()
+    step_fn.trace(params, state, inputs, width=width, decode_only=decode_only).lower().compile()
+    seen.add(bucket)
+    _AOT_DONE.add((signature, bucket))
+    compiled += 1
+    log.info("paged_jax engine: compiled step shape tokens=%d rows=%d width=%d blocks "
+             "decode_only=%s ahead of time in %.2f s (%d of %d)", *bucket,
+             time.perf_counter() - t1, compiled + already, len(shapes))
+  seconds = time.perf_counter() - t0
+  log.info("paged_jax engine: %d step shapes compiled ahead of time (%d already) in %.1f s",
+           compiled, already, seconds)
+  return {"compiled": compiled, "already": already, "seconds": seconds}

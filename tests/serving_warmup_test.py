@@ -1,0 +1,164 @@
+"""serving.warm_up compiles every step shape a run can reach, ahead of time: the
+reachable set equals a brute-force enumeration of the shapes `StepBuckets.pick`
+gives feasible batches, and after warm-up a mixed online run (requests added while
+the engine steps, chunked prefills, decodes, n = 2 sampling) neither traces the
+step nor compiles anything."""
+
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from paged_jax import serving
+from paged_jax import workloads
+from paged_jax.baselines import gate as gate_lib
+from paged_jax.engine import Engine, SamplingParams
+from paged_jax.engine import compiled as compiled_lib
+from paged_jax.engine import engine as engine_mod
+from paged_jax.engine import step as step_lib
+from paged_jax.engine.inputs import StepBuckets
+
+from engine_oracle import MC, PARAMS, VOCAB
+
+
+def brute_force(buckets: StepBuckets, max_rows: int, max_len: int, lanes: int) -> set:
+  """Every bucket `pick` returns for a feasible batch: k chunks carrying num_tokens
+  new tokens (decode-only: one each; mixed: one chunk >= 2), k..k * lanes sampled
+  slots (parallel sampling), at most max_rows live, longest row 1..max_len; plus a
+  frees-only step."""
+  budget = buckets.tokens[-1]
+  # The width depends on the longest row alone: cross every length's width with the
+  # (tokens, rows, decode_only) of every batch.
+  widths = {buckets.pick(1, 1, length, False)[2] for length in range(1, max_len + 1)}
+  out = {buckets.pick(0, 0, 0, True)}
+  for k in range(1, max_rows + 1):
+    for rows in range(k, min(k * lanes, max_rows) + 1):
+      if k <= budget:
+        out.add(buckets.pick(k, rows, max_len, True))
+      for num_tokens in range(k + 1, budget + 1):
+        out.add(buckets.pick(num_tokens, rows, max_len, False))
+  return {(t, r, w, d) for (t, r, _, d) in out for w in widths}
+
+
+@pytest.mark.parametrize("max_seqs,budget,width,decode_steps,max_rows,max_len,lanes,enabled", [
+    (36, 256, 16, 1, 36, 256, 1, True),    # the ShareGPT paged engine
+    (32, 64, 8, 1, 32, 100, 2, True),      # parallel sampling: more lanes than chunks
+    (8, 256, 1, 1, 8, 256, 1, True),       # Orca(Max): one 256-token block per sequence
+    (20, 32, 16, 4, 12, 50, 1, True),      # multi-step: the loop's tokens widen the rows
+    (16, 64, 8, 1, 16, 64, 1, False),      # unbucketed: the largest shape only
+])
+def test_reachable_buckets_equal_brute_force(max_seqs, budget, width, decode_steps, max_rows,
+                                             max_len, lanes, enabled):
+  b = StepBuckets.make(max_seqs=max_seqs, max_num_batched_tokens=budget,
+                       max_blocks_per_seq=width, block_size=16, decode_steps=decode_steps,
+                       enabled=enabled)
+  got = compiled_lib.reachable_buckets(b, max_rows=max_rows, max_len=max_len,
+                                       lanes_per_row=lanes)
+  assert len(got) == len(set(got)) <= b.max_variants
+  assert set(got) == brute_force(b, max_rows, max_len, lanes)
+
+
+def test_reachable_buckets_reject_bad_bounds():
+  b = StepBuckets.make(max_seqs=8, max_num_batched_tokens=32, max_blocks_per_seq=4,
+                       block_size=4, decode_steps=1)
+  with pytest.raises(ValueError, match="max_rows"):
+    compiled_lib.reachable_buckets(b, max_rows=0, max_len=8)
+
+
+# 8 slots (rows 8), 4-token blocks, up to 32 tokens (widths 4, 8 blocks), 32 tokens
+# per step (tokens 16, 32): 6 shapes (few: each compiles for seconds on a loaded CPU),
+# all of which the stream below meets.
+MAX_SEQS, BLOCK, NUM_BLOCKS, MAX_LEN, BUDGET = 8, 4, 40, 32, 32
+
+
+def mixed_stream(seed=0, count=28):
+  rng = np.random.default_rng(seed)
+  reqs = []
+  t = 0.0
+  for i in range(count):
+    short = i < 6              # a burst of short requests first (the narrow width)
+    prompt_len = int(rng.integers(2, 7 if short else 20))
+    out_len = int(rng.integers(1, 8 if short else MAX_LEN - prompt_len + 1))
+    t += float(rng.exponential(0.03))
+    reqs.append(workloads.Request(i, rng.integers(0, VOCAB, prompt_len, dtype=np.int32),
+                                  out_len, arrival_time=t))
+  return reqs
+
+
+def params_fn(r):
+  if r.request_id % 4 == 3:        # parallel sampling: children share the prompt's blocks
+    return SamplingParams(max_tokens=r.output_len, n=2, temperature=0.8, seed=r.request_id)
+  return SamplingParams(max_tokens=r.output_len, temperature=0.0)
+
+
+def test_after_warm_up_a_mixed_run_neither_traces_nor_compiles(monkeypatch):
+  cc = MC.cache_config(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_seqs=MAX_SEQS,
+                       max_blocks_per_seq=MAX_LEN // BLOCK)
+  engine = Engine(MC, PARAMS, cc, max_num_batched_tokens=BUDGET, attention_backend="reference",
+                  max_beam_width=2)
+  reqs = mixed_stream()
+  warm = serving.warm_up(engine, reqs, params_fn)
+  assert warm["shapes"] == 6 and warm["compiled"] + warm["already"] == 6
+  assert serving.warm_up(engine, reqs, params_fn)["compiled"] == 0    # once per shape
+
+  used = []
+  real = engine_mod.build_inputs
+
+  def recording(*a, **kw):
+    inputs, bucket = real(*a, **kw)
+    used.append(bucket)
+    return inputs, bucket
+  monkeypatch.setattr(engine_mod, "build_inputs", recording)
+  compiles = []
+  listener = lambda event, duration, **kw: compiles.append(event) if "backend_compile" in event else None
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  traces = sum(step_lib.TRACE_COUNT.values())
+  try:
+    res = serving.serve_online(engine, reqs, gate_lib.OpenGate(), params_fn,
+                               clock=serving.StepClock(0.01))
+  finally:
+    try:
+      from jax._src import monitoring  # pylint: disable=g-import-not-at-top
+      monitoring.unregister_event_duration_listener(listener)
+    except (ImportError, AttributeError, ValueError):
+      pass
+  assert res["summary"]["requests"] == len(reqs)
+  assert sum(step_lib.TRACE_COUNT.values()) == traces
+  assert compiles == []
+  # The run really was mixed: both widths, prefills beside decodes and decode-only
+  # steps, most of the set.
+  assert {b[2] for b in used} == {4, 8} and {b[3] for b in used} == {True, False}
+  assert len(set(used)) >= 5, sorted(set(used))
+
+
+def small_engine(max_seqs, num_blocks=NUM_BLOCKS):
+  cc = MC.cache_config(block_size=BLOCK, num_blocks=num_blocks, max_seqs=max_seqs,
+                       max_blocks_per_seq=MAX_LEN // BLOCK)
+  return Engine(MC, PARAMS, cc, max_num_batched_tokens=BUDGET, attention_backend="reference")
+
+
+def test_compiled_shapes_are_keyed_by_the_engines_geometry():
+  # Engines of one model share the jitted step, not their state's shapes: a shape
+  # compiled for 8 slots must compile again for 16 (a stub step records the lowering).
+  calls = []
+
+  class StubStep:
+    def trace(self, params, state, inputs, *, width, decode_only):
+      calls.append((state.blocks.block_tables.shape[0], inputs.tokens.shape[0],
+                    inputs.row_slot.shape[0], width, decode_only))
+      return types.SimpleNamespace(lower=lambda: types.SimpleNamespace(compile=lambda: None))
+  stub = StubStep()
+  a, b, c = small_engine(8), small_engine(16), small_engine(8, num_blocks=NUM_BLOCKS + 4)
+  for e in (a, b, c):
+    e._step = stub    # pylint: disable=protected-access
+  shapes = [(16, 8, 4, False), (8, 8, 8, True)]
+  assert compiled_lib.compile_buckets(a, shapes)["compiled"] == 2
+  again = compiled_lib.compile_buckets(a, shapes)
+  assert (again["compiled"], again["already"]) == (0, 2)
+  assert compiled_lib.compile_buckets(b, shapes)["compiled"] == 2
+  assert compiled_lib.compile_buckets(c, shapes)["compiled"] == 2
+  assert calls == [(8, 16, 8, 4, False), (8, 8, 8, 8, True)] + [
+      (16, 16, 8, 4, False), (16, 8, 8, 8, True)] + [(8, 16, 8, 4, False), (8, 8, 8, 8, True)]
+  with pytest.raises(ValueError, match="more than the bound"):
+    compiled_lib.compile_buckets(a, shapes, max_shapes=1)
