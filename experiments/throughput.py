@@ -29,17 +29,19 @@ generated tokens/s, mean / p90 latency (finish time, all arriving at 0) and the
 running-sequence count, and generated tokens per engine step (independent of
 the machine's speed and load); `DIR/throughput.json`, `DIR/throughput.png`.
 
-Reading the ratios: every engine step is padded to max_seqs slots. On a GPU a
-decode step is memory-bandwidth bound (weights and KV read once per step), so
-its time barely grows with the batch and throughput follows tokens per step.
-On the CPU reference path a step is compute bound on the padded shape, so the
-wall-clock ratio is lower than the tokens-per-step ratio (max_seqs 32 sizes the
-paged engine at about twice its natural concurrency on these streams).
+Reading the ratios: each step runs on the smallest shape bucket that holds what
+is live (rows, new tokens, block-table width), every bucket the stream can reach
+compiled before the timing (`serving.warm_up`). On a GPU a decode step is
+memory-bandwidth bound, so throughput follows tokens per step; on the CPU reference
+path a step's cost still grows with its live rows and width, so the wall-clock ratio
+can sit below the tokens-per-step ratio; `wall_over_step_ratio` is their quotient
+(target >= 0.8) and each config's `device_s` / `host_s` say where the time went.
 The paper reports 2-4x throughput at equal latency (Figure 12, OPT on A100).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Dict, Sequence
 
@@ -86,6 +88,8 @@ def run(workload_names: Sequence[str] = ("sharegpt", "alpaca"), *, num_requests:
     row["speedup_tokens_per_s"] = row["paged"]["tokens_per_s"] / row["orca_max"]["tokens_per_s"]
     row["speedup_tokens_per_step"] = (row["paged"]["tokens_per_step"]
                                       / row["orca_max"]["tokens_per_step"])
+    # The issue's target: wall-clock ratio >= 0.8 x the tokens-per-step ratio.
+    row["wall_over_step_ratio"] = row["speedup_tokens_per_s"] / row["speedup_tokens_per_step"]
     row["latency_ratio"] = row["paged"]["mean_latency_s"] / row["orca_max"]["mean_latency_s"]
     row["concurrency_ratio"] = (row["paged"]["mean_running_seqs"]
                                 / row["orca_max"]["mean_running_seqs"])
@@ -105,6 +109,8 @@ def summary_rows(results: Dict):
     rows.append([name, "paged / orca_max", "", f"{row['speedup_requests_per_s']:.2f}x",
                  f"{row['speedup_tokens_per_s']:.2f}x", f"{row['latency_ratio']:.2f}x",
                  f"{row['speedup_tokens_per_step']:.2f}x", f"{row['concurrency_ratio']:.2f}x", ""])
+    rows.append([name, "wall / step ratio", "", "", f"{row['wall_over_step_ratio']:.2f}",
+                 "", "", "", ""])
   return rows
 
 
@@ -163,9 +169,10 @@ def main(f, out):
                 attention_backend=f.attention_backend, repeats=f.repeats)
   common.write_json(out / "throughput.json", {
       "results": results, "paper": PAPER_SPEEDUP, "seconds": time.time() - start,
-      "flags": {k: f[k].value for k in ("workloads", "num_requests", "kv_budget_tokens",
-                                        "block_size", "max_len", "max_seqs", "seed",
-                                        "attention_backend", "repeats")}})
+      "warm_up": "every step shape the stream can reach compiled ahead of time per "
+                 "configuration (serving.warm_up); step_traces_in_run counts traces "
+                 "inside the timing",
+      **common.run_metadata(f), "load_avg_1_5_15": list(os.getloadavg())})
   png = plot(results, out / "throughput.png")
   print(common.table(summary_rows(results), HEADERS))
   print(f"paper: {PAPER_SPEEDUP}\nwrote {out / 'throughput.json'}, {png}")

@@ -18,8 +18,8 @@ per-step token budget; only admission differs):
                 block-rounding slack so it never binds: the arena alone limits
                 concurrency, exactly as the reservations allow.
 
-Sizing `max_seqs` (the engine's slot count; until the step runs on shape buckets a
-step costs what `max_seqs` costs, not what is live): each system gets
+Sizing `max_seqs` (the engine's slot count; the step runs on shape buckets of what is
+live, so `max_seqs` bounds the row buckets, and the shapes warm-up compiles): each system gets
 `headroom` x the concurrency its KV memory holds for the stream's MEAN request,
 rounded up to a multiple of 4: paged `budget / mean(prompt + output / 2 + block/2)`
 (the tokens a request holds on average over its life), Orca `budget / mean(reservation)`;
