@@ -137,7 +137,7 @@ def resolved(case: Case) -> Dict[str, Any]:
   knobs = dict(case.knobs)
   dp = tuning.padded_head_dim(d)
   if case.kernel == "decode":
-    dec = tuning.decode_defaults(case.dtype, dp, padded=dp != d)
+    dec = tuning.decode_defaults(case.dtype, dp, padded=dp != d, page_dtype=case.pdtype)
     return {"tile_tokens": knobs.get("tile_tokens", dec.tile_tokens),
             "num_stages": knobs.get("num_stages", dec.num_stages)}
   fn, args = build(case)
@@ -188,7 +188,8 @@ def measure(case: Case, fail_on_spill: bool = True) -> Dict[str, Any]:
 
 
 def default_cases() -> List[Case]:
-  """A representative 16 compiles: each default tile class once per dtype family."""
+  """A representative 20 compiles: each default tile class once per dtype family, plus
+  the configurations that once spilled."""
   return [
       Case("decode", "llama8b", "bfloat16", batch=64),          # kernel_bench headline
       Case("decode", "llama8b", "float32", batch=8),            # finding 2 (was 270 KB)
@@ -205,6 +206,13 @@ def default_cases() -> List[Case]:
       Case("ragged", "gemma", "bfloat16", block_size=64, workload="engine256"),
       Case("ragged", "gemma", "float32", block_size=8, workload="engine8"),
       Case("ragged", "d96", "bfloat16", "float8_e4m3fn", workload="engine256"),
+      # Spilled on jax 0.10.2 before the bf16-parts path / occupancy-aware defaults
+      # (pallas_kernels/tuning.py): f32 q over int8 pages at D 256, Qwen-like f32.
+      Case("decode", "gemma", "float32", "int8", block_size=8, batch=64),
+      Case("ragged", "gemma", "float32", "int8", block_size=64, workload="engine256"),
+      Case("ragged", "qwen", "float32", block_size=128, workload="mixed"),
+      Case("ragged", "qwen", "float32", "int8", block_size=64, workload="engine256"),
+      Case("ragged", "llama8b", "float32", "int8", block_size=128, workload="mixed"),
   ]
 
 

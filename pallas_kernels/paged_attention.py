@@ -10,7 +10,8 @@ Each loop step handles `tile_tokens` tokens (default 128 for bf16/fp16 at D <= 1
 the sm_90 resource model in tuning.py): several whole pages when pages are small (the
 tile stays big enough for Triton's 16-wide dot), or one slice of a page when a page is
 bigger than the tile. float32 runs its dots as 3-pass TF32 on the GPU (IEEE in interpret
-mode); a head_dim that is not a power of two (80, 96) is computed padded to the next one
+mode); float32 queries over int8 / fp8 pages run two bf16 dots (q split into bf16 hi + lo,
+pages exact in bf16: tuning.splits_f32_queries); a head_dim that is not a power of two (80, 96) is computed padded to the next one
 (q zero-padded, K/V loaded with a feature mask: the pool is never copied).
 
 Grid: (batch, num_kv_heads, num_splits). One program serves ALL query heads that share
@@ -46,7 +47,7 @@ from pallas_kernels import tuning
 from pallas_kernels.paged_attention_args import SUPPORTED_BLOCK_SIZES  # pylint: disable=unused-import
 from pallas_kernels.paged_attention_args import default_num_splits
 from pallas_kernels.paged_attention_args import default_num_warps
-from pallas_kernels.paged_attention_args import default_tile_tokens
+from pallas_kernels.paged_attention_args import default_tile_tokens  # pylint: disable=unused-import
 from pallas_kernels.paged_attention_args import validate as _validate
 
 # Finite "minus infinity" for masked logits: exp(MASK - m) underflows to exactly 0 while
@@ -110,6 +111,7 @@ def _decode_kernel(
     sliding_window: Optional[int],
     compute_dtype,
     precision,
+    split_q: bool,
 ):
   b = pl.program_id(0)
   split = pl.program_id(2)
@@ -134,7 +136,9 @@ def _decode_kernel(
   hi = jnp.minimum(lo + pages_per_split, end_page)
   num_steps = pl.cdiv(jnp.maximum(hi - lo, 0), pages_per_tile) * subtiles
 
-  q = q_ref[...].astype(compute_dtype)  # [G_pad, D]
+  # split_q (f32 q, int8 / fp8 pages): bf16 hi + lo parts against bf16 K/V (tuning.py).
+  q = q_ref[...]
+  q_parts = tuning.bf16_parts(q.astype(jnp.float32)) if split_q else (q.astype(compute_dtype),)
   page_in_tile = jnp.arange(pages_per_tile, dtype=jnp.int32)
   tok_in_tile = jnp.arange(tokens_per_page, dtype=jnp.int32)
 
@@ -160,8 +164,7 @@ def _decode_kernel(
     v = v.reshape(tile_tokens, head_dim).astype(compute_dtype)
     live_row = live.reshape(1, tile_tokens)
 
-    logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32)      # f32[G_pad, T]
+    logits = tuning.dot_parts(q_parts, k, ((1,), (1,)), precision)   # f32[G_pad, T]
     if k_scale_ref is not None:
       k_scale = _load_pages(k_scale_ref, page_ids, tok_ids, live)
       logits = logits * k_scale.reshape(1, tile_tokens)
@@ -177,9 +180,8 @@ def _decode_kernel(
     if v_scale_ref is not None:
       v_scale = _load_pages(v_scale_ref, page_ids, tok_ids, live)
       p = p * v_scale.reshape(1, tile_tokens)
-    pv = lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
-                         precision=precision,
-                         preferred_element_type=jnp.float32)          # f32[G_pad, D]
+    p_parts = tuning.bf16_parts(p) if split_q else (p.astype(compute_dtype),)
+    pv = tuning.dot_parts(p_parts, v, ((1,), (0,)), precision)       # f32[G_pad, D]
     return alpha[:, None] * o + pv, m_new, l_new
 
   o = jnp.zeros((q_rows, head_dim), jnp.float32)
@@ -220,15 +222,18 @@ def _paged_attention_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, 
   tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pages_per_tile)))
   tables_width = tables.shape[1]
 
-  compute_dtype = q.dtype
-  # f32: 3-pass TF32 on the GPU, IEEE in the interpreter (see pallas_kernels/tuning.py).
-  precision = tuning.dot_precision(q.dtype, interpret)
+  # f32: 3-pass TF32 on the GPU, IEEE in the interpreter; f32 q over int8 / fp8 pages:
+  # bf16 K/V and a bf16 hi + lo split of q and p (see pallas_kernels/tuning.py).
+  split_q = tuning.splits_f32_queries(q.dtype, k_pages.dtype)
+  compute_dtype = jnp.bfloat16 if split_q else q.dtype
+  precision = tuning.dot_precision(compute_dtype, interpret)
   out_dtype = q.dtype if num_splits == 1 else jnp.float32
 
   kernel = functools.partial(
       _decode_kernel, num_splits=num_splits, tile_tokens=tile_tokens,
       pages_per_seq=pages_per_seq, sm_scale=sm_scale, soft_cap=soft_cap,
-      sliding_window=sliding_window, compute_dtype=compute_dtype, precision=precision)
+      sliding_window=sliding_window, compute_dtype=compute_dtype, precision=precision,
+      split_q=split_q)
   pages_spec = pl.BlockSpec((None, num_blocks, block_size, head_dim),
                             lambda b, h, s: (h, 0, 0, 0))
   scale_spec = pl.BlockSpec((None, num_blocks, block_size), lambda b, h, s: (h, 0, 0))
@@ -296,9 +301,10 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None
     num_splits: split-K partitions per (sequence, KV head); default `default_num_splits`.
     tile_tokens: tokens per loop step (power of two >= 16, up to what the sm_90 shared
       memory budget allows for the dtype / head_dim / stages): whole pages when
-      block_size <= tile_tokens, else slices of one page; default `default_tile_tokens`.
-    num_warps, num_stages: Triton launch parameters (default `default_num_warps`, 3;
-      stages in [1, 4]).
+      block_size <= tile_tokens, else slices of one page; default
+      `tuning.decode_defaults` (per q / page dtype and head_dim).
+    num_warps, num_stages: Triton launch parameters (default `tuning.decode_defaults`
+      for its tile, else `default_num_warps`; stages in [1, 4], default 3).
   Returns:
     [B, Hq, D] in q's dtype, accumulated in float32. float32 dots run as 3-pass TF32 on
     the GPU (~1e-6 relative error) and IEEE f32 in interpret mode (pallas_kernels/tuning.py).
@@ -309,15 +315,19 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None
             soft_cap, sliding_window, num_splits, tile_tokens, num_warps, num_stages)
   batch, _, head_dim = q.shape
   num_kv_heads, _, block_size, _ = k_pages.shape
+  head_dim_p = tuning.padded_head_dim(head_dim)
+  dec = tuning.decode_defaults(q.dtype, head_dim_p, padded=head_dim_p != head_dim,
+                               page_dtype=k_pages.dtype)
   if tile_tokens is None:
-    tile_tokens = default_tile_tokens(block_size, head_dim, q.dtype)
+    tile_tokens = dec.tile_tokens
   if num_splits is None:
     num_splits = default_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size,
                                     tile_tokens)
-  if num_warps is None:
-    num_warps = default_num_warps(tile_tokens, head_dim, q.dtype)
+  if num_warps is None:  # the resource model's warps for its tile, else by tile size
+    num_warps = (dec.num_warps if tile_tokens == dec.tile_tokens
+                 else default_num_warps(tile_tokens, head_dim, q.dtype))
   if num_stages is None:
-    num_stages = tuning.decode_defaults(q.dtype, tuning.padded_head_dim(head_dim)).num_stages
+    num_stages = dec.num_stages
   return _jitted_impl(
       q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
       sm_scale=float(1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale),

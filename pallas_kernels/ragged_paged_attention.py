@@ -27,9 +27,10 @@ Design (Triton backend, chosen explicitly through `plgpu.CompilerParams`):
     tile's causal bound are never dereferenced; keys at or past the sequence end are
     masked out of the logits and their values zeroed (stale NaN pages cannot leak).
   * Online softmax in base 2 with float32 accumulation; bf16/fp16 operands go to the
-    tensor cores as-is, float32 as 3-pass TF32 (IEEE in interpret mode; see tuning.py). int8 / fp8 pages are converted to
-    the query dtype in registers; their per-token scales multiply the logits (K) and the
-    probabilities (V).
+    tensor cores as-is, float32 as 3-pass TF32 (IEEE in interpret mode; see tuning.py).
+    int8 / fp8 pages are converted to the query dtype in registers (to bf16 under f32
+    queries, which are split into bf16 hi + lo parts: tuning.splits_f32_queries); their
+    per-token scales multiply the logits (K) and the probabilities (V).
   * Split-K (`kv_splits`): when the grid is too small to fill the GPU (few long
     sequences) the KV range of each tile is cut into splits whose partial (acc, max, sum)
     are merged by a log-sum-exp combine in jnp. Partials are per (split, tile): their
@@ -81,6 +82,7 @@ def _ragged_kernel(
     soft_cap: Optional[float],
     sliding_window: Optional[int],
     precision,
+    split_q: bool,
 ):
   # refs: the aliased input buffers (never read here: they only give the outputs their
   # initial content, zeros or the previous launch's rows), then the outputs: o_ref
@@ -94,7 +96,9 @@ def _ragged_kernel(
   num_blocks, block_size, page_head_dim = k_ref.shape
   pages_per_seq = block_tables_ref.shape[1]
   rows = q_per_tile * group
-  compute_dtype = q_ref.dtype
+  # split_q (f32 q, int8 / fp8 pages): bf16 K/V against a bf16 hi + lo split of q and of
+  # the probabilities, two bf16 MMAs per dot (tuning.splits_f32_queries).
+  compute_dtype = jnp.bfloat16 if split_q else q_ref.dtype
 
   seq = tile_seq_ref[tile]
   row_start = tile_row_start_ref[tile]
@@ -105,6 +109,7 @@ def _ragged_kernel(
   q = plgpu.load(q_ref.at[pl.ds(row_start, q_per_tile)],
                  mask=row_ok[:, None, None], other=0)                     # [tq, G, D]
   q = q.reshape(rows, head_dim)
+  q_parts = tuning.bf16_parts(q) if split_q else (q,)
   # Position of every logit row (row r is token r // G, head r % G).
   tok_pos = pos_start + jnp.arange(q_per_tile, dtype=jnp.int32)
   row_pos = jnp.broadcast_to(tok_pos[:, None], (q_per_tile, group)).reshape(rows)
@@ -150,8 +155,7 @@ def _ragged_kernel(
     k = load_kv(k_ref, page, offset, key_ok)                                    # [tk, D]
     if k.dtype != compute_dtype:
       k = k.astype(compute_dtype)
-    logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32)                # [R, tk]
+    logits = tuning.dot_parts(q_parts, k, ((1,), (1,)), precision)             # [R, tk]
     if k_scales_ref is not None:
       logits = logits * (k_scales_ref[page, offset] * logit_scale)[None, :]
     elif logit_scale != 1.0:
@@ -174,8 +178,8 @@ def _ragged_kernel(
     if v_scales_ref is not None:
       v_scale = jnp.where(key_ok, v_scales_ref[page, offset], 0.0)
       probs = probs * v_scale[None, :]
-    pv = lax.dot_general(probs.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
-                         precision=precision, preferred_element_type=jnp.float32)
+    p_parts = tuning.bf16_parts(probs) if split_q else (probs.astype(compute_dtype),)
+    pv = tuning.dot_parts(p_parts, v, ((1,), (0,)), precision)
     return correction[:, None] * acc + pv, m_next, l_next
 
   acc = jnp.zeros((rows, head_dim), jnp.float32)
@@ -211,7 +215,7 @@ def _combine_splits(acc, m, l, out_dtype):
 
 def _kernel_call(q4, k_pages, v_pages, block_tables, k_scales, v_scales, tiles, init, *,
                  q_per_tile, kv_per_tile, kv_splits, sm_scale, soft_cap, sliding_window,
-                 num_warps, num_stages, interpret, precision):
+                 num_warps, num_stages, interpret, precision, split_q):
   """One pallas_call over `tiles`; returns [T, Hkv, G, D] in q4.dtype.
 
   Rows of the tiles are (re)written; every other row keeps its value from `init` (the
@@ -259,7 +263,7 @@ def _kernel_call(q4, k_pages, v_pages, block_tables, k_scales, v_scales, tiles, 
   kernel = functools.partial(
       _ragged_kernel, q_per_tile=q_per_tile, kv_per_tile=kv_per_tile, kv_splits=kv_splits,
       sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
-      precision=precision)
+      precision=precision, split_q=split_q)
   outs = pl.pallas_call(
       kernel,
       grid=grid,
@@ -300,9 +304,12 @@ def _ragged_paged_attention_jit(q, k_pages, v_pages, block_tables, kv_lens, cu_q
   if group_p != group or head_dim_p != head_dim:
     q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, group_p - group), (0, head_dim_p - head_dim)))
   block_tables = block_tables.astype(jnp.int32)
+  split_q = tuning.splits_f32_queries(q.dtype, k_pages.dtype)  # f32 q, int8 / fp8 pages
   common = dict(kv_per_tile=kv_per_tile, sm_scale=sm_scale, soft_cap=soft_cap,
                 sliding_window=sliding_window, num_warps=num_warps, num_stages=num_stages,
-                interpret=interpret, precision=tuning.dot_precision(q.dtype, interpret))
+                interpret=interpret, split_q=split_q,
+                precision=tuning.dot_precision(jnp.bfloat16 if split_q else q.dtype,
+                                               interpret))
   out4 = jnp.zeros(q4.shape, q4.dtype)  # rows no tile covers (padding) stay zero
   for tile_class in tiling.tile_classes(num_tokens, q_per_tile, short_q_per_tile, kv_splits):
     tiles = tiling.query_tiles(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens,

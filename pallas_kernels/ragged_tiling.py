@@ -197,7 +197,8 @@ def validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, *,
   group_p = next_pow2(group)
   min_tile = max(1, MIN_DOT_ROWS // group_p)
   head_dim_p = tuning.padded_head_dim(head_dim)
-  tune = tuning.ragged_defaults(q.dtype, head_dim_p, padded=head_dim_p != head_dim)
+  tune = tuning.ragged_defaults(q.dtype, head_dim_p, padded=head_dim_p != head_dim,
+                                page_dtype=k_pages.dtype)
   default_long, default_short = default_q_per_tile(group, tune.rows)
   q_per_tile = default_long if q_per_tile is None else q_per_tile
   _check_int("q_per_tile", q_per_tile, min_tile, 1024, pow2=True)

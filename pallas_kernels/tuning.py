@@ -56,6 +56,40 @@ def dot_precision(dtype, interpret: bool):
   return lax.Precision.HIGHEST if interpret else F32_GPU_PRECISION
 
 
+def splits_f32_queries(q_dtype, page_dtype) -> bool:
+  """True for float32 queries over int8 / fp8 pages: the kernels then compute in bf16.
+
+  int8 and fp8 (e4m3) page values are exact in bf16, so K and V go to the tensor cores as
+  bf16, and the f32 side of each dot (q, the probabilities) is split into a bf16 high
+  part and a bf16 remainder: two bf16 MMAs with f32 accumulation, ~2^-17 relative error
+  per operand (the f32 test tolerance holds), the same math in interpret mode and on the
+  GPU. Why: with TF32 x3 the [16, D] f32 query is held as a TF32 high and remainder
+  fragment in every warp (a 16-row dot replicates its A operand across the warps), plus
+  the int8 -> f32 conversion of K/V: at head_dim 256 the decode kernel sat at 255
+  registers and spilled 12-68 B per thread (jax 0.10.2, ptxas, block sizes 8-128), the
+  ragged one 44-60 B, whatever the warps (4: 304 B, 16: 2,332 B) or stages (1: 52 B).
+  Two bf16 fragments are half the registers of two f32 ones.
+  """
+  quantized = jnp.dtype(page_dtype) in (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+  return quantized and jnp.dtype(q_dtype) == jnp.dtype(jnp.float32)
+
+
+def bf16_parts(x):
+  """(hi, lo) bf16 with hi + lo == x to ~2^-17 relative (x float32)."""
+  hi = x.astype(jnp.bfloat16)
+  return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+def dot_parts(parts, b, dims, precision):
+  """sum_i dot_general(parts[i], b) with f32 accumulation (one part: a plain dot)."""
+  out = None
+  for a in parts:
+    d = lax.dot_general(a, b, (dims, ((), ())), precision=precision,
+                        preferred_element_type=jnp.float32)
+    out = d if out is None else out + d
+  return out
+
+
 def _itemsize(dtype) -> int:
   return jnp.dtype(dtype).itemsize
 
@@ -114,7 +148,8 @@ class DecodeTuning:
   num_stages: int
 
 
-def decode_defaults(compute_dtype, head_dim_p: int, padded: bool = False) -> DecodeTuning:
+def decode_defaults(compute_dtype, head_dim_p: int, padded: bool = False,
+                    page_dtype=None) -> DecodeTuning:
   """Decode kernel defaults (sm_90 compiles: no spill, shared memory in budget).
 
   3 stages: Triton then prefetches the block-table load of the next tile together with
@@ -123,7 +158,19 @@ def decode_defaults(compute_dtype, head_dim_p: int, padded: bool = False) -> Dec
   bf16 D 128). f32 (TF32 x3): 64 tokens x D 128 at 8 warps (178 registers), 16 x D 256
   at 8 (250 registers; 32 tokens spill), 32 x D <= 64 at 8 (94-113 registers; 64 tokens
   spill at 8 warps on jax 0.11's Triton and at 4 warps with int8 pages on 0.10's).
+
+  f32 queries over int8 / fp8 pages (bf16 parts, `splits_f32_queries`; ptxas registers
+  on jax 0.10.2, block sizes 8-128, all also spill-free on 0.11.2): D 256 16 tokens x 4
+  warps, 141-150 registers (TF32 x3 at 8 warps: 255 + 12-68 B spill; bf16 parts at 8
+  warps: 122-128, on the 128 occupancy step); D 128 64 x 8, 99-122 (TF32 x3: 178-185);
+  D <= 64 32 x 8, 70-96; D 80 / 96 16 x 8, 102-119 (32 tokens: 96-175 on 0.10 but a
+  spill on 0.11 at block size 8).
   """
+  if page_dtype is not None and splits_f32_queries(compute_dtype, page_dtype):
+    if head_dim_p > 128:
+      return DecodeTuning(tile_tokens=16, num_warps=4, num_stages=3)
+    tile = 16 if padded else (64 if head_dim_p > 64 else 32)
+    return DecodeTuning(tile_tokens=tile, num_warps=8, num_stages=3)
   wide = jnp.dtype(compute_dtype).itemsize >= 4
   if wide:
     tile = 32 if head_dim_p <= 64 else (64 if head_dim_p <= 128 else 16)
@@ -143,25 +190,50 @@ class RaggedTuning:
   num_stages: int
 
 
-def ragged_defaults(compute_dtype, head_dim_p: int, padded: bool = False) -> RaggedTuning:
+def ragged_defaults(compute_dtype, head_dim_p: int, padded: bool = False,
+                    page_dtype=None) -> RaggedTuning:
   """Ragged kernel defaults (sm_90 compiles, tests/gpu_compile_kernels_test.py).
+
+  Registers below are ptxas's (jax 0.10.2 PTX, sm_90a); every choice also compiles on jax
+  0.11.2 with XLA's fail-on-spill on. ptxas spills a few bytes *below* 255 registers when
+  a kernel needs slightly more than an occupancy step (the most registers that still fit
+  one more block per SM: 96, 128, 168 at 4 warps; 80, 128 at 8 warps), so a default must
+  need clearly more or less than a step, not only fewer than 255.
 
   bf16 / fp16: ~64 logit rows x 64 keys at D <= 128 with 8 warps (178 registers; 4 warps
   sit at 255 and spill 8 B in the mixed batch); D 256: 64 rows x 32 keys. f32 (TF32 x3)
   keeps the registers of its three operand pairs: 32 rows x 32 keys, 8 warps at D 128
-  (232 registers); 32 rows x 16 keys, 4 warps at D <= 64 (126 registers: at D 64, G 8,
-  32 keys spill with 4 warps on jax 0.11's Triton and 8 warps spill on 0.10's); 16 rows
-  x 16 keys at D 256 (32 rows spill 1.2 KB).
+  (232 registers); 16 rows x 16 keys at D 256 (32 rows spill 1.2 KB); at D <= 64 32 rows
+  x 16 keys, 4 warps and 3 stages: 104-106 / 176 registers (short / long tile; with 2
+  stages the Qwen-like G 8 short tile was held at 96 and spilled 12 B in the mixed batch
+  at block size 128; 8 warps: held at 128, 16 B; 32 keys x 4 warps spill on jax 0.11).
   A padded head_dim (80, 96) gathers K/V with a feature mask, which costs registers:
   half the keys per step (64 keys spill 152 B at D 96), and half the rows for f32.
+
+  f32 queries over int8 / fp8 pages compute in bf16 (`splits_f32_queries`), own table:
+  D 256: 16 rows x 16 keys x 4 warps x 1 stage, 138-154 registers (TF32 x3 was 255 +
+  44-60 B spill; bf16 parts at 8 warps sit exactly on the 128 step; 4 warps x 2 stages,
+  157-160 on 0.10, spill on 0.11 in engine256; the gathers are not cp.async-pipelined,
+  so one stage costs no overlap). D 128: 32 rows x 64 keys x 8 warps,
+  100-104 / 182 (32 keys were held at 128 with a 32 B spill). D 80 / 96: 16 rows x 32
+  keys x 8 warps, 157-172 (16 keys: held at 128, 16 B). D <= 64: 32 rows x 16 keys x 8
+  warps, 71-77 / 104-106 (TF32 x3 with 4 warps was held at 168 with a 16 B spill at
+  block size 64; bf16 parts with 4 warps sat at the 96 step).
   """
+  if page_dtype is not None and splits_f32_queries(compute_dtype, page_dtype):
+    if head_dim_p > 128:
+      return RaggedTuning(rows=16, kv_per_tile=16, num_warps=4, num_stages=1)
+    if head_dim_p > 64:
+      return (RaggedTuning(rows=16, kv_per_tile=32, num_warps=8, num_stages=2) if padded
+              else RaggedTuning(rows=32, kv_per_tile=64, num_warps=8, num_stages=2))
+    return RaggedTuning(rows=32, kv_per_tile=16, num_warps=8, num_stages=2)
   if jnp.dtype(compute_dtype).itemsize >= 4:
     if head_dim_p > 128:
       tune = RaggedTuning(rows=16, kv_per_tile=16, num_warps=8, num_stages=2)
     elif head_dim_p > 64:
       tune = RaggedTuning(rows=32, kv_per_tile=32, num_warps=8, num_stages=2)
     else:
-      tune = RaggedTuning(rows=32, kv_per_tile=16, num_warps=4, num_stages=2)
+      tune = RaggedTuning(rows=32, kv_per_tile=16, num_warps=4, num_stages=3)
   elif head_dim_p > 128:
     tune = RaggedTuning(rows=64, kv_per_tile=32, num_warps=8, num_stages=2)
   else:
