@@ -109,8 +109,9 @@ def warm_up(engine, requests: Optional[Sequence] = None,
   The reachable set: at most min(max_seqs, num_blocks) live sequences (each holds a
   block of its own; max_seqs when blocks can be shared: n > 1, beams, prefix caching),
   none longer than the longest request (prompt + output), n sampled lanes per row for
-  parallel sampling. Without `requests`, any request the engine takes (max_model_len,
-  n up to its max_beam_width).
+  parallel sampling; the all-greedy step variant if a request is greedy, the sampling
+  one if a request samples. Without `requests`, any request the engine takes
+  (max_model_len, n up to its max_beam_width, both variants).
 
   Args:
     engine: a `paged_jax.engine.Engine` (shape buckets on or off).
@@ -123,16 +124,19 @@ def warm_up(engine, requests: Optional[Sequence] = None,
   c = engine.cache_config
   if requests is None:
     max_len, lanes, shared = engine.max_model_len, engine.max_beam_width, True
+    variants = (False, True)
   else:
     params = [(params_fn or greedy)(r) for r in requests]
     max_len = min(engine.max_model_len, max(r.total_len for r in requests))
     lanes = max(p.n if p.beam_width == 1 else 1 for p in params)
     shared = any(p.num_seqs > 1 for p in params)
+    variants = tuple({p.temperature == 0 for p in params})
   shared = shared or engine.prefix_caching
   max_rows = c.max_seqs if shared else min(c.max_seqs, c.num_blocks)
   shapes = compiled.reachable_buckets(engine._buckets, max_rows=max_rows,  # pylint: disable=protected-access
                                       max_len=max_len, lanes_per_row=lanes)
-  return dict(compiled.compile_buckets(engine, shapes), shapes=len(shapes))
+  return dict(compiled.compile_buckets(engine, shapes, all_greedy=variants),
+              shapes=len(shapes) * len(variants))
 
 
 def serve(engine, requests: Sequence, params_fn: Callable = greedy, *,

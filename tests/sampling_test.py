@@ -52,6 +52,16 @@ def test_greedy_rows_are_argmax():
   toks = _SAMPLE(jnp.asarray(logits), z(jnp.float32), z(jnp.int32, 3),
                          z(jnp.float32, 0.5), jnp.arange(16), z(jnp.int32))
   np.testing.assert_array_equal(np.asarray(toks), logits.argmax(-1))
+  # The all-greedy variant (the step's static flag when every request is greedy) gives
+  # the same tokens without the filter path; ties go to the lowest id in both.
+  logits[3, 7] = logits[3, 20] = logits[3].max() + 1.0
+  fast = jax.jit(sampling.sample, static_argnames="all_greedy")(
+      jnp.asarray(logits), z(jnp.float32), z(jnp.int32, 3), z(jnp.float32, 0.5),
+      jnp.arange(16), z(jnp.int32), all_greedy=True)
+  slow = _SAMPLE(jnp.asarray(logits), z(jnp.float32), z(jnp.int32, 3),
+                 z(jnp.float32, 0.5), jnp.arange(16), z(jnp.int32))
+  np.testing.assert_array_equal(np.asarray(fast), np.asarray(slow))
+  assert int(fast[3]) == 7
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, 5, 1.0),

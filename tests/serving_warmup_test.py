@@ -68,7 +68,7 @@ def test_reachable_buckets_reject_bad_bounds():
 
 # 8 slots (rows 8), 4-token blocks, up to 32 tokens (widths 4, 8 blocks), 32 tokens
 # per step (tokens 16, 32): 6 shapes (few: each compiles for seconds on a loaded CPU),
-# all of which the stream below meets.
+# all of which the stream below meets, each with and without sampling requests running.
 MAX_SEQS, BLOCK, NUM_BLOCKS, MAX_LEN, BUDGET = 8, 4, 40, 32, 32
 
 
@@ -99,7 +99,7 @@ def test_after_warm_up_a_mixed_run_neither_traces_nor_compiles(monkeypatch):
                   max_beam_width=2)
   reqs = mixed_stream()
   warm = serving.warm_up(engine, reqs, params_fn)
-  assert warm["shapes"] == 6 and warm["compiled"] + warm["already"] == 6
+  assert warm["shapes"] == 12 and warm["compiled"] + warm["already"] == 12
   assert serving.warm_up(engine, reqs, params_fn)["compiled"] == 0    # once per shape
 
   used = []
@@ -129,6 +129,7 @@ def test_after_warm_up_a_mixed_run_neither_traces_nor_compiles(monkeypatch):
   # The run really was mixed: both widths, prefills beside decodes and decode-only
   # steps, most of the set.
   assert {b[2] for b in used} == {4, 8} and {b[3] for b in used} == {True, False}
+  assert {b[4] for b in used} == {True, False}    # greedy-only steps and sampling ones
   assert len(set(used)) >= 5, sorted(set(used))
 
 
@@ -144,21 +145,27 @@ def test_compiled_shapes_are_keyed_by_the_engines_geometry():
   calls = []
 
   class StubStep:
-    def trace(self, params, state, inputs, *, width, decode_only):
+    def trace(self, params, state, inputs, *, width, decode_only, all_greedy):
       calls.append((state.blocks.block_tables.shape[0], inputs.tokens.shape[0],
-                    inputs.row_slot.shape[0], width, decode_only))
+                    inputs.row_slot.shape[0], width, decode_only, all_greedy))
       return types.SimpleNamespace(lower=lambda: types.SimpleNamespace(compile=lambda: None))
   stub = StubStep()
   a, b, c = small_engine(8), small_engine(16), small_engine(8, num_blocks=NUM_BLOCKS + 4)
   for e in (a, b, c):
     e._step = stub    # pylint: disable=protected-access
   shapes = [(16, 8, 4, False), (8, 8, 8, True)]
-  assert compiled_lib.compile_buckets(a, shapes)["compiled"] == 2
-  again = compiled_lib.compile_buckets(a, shapes)
+  one = dict(all_greedy=(False,))
+  assert compiled_lib.compile_buckets(a, shapes, **one)["compiled"] == 2
+  again = compiled_lib.compile_buckets(a, shapes, **one)
   assert (again["compiled"], again["already"]) == (0, 2)
-  assert compiled_lib.compile_buckets(b, shapes)["compiled"] == 2
-  assert compiled_lib.compile_buckets(c, shapes)["compiled"] == 2
-  assert calls == [(8, 16, 8, 4, False), (8, 8, 8, 8, True)] + [
-      (16, 16, 8, 4, False), (16, 8, 8, 8, True)] + [(8, 16, 8, 4, False), (8, 8, 8, 8, True)]
+  assert compiled_lib.compile_buckets(b, shapes, **one)["compiled"] == 2
+  assert compiled_lib.compile_buckets(c, shapes, **one)["compiled"] == 2
+  assert calls == [(8, 16, 8, 4, False, False), (8, 8, 8, 8, True, False)] + [
+      (16, 16, 8, 4, False, False), (16, 8, 8, 8, True, False)] + [
+      (8, 16, 8, 4, False, False), (8, 8, 8, 8, True, False)]
+  # By default both sampling variants: the all-greedy ones are new, the others cached.
+  both = compiled_lib.compile_buckets(a, shapes)
+  assert (both["compiled"], both["already"]) == (2, 2)
+  assert calls[-2:] == [(8, 16, 8, 4, False, True), (8, 8, 8, 8, True, True)]
   with pytest.raises(ValueError, match="more than the bound"):
     compiled_lib.compile_buckets(a, shapes, max_shapes=1)

@@ -5,14 +5,15 @@ model), parameter checks, and `step_for_compile` for ahead-of-time lowering.
     fn.trace(*args).lower().compile()     # no array is allocated
 
     shapes = reachable_buckets(engine._buckets, max_rows=8, max_len=256)
-    compile_buckets(engine, shapes)       # every shape compiled before serving
+    compile_buckets(engine, shapes)       # every shape compiled before serving (both
+                                          # sampling variants unless all_greedy= says)
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
 
@@ -28,14 +29,15 @@ _AOT_DONE: set = set()   # (id(jitted step), argument shapes, bucket) compiled a
 
 
 def note_bucket(step_fn, bucket, buckets: StepBuckets) -> bool:
-  """Logs (INFO) the first call of `step_fn` with `bucket` (T, R, W, decode_only), i.e.
-  the call that compiles it; True then. Engines sharing a step share the record."""
+  """Logs (INFO) the first call of `step_fn` with `bucket` (T, R, W, decode_only,
+  all_greedy), i.e. the call that compiles it; True then. Engines sharing a step share
+  the record."""
   seen = _SEEN_BUCKETS.setdefault(id(step_fn), set())
   if bucket in seen:
     return False
   seen.add(bucket)
   log.info("paged_jax engine: compiling step shape tokens=%d rows=%d width=%d blocks "
-           "decode_only=%s (%d shapes so far, at most %d)", *bucket, len(seen),
+           "decode_only=%s all_greedy=%s (%d shapes so far, at most %d)", *bucket, len(seen),
            buckets.max_variants)
   return True
 
@@ -196,19 +198,23 @@ def reachable_buckets(buckets: StepBuckets, *, max_rows: int, max_len: int,
   return sorted(out, key=lambda b: (b[3], b[0], b[1], b[2]))
 
 
-def compile_buckets(engine, shapes, *, max_shapes: Optional[int] = None) -> Dict[str, Any]:
+def compile_buckets(engine, shapes, *, all_greedy: Sequence[bool] = (False, True),
+                    max_shapes: Optional[int] = None) -> Dict[str, Any]:
   """Compiles `engine`'s step ahead of time for each shape bucket in `shapes` (from
-  `reachable_buckets`) not yet compiled for arguments of its shapes (params, state):
+  `reachable_buckets`) and each sampling variant in `all_greedy` (False: sampling
+  requests run; True: every running request is greedy), not yet compiled for
+  arguments of its shapes (params, state):
   `jit(...).trace(abstract args).lower().compile()` fills the cache the engine's calls
   use, so no step of those shapes traces or compiles later (JAX 0.10 and 0.11). Nothing
   runs on the device; the state is untouched.
 
-  Bounded: at most `max_shapes` (default the engine's `max_variants`) shapes; logged
-  at INFO per shape and in total. Returns {"compiled", "already", "seconds"}.
+  Bounded: at most `max_shapes` (default the engine's `max_variants`) compiled steps;
+  logged at INFO per step and in total. Returns {"compiled", "already", "seconds"}.
   """
   step_fn, buckets = engine._step, engine._buckets   # pylint: disable=protected-access
   bound = buckets.max_variants if max_shapes is None else max_shapes
-  shapes = list(dict.fromkeys(tuple(s) for s in shapes))
+  shapes = list(dict.fromkeys(tuple(s)[:4] + (bool(g),) for s in shapes
+                              for g in dict.fromkeys(all_greedy)))
   if len(shapes) > bound:
     raise ValueError(f"{len(shapes)} shapes to compile, more than the bound {bound}")
   abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
@@ -226,16 +232,17 @@ def compile_buckets(engine, shapes, *, max_shapes: Optional[int] = None) -> Dict
     if (signature, bucket) in _AOT_DONE:
       already += 1
       continue
-    tokens, rows, width, decode_only = bucket
+    tokens, rows, width, decode_only, greedy = bucket
     inputs = StepInputs(**{k: abstract(v) for k, v in empty_inputs(
         tokens, engine.cache_config.max_seqs, lk, num_rows=rows).items()})
     t1 = time.perf_counter()
-    step_fn.trace(params, state, inputs, width=width, decode_only=decode_only).lower().compile()
+    step_fn.trace(params, state, inputs, width=width, decode_only=decode_only,
+                  all_greedy=greedy).lower().compile()
     seen.add(bucket)
     _AOT_DONE.add((signature, bucket))
     compiled += 1
     log.info("paged_jax engine: compiled step shape tokens=%d rows=%d width=%d blocks "
-             "decode_only=%s ahead of time in %.2f s (%d of %d)", *bucket,
+             "decode_only=%s all_greedy=%s ahead of time in %.2f s (%d of %d)", *bucket,
              time.perf_counter() - t1, compiled + already, len(shapes))
   seconds = time.perf_counter() - t0
   log.info("paged_jax engine: %d step shapes compiled ahead of time (%d already) in %.1f s",

@@ -109,6 +109,7 @@ class Engine:
     self._groups: Dict[Any, Group] = {}
     self._outbox: Dict[Any, RequestOutput] = {}    # finished, not yet returned
     self._pending = None     # (batch, outputs, snapshot): dispatched, outputs not applied
+    self._last_all_greedy = True   # sampling variant of the last step (for idle steps)
     self._next_id = 0
     self._arrivals = 0
     self._seq_ids = 0
@@ -241,7 +242,8 @@ class Engine:
       self._swap_outs()
       inputs = build_inputs(batch, self.scheduler.running, buckets=self._buckets,
                             max_seqs=self.cache_config.max_seqs, lookup_len=self._lookup_len,
-                            vocab_size=self.model_config.vocab_size)
+                            vocab_size=self.model_config.vocab_size,
+                            idle_all_greedy=self._last_all_greedy)
       if not (batch.chunks or batch.frees or batch.forks or batch.attaches or batch.swap_in):
         raise RuntimeError(
             f"the scheduler found nothing to run with {len(self.scheduler.running)} running, "
@@ -256,7 +258,7 @@ class Engine:
 
   def _dispatch(self, batch: Batch, inputs, snap: Snapshot) -> None:
     """Swap-ins and the jitted step; the new state is kept before anything can raise.
-    `inputs`: (StepInputs, shape bucket (T, R, W, decode_only)) from build_inputs."""
+    `inputs`: (StepInputs, bucket (T, R, W, decode_only, all_greedy)) from build_inputs."""
     inputs, bucket = inputs
     with sigint_deferred():
       try:
@@ -264,7 +266,7 @@ class Engine:
         note_bucket(self._step, bucket, self._buckets)   # logs a shape's first (compiling) call
         t0 = time.perf_counter()
         self.state, out = self._step(self.params, self.state, inputs, width=bucket[2],
-                                     decode_only=bucket[3])
+                                     decode_only=bucket[3], all_greedy=bucket[4])
       except BaseException:
         if any(getattr(x, "is_deleted", lambda: False)()
                for x in jax.tree_util.tree_leaves(self.state)):
@@ -273,6 +275,7 @@ class Engine:
         snap.restore(self._groups)
         raise
       self._pending = (batch, out, t0)
+      self._last_all_greedy = bucket[4]
       self.stats["device_steps"] += 1
 
   def _finish_pending(self) -> None:
@@ -317,7 +320,8 @@ class Engine:
     if self.scheduler.pending_frees:
       batch = Batch(frees=list(self.scheduler.pending_frees))
       inputs = build_inputs(batch, [], buckets=self._buckets, max_seqs=self.cache_config.max_seqs,
-                            lookup_len=self._lookup_len, vocab_size=self.model_config.vocab_size)
+                            lookup_len=self._lookup_len, vocab_size=self.model_config.vocab_size,
+                            idle_all_greedy=self._last_all_greedy)
       self._dispatch(batch, inputs, Snapshot(self.scheduler, self._groups))
       self._finish_pending()
 

@@ -63,8 +63,9 @@ class StepBuckets:
 
   @property
   def max_variants(self) -> int:
-    """Upper bound on distinct compiled shapes: mixed (T, R, W) + decode-only (R, W)."""
-    return (len(self.tokens) + self.enabled) * len(self.rows) * len(self.widths)
+    """Upper bound on distinct compiled steps: mixed (T, R, W) + decode-only (R, W),
+    each with sampling or all-greedy."""
+    return (len(self.tokens) + self.enabled) * len(self.rows) * len(self.widths) * 2
 
   def pick(self, num_tokens: int, num_rows: int, max_len: int, decode_only: bool):
     """(T, R, W, decode_only) for a step with `num_tokens` new tokens, `num_rows`
@@ -104,18 +105,24 @@ def input_shapes(num_tokens: int, max_seqs: int, lookup_len: int) -> StepInputs:
 
 
 def build_inputs(batch: Batch, running: Seq[Group], *, buckets: StepBuckets, max_seqs: int,
-                 lookup_len: int, vocab_size: int):
+                 lookup_len: int, vocab_size: int, idle_all_greedy: bool = True):
   """Fills the step's arrays from the batch (chunks, frees, forks, attaches).
 
-  Returns (StepInputs, bucket (T, R, W, decode_only)); pass W and decode_only to the
-  step as `width=`, `decode_only=`.
+  Returns (StepInputs, bucket (T, R, W, decode_only, all_greedy)); pass the last three
+  to the step as `width=`, `decode_only=`, `all_greedy=`. all_greedy: every running
+  request has temperature 0; `idle_all_greedy` when none runs (a frees-only step
+  samples nothing: the engine passes its previous step's, so no new variant compiles).
   """
   chunks = batch.chunks
   max_len = max((ch.seq.num_computed + ch.num_tokens for ch in chunks), default=0)
   # Rows also hold the sampled slots (n > 1 children sample from their leader's row).
   num_sampled = sum(ch.samples for ch in chunks) + len(batch.post_forks)
+  # Decided over every running request, not only this step's sampled rows: the
+  # multi-step decode loop samples the others too.
+  all_greedy = (all(g.params.temperature == 0 for g in running) if running
+                else bool(idle_all_greedy))
   bucket = buckets.pick(batch.num_tokens, max(len(chunks), num_sampled), max_len,
-                        all(ch.num_tokens == 1 for ch in chunks))
+                        all(ch.num_tokens == 1 for ch in chunks)) + (all_greedy,)
   a = empty_inputs(bucket[0], max_seqs, lookup_len, num_rows=bucket[1])
 
   def sampling_row(seq: Sequence, group: Group, row: int):
@@ -158,5 +165,6 @@ def build_inputs(batch: Batch, running: Seq[Group], *, buckets: StepBuckets, max
     start += n
   # The row bucket must give every sampled slot a lane (the step samples R lanes).
   assert np.sum(a["sample_row"] >= 0) <= bucket[1], (np.sum(a["sample_row"] >= 0), bucket)
+  assert not all_greedy or not np.any(a["temperature"] > 0), "a hot row in a greedy step"
   return StepInputs(**a), bucket
 

@@ -62,7 +62,7 @@ def row_keys(seeds: jax.Array, sample_index: jax.Array) -> jax.Array:
 
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-           seeds: jax.Array, sample_index: jax.Array) -> jax.Array:
+           seeds: jax.Array, sample_index: jax.Array, *, all_greedy: bool = False) -> jax.Array:
   """One token per row.
 
   Args:
@@ -70,17 +70,22 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     temperature, top_k, top_p: per-row parameters, see `filtered_logits`.
     seeds: i32[S] per-request (per-sequence) seeds.
     sample_index: i32[S] tokens the sequence generated before this one.
+    all_greedy: static; the host's promise that every row that matters has
+      temperature 0: argmax only, no [S, V] sort, no random draw (the same tokens).
 
   Returns:
     i32[S] token ids.
   """
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  if all_greedy:
+    return greedy
   hot = temperature > 0
 
   # No lax.cond on "any row hot / filtered": on GPU a conditional copies its branch index
   # to the host and blocks, every step (and every iteration of the multi-step decode
-  # loop). Both sides are computed and selected per row; the filter's [S, V] sort now
-  # runs every step (on XLA:CPU ~1 ms at S=16, V=256: the price of no host sync on GPU).
+  # loop). Both sides are computed and selected per row, so the filter's [S, V] sort
+  # runs whenever a row samples (XLA:CPU, S=16, V=256: 1.9 ms vs 0.14 ms for argmax
+  # alone); all-greedy steps skip it through the static `all_greedy` instead.
   temp = jnp.where(hot, temperature, 1.0).astype(jnp.float32)
   plain = logits.astype(jnp.float32) / temp[:, None]
   filtered = hot & ((top_k > 0) | (top_p < 1))

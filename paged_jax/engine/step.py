@@ -186,7 +186,7 @@ def _lanes(mask, num_lanes: int):
   return jnp.nonzero(mask, size=num_lanes, fill_value=mask.shape[0])[0].astype(_I32)
 
 
-def _sample_lanes(logits, lane_slot, inp: StepInputs, index_offset=0):
+def _sample_lanes(logits, lane_slot, inp: StepInputs, index_offset=0, all_greedy=False):
   """Samples one token per lane (lane l: slot lane_slot[l], logits row l).
 
   logits f32[R, V]; lane_slot i32[R]. Sampling is keyed per request (seed,
@@ -195,7 +195,8 @@ def _sample_lanes(logits, lane_slot, inp: StepInputs, index_offset=0):
   """
   ls = jnp.clip(lane_slot, 0, inp.temperature.shape[0] - 1)
   return sampling.sample(logits, inp.temperature[ls], inp.top_k[ls], inp.top_p[ls],
-                         inp.seed[ls], inp.sample_index[ls] + index_offset)
+                         inp.seed[ls], inp.sample_index[ls] + index_offset,
+                         all_greedy=all_greedy)
 
 
 def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candidates: int,
@@ -213,14 +214,16 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
 
   Returns:
     step(params, state: EngineState, inputs: StepInputs, *, width=None,
-    decode_only=False) -> (EngineState, StepOutputs), jitted with `state` donated
-    and `width` / `decode_only` static. The shape bucket of a call is (T tokens,
+    decode_only=False, all_greedy=False) -> (EngineState, StepOutputs), jitted with
+    `state` donated and `width` / `decode_only` / `all_greedy` static (`all_greedy`:
+    every running request is greedy, so sampling is an argmax). The shape bucket of a call is (T tokens,
     R rows: `inputs.row_slot.shape`, W = `width` block-table columns attention
     reads, default max_blocks_per_seq; `decode_only`: every row has one new token,
     so attention runs the decode kernel). Prefix caching runs iff `state.prefix` is set.
   """
 
-  def step(params, state: EngineState, inp: StepInputs, width=None, decode_only=False):
+  def step(params, state: EngineState, inp: StepInputs, width=None, decode_only=False,
+           all_greedy=False):
     TRACE_COUNT[name] += 1
     blocks, pages, ps = state.blocks, state.pages, state.prefix
     s_max = blocks.max_seqs
@@ -267,7 +270,7 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     lane_slot = _lanes(inp.sample_row >= 0, rows)
     lane_logits = logits[jnp.clip(inp.sample_row[jnp.clip(lane_slot, 0, s_max - 1)],
                                   0, rows - 1)]                          # [R lanes, V]
-    lane_tok = _sample_lanes(lane_logits, lane_slot, inp)
+    lane_tok = _sample_lanes(lane_logits, lane_slot, inp, all_greedy=all_greedy)
     tok = jnp.zeros((s_max,), _I32).at[lane_slot].set(lane_tok, mode="drop")
     tok = jnp.where(sampled, tok, 0)
     lane_v, lane_i = sampling.top_logprobs(lane_logits, num_candidates)
@@ -306,7 +309,7 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
         meta = build_metadata(b_new, row_slot, row_live.astype(_I32), token_row, positions,
                               width).replace(decode_only=True)
         logits, pg2 = apply_fn(params, last[rs], positions, pg2, meta)   # [R, V]
-        new_rows = _sample_lanes(logits, row_slot, inp, index_offset=i)
+        new_rows = _sample_lanes(logits, row_slot, inp, index_offset=i, all_greedy=all_greedy)
         new = last.at[jnp.where(row_live, order, s_max)].set(new_rows, mode="drop")
         new = jnp.where(live, new, last)
         fin = _finished(new, inp.remaining - i, inp.stop_ids)
@@ -333,4 +336,5 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
 
   if not jit:
     return step
-  return jax.jit(step, donate_argnums=(1,), static_argnames=("width", "decode_only"))
+  return jax.jit(step, donate_argnums=(1,), static_argnames=("width", "decode_only",
+                                                                "all_greedy"))
