@@ -224,8 +224,10 @@ def main(argv):
   rows = summary_rows(results)
   table = common.table(rows, ["what", "ours", "paper"])
   machine = f"jax {jax.__version__} on {jax.default_backend()} ({jax.devices()[0].device_kind})"
-  common.write_json(out / "summary.json", {"rows": rows, "seconds": results["seconds"],
-                                           "total_seconds": total, "machine": machine})
+  common.write_json(out / "summary.json", {
+      "rows": rows, "seconds": results["seconds"], "total_seconds": total,
+      "machine_line": machine, "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+      **common.run_metadata(flags.FLAGS, ["out"])})
   (out / "summary.md").write_text(f"{table}\n\n{machine}; {total:.0f} s in all\n")
   print(f"\n== summary ({total:.0f} s; {machine})")
   print(table)
