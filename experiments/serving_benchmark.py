@@ -36,6 +36,7 @@ from paged_jax import latency
 from paged_jax import serving
 from paged_jax import serving_sweep
 from paged_jax import workloads
+from paged_jax.engine import compiled
 
 PAPER = "vLLM sustains 2-4x Orca's request rate at the same latency (Fig. 12, OPT on A100)"
 FIG14_MODES = {"n2": dict(n=2), "n4": dict(n=4), "beam4": dict(beam_width=4)}
@@ -109,6 +110,7 @@ def sweep(f, systems: Sequence[str], rates: Sequence[float], duration_s: float,
             max_len=f.max_len, sizes=sizes[system], params_fn=params_fn(mode),
             clock=clock_fn(), progress=bar))
     curves[system] = serving_sweep.curve(rates, points)
+    compiled.release_compiled()   # the next system's engine has other shapes
   return {"systems": curves, "sizes": sizes}
 
 

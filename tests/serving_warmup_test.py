@@ -169,3 +169,20 @@ def test_compiled_shapes_are_keyed_by_the_engines_geometry():
   assert calls[-2:] == [(8, 16, 8, 4, False, True), (8, 8, 8, 8, True, True)]
   with pytest.raises(ValueError, match="more than the bound"):
     compiled_lib.compile_buckets(a, shapes, max_shapes=1)
+
+
+def test_release_compiled_forgets_what_was_compiled():
+  calls = []
+
+  class StubStep:
+    def trace(self, *args, **kw):
+      calls.append(kw["width"])
+      return types.SimpleNamespace(lower=lambda: types.SimpleNamespace(compile=lambda: None))
+  engine = small_engine(8)
+  engine._step = StubStep()    # pylint: disable=protected-access
+  shapes = [(16, 8, 4, False)]
+  assert compiled_lib.compile_buckets(engine, shapes, all_greedy=(True,))["compiled"] == 1
+  assert compiled_lib.compile_buckets(engine, shapes, all_greedy=(True,))["compiled"] == 0
+  compiled_lib.release_compiled()
+  assert compiled_lib.compile_buckets(engine, shapes, all_greedy=(True,))["compiled"] == 1
+  assert calls == [4, 4]

@@ -198,6 +198,16 @@ def reachable_buckets(buckets: StepBuckets, *, max_rows: int, max_len: int,
   return sorted(out, key=lambda b: (b[3], b[0], b[1], b[2]))
 
 
+def release_compiled() -> None:
+  """Drops every compiled step (`jax.clear_caches()`) and the records of what was
+  compiled, so a long run that moves between engine geometries (a serving sweep's
+  systems) holds only the current one's executables: two sweeps of ~90 compiled steps
+  each ran the shared 23 GB machine out of memory in LLVM ("Cannot allocate memory")."""
+  jax.clear_caches()
+  _AOT_DONE.clear()
+  _SEEN_BUCKETS.clear()
+
+
 def compile_buckets(engine, shapes, *, all_greedy: Sequence[bool] = (False, True),
                     max_shapes: Optional[int] = None) -> Dict[str, Any]:
   """Compiles `engine`'s step ahead of time for each shape bucket in `shapes` (from
