@@ -51,7 +51,6 @@ def _engine(caching: bool, *, block_size: int, kv_budget_tokens: int, max_seqs: 
 def _serve(engine, requests) -> Dict:
   """Serves all requests (arriving at t=0); per-step KV blocks held by running sequences."""
   from paged_jax.engine import SamplingParams  # pylint: disable=g-import-not-at-top
-  serving.warm_up(engine)
   # The step runs on shape buckets chosen from what is live, each compiled on first
   # use: an untimed pass over the same requests compiles the shapes the timed one meets.
   engine.generate([[int(t) for t in r.prompt_token_ids] for r in requests],

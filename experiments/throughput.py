@@ -30,8 +30,9 @@ running-sequence count, and generated tokens per engine step (independent of
 the machine's speed and load); `DIR/throughput.json`, `DIR/throughput.png`.
 
 Reading the ratios: each step runs on the smallest shape bucket that holds what
-is live (rows, new tokens, block-table width), every bucket the stream can reach
-compiled before the timing (`serving.warm_up`). On a GPU a decode step is
+is live (rows, new tokens, block-table width); the shapes a run meets are compiled
+before its timing by an untimed replay of the same requests on a fresh engine of the
+same shapes (`serving.serve`, warmup="replay"). On a GPU a decode step is
 memory-bandwidth bound, so throughput follows tokens per step; on the CPU reference
 path a step's cost still grows with its live rows and width, so the wall-clock ratio
 can sit below the tokens-per-step ratio; `wall_over_step_ratio` is their quotient
@@ -169,9 +170,9 @@ def main(f, out):
                 attention_backend=f.attention_backend, repeats=f.repeats)
   common.write_json(out / "throughput.json", {
       "results": results, "paper": PAPER_SPEEDUP, "seconds": time.time() - start,
-      "warm_up": "every step shape the stream can reach compiled ahead of time per "
-                 "configuration (serving.warm_up); step_traces_in_run counts traces "
-                 "inside the timing",
+      "warm_up": "an untimed replay of the same requests on a fresh engine of the same "
+                 "shapes before each timed run (serving.serve, warmup='replay'); "
+                 "step_traces_in_run counts traces inside the timing",
       **common.run_metadata(f), "load_avg_1_5_15": list(os.getloadavg())})
   png = plot(results, out / "throughput.png")
   print(common.table(summary_rows(results), HEADERS))

@@ -89,7 +89,9 @@ def run_point(system: str, requests: Sequence, *, kv_budget_tokens: int, block_s
               attention_backend: str = "auto", max_num_batched_tokens: int = 256) -> Dict:
   """One system at one arrival stream: a fresh warmed-up engine, `serve_online`.
 
-  Every step shape the stream can reach is compiled before serving (`serving.warm_up`).
+  On the wall clock every step shape the stream can reach is compiled before serving
+  (`serving.warm_up`); on a `serving.StepClock` nothing is (virtual time does not see
+  compile time), and shapes compile on first use.
   Returns `serve_online`'s dict plus "max_seqs", "pool_tokens", "warm_up_compiled"
   (shapes compiled for this point) and "warm_up_shapes" (shapes in its reachable set).
   """
@@ -99,7 +101,8 @@ def run_point(system: str, requests: Sequence, *, kv_budget_tokens: int, block_s
                                max_seqs=sizes["max_seqs"], max_len=max_len,
                                attention_backend=attention_backend,
                                max_num_batched_tokens=max_num_batched_tokens)
-  warm = serving.warm_up(engine, requests, params_fn)
+  warm = ({"compiled": 0, "shapes": 0} if isinstance(clock, serving.StepClock) else
+          serving.warm_up(engine, requests, params_fn))
   gate = gate_lib.make_gate(system, kv_budget_tokens, max_len)
   res = serving.serve_online(engine, requests, gate, params_fn, clock=clock, progress=progress)
   res.update(max_seqs=sizes["max_seqs"], pool_tokens=sizes["pool_tokens"],

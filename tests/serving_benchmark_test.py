@@ -28,8 +28,7 @@ def test_tiny_run_writes_the_contract_json(tmp_path):
               "--systems=paged,orca_max", f"--seed={seed}", "--clock=step", "--step_s=0.02",
               "--kv_budget_tokens=512", "--max_seqs_cap=4", "--block_size=64",
               f"--out={tmp_path}", timeout=900)
-  # 64-token blocks: one block-table width bucket, so warm-up compiles 4 step shapes
-  # per system.
+  # 64-token blocks: one block-table width bucket, few step shapes per system.
   assert proc.returncode == 0, proc.stderr[-2000:]
   res = json.loads((tmp_path / "serving_benchmark.json").read_text())
   assert (tmp_path / "serving_benchmark.png").stat().st_size > 1000
@@ -48,9 +47,10 @@ def test_tiny_run_writes_the_contract_json(tmp_path):
   for key in ("flags", "versions", "machine", "slo_rule", "sizing_rule", "clock"):
     assert key in res
   assert res["flags"]["rates"] == ["6", "3"] and res["flags"]["seed"] == seed
-  # Warm-up compiled every shape before the timing: no step traced while serving.
+  # The step clock does not see compile time: no ahead-of-time warm-up (shapes compile
+  # on first use; tests/serving_warmup_test.py covers the wall-clock warm-up).
   for c in res["systems"].values():
-    assert c["step_traces_in_run"] == [0, 0] and c["warm_up_shapes"][0] >= 1
+    assert c["warm_up_shapes"] == [0, 0] and c["step_traces_in_run"][0] >= 1
 
 
 @pytest.mark.parametrize("flag,message", [

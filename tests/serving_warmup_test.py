@@ -2,7 +2,8 @@
 reachable set equals a brute-force enumeration of the shapes `StepBuckets.pick`
 gives feasible batches, and after warm-up a mixed online run (requests added while
 the engine steps, chunked prefills, decodes, n = 2 sampling) neither traces the
-step nor compiles anything."""
+step nor compiles anything; `serve` warms up by replaying its requests on a fresh
+copy."""
 
 import types
 
@@ -186,3 +187,23 @@ def test_release_compiled_forgets_what_was_compiled():
   compiled_lib.release_compiled()
   assert compiled_lib.compile_buckets(engine, shapes, all_greedy=(True,))["compiled"] == 1
   assert calls == [4, 4]
+
+
+def test_serve_replay_warm_up_compiles_exactly_the_timed_runs_shapes():
+  # All requests at t = 0: the schedule is deterministic, so an untimed run of the same
+  # requests on a fresh copy compiles every shape the timed run meets. A geometry no
+  # other test uses (7 slots, 45 blocks), so nothing is compiled for it beforehand.
+  cc = MC.cache_config(block_size=BLOCK, num_blocks=45, max_seqs=7,
+                       max_blocks_per_seq=MAX_LEN // BLOCK)
+  engine = Engine(MC, PARAMS, cc, max_num_batched_tokens=BUDGET, attention_backend="reference",
+                  max_beam_width=2)
+  reqs = mixed_stream(seed=3, count=16)
+  traces = sum(step_lib.TRACE_COUNT.values())
+  res = serving.serve(engine, reqs, params_fn, keep_outputs=True)
+  assert res["warm_up"]["replay"] and res["step_traces_in_run"] == 0
+  assert sum(step_lib.TRACE_COUNT.values()) > traces       # the replay did compile
+  # The timed run's outputs are those of an engine that never saw the replay.
+  plain = serving.serve(engine.fresh_copy(), reqs, params_fn, warmup=None, keep_outputs=True)
+  assert res["outputs"] == plain["outputs"]
+  with pytest.raises(ValueError, match="warmup must be"):
+    serving.serve(engine.fresh_copy(), reqs, params_fn, warmup="twice")

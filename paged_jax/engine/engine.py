@@ -85,6 +85,13 @@ class Engine:
                max_beam_width: int = 4, model_apply: Optional[Callable[..., Any]] = None,
                init_state: Optional[Callable[[CacheConfig], EngineState]] = None,
                max_probe: int = 16, hash_mode: str = "chained", shape_buckets: bool = True):
+    # Everything needed to build a fresh engine of the same shapes (`fresh_copy`).
+    self._options = dict(max_num_batched_tokens=max_num_batched_tokens,
+                         decode_steps_per_sync=decode_steps_per_sync,
+                         preemption_mode=preemption_mode, attention_backend=attention_backend,
+                         max_beam_width=max_beam_width, model_apply=model_apply,
+                         init_state=init_state, max_probe=max_probe, hash_mode=hash_mode,
+                         shape_buckets=shape_buckets)
     self._step, self._buckets = engine_step(
         model_config, cache_config, max_num_batched_tokens=max_num_batched_tokens,
         decode_steps_per_sync=decode_steps_per_sync, preemption_mode=preemption_mode,
@@ -324,6 +331,11 @@ class Engine:
                             idle_all_greedy=self._last_all_greedy)
       self._dispatch(batch, inputs, Snapshot(self.scheduler, self._groups))
       self._finish_pending()
+
+  def fresh_copy(self) -> "Engine":
+    """A new engine with this one's model, params and options and a fresh state; it
+    shares the jitted step (and so every shape compiled for it)."""
+    return Engine(self.model_config, self.params, self.cache_config, **self._options)
 
   # ---- observability -------------------------------------------------------------------
   @property
