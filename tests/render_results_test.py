@@ -10,6 +10,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
+import render_engine  # pylint: disable=g-import-not-at-top,wrong-import-position
 import render_gpu  # pylint: disable=g-import-not-at-top,wrong-import-position
 import render_index  # pylint: disable=g-import-not-at-top,wrong-import-position
 import render_results  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -104,3 +105,13 @@ def test_render_modules_stay_small():
   for name in os.listdir(tools):
     if name.startswith("render") and name.endswith(".py"):
       assert sum(1 for _ in open(os.path.join(tools, name))) <= 400, name
+
+
+def test_rate_ratio_is_a_bound_where_a_system_never_missed_the_slo():
+  sec = lambda paged, other: {"paged_rate_ratio": {"paged_over_orca_max": 0.75},
+                              "max_rate_at_slo_interpolated": {"paged": paged, "orca_max": other}}
+  assert render_engine.rate_ratio(sec(12.2, 17.0), "orca_max") == "0.75x"
+  assert render_engine.rate_ratio(sec(12.2, None), "orca_max") == "<=0.75x"   # Max went higher
+  assert render_engine.rate_ratio(sec(None, 17.0), "orca_max") == ">=0.75x"   # paged did
+  assert render_engine.rate_ratio(sec(None, None), "orca_max") == "0.75x"
+  assert render_engine.rate_ratio(sec(1.0, 1.0), "orca_oracle") == ""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Callable, List, Tuple
 
-from render_common import cell, load, table
+from render_common import load, table
 
 
 def memory_waste(doc) -> str:
@@ -63,15 +63,27 @@ def _max_rate(sec: dict, name: str) -> str:
   return f">={swept:g}" if interp is None else f"{swept:g} ({interp:.1f})"
 
 
+def rate_ratio(sec: dict, name: str) -> str:
+  """Paged's max rate over system `name`'s, as a bound where a system met the SLO at
+  every swept rate (its true maximum lies above the sweep): '>=' when paged did,
+  '<=' when `name` did; '' when there is no ratio."""
+  ratio = sec["paged_rate_ratio"].get(f"paged_over_{name}")
+  if ratio is None:
+    return ""
+  interp = sec["max_rate_at_slo_interpolated"]
+  paged_open, other_open = interp["paged"] is None, interp.get(name) is None
+  bound = "" if paged_open == other_open else (">=" if paged_open else "<=")
+  return f"{bound}{ratio:.2f}x"
+
+
 def serving(results_dir: str, every_row: bool = True) -> str:
   """Per run and system: engine slots, max request rate under the SLO, paged's ratio.
   `every_row=False` names each run on its first row only (smaller)."""
   rows = []
   for run, doc in serving_runs(results_dir):
     for i, (name, c) in enumerate(doc["systems"].items()):
-      ratio = doc["paged_rate_ratio"].get(f"paged_over_{name}")
       rows.append([run if every_row or not i else "", name, c["max_seqs"], _max_rate(doc, name),
-                   "" if ratio is None else f"{ratio:.2f}x", f"{max(c['mean_running']):.1f}"])
+                   rate_ratio(doc, name), f"{max(c['mean_running']):.1f}"])
   return table(rows, ["run", "system", "max_seqs", "max req/s at SLO", "paged / it",
                        "max mean running"])
 
@@ -81,10 +93,8 @@ def serving_fig14(results_dir: str) -> str:
   rows = []
   for run, doc in serving_runs(results_dir):
     for mode, sec in doc.get("fig14", {}).items():
-      ratio = sec["paged_rate_ratio"].get("paged_over_orca_oracle")
-      bound = ">=" if sec["max_rate_at_slo_interpolated"]["paged"] is None else ""
       rows.append([run, mode, _max_rate(sec, "paged"), _max_rate(sec, "orca_oracle"),
-                   "" if ratio is None else f"{bound}{ratio:.2f}x"])
+                   rate_ratio(sec, "orca_oracle")])
   if not rows:
     raise FileNotFoundError("no committed serving_benchmark run has a fig14 section")
   return table(rows, ["run", "mode", "paged req/s", "Orca(Oracle) req/s", "paged / Oracle"])

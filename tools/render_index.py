@@ -6,7 +6,7 @@ import os
 from typing import List
 
 from render_common import cell, load, median_ms, pct, ratio, table
-from render_engine import serving_runs
+from render_engine import rate_ratio, serving_runs
 
 
 def index_rows(results_dir: str) -> List[list]:
@@ -53,9 +53,8 @@ def index_rows(results_dir: str) -> List[list]:
                "`experiments.prefix_caching`"])
   runs, ours, paper = [], [], {}   # one row: every serving run, in name order
   for run, doc in serving_runs(results_dir):
-    r = doc["paged_rate_ratio"]
     runs.append(run)
-    ours.append(", ".join(cell(r.get(f"paged_over_{k}")) + "x" for k in ("orca_max", "orca_oracle")))
+    ours.append(", ".join(rate_ratio(doc, k) or "-" for k in ("orca_max", "orca_oracle")))
     sharegpt = doc["flags"]["workload"].startswith("sharegpt")
     paper["sharegpt" if sharegpt else "alpaca"] = "2.7-8x, 1.7-2.7x" if sharegpt else "2-4x"
   rows.append(["max req/s at SLO, paged over Orca Max, Oracle: " + "; ".join(runs),
