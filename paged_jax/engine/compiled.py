@@ -199,10 +199,12 @@ def reachable_buckets(buckets: StepBuckets, *, max_rows: int, max_len: int,
 
 
 def release_compiled() -> None:
-  """Drops every compiled step (`jax.clear_caches()`) and the records of what was
+  """Drops every compiled executable (`jax.clear_caches()`) and the records of what was
   compiled, so a long run that moves between engine geometries (a serving sweep's
-  systems) holds only the current one's executables: two sweeps of ~90 compiled steps
-  each ran the shared 23 GB machine out of memory in LLVM ("Cannot allocate memory")."""
+  systems, the demo's stages) holds only the current one's executables. XLA:CPU maps
+  each executable's code into memory regions of its own: a process that keeps compiling
+  reaches Linux's per-process map limit (vm.max_map_count, 65,530) and LLVM aborts
+  ("Cannot allocate memory"), as two serving sweeps of ~90 compiled steps each did."""
   jax.clear_caches()
   _AOT_DONE.clear()
   _SEEN_BUCKETS.clear()
