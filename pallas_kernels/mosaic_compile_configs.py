@@ -225,6 +225,19 @@ def _read_dump(dump: str) -> List[Dict[str, Any]]:
   return kernels
 
 
+def compile_with_dump(fn, args, *, fail_on_spill: bool = True):
+  """Compiles jax.jit(fn)(*args) for the compile-only sm_90a with Mosaic's PTX / ptxas
+  dumps on. Returns (per Mosaic kernel {"kernel", "registers", "spill_bytes",
+  "shared_memory", "threads"}, compile_target's report)."""
+  dump = tempfile.mkdtemp(prefix="pj_mosaic_dump_")
+  try:
+    with _env(MOSAIC_GPU_DUMP_TO=dump, MOSAIC_GPU_DUMP_PTXAS="1"):
+      report = ct.compile_report(jax.jit(fn), *args, fail_on_spill=fail_on_spill)
+    return _read_dump(dump), report
+  finally:
+    shutil.rmtree(dump, ignore_errors=True)
+
+
 def resident_blocks(registers: int, threads: int, shared_memory: int) -> int:
   """Blocks an sm_90 SM holds at once: registers (allocated per warp in units of 256),
   shared memory (228 KiB per SM, 1 KiB reserved per block), threads, 32 blocks."""
@@ -239,14 +252,7 @@ def measure(case: MosaicCase, hbm_bytes_per_s: float = ct.H200_HBM_BYTES_PER_S,
             copy_bytes_per_s: Optional[float] = None) -> Dict[str, Any]:
   """Compiles `case` for sm_90a; its one Mosaic kernel's resources and the modelled bound
   (K/V bytes over `hbm_bytes_per_s` and, if given, the measured `copy_bytes_per_s`)."""
-  fn, args = build(case)
-  dump = tempfile.mkdtemp(prefix="pj_mosaic_cfg_")
-  try:
-    with _env(MOSAIC_GPU_DUMP_TO=dump, MOSAIC_GPU_DUMP_PTXAS="1"):
-      report = ct.compile_report(jax.jit(fn), *args, fail_on_spill=False)
-    kernels = _read_dump(dump)
-  finally:
-    shutil.rmtree(dump, ignore_errors=True)
+  kernels, report = compile_with_dump(*build(case), fail_on_spill=False)
   if len(kernels) != 1:
     raise RuntimeError(f"{case.name}: expected one Mosaic kernel, got {kernels}")
   k = kernels[0]

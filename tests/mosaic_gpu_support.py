@@ -8,17 +8,7 @@ returns, per Mosaic kernel, its ptxas registers and spill bytes and Mosaic's sha
 scratch bytes.
 """
 
-import contextlib
 import dataclasses
-import glob
-import os
-import re
-import shutil
-import tempfile
-
-import jax
-
-from pallas_kernels import compile_target
 
 
 def races_found() -> bool:
@@ -35,36 +25,9 @@ class MosaicKernel:
   shared_memory: int        # Mosaic's scratch (buffers and barriers), bytes
 
 
-@contextlib.contextmanager
-def _env(**values):
-  old = {k: os.environ.get(k) for k in values}
-  os.environ.update(values)
-  try:
-    yield
-  finally:
-    for k, v in old.items():
-      if v is None:
-        os.environ.pop(k, None)
-      else:
-        os.environ[k] = v
-
-
 def mosaic_resources(fn, *args):
   """Compiles jax.jit(fn)(*args) deviceless for sm_90a; returns ([MosaicKernel], report)."""
-  dump = tempfile.mkdtemp(prefix="pj_mosaic_dump_")
-  try:
-    with _env(MOSAIC_GPU_DUMP_TO=dump, MOSAIC_GPU_DUMP_PTXAS="1"):
-      report = compile_target.compile_report(jax.jit(fn), *args)
-    kernels = []
-    for path in sorted(glob.glob(os.path.join(dump, "*.ptxas"))):
-      text = open(path).read()
-      name = os.path.basename(path)[:-len(".ptxas")]
-      regs = int(re.search(r"Used (\d+) registers", text).group(1))
-      props = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-      spills = int(props.group(1)) + int(props.group(2))
-      res = open(path[:-len(".ptxas")] + ".resources.txt").read()
-      smem = int(re.search(r"smem_scratch_bytes=(\d+)", res).group(1))
-      kernels.append(MosaicKernel(name, regs, spills, smem))
-    return kernels, report
-  finally:
-    shutil.rmtree(dump, ignore_errors=True)
+  from pallas_kernels import mosaic_compile_configs  # pylint: disable=g-import-not-at-top
+  kernels, report = mosaic_compile_configs.compile_with_dump(fn, args)
+  return [MosaicKernel(k["kernel"], k["registers"], k["spill_bytes"], k["shared_memory"])
+          for k in kernels], report
