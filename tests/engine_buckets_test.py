@@ -11,10 +11,10 @@ import pytest
 
 from paged_jax.engine import SamplingParams
 from paged_jax.engine import compiled as compiled_lib
-from paged_jax.engine import engine as engine_mod
 from paged_jax.engine import step as step_lib
 
-from engine_oracle import ORACLE_LEN, PARAMS, dense_greedy, oracle_engine, random_prompts
+from engine_oracle import (ORACLE_LEN, PARAMS, dense_greedy, oracle_engine, random_prompts,
+                           record_buckets)
 
 # 16 slots (rows 8, 16), 4-token blocks of up to 64 tokens (widths 4, 8, 16 blocks),
 # 32 tokens per step (tokens 16, 32); 40 blocks: the traffic below preempts.
@@ -24,19 +24,6 @@ BLOCK_SIZE, NUM_BLOCKS, MAX_SEQS, BUDGET = 4, 40, 16, 32
 make_engine = functools.partial(oracle_engine, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
                                 max_seqs=MAX_SEQS, budget=BUDGET)
 prompts_of = random_prompts
-
-
-def record_buckets(monkeypatch):
-  """Shape buckets the engine's steps used (wraps engine.build_inputs)."""
-  used = []
-  real = engine_mod.build_inputs
-
-  def wrapped(*a, **kw):
-    inputs, bucket = real(*a, **kw)
-    used.append(bucket)
-    return inputs, bucket
-  monkeypatch.setattr(engine_mod, "build_inputs", wrapped)
-  return used
 
 
 def mixed_requests():

@@ -12,6 +12,7 @@ import numpy as np
 
 from paged_jax.config import ModelConfig
 from paged_jax.engine import Engine, SamplingParams
+from paged_jax.engine import engine as engine_mod
 from paged_jax.models import dense, llama
 
 VOCAB = 96
@@ -72,3 +73,17 @@ def random_prompts(seed, count, lo=1, hi=24, prefix=()):
 
 def greedy(max_tokens, **kw):
   return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def record_buckets(monkeypatch):
+  """The step buckets the engine's steps use from now on, appended as they run (wraps
+  engine.build_inputs through pytest's monkeypatch)."""
+  used = []
+  real = engine_mod.build_inputs
+
+  def recording(*a, **kw):
+    inputs, bucket = real(*a, **kw)
+    used.append(bucket)
+    return inputs, bucket
+  monkeypatch.setattr(engine_mod, "build_inputs", recording)
+  return used

@@ -16,11 +16,10 @@ from paged_jax import workloads
 from paged_jax.baselines import gate as gate_lib
 from paged_jax.engine import Engine, SamplingParams
 from paged_jax.engine import compiled as compiled_lib
-from paged_jax.engine import engine as engine_mod
 from paged_jax.engine import step as step_lib
 from paged_jax.engine.inputs import StepBuckets
 
-from engine_oracle import MC, PARAMS, VOCAB
+from engine_oracle import MC, PARAMS, VOCAB, record_buckets
 
 
 def brute_force(buckets: StepBuckets, max_rows: int, max_len: int, lanes: int) -> set:
@@ -103,14 +102,7 @@ def test_after_warm_up_a_mixed_run_neither_traces_nor_compiles(monkeypatch):
   assert warm["shapes"] == 12 and warm["compiled"] + warm["already"] == 12
   assert serving.warm_up(engine, reqs, params_fn)["compiled"] == 0    # once per shape
 
-  used = []
-  real = engine_mod.build_inputs
-
-  def recording(*a, **kw):
-    inputs, bucket = real(*a, **kw)
-    used.append(bucket)
-    return inputs, bucket
-  monkeypatch.setattr(engine_mod, "build_inputs", recording)
+  used = record_buckets(monkeypatch)
   compiles = []
   listener = lambda event, duration, **kw: compiles.append(event) if "backend_compile" in event else None
   jax.monitoring.register_event_duration_secs_listener(listener)
