@@ -2,6 +2,8 @@
 per active slot: token budget, chunked prefill mixed with decodes, strict FCFS,
 newest-first preemption (recompute and swap), and that it never over-commits."""
 
+import collections
+
 import numpy as np
 import pytest
 
@@ -18,6 +20,10 @@ class FakeDevice:
   def free(self):
     return self.num_blocks - sum(cdiv(n, self.bs) for n in self.lens.values())
 
+  def sole(self):
+    """Blocks each slot alone holds, by slot (no sharing here: all of its blocks)."""
+    return collections.defaultdict(int, {s: cdiv(n, self.bs) for s, n in self.lens.items()})
+
 
 def make_group(i, prompt_len, max_tokens):
   sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
@@ -27,16 +33,28 @@ def make_group(i, prompt_len, max_tokens):
                slots_needed=1)
 
 
-def run_step(sched, dev, log):
-  batch = sched.schedule(dev.free())
+def run_step(sched, dev, log, report_sole=True):
+  sole = dev.sole() if report_sole else None
+  batch = sched.schedule(dev.free(), sole)
+  if report_sole:
+    # With the freed slots' blocks reported, a shortage preempts the newest groups
+    # and the step still serves every group left running, token budget permitting.
+    served = {id(c.seq) for c in batch.chunks}
+    idle = [g for g in sched.running
+            if any(q.num_uncomputed > 0 and id(q) not in served for q in g.seqs)]
+    assert not idle or batch.num_tokens == sched.max_num_batched_tokens, (
+        f"requests {[g.request_id for g in idle]} sat out a step with budget left")
   for seq, _ in sched.pending_swap_outs:
     seq.swapped_kv = "host"
   sched.pending_swap_outs = []
-  for slot in batch.frees:
-    del dev.lens[slot]
+  # As the engine does: swap-ins copy in first (their own dispatch), then the step
+  # frees, then it reserves.
   for seq in batch.swap_in:
     dev.lens[seq.slot] = seq.num_computed
     seq.on_device = True
+  assert dev.free() >= 0, "a swap-in was planned on blocks that only the step frees"
+  for slot in batch.frees:
+    del dev.lens[slot]
   for ch in batch.chunks:
     assert ch.allocate == (ch.seq.slot not in dev.lens)
     dev.lens[ch.seq.slot] = ch.seq.num_computed + ch.num_tokens
@@ -58,14 +76,14 @@ def run_step(sched, dev, log):
   return batch
 
 
-def drain(sched, dev, groups, max_steps=500):
+def drain(sched, dev, groups, max_steps=500, report_sole=True):
   log = []
   for g in groups:
     sched.add(g)
   for _ in range(max_steps):
     if not sched.has_unfinished():
       break
-    run_step(sched, dev, log)
+    run_step(sched, dev, log, report_sole)
   assert not sched.has_unfinished()
   for slot in sched.pending_frees:
     del dev.lens[slot]
@@ -107,9 +125,11 @@ def test_strict_fcfs_admission_by_free_blocks():
   assert admitted == [1, 2]
 
 
+@pytest.mark.parametrize("report_sole", [True, False], ids=["sole_blocks", "no_counts"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_newest_first_and_everything_completes(mode):
-  rng = np.random.default_rng(0)
+def test_preemption_newest_first_and_everything_completes(mode, seed, report_sole):
+  rng = np.random.default_rng(seed)
   sched = Scheduler(block_size=4, max_seqs=4, max_num_batched_tokens=16, preemption_mode=mode)
   dev = FakeDevice(12, 4)
   groups = [make_group(i, int(rng.integers(4, 14)), int(rng.integers(8, 20))) for i in range(6)]
@@ -121,7 +141,7 @@ def test_preemption_newest_first_and_everything_completes(mode):
     return original(group, batch)
 
   sched.preempt = spy
-  log = drain(sched, dev, groups)
+  log = drain(sched, dev, groups, report_sole=report_sole)
   assert victims, "the budget was meant to force preemption"
   for victim, running in victims:
     assert victim == max(running)           # newest running group first

@@ -29,6 +29,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence as Seq, Union
 
 import jax
+import numpy as np
 
 from paged_jax.config import CacheConfig, ModelConfig, OK
 from paged_jax.engine import swap
@@ -127,6 +128,8 @@ class Engine:
     nb = cache_config.num_blocks
     self._counts = dict(num_free=nb, available=nb, num_evictable=0, prefix_hit_blocks=0,
                         prefix_query_blocks=0)
+    # Blocks each slot alone references, as the last step reported (StepOutputs.sole_blocks).
+    self._sole_blocks = np.zeros((cache_config.max_seqs,), np.int32)
     log.info("paged_jax engine: block_size=%d num_blocks=%d KV capacity=%d tokens "
              "(%.1f MiB %s), max_seqs=%d, max_model_len=%d, budget=%d tokens/step, "
              "decode_steps_per_sync=%d, preemption=%s, prefix_caching=%s",
@@ -245,7 +248,7 @@ class Engine:
       return False
     snap = Snapshot(self.scheduler, self._groups)
     try:
-      batch = self.scheduler.schedule(self._counts["available"])
+      batch = self.scheduler.schedule(self._counts["available"], self._sole_blocks)
       self._swap_outs()
       inputs = build_inputs(batch, self.scheduler.running, buckets=self._buckets,
                             max_seqs=self.cache_config.max_seqs, lookup_len=self._lookup_len,
@@ -307,6 +310,7 @@ class Engine:
     ok = bool(out.ok)
     self.scheduler.commit(batch, ok, out.hit_tokens)
     self._counts = {k: int(getattr(out, k)) for k in self._counts}
+    self._sole_blocks = np.asarray(out.sole_blocks)
     if not ok:   # a reservation failed on device: nothing ran; make room, re-plan
       self.stats["out_of_blocks_retries"] += 1
       self.scheduler.preempt_newest()

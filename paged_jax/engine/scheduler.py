@@ -4,11 +4,13 @@ The scheduler decides WHAT runs in a step; the jitted step (`step.py`) does the
 block allocation on device. It plans from the count the previous step returned
 (free + evictable blocks) and each chunk's exact block need (new blocks plus
 the copy-on-write copies of a shared last block: every writer copies but the
-last remaining holder). It keeps no estimate of blocks released by frees:
-when a running group does not fit, the newest group is preempted and the
-groups from the one that did not fit on wait for the next step, which plans
-from the device's fresh count. Should a reservation still fail on device (a
-status, never a spin), the engine preempts the newest group and re-plans.
+last remaining holder). The step frees before it reserves, and the
+device also reports, per slot, the blocks that slot alone references: those of
+the slots freed in a step count for that step's reservations. When a running
+group does not fit, the newest groups are preempted until it does, and the
+step goes on with everyone older (vLLM's rule). Should a reservation still fail
+on device (a status, never a spin), the engine preempts the newest group and
+re-plans.
 
 Vocabulary:
   Sequence  one token stream (prompt + generated) owning one block-table slot.
@@ -21,8 +23,9 @@ Vocabulary:
 Policy (vLLM's, arXiv:2309.06180 sec. 4.5):
   * running groups are served first, oldest first; decodes take 1 token of the
     per-step token budget, prefills take what is left (chunked prefill);
-  * when the blocks run out, the newest running group is preempted (all its
-    sequences: "all or nothing"), possibly the one being served;
+  * when the blocks run out, the newest running groups are preempted (all their
+    sequences: "all or nothing") until the group being served fits, or that
+    group itself when it is the newest;
   * preempted groups are either recomputed (back to the waiting queue, their
     K/V dropped) or swapped (K/V copied to host; only single-sequence groups,
     others fall back to recompute);
@@ -296,24 +299,48 @@ class Scheduler:
     for seq, slot in zip(group.seqs, group.slots):
       seq.slot = slot
 
-  def schedule(self, num_free_blocks: int) -> Batch:
-    """Plans one step given the device's free-block count."""
+  @staticmethod
+  def _sole(slots, sole_blocks) -> int:
+    """Blocks that freeing `slots` returns for certain: the device-reported count of
+    blocks each slot alone references (a lower bound when freed slots share blocks)."""
+    if sole_blocks is None:
+      return 0
+    return int(sum(int(sole_blocks[s]) for s in slots))
+
+  def schedule(self, num_free_blocks: int, sole_blocks=None) -> Batch:
+    """Plans one step given the device's counts from the last step.
+
+    num_free_blocks: blocks the next reservation may take (free + evictable).
+    sole_blocks: i32[max_seqs] or None, blocks referenced by that slot alone
+      (`StepOutputs.sole_blocks`). The step frees before it reserves, so these
+      blocks of the slots freed in this step count for its reservations; None
+      counts none (every shortage then preempts one group and waits a step).
+    """
     batch = Batch()
     budget = self.max_num_batched_tokens
-    free = num_free_blocks
-    # 1. Running groups, oldest first. When one does not fit, the newest group is
-    # preempted (unless frees are pending already) and the rest wait a step: the
-    # next plan sees the freed blocks in the device's count.
+    free = num_free_blocks + self._sole(self.pending_frees, sole_blocks)
+    # Swap-ins copy in before the step (and its frees): they fit the device's count.
+    swap_room = num_free_blocks
+    # 1. Running groups, oldest first. When one does not fit, the newest groups are
+    # preempted, one at a time, until it does (vLLM's rule; their slots' sole blocks
+    # come back in this step); with nothing newer left, the group itself is.
     queue = sorted(self.running, key=lambda g: g.arrival)
-    for group in queue:
+    i = 0
+    while i < len(queue):
+      group = queue[i]
       chunks = self._chunks_for(group, budget)
       need = self.chunks_need(group, chunks)
+      while need > free and sole_blocks is not None and len(queue) > i + 1:
+        victim = queue.pop()
+        free += self._sole([q.slot for q in victim.seqs if q.on_device], sole_blocks)
+        self.preempt(victim, batch)
       if need > free:
-        if not self.pending_frees:    # frees pending: their blocks count next step
+        if sole_blocks is not None or not self.pending_frees:
           self.preempt(queue[-1], batch)
         break
       budget -= self._take(group, batch, budget, chunks)
       free -= need
+      i += 1
     # Beam forks decided after the last step run first (they take no block).
     batch.forks = list(self.pending_forks)
     # 2. Swapped groups come back only when nothing was preempted.
@@ -323,7 +350,8 @@ class Scheduler:
         seq = group.leader
         need = cdiv(seq.num_computed, self.block_size)
         step_need = self.blocks_needed(seq, min(seq.num_uncomputed, budget))
-        if len(self.free_slots) < group.slots_needed or need + step_need > free:
+        if (len(self.free_slots) < group.slots_needed or need + step_need > free
+            or need > swap_room):
           break
         self.swapped.pop(0)
         self._assign_slots(group)
@@ -332,6 +360,7 @@ class Scheduler:
         group.status = GroupStatus.RUNNING
         self.running.append(group)
         free -= need
+        swap_room -= need
         used = self._take(group, batch, budget)
         free -= step_need
         budget -= used

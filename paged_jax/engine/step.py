@@ -126,7 +126,9 @@ class StepOutputs:
   loop_out_of_blocks bool[] (the decode loop stopped for want of a block);
   available i32[]: free plus evictable (cached, unreferenced) blocks, what the
   next plan may use; hit_tokens i32[S] per slot (attached this step); num_evictable i32[];
-  prefix_hit_blocks / prefix_query_blocks i32[] (running totals, 0 without caching)."""
+  prefix_hit_blocks / prefix_query_blocks i32[] (running totals, 0 without caching);
+  sole_blocks i32[S]: blocks only that slot references (with caching, besides the
+  cache's own reference): what freeing the slot alone makes available."""
   ok: jax.Array
   status: jax.Array
   tokens: jax.Array
@@ -140,6 +142,20 @@ class StepOutputs:
   num_evictable: jax.Array
   prefix_hit_blocks: jax.Array
   prefix_query_blocks: jax.Array
+  sole_blocks: jax.Array
+
+
+def sole_blocks(blocks: bm.BlockState, cached=None) -> jax.Array:
+  """i32[S]: per slot, the blocks of its table that no other slot references (and,
+  `cached` bool[num_blocks] given, counting the prefix cache's reference as none),
+  i.e. the blocks a free of that slot alone returns to free + evictable."""
+  table = blocks.block_tables
+  held = table >= 0
+  ids = jnp.where(held, table, 0)
+  refs = blocks.ref_count[ids]
+  if cached is not None:
+    refs = refs - cached[ids].astype(refs.dtype)
+  return jnp.sum((held & (refs == 1)).astype(_I32), axis=1)
 
 
 def build_metadata(blocks: bm.BlockState, row_slot, row_q_len, token_row, positions,
@@ -324,14 +340,15 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
                       topk_logprobs=topv, topk_ids=topi, num_free=b.num_free,
                       loop_out_of_blocks=oob, available=b.num_free, hit_tokens=hits,
                       num_evictable=jnp.zeros((), _I32), prefix_hit_blocks=jnp.zeros((), _I32),
-                      prefix_query_blocks=jnp.zeros((), _I32))
+                      prefix_query_blocks=jnp.zeros((), _I32), sole_blocks=sole_blocks(b))
     if ps is not None:
       # 8. history and registration of newly full blocks (masked when not ok).
       ps, b, available = prefix_step.after(ps, b, inp, out, max_items=max_evict)
       out = out.replace(num_free=b.num_free, available=available,
                         num_evictable=available - b.num_free,
                         prefix_hit_blocks=ps.cache.hit_blocks,
-                        prefix_query_blocks=ps.cache.query_blocks)
+                        prefix_query_blocks=ps.cache.query_blocks,
+                        sole_blocks=sole_blocks(b, ps.cache.cached))
     return EngineState(blocks=b, pages=pg, prefix=ps), out
 
   if not jit:
