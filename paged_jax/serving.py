@@ -25,6 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from paged_jax import workloads
+from paged_jax.arrivals import StepClock, WallClock, arrival_times  # noqa: F401  (re-exported)
 
 # Mean-length divisor per stream for engine runs (memory-only simulations use 1).
 STREAM_SCALE = {"sharegpt": 4, "alpaca": 1}
@@ -266,72 +267,6 @@ def generate_text(prompt: str, block_sizes: Sequence[int], *, max_tokens: int = 
 
 
 # ---- online serving: Poisson arrivals into a running engine ----------------------------
-
-def arrival_times(rate: float, duration_s: float, seed: int) -> np.ndarray:
-  """f64[n] arrival times (s) of a Poisson process at `rate` requests/s in [0, duration_s).
-
-  Gaps are unit-rate exponentials from one seeded stream divided by `rate`, so a sweep's
-  faster rate is the same stream compressed in time (common random numbers).
-  """
-  if not (math.isfinite(rate) and rate > 0):
-    raise ValueError(f"request rate must be a finite number > 0 (requests/s), got {rate}")
-  if not (math.isfinite(duration_s) and duration_s > 0):
-    raise ValueError(f"duration_s must be a finite number > 0, got {duration_s}")
-  rng = np.random.default_rng([seed, 11])
-  need = rate * duration_s
-  gaps = rng.exponential(1.0, int(need + 10 * math.sqrt(need) + 16))
-  while gaps.sum() < need:   # practically never: the draw covers mean + 10 sd
-    gaps = np.concatenate([gaps, rng.exponential(1.0, gaps.size)])
-  times = np.cumsum(gaps) / rate
-  return times[times < duration_s]
-
-
-class WallClock:
-  """Real time since construction (s); waiting sleeps."""
-
-  name = "wall"
-
-  def __init__(self):
-    self.start()
-
-  def start(self) -> None:
-    """Time 0 is now (called when serving starts, after the engine compiled)."""
-    self._t0 = time.perf_counter()
-
-  def now(self) -> float:
-    return time.perf_counter() - self._t0
-
-  def stepped(self) -> None:
-    """Called after every engine step (real time moved by itself)."""
-
-  def wait_until(self, t: float) -> None:
-    time.sleep(max(0.0, t - self.now()))
-
-
-class StepClock:
-  """Virtual time: every engine step costs `step_s` seconds whatever its batch (the
-  memory-bound GPU regime, where a decode step's time barely grows with the batch);
-  waiting jumps ahead. Deterministic: no wall-clock reads."""
-
-  name = "step"
-
-  def __init__(self, step_s: float):
-    if not step_s > 0:
-      raise ValueError(f"step_s must be > 0, got {step_s}")
-    self.step_s, self._t = step_s, 0.0
-
-  def start(self) -> None:
-    self._t = 0.0
-
-  def now(self) -> float:
-    return self._t
-
-  def stepped(self) -> None:
-    self._t += self.step_s
-
-  def wait_until(self, t: float) -> None:
-    self._t = max(self._t, t)
-
 
 def _running_progress(engine) -> Optional[List[tuple]]:
   """[(request_id, has generated a token)] of the engine's running requests, or None.
