@@ -29,6 +29,12 @@ Everything is warmed up (JAX compiles its step buckets), then --repeats
 rounds alternate all four (mode, engine) pairs; medians. torch runs on `torch.set_num_threads(--torch_threads)` (default: the
 CPU count XLA's CPU client uses, os.cpu_count()).
 
+`--random_hidden_size=512 --random_num_layers=8` runs both on a seeded random
+model of ~25M parameters instead (`random_checkpoint`), where the matmuls, not
+per-step overhead, dominate. Every run also measures the compute floor
+(`experiments/compute_floor.py`): the workload's FLOPs at this CPU's best measured
+GEMM rate, i.e. the most any engine could beat transformers by on this machine.
+
 Writes DIR/hf_peer.json: tokens/s of each, the ratio, per-round seconds,
 token-for-token agreement of the greedy outputs (fraction of prompts whose
 outputs match exactly, mean matching-prefix length), versions and flags.
@@ -38,15 +44,17 @@ torch and transformers are benchmark-only extras (requirements-bench.txt).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import platform
 import statistics
+import tempfile
 import time
 from typing import Dict, List, Sequence
 
 import numpy as np
 
-from experiments import common
+from experiments import common, compute_floor
 from paged_jax.config import cdiv, check_int
 
 STORIES = os.path.join(os.path.dirname(__file__), "data", "stories.txt")
@@ -77,7 +85,9 @@ class PagedJaxRunner:
                decode_steps_per_sync: int = 1):
     from paged_jax.engine import SamplingParams  # pylint: disable=g-import-not-at-top
     from paged_jax.models import load_hf_checkpoint  # pylint: disable=g-import-not-at-top
+    from paged_jax.models.llama import num_params  # pylint: disable=g-import-not-at-top
     self.model_config, self.params = load_hf_checkpoint(checkpoint, dtype="float32")
+    self.num_params = num_params(self.params)
     self.cache_config = self.model_config.cache_config(
         block_size=block_size, num_blocks=num_blocks, max_seqs=max_seqs,
         max_blocks_per_seq=cdiv(max_model_len, block_size), dtype="float32")
@@ -203,12 +213,60 @@ def versions() -> Dict[str, str]:
           "cpu_count": os.cpu_count()}
 
 
+def random_checkpoint(directory: str, hidden_size: int, num_layers: int, seed: int = 0) -> str:
+  """Writes a seeded randomly initialised Llama (the shipped model's vocabulary and
+  byte tokens; head_dim 64, 2 query heads per K/V head, SwiGLU width 3 x hidden) to
+  `directory` in HF format and returns it. hidden 512 x 8 layers is ~25M params, the
+  size where compute, not per-step overhead, starts to dominate on CPU."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from paged_jax.models import DEFAULT_CHECKPOINT  # pylint: disable=g-import-not-at-top
+  from paged_jax.models.hf_checkpoint import read_json, read_model_config, save_hf_checkpoint  # pylint: disable=g-import-not-at-top
+  from paged_jax.models.llama import init_params  # pylint: disable=g-import-not-at-top
+  check_int("random_hidden_size", hidden_size, 64)
+  check_int("random_num_layers", num_layers, 1, 1024)
+  if hidden_size % 128:
+    raise ValueError(f"random_hidden_size must be a multiple of 128 (head_dim 64, GQA 2), "
+                     f"got {hidden_size}")
+  shipped = read_model_config(DEFAULT_CHECKPOINT)
+  heads = hidden_size // 64
+  config = dataclasses.replace(shipped, hidden_size=hidden_size, intermediate_size=3 * hidden_size,
+                               num_layers=num_layers, num_heads=heads, num_kv_heads=heads // 2,
+                               head_dim=64)
+  params = init_params(config, jax.random.PRNGKey(seed))
+  tokens = {k: v for k, v in read_json(os.path.join(DEFAULT_CHECKPOINT, "config.json")).items()
+            if k in ("bos_token_id", "eos_token_id")}
+  save_hf_checkpoint(directory, config, params, dtype="float32", extra_config=tokens)
+  return directory
+
+
 def run(checkpoint: str = None, *, num_prompts: int = 32, min_prompt_len: int = 24,
         max_prompt_len: int = 64, max_new_tokens: int = 64, block_size: int = 16,
         num_blocks: int = 256, max_batch_tokens: int = 256, repeats: int = 5,
-        torch_threads: int = None, decode_steps_per_sync: int = 1, seed: int = 0) -> Dict:
-  """Runs both engines side by side; returns the result dict (see module doc)."""
+        torch_threads: int = None, decode_steps_per_sync: int = 1, seed: int = 0,
+        random_hidden_size: int = 0, random_num_layers: int = 0) -> Dict:
+  """Runs both engines side by side; returns the result dict (see module doc).
+
+  With `random_hidden_size` and `random_num_layers` both set, both engines run a
+  seeded random model of that size (`random_checkpoint`, in a temporary directory)
+  instead of `checkpoint`."""
   from paged_jax.models import DEFAULT_CHECKPOINT  # pylint: disable=g-import-not-at-top
+  if bool(random_hidden_size) != bool(random_num_layers):
+    raise ValueError("random_hidden_size and random_num_layers go together, got "
+                     f"{random_hidden_size} and {random_num_layers}")
+  if random_hidden_size and checkpoint:
+    raise ValueError("give checkpoint or random_hidden_size/random_num_layers, not both")
+  if random_hidden_size:
+    with tempfile.TemporaryDirectory(prefix="hf_peer_random_") as tmp:
+      result = run(random_checkpoint(tmp, random_hidden_size, random_num_layers, seed),
+                   num_prompts=num_prompts, min_prompt_len=min_prompt_len,
+                   max_prompt_len=max_prompt_len, max_new_tokens=max_new_tokens,
+                   block_size=block_size, num_blocks=num_blocks,
+                   max_batch_tokens=max_batch_tokens, repeats=repeats,
+                   torch_threads=torch_threads, decode_steps_per_sync=decode_steps_per_sync,
+                   seed=seed)
+    result["workload"]["checkpoint"] = (f"random (seed {seed}): hidden {random_hidden_size}, "
+                                        f"{random_num_layers} layers")
+    return result
   checkpoint = checkpoint or DEFAULT_CHECKPOINT
   for name, v, lo in (("max_new_tokens", max_new_tokens, 1), ("block_size", block_size, 4),
                       ("num_blocks", num_blocks, 1), ("max_batch_tokens", max_batch_tokens, 1),
@@ -257,6 +315,16 @@ def run(checkpoint: str = None, *, num_prompts: int = 32, min_prompt_len: int = 
         "ratio_tokens_per_s": (engines["paged_jax"]["output_tokens_per_s"]
                                / engines["transformers"]["output_tokens_per_s"])}
   result["ratio_tokens_per_s"] = result["modes"]["steady"]["ratio_tokens_per_s"]
+  # What any engine could do here: the workload's FLOPs at this CPU's GEMM rate.
+  floor = compute_floor.compute_floor(runners["paged_jax"].model_config,
+                                      [len(p) for p in prompts], max_new_tokens,
+                                      torch_threads=threads)
+  for m in result["modes"].values():
+    for e in m["engines"].values():
+      e["achieved_gflops"] = floor["workload_gflop"] / e["median_s"]
+  floor["max_ratio_over_transformers"] = (
+      result["modes"]["steady"]["engines"]["transformers"]["median_s"] / floor["floor_s"])
+  result["compute_floor"] = floor
   result["paged_jax_preemptions"] = runners["paged_jax"].last_engine.num_preemptions
   result["agreement"] = agreement(outputs[("steady", "paged_jax")],
                                   outputs[("steady", "transformers")])
@@ -269,6 +337,7 @@ def run(checkpoint: str = None, *, num_prompts: int = 32, min_prompt_len: int = 
                         "kv_slots": num_blocks * block_size, "max_batch_tokens": max_batch_tokens,
                         "max_seqs": num_prompts, "decode_steps_per_sync": decode_steps_per_sync,
                         "torch_threads": threads, "checkpoint": os.path.relpath(checkpoint),
+                        "num_params": runners["paged_jax"].num_params,
                         "seed": seed}
   result["versions"] = versions()
   result["sample_outputs"] = {name: outputs[("steady", name)][:2] for name in runners}
@@ -292,7 +361,10 @@ def _define_flags():
   flags.DEFINE_integer("repeats", 5, "timed rounds (alternating the two engines)")
   flags.DEFINE_integer("torch_threads", None, "torch threads (default: os.cpu_count())")
   flags.DEFINE_integer("decode_steps_per_sync", 1, "paged_jax multi-step decoding")
-  flags.DEFINE_integer("seed", 0, "prompt selection seed")
+  flags.DEFINE_integer("seed", 0, "prompt selection seed (and the random model's)")
+  flags.DEFINE_integer("random_hidden_size", 0, "with random_num_layers: run a seeded random "
+                       "model of this width instead of --checkpoint (512 x 8 layers: ~25M params)")
+  flags.DEFINE_integer("random_num_layers", 0, "layers of the random model")
   flags.DEFINE_string("out", "experiments/results/hf_peer", "output directory")
 
 
@@ -300,7 +372,7 @@ def main(f, out):
   """Runs with the parsed flags `f` into directory `out` (the `common.run_app` main)."""
   names = ("checkpoint", "num_prompts", "min_prompt_len", "max_prompt_len", "max_new_tokens",
            "block_size", "num_blocks", "max_batch_tokens", "repeats", "torch_threads",
-           "decode_steps_per_sync", "seed")
+           "decode_steps_per_sync", "seed", "random_hidden_size", "random_num_layers")
   result = run(**{n: f[n].value for n in names})
   result.update(common.run_metadata(f, names))
   result["date_utc"] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
@@ -311,6 +383,10 @@ def main(f, out):
   a = result["agreement"]
   for mode, m in result["modes"].items():
     print(f"{mode}: paged_jax / transformers tokens/s = {m['ratio_tokens_per_s']:.2f}x")
+  fl = result["compute_floor"]
+  print(f"compute floor: {fl['workload_gflop']:.0f} GFLOP at the best measured GEMM rate "
+        f"{fl['best_gemm_gflops']:.0f} GFLOP/s = {fl['floor_s']:.2f} s; no engine can beat "
+        f"transformers (steady) by more than {fl['max_ratio_over_transformers']:.2f}x here")
   print(f"greedy outputs "
         f"identical for {a['exact_match_fraction']:.0%} of {a['num_prompts']} prompts (mean common "
         f"prefix {a['mean_common_prefix']:.1f} of {result['workload']['max_new_tokens']} tokens)")
