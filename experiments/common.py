@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 import statistics
 import sys
@@ -205,7 +206,6 @@ def versions() -> Dict[str, str]:
 
 def machine() -> Dict[str, Any]:
   """The host and the first JAX device a result was measured on."""
-  import os  # pylint: disable=g-import-not-at-top
   import platform  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   dev = jax.devices()[0]
@@ -222,7 +222,23 @@ def run_metadata(flag_values, names: Optional[Sequence[str]] = None) -> Dict[str
   if names is None:
     names = [f.name for f in own_flags(flag_values)]
   return {"flags": {n: flag_values[n].value for n in sorted(names)}, "versions": versions(),
-          "machine": machine()}
+          "machine": machine(), "code": code_version()}
+
+
+def code_version() -> Dict[str, Any]:
+  """{"git_commit": HEAD, "dirty": uncommitted changes to tracked files} of the checkout
+  the experiment ran from (None where git or the repository is absent)."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  try:
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                          text=True, timeout=10, check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                           cwd=root, capture_output=True, text=True, timeout=10,
+                           check=True).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return {"git_commit": None, "dirty": None}
+  return {"git_commit": head, "dirty": bool(dirty)}
 
 
 def run_app(main, define_flags, *, flag_values=None, doc: Optional[str] = None,

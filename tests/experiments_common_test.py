@@ -1,4 +1,7 @@
 """experiments.common: timing helpers against a fake clock (no wall-clock assertions)."""
+import os
+import subprocess
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,3 +82,19 @@ def test_copy_bandwidth_is_bytes_over_time():
 
 if __name__ == "__main__":
   pytest.main([__file__, "-q"])
+
+
+def test_run_metadata_names_the_code_it_ran():
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  fv = flags.FlagValues()
+  flags.DEFINE_integer("seed", 3, "a seed", flag_values=fv)
+  fv(["prog"])
+  meta = common.run_metadata(fv)
+  assert meta["flags"] == {"seed": 3}
+  code = meta["code"]
+  assert set(code) == {"git_commit", "dirty"}
+  head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(__file__),
+                        capture_output=True, text=True, check=False)
+  if head.returncode == 0:      # a checkout (CI's clean clone is one)
+    assert code["git_commit"] == head.stdout.strip()
+    assert isinstance(code["dirty"], bool)
