@@ -1,10 +1,12 @@
 """One entry point for paged attention, dispatching to a backend.
 
 Backends:
-  "reference"         plain jnp (pallas_kernels/reference.py); any platform.
+  "reference"         plain jnp (pallas_kernels/reference.py), the oracle; any platform.
+  "xla"               plain jnp laid out for XLA:CPU (pallas_kernels/xla_attention.py):
+                      the same results, K/V gathered once per sequence or query tile.
   "pallas"            the Pallas Triton GPU kernels (pallas_kernels/*.py).
   "pallas_interpret"  the same kernels run by the Pallas interpreter (CPU tests).
-  "auto"              "pallas" when jax.default_backend() == "gpu", else "reference".
+  "auto"              "pallas" when jax.default_backend() == "gpu", else "xla".
   "pallas:triton", "pallas:mosaic_gpu", "pallas_interpret:triton",
   "pallas_interpret:mosaic_gpu"
                       the Pallas backends with the GPU kernel family forced; plain "pallas"
@@ -23,7 +25,7 @@ import flax
 import jax
 import jax.numpy as jnp
 
-BACKENDS = ("auto", "reference", "pallas", "pallas_interpret", "pallas:triton",
+BACKENDS = ("auto", "reference", "xla", "pallas", "pallas_interpret", "pallas:triton",
             "pallas:mosaic_gpu", "pallas_interpret:triton", "pallas_interpret:mosaic_gpu")
 
 
@@ -66,7 +68,7 @@ def resolve_backend(backend: str) -> str:
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
   if backend == "auto":
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
   return backend
 
 
@@ -84,6 +86,10 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, backend: str 
     kw = _reference_kwargs(kw)
     return reference.paged_attention_reference(q, k_pages, v_pages, block_tables, lengths,
                                                **kw)
+  if backend == "xla":
+    from pallas_kernels import xla_attention  # pylint: disable=g-import-not-at-top
+    return xla_attention.decode_attention(q, k_pages, v_pages, block_tables, lengths,
+                                          **_reference_kwargs(kw))
   import pallas_kernels  # pylint: disable=g-import-not-at-top
   # The package binds the name to the kernel function (not the submodule of that name).
   interpret, gpu = _gpu_backend(backend)
@@ -104,6 +110,10 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens
     kw = _reference_kwargs(kw)
     return reference.ragged_paged_attention_reference(
         q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, **kw)
+  if backend == "xla":
+    from pallas_kernels import xla_attention  # pylint: disable=g-import-not-at-top
+    return xla_attention.ragged_attention(q, k_pages, v_pages, block_tables, kv_lens,
+                                          cu_q_lens, num_seqs, **_reference_kwargs(kw))
   import pallas_kernels  # pylint: disable=g-import-not-at-top
   kernel = getattr(pallas_kernels, "ragged_paged_attention", None)
   if kernel is None:

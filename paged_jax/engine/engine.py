@@ -67,7 +67,7 @@ class Engine:
     max_num_batched_tokens: per-step token budget (prefill chunks + decodes).
     decode_steps_per_sync: decode steps per device call (multi-step decoding).
     preemption_mode: "recompute" (default) or "swap" (to host memory).
-    attention_backend: one of `attention.BACKENDS`: "auto", "reference", "pallas",
+    attention_backend: one of `attention.BACKENDS`: "auto", "reference", "xla", "pallas",
       "pallas_interpret", or with the GPU kernel family forced ("pallas:triton",
       "pallas:mosaic_gpu", "pallas_interpret:triton", "pallas_interpret:mosaic_gpu").
     max_beam_width: largest beam_width accepted (sets the candidate count).

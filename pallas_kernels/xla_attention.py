@@ -1,0 +1,153 @@
+r"""Paged attention in plain XLA ops, shaped for the CPU: the engine's attention off-GPU.
+
+Same contracts and semantics as `reference.py` (which stays the oracle); what differs
+is how the work is laid out for XLA:CPU, where gathers of K/V, not FLOPs, set the cost:
+
+  decode   every sequence's pages are gathered once, head-major ([Hkv, B, L, D], no
+           transposing copy), and scored with one fused multiply-reduce per product.
+  ragged   the reference gathers each query token's whole K/V (a 256-token prefill
+           chunk reads its row's cache 256 times). Here the new tokens are cut into
+           query tiles of `tile_tokens` tokens that never straddle two sequences
+           (at most cdiv(T, tile) + S tiles); a tile gathers its one sequence's K/V
+           once and scores all of its tokens against it.
+
+    out = decode_attention(q, k_pages, v_pages, block_tables, lengths)          # [B, Hq, D]
+    out = ragged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
+                           num_seqs, tile_tokens=16)                              # [T, Hq, D]
+
+Shapes: q [B or T, Hq, D]; k_pages / v_pages [Hkv, NB, bs, D] (any dtype; f32 math;
+`k_scales` / `v_scales` f32[Hkv, NB, bs] for quantized pages); block_tables i32[S, P].
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+_I32 = jnp.int32
+
+
+def _gather(pages, idx, scales):
+  """f32[Hkv, *idx.shape[:-1], P * bs, D]: the pages of each table row, head-major."""
+  num_kv_heads, num_blocks, block_size, head_dim = pages.shape
+  idx = jnp.clip(idx.astype(_I32), 0, num_blocks - 1)
+  out = pages[:, idx].astype(jnp.float32)            # [Hkv, ..., P, bs, D]
+  if scales is not None:
+    out = out * scales[:, idx].astype(jnp.float32)[..., None]
+  return out.reshape(out.shape[:-3] + (idx.shape[-1] * block_size, head_dim))
+
+
+def _softmax_out(logits, visible, v, scale, soft_cap):
+  """logits f32[Hkv, N, G, Q, L] (Q queries of each of N items), visible bool broadcast
+  to it, v f32[Hkv, N, L, D] -> f32[Hkv, N, G, Q, D]; rows with nothing visible -> 0."""
+  logits = logits * scale
+  if soft_cap is not None:
+    logits = soft_cap * jnp.tanh(logits / soft_cap)
+  logits = jnp.where(visible, logits, -jnp.inf)
+  row_max = jnp.max(logits, axis=-1, keepdims=True)
+  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+  w = jnp.where(visible, jnp.exp(logits - row_max), 0.0)
+  denom = jnp.sum(w, axis=-1, keepdims=True)
+  w = w / jnp.where(denom > 0, denom, 1.0)
+  return jnp.einsum("hngql,hnld->hngqd", w, v)
+
+
+def _scale(sm_scale, head_dim):
+  return 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+
+
+def decode_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None,
+                     soft_cap=None, sliding_window=None, k_scales=None, v_scales=None):
+  """One query per sequence at position lengths[b] - 1: q [B, Hq, D] -> [B, Hq, D].
+  lengths i32[B] (0: the row returns zeros)."""
+  num_seqs, num_q_heads, head_dim = q.shape
+  num_kv_heads = k_pages.shape[0]
+  group = num_q_heads // num_kv_heads
+  k = _gather(k_pages, block_tables, k_scales)        # [Hkv, B, L, D]
+  v = _gather(v_pages, block_tables, v_scales)
+  max_len = k.shape[2]
+  lengths = lengths.astype(_I32)
+  key = jnp.arange(max_len, dtype=_I32)[None, :]
+  visible = key < lengths[:, None]                     # [B, L]
+  if sliding_window is not None:
+    visible &= key > (lengths - 1)[:, None] - sliding_window
+  # Zero invisible values: 0 * NaN from a stale page would otherwise poison the sum.
+  v = jnp.where(visible[None, :, :, None], v, 0.0)
+  qg = q.astype(jnp.float32).reshape(num_seqs, num_kv_heads, group, head_dim)
+  qg = jnp.swapaxes(qg, 0, 1)[:, :, :, None, None, :]  # [Hkv, B, G, 1, 1, D]
+  logits = jnp.sum(qg * k[:, :, None, None, :, :], axis=-1)   # [Hkv, B, G, 1, L]
+  out = _softmax_out(logits, visible[None, :, None, None, :], v,
+                     _scale(sm_scale, head_dim), soft_cap)
+  out = jnp.swapaxes(out[:, :, :, 0, :], 0, 1)          # [B, Hkv, G, D]
+  return out.reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)
+
+
+def query_tiles(cu_q_lens, num_seqs, num_tokens: int, tile_tokens: int):
+  """Cuts a ragged batch's tokens into tiles of one sequence each.
+
+  Args:
+    cu_q_lens: i32[S + 1]; num_seqs: i32[] (rows >= num_seqs have no tokens).
+    num_tokens: T (static); tile_tokens: C (static).
+  Returns:
+    (tile_seq i32[N], tokens i32[N, C], ok bool[N, C]) with N = cdiv(T, C) + S: each
+    tile's sequence (clamped into [0, S)), its token rows, and which are real.
+  """
+  num_rows = cu_q_lens.shape[0] - 1
+  cu = cu_q_lens.astype(_I32)
+  live = jnp.arange(num_rows, dtype=_I32) < num_seqs
+  q_lens = jnp.where(live, cu[1:] - cu[:-1], 0)
+  tiles = (q_lens + tile_tokens - 1) // tile_tokens    # [S]
+  ends = jnp.cumsum(tiles).astype(_I32)
+  num_tiles = -(-num_tokens // tile_tokens) + num_rows
+  t = jnp.arange(num_tiles, dtype=_I32)
+  seq = jnp.searchsorted(ends, t, side="right").astype(_I32)   # == S past the last tile
+  used = seq < num_rows
+  seq = jnp.minimum(seq, num_rows - 1)
+  first = cu[seq] + (t - (ends[seq] - tiles[seq])) * tile_tokens
+  tokens = first[:, None] + jnp.arange(tile_tokens, dtype=_I32)[None, :]
+  ok = used[:, None] & (tokens < (cu[seq] + q_lens[seq])[:, None])
+  return seq, jnp.where(ok, tokens, 0), ok
+
+
+def ragged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, *,
+                     sm_scale=None, soft_cap=None, sliding_window=None, k_scales=None,
+                     v_scales=None, tile_tokens: int = 16, tiles_per_step: int = 8):
+  """Mixed prefill + decode attention: q [T, Hq, D] -> [T, Hq, D] (causal; sequence i's
+  new queries are q[cu_q_lens[i]:cu_q_lens[i+1]] at positions kv_lens[i] - q_len_i ..
+  kv_lens[i] - 1; padding rows return zeros). `tiles_per_step` tiles share one loop
+  step (bounds memory at tiles_per_step x Hkv x P x bs x D floats per K and V)."""
+  num_tokens, num_q_heads, head_dim = q.shape
+  num_kv_heads = k_pages.shape[0]
+  group = num_q_heads // num_kv_heads
+  tile = max(1, min(tile_tokens, num_tokens))
+  seq, tokens, ok = query_tiles(cu_q_lens, jnp.asarray(num_seqs, _I32), num_tokens, tile)
+  cu = cu_q_lens.astype(_I32)
+  kv_lens = kv_lens.astype(_I32)
+  q_len = cu[seq + 1] - cu[seq]
+  pos = jnp.where(ok, kv_lens[seq][:, None] - q_len[:, None] + (tokens - cu[seq][:, None]), -1)
+  scale = _scale(sm_scale, head_dim)
+  qt = q.astype(jnp.float32)[tokens]                   # [N, C, Hq, D]
+
+  def run(args):   # one tile (lax.map vmaps it over `tiles_per_step` tiles at a time)
+    q_c, seq_c, pos_c = args                           # [C, Hq, D], [], [C]
+    k = _gather(k_pages, block_tables[seq_c][None], k_scales)   # [Hkv, 1, L, D]
+    v = _gather(v_pages, block_tables[seq_c][None], v_scales)
+    key = jnp.arange(k.shape[2], dtype=_I32)
+    key_ok = key < kv_lens[seq_c]                       # [L]
+    v = jnp.where(key_ok[None, None, :, None], v, 0.0)
+    visible = key_ok[None, :] & (key[None, :] <= pos_c[:, None])   # [C, L]
+    if sliding_window is not None:
+      visible &= key[None, :] > pos_c[:, None] - sliding_window
+    qg = q_c.reshape(tile, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)[:, None]
+    logits = jnp.einsum("hngqd,hnld->hngql", qg, k)     # [Hkv, 1, G, C, L]
+    out = _softmax_out(logits, visible[None, None, None], v, scale, soft_cap)
+    return out[:, 0].transpose(2, 0, 1, 3).reshape(tile, num_q_heads, head_dim)
+
+  per_step = max(1, min(tiles_per_step, seq.shape[0]))
+  out_t = jax.lax.map(run, (qt, seq, pos), batch_size=per_step)   # [N, C, Hq, D]
+  rows = jnp.where(ok, tokens, num_tokens)
+  out = jnp.zeros((num_tokens, num_q_heads, head_dim), jnp.float32)
+  out = out.at[rows.reshape(-1)].set(out_t.reshape(-1, num_q_heads, head_dim), mode="drop")
+  return out.astype(q.dtype)

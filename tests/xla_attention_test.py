@@ -1,0 +1,124 @@
+"""pallas_kernels/xla_attention (the CPU engine's attention, backend "xla") against the
+plain-jnp reference, the oracle: the ragged kernel tests' random batches (decode rows,
+prefill chunks starting mid-block, empty and dead sequences, padding rows, garbage table
+entries, NaN in every slot no live sequence owns, int8 / fp8 pages with scales), plus the
+query-tile layout against a plain-Python model and the engine end to end against the
+dense oracle. Seeds come from the test id."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from paged_jax import attention
+from paged_jax.engine import Engine
+from pallas_kernels import xla_attention
+from pallas_kernels.reference import paged_attention_reference
+
+import engine_oracle
+from ragged_paged_attention_test import TOL, _test_seed, make_batch, mixed_seqs, reference, rel_err
+
+ragged = jax.jit(xla_attention.ragged_attention,
+                 static_argnames=("sm_scale", "soft_cap", "sliding_window", "tile_tokens",
+                                  "tiles_per_step"))
+decode = jax.jit(xla_attention.decode_attention,
+                 static_argnames=("sm_scale", "soft_cap", "sliding_window"))
+decode_ref = jax.jit(paged_attention_reference,
+                     static_argnames=("sm_scale", "soft_cap", "sliding_window"))
+
+CASES = [   # (group, head_dim, block_size, q_dtype, page_dtype, semantic kwargs)
+    (1, 64, 16, jnp.float32, None, {}),
+    (2, 32, 8, jnp.float32, None, {"soft_cap": 3.0, "sliding_window": 19}),
+    (4, 64, 4, jnp.bfloat16, None, {}),
+    (2, 64, 16, jnp.float32, jnp.int8, {}),
+    (4, 32, 16, jnp.bfloat16, jnp.float8_e4m3fn, {"sm_scale": 0.2}),
+]
+
+
+@pytest.mark.parametrize("tile_tokens", [1, 5, 16])
+@pytest.mark.parametrize("group,head_dim,block_size,q_dtype,page_dtype,kw", CASES)
+def test_ragged_matches_reference(group, head_dim, block_size, q_dtype, page_dtype, kw,
+                                  tile_tokens):
+  seed = _test_seed()
+  rng = np.random.default_rng(seed)
+  seqs = mixed_seqs(rng, block_size, num_decode=5, prefill_q_lens=[1, 7, 23, 40])
+  args, scales, row_valid = make_batch(rng, seqs=seqs, num_kv_heads=2, group=group,
+                                       head_dim=head_dim, block_size=block_size,
+                                       q_dtype=q_dtype, page_dtype=page_dtype)
+  out = ragged(*args, **kw, **scales, tile_tokens=tile_tokens, tiles_per_step=3)
+  want = reference(*args, **kw, **scales)
+  out, want = np.asarray(out.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
+  assert out.dtype == want.dtype and out.shape == want.shape
+  assert np.isfinite(out).all(), f"seed={seed}: non-finite output (stale data leaked?)"
+  assert (out[~row_valid] == 0).all(), f"seed={seed}: padding rows must be zero"
+  err = rel_err(out[row_valid], want[row_valid])
+  assert err <= TOL[q_dtype], f"seed={seed}: rel err {err:.3g} > {TOL[q_dtype]}"
+
+
+@pytest.mark.parametrize("group,head_dim,block_size,q_dtype,page_dtype,kw", CASES)
+def test_decode_matches_reference(group, head_dim, block_size, q_dtype, page_dtype, kw):
+  seed = _test_seed()
+  rng = np.random.default_rng(seed)
+  seqs = [(1, int(n)) for n in rng.integers(1, 90, 6)] + [(1, block_size), (1, 1)]
+  args, scales, _ = make_batch(rng, seqs=seqs, num_kv_heads=2, group=group,
+                               head_dim=head_dim, block_size=block_size, q_dtype=q_dtype,
+                               page_dtype=page_dtype, dead_seqs=0, padding_rows=0)
+  q, k, v, tables, kv_lens = args[:5]
+  lengths = kv_lens.at[3].set(0)            # a row with nothing cached returns zeros
+  out = np.asarray(decode(q, k, v, tables, lengths, **kw, **scales).astype(jnp.float32))
+  want = np.asarray(decode_ref(q, k, v, tables, lengths, **kw, **scales).astype(jnp.float32))
+  assert np.isfinite(out).all() and (out[3] == 0).all(), f"seed={seed}"
+  err = rel_err(out, want)
+  assert err <= TOL[q_dtype], f"seed={seed}: rel err {err:.3g} > {TOL[q_dtype]}"
+
+
+@pytest.mark.parametrize("tile_tokens", [1, 3, 8])
+def test_query_tiles_match_python_model(tile_tokens):
+  rng = np.random.default_rng(_test_seed())
+  for _ in range(20):
+    rows = int(rng.integers(1, 7))
+    q_lens = rng.integers(0, 12, rows)
+    num_seqs = int(rng.integers(0, rows + 1))
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    num_tokens = int(cu[-1]) + int(rng.integers(0, 4))
+    seq, tokens, ok = jax.device_get(xla_attention.query_tiles(
+        jnp.asarray(cu), jnp.int32(num_seqs), num_tokens, tile_tokens))
+    assert seq.shape[0] == -(-num_tokens // tile_tokens) + rows
+    # Python model: every live sequence's tokens, cut into tiles in order.
+    want = []
+    for r in range(num_seqs):
+      toks = list(range(cu[r], cu[r + 1]))
+      want += [(r, toks[i:i + tile_tokens]) for i in range(0, len(toks), tile_tokens)]
+    got = [(int(s), [int(t) for t, o in zip(tt, oo) if o]) for s, tt, oo in zip(seq, tokens, ok)]
+    assert [g for g in got if g[1]] == want
+    assert all(not g[1] for g in got[len(want):])    # the rest of the tiles hold nothing
+
+
+def test_auto_is_xla_on_cpu_and_dispatch_agrees():
+  assert attention.resolve_backend("auto") == (
+      "pallas" if jax.default_backend() == "gpu" else "xla")
+  rng = np.random.default_rng(_test_seed())
+  seqs = mixed_seqs(rng, 8, num_decode=3, prefill_q_lens=[9])
+  args, _, row_valid = make_batch(rng, seqs=seqs, num_kv_heads=2, group=2, head_dim=32,
+                                  block_size=8)
+  via = attention.ragged_paged_attention(*args, backend="xla", soft_cap=2.0, num_warps=4)
+  want = reference(*args, soft_cap=2.0)
+  assert rel_err(np.asarray(via)[row_valid], np.asarray(want)[row_valid]) <= 1e-5
+  with pytest.raises(TypeError, match="softcap"):
+    attention.ragged_paged_attention(*args, backend="xla", softcap=2.0)
+
+
+@pytest.mark.parametrize("decode_steps", [1, 3])
+def test_engine_on_xla_attention_equals_dense_oracle(decode_steps):
+  """Greedy outputs through the engine on the xla backend (chunked prefill, mixed and
+  decode-only steps, preemption at a tight pool) equal the dense oracle's."""
+  mc = engine_oracle.MC
+  cc = mc.cache_config(block_size=4, num_blocks=14, max_seqs=5,
+                       max_blocks_per_seq=engine_oracle.ORACLE_LEN // 4)
+  eng = Engine(mc, engine_oracle.PARAMS, cc, max_num_batched_tokens=12,
+               attention_backend="xla", decode_steps_per_sync=decode_steps)
+  prompts = engine_oracle.random_prompts(_test_seed(), 5, 3, 20)
+  outs = eng.generate(prompts, engine_oracle.greedy(9))
+  assert eng.num_preemptions > 0
+  for p, o in zip(prompts, outs):
+    assert list(o.outputs[0]) == engine_oracle.dense_greedy(engine_oracle.PARAMS, p, 9)
