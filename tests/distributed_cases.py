@@ -150,7 +150,7 @@ def test_bad_mesh_shapes_raise_clear_errors():
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_tp_engine_multistep_and_preemption_match_single_device(mode):
   """A cache too small for all prompts (preemption) and 3 decode steps per device call."""
-  cache = CACHE.replace(num_blocks=7)
+  cache = CACHE.replace(num_blocks=6)   # the longest request needs all 6 blocks
   kw = dict(ENGINE_KW, decode_steps_per_sync=3, preemption_mode=mode)
   single = Engine(CONFIG, PARAMS, cache, **kw)
   want = [o.outputs[0] for o in single.generate(PROMPTS, GREEDY)]
