@@ -14,6 +14,9 @@ every prompt token once, then each generated token but the last fed back once.
 GEMM rate: the model's projection chain (the same shapes, float32) on a [T, hidden]
 activation, jitted in JAX and in torch (when installed), the best of `repeats` calls,
 for each T in `token_batches` (decode-sized and prefill-sized batches).
+`attention_cost` times, beside it, the attention this platform's engine runs per layer
+(decode and mixed steps), which the floor leaves out: where the engine's time goes
+that no GEMM accounts for.
 """
 
 from __future__ import annotations
@@ -46,9 +49,13 @@ def workload_flops(c, prompt_lens: Sequence[int], max_new_tokens: int) -> Dict[s
           "total": float(dense_per_token) * tokens + attn}
 
 
-def _weights(c, seed: int = 0):
+def _weights_for(shapes, seed: int = 0):
   rng = np.random.default_rng(seed)
-  return [rng.standard_normal((i, o), np.float32) * 0.02 for i, o in _projection_shapes(c)]
+  return [rng.standard_normal((i, o), np.float32) * 0.02 for i, o in shapes]
+
+
+def _weights(c, seed: int = 0):
+  return _weights_for(_projection_shapes(c), seed)
 
 
 def _chain_jax(ws, t: int, repeats: int) -> float:
@@ -90,6 +97,49 @@ def _chain_torch(ws, t: int, repeats: int, threads: int) -> float:
         torch.mm(xs[w.shape[0]], w)
       best = min(best, time.perf_counter() - t0)
   return best
+
+
+def attention_cost(c, *, rows: int, kv_len: int, block_size: int, num_tokens: int,
+                   repeats: int = 5) -> Dict[str, float]:
+  """Milliseconds per layer of the attention the engine runs on this platform
+  (`attention_backend="auto"`), best of `repeats`, next to the same step's projection
+  GEMMs (one layer): a decode step of `rows` rows over `kv_len` cached tokens each, and a
+  mixed step of `num_tokens` new tokens spread evenly over those rows."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from paged_jax import attention  # pylint: disable=g-import-not-at-top
+  hd = c.head_dim or c.hidden_size // c.num_heads
+  width = -(-kv_len // block_size)
+  num_blocks = rows * width
+  rng = np.random.default_rng(2)
+  pages = [jnp.asarray(rng.standard_normal((c.num_kv_heads, num_blocks, block_size, hd),
+                                           np.float32)) for _ in range(2)]
+  tables = jnp.asarray(rng.permutation(num_blocks).reshape(rows, width), jnp.int32)
+  lens = jnp.full((rows,), kv_len, jnp.int32)
+  q_dec = jnp.asarray(rng.standard_normal((rows, c.num_heads, hd), np.float32))
+  q_mix = jnp.asarray(rng.standard_normal((num_tokens, c.num_heads, hd), np.float32))
+  per_row = num_tokens // rows
+  cu = jnp.asarray(np.arange(rows + 1) * per_row, jnp.int32)
+  decode = jax.jit(lambda q, k, v, t, n: attention.paged_attention(q, k, v, t, n))
+  mixed = jax.jit(lambda q, k, v, t, n, cu: attention.ragged_paged_attention(
+      q, k, v, t, n, cu, rows))
+
+  def best(fn, *args):
+    jax.block_until_ready(fn(*args))
+    out = float("inf")
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      out = min(out, time.perf_counter() - t0)
+    return out * 1e3
+
+  layer = _projection_shapes(c)[:4]
+  return {"backend": attention.resolve_backend("auto"), "rows": rows, "kv_len": kv_len,
+          "num_tokens": num_tokens,
+          "decode_ms_per_layer": best(decode, q_dec, *pages, tables, lens),
+          "mixed_ms_per_layer": best(mixed, q_mix, *pages, tables, lens, cu),
+          "decode_gemm_ms_per_layer": _chain_jax(_weights_for(layer), rows, repeats) * 1e3,
+          "mixed_gemm_ms_per_layer": _chain_jax(_weights_for(layer), num_tokens, repeats) * 1e3}
 
 
 def compute_floor(c, prompt_lens: Sequence[int], max_new_tokens: int, *,

@@ -322,6 +322,10 @@ def run(checkpoint: str = None, *, num_prompts: int = 32, min_prompt_len: int = 
   for m in result["modes"].values():
     for e in m["engines"].values():
       e["achieved_gflops"] = floor["workload_gflop"] / e["median_s"]
+  mean_prompt = float(np.mean([len(p) for p in prompts]))
+  floor["attention"] = compute_floor.attention_cost(
+      runners["paged_jax"].model_config, rows=num_prompts, block_size=block_size,
+      kv_len=int(mean_prompt + max_new_tokens / 2), num_tokens=max_batch_tokens)
   floor["max_ratio_over_transformers"] = (
       result["modes"]["steady"]["engines"]["transformers"]["median_s"] / floor["floor_s"])
   result["compute_floor"] = floor
@@ -387,6 +391,11 @@ def main(f, out):
   print(f"compute floor: {fl['workload_gflop']:.0f} GFLOP at the best measured GEMM rate "
         f"{fl['best_gemm_gflops']:.0f} GFLOP/s = {fl['floor_s']:.2f} s; no engine can beat "
         f"transformers (steady) by more than {fl['max_ratio_over_transformers']:.2f}x here")
+  at = fl["attention"]
+  print(f"per layer, {at['backend']} attention vs the projection GEMMs: decode step "
+        f"({at['rows']} rows x {at['kv_len']} tokens) {at['decode_ms_per_layer']:.2f} vs "
+        f"{at['decode_gemm_ms_per_layer']:.2f} ms; mixed step ({at['num_tokens']} tokens) "
+        f"{at['mixed_ms_per_layer']:.2f} vs {at['mixed_gemm_ms_per_layer']:.2f} ms")
   print(f"greedy outputs "
         f"identical for {a['exact_match_fraction']:.0%} of {a['num_prompts']} prompts (mean common "
         f"prefix {a['mean_common_prefix']:.1f} of {result['workload']['max_new_tokens']} tokens)")

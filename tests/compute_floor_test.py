@@ -59,3 +59,12 @@ def test_random_checkpoint_loads_with_the_asked_size(tmp_path):
 def test_random_checkpoint_rejects_bad_sizes(tmp_path, hidden, layers, match):
   with pytest.raises(ValueError, match=match):
     hf_peer_bench.random_checkpoint(str(tmp_path / "m"), hidden, layers)
+
+
+def test_attention_cost_times_this_platforms_attention():
+  at = compute_floor.attention_cost(C, rows=4, kv_len=20, block_size=8, num_tokens=16,
+                                    repeats=1)
+  assert at["backend"] == "xla"                # JAX_PLATFORMS=cpu
+  for key in ("decode_ms_per_layer", "mixed_ms_per_layer", "decode_gemm_ms_per_layer",
+              "mixed_gemm_ms_per_layer"):
+    assert at[key] > 0, key
