@@ -106,18 +106,21 @@ def summary_rows(results: Dict):
       rows.append([name, config, r["max_seqs"], f"{r['requests_per_s']:.2f}",
                    f"{r['tokens_per_s']:.0f}", f"{r['mean_latency_s']:.2f}",
                    f"{r['tokens_per_step']:.1f}", f"{r['mean_running_seqs']:.1f}",
-                   r["preemptions"]])
+                   r["preemptions"], f"{r['device_s']:.2f}",
+                   f"{1e3 * r['device_s'] / r['steps']:.2f}"])
+    p, o = row["paged"], row["orca_max"]
     rows.append([name, "paged / orca_max", "", f"{row['speedup_requests_per_s']:.2f}x",
                  f"{row['speedup_tokens_per_s']:.2f}x", f"{row['latency_ratio']:.2f}x",
-                 f"{row['speedup_tokens_per_step']:.2f}x", f"{row['concurrency_ratio']:.2f}x", ""])
+                 f"{row['speedup_tokens_per_step']:.2f}x", f"{row['concurrency_ratio']:.2f}x", "",
+                 f"{p['device_s'] / o['device_s']:.2f}x",
+                 f"{(p['device_s'] / p['steps']) / (o['device_s'] / o['steps']):.2f}x"])
     rows.append([name, "wall / step ratio", "", "", f"{row['wall_over_step_ratio']:.2f}",
-                 "", "", "", ""])
+                 "", "", "", "", "", ""])
   return rows
 
 
 HEADERS = ["workload", "config", "max seqs", "req/s", "tok/s", "mean latency s", "tok/step",
-           "mean running",
-           "preempt"]
+           "mean running", "preempt", "device s", "device ms/step"]
 
 
 def plot(results: Dict, path):

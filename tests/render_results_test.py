@@ -65,7 +65,7 @@ def test_index_reads_its_figures_from_the_committed_json():
 
 def test_benchmarks_stays_small_and_free_of_issue_numbers():
   text = open(os.path.join(ROOT, "BENCHMARKS.md"), encoding="utf-8").read()
-  assert len(text.encode()) < 24_000
+  assert len(text.encode()) < 28_000
   assert not re.search(r"\bissue\b|#\d", text, re.I)
 
 

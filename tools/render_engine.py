@@ -31,19 +31,56 @@ def hf_peer(doc) -> str:
 
 
 def hf_peer_runs(results_dir: str) -> str:
-  """Both committed hf_peer runs (32 and 128 prompts): tokens/s per mode and the ratio."""
+  """Every committed hf_peer run (hf_peer/**/hf_peer.json): tokens/s per mode, the
+  ratio and, where measured, the compute floor's bound on any ratio."""
+  base = os.path.join(results_dir, "hf_peer")
+  rels = sorted(os.path.relpath(os.path.join(d, "hf_peer.json"), results_dir)
+                for d, _, files in os.walk(base) if "hf_peer.json" in files)
   rows = []
-  for rel in ("hf_peer/hf_peer.json", "hf_peer/batch128/hf_peer.json"):
+  for rel in rels:
     doc = load(results_dir, rel)
+    w = doc["workload"]
+    model = ("shipped" if "num_params" not in w or w["checkpoint"].endswith("tiny_byte_llama")
+             else f"random {w['num_params'] / 1e6:.0f}M")
+    floor = doc.get("compute_floor")
     for mode in ("steady", "end_to_end"):
       e = doc["modes"][mode]["engines"]
-      rows.append([doc["workload"]["num_prompts"], doc["workload"]["kv_blocks"], mode,
+      rows.append([os.path.dirname(rel), model, w["num_prompts"], w["kv_blocks"],
+                   w["decode_steps_per_sync"], mode,
                    f"{e['paged_jax']['output_tokens_per_s']:.0f}",
                    f"{e['transformers']['output_tokens_per_s']:.0f}",
                    f"{doc['modes'][mode]['ratio_tokens_per_s']:.2f}x",
+                   f"{floor['max_ratio_over_transformers']:.2f}x"
+                   if floor and mode == "steady" else "",
                    f"{doc['agreement']['exact_match_fraction']:.2f}"])
-  return table(rows, ["prompts", "KV blocks", "mode", "paged_jax tok/s", "transformers tok/s",
-                       "ratio", "outputs equal"])
+  return table(rows, ["run", "model", "prompts", "KV blocks", "steps/sync", "mode",
+                      "paged_jax tok/s", "transformers tok/s", "ratio", "floor bound",
+                      "outputs equal"])
+
+
+def hf_peer_floor(results_dir: str) -> str:
+  """Where the 25M-model runs' time goes: achieved GFLOP/s of each engine beside this
+  CPU's GEMM rate, and the attention cost per layer beside the projection GEMMs."""
+  base = os.path.join(results_dir, "hf_peer")
+  rows = []
+  for d in sorted(os.listdir(base)):
+    rel = os.path.join("hf_peer", d, "hf_peer.json")
+    if not os.path.exists(os.path.join(results_dir, rel)):
+      continue
+    doc = load(results_dir, rel)
+    fl = doc.get("compute_floor", {})
+    if "attention" not in fl:
+      continue
+    e, at = doc["modes"]["steady"]["engines"], fl["attention"]
+    rows.append([d, doc["workload"]["decode_steps_per_sync"],
+                 f"{e['paged_jax']['achieved_gflops']:.0f}",
+                 f"{e['transformers']['achieved_gflops']:.0f}",
+                 f"{fl['best_gemm_gflops']:.0f}", f"{fl['floor_s']:.2f}",
+                 f"{at['decode_ms_per_layer']:.2f} / {at['decode_gemm_ms_per_layer']:.2f}",
+                 f"{at['mixed_ms_per_layer']:.2f} / {at['mixed_gemm_ms_per_layer']:.2f}"])
+  return table(rows, ["run", "steps/sync", "paged_jax GFLOP/s", "transformers GFLOP/s",
+                      "best GEMM GFLOP/s", "floor s", "decode attn / GEMM ms per layer",
+                      "mixed attn / GEMM ms per layer"])
 
 
 def serving_runs(results_dir: str) -> List[Tuple[str, dict]]:

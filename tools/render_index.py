@@ -94,6 +94,13 @@ def index_rows(results_dir: str) -> List[list]:
                f"{hf['modes']['steady']['ratio_tokens_per_s']:.2f}x; "
                f"{hf128['modes']['steady']['ratio_tokens_per_s']:.2f}x", "-", "hf_peer/",
                "`experiments.hf_peer_bench`"])
+  k1, k8 = get("hf_peer/random25m_k1/hf_peer.json"), get("hf_peer/random25m_k8/hf_peer.json")
+  rows.append(["25M-param random model: tokens/s over transformers, steady (1; 8 steps/sync)"
+               " and the compute floor's bound",
+               f"{k1['modes']['steady']['ratio_tokens_per_s']:.2f}x; "
+               f"{k8['modes']['steady']['ratio_tokens_per_s']:.2f}x (bound "
+               f"{k1['compute_floor']['max_ratio_over_transformers']:.1f}x)", "-",
+               "hf_peer/random25m_k*/", "`experiments.hf_peer_bench --random_hidden_size=512`"])
   return rows
 
 

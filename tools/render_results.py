@@ -55,6 +55,8 @@ SECTIONS: Dict[str, Tuple[object, Callable]] = {
     "hf_peer": ("hf_peer/hf_peer.json", engine.hf_peer),
     "hf_peer_batch128": ("hf_peer/batch128/hf_peer.json", engine.hf_peer),
     "hf_peer_runs": (_RESULTS_DIR, engine.hf_peer_runs),
+    "hf_peer_floor": (_RESULTS_DIR, engine.hf_peer_floor),
+    "step_cost": ("step_cost/step_cost.json", engine.rows_with("step_cost")),
     "serving_benchmark": (_RESULTS_DIR, engine.serving),
     "serving_benchmark_compact": (_RESULTS_DIR, lambda d: engine.serving(d, every_row=False)),
     "serving_benchmark_fig14": (_RESULTS_DIR, engine.serving_fig14),
