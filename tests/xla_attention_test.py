@@ -16,7 +16,7 @@ from pallas_kernels import xla_attention
 from pallas_kernels.reference import paged_attention_reference
 
 import engine_oracle
-from ragged_paged_attention_test import TOL, _test_seed, make_batch, mixed_seqs, reference, rel_err
+from ragged_batches import TOL, _test_seed, make_batch, mixed_seqs, reference, rel_err
 
 ragged = jax.jit(xla_attention.ragged_attention,
                  static_argnames=("sm_scale", "soft_cap", "sliding_window", "tile_tokens",
