@@ -21,10 +21,10 @@ Shapes: q [B or T, Hq, D]; k_pages / v_pages [Hkv, NB, bs, D] (any dtype; f32 ma
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels import reference
 
 _I32 = jnp.int32
 
@@ -41,21 +41,12 @@ def _gather(pages, idx, scales):
 
 def _softmax_out(logits, visible, v, scale, soft_cap):
   """logits f32[Hkv, N, G, Q, L] (Q queries of each of N items), visible bool broadcast
-  to it, v f32[Hkv, N, L, D] -> f32[Hkv, N, G, Q, D]; rows with nothing visible -> 0."""
-  logits = logits * scale
-  if soft_cap is not None:
-    logits = soft_cap * jnp.tanh(logits / soft_cap)
-  logits = jnp.where(visible, logits, -jnp.inf)
-  row_max = jnp.max(logits, axis=-1, keepdims=True)
-  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-  w = jnp.where(visible, jnp.exp(logits - row_max), 0.0)
-  denom = jnp.sum(w, axis=-1, keepdims=True)
-  w = w / jnp.where(denom > 0, denom, 1.0)
+  to it, v f32[Hkv, N, L, D] -> f32[Hkv, N, G, Q, D]; rows with nothing visible -> 0.
+  Scaling, soft cap and the masked softmax are the reference's own."""
+  # pylint: disable=protected-access
+  logits = reference._scaled_logits(logits, scale, soft_cap)
+  w = reference._masked_softmax_weights(logits, visible)
   return jnp.einsum("hngql,hnld->hngqd", w, v)
-
-
-def _scale(sm_scale, head_dim):
-  return 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
 
 
 def decode_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None,
@@ -79,7 +70,7 @@ def decode_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=Non
   qg = jnp.swapaxes(qg, 0, 1)[:, :, :, None, None, :]  # [Hkv, B, G, 1, 1, D]
   logits = jnp.sum(qg * k[:, :, None, None, :, :], axis=-1)   # [Hkv, B, G, 1, L]
   out = _softmax_out(logits, visible[None, :, None, None, :], v,
-                     _scale(sm_scale, head_dim), soft_cap)
+                     reference._resolve_scale(sm_scale, head_dim), soft_cap)
   out = jnp.swapaxes(out[:, :, :, 0, :], 0, 1)          # [B, Hkv, G, D]
   return out.reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)
 
@@ -127,7 +118,7 @@ def ragged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_
   kv_lens = kv_lens.astype(_I32)
   q_len = cu[seq + 1] - cu[seq]
   pos = jnp.where(ok, kv_lens[seq][:, None] - q_len[:, None] + (tokens - cu[seq][:, None]), -1)
-  scale = _scale(sm_scale, head_dim)
+  scale = reference._resolve_scale(sm_scale, head_dim)
   qt = q.astype(jnp.float32)[tokens]                   # [N, C, Hq, D]
 
   def run(args):   # one tile (lax.map vmaps it over `tiles_per_step` tiles at a time)

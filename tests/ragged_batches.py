@@ -92,6 +92,18 @@ def rel_err(out, ref):
   return np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
 
 
+def assert_matches(seed, out, want, row_valid, q_dtype):
+  """`out` equals the reference's `want` on the live rows (relative error within TOL),
+  is finite everywhere and zero on padding rows. Returns out as f32 numpy."""
+  out, want = np.asarray(out.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
+  assert out.shape == want.shape and out.dtype == want.dtype
+  assert np.isfinite(out).all(), f"seed={seed}: non-finite output (stale data leaked?)"
+  assert (out[~row_valid] == 0).all(), f"seed={seed}: padding rows must be zero"
+  err = rel_err(out[row_valid], want[row_valid])
+  assert err <= TOL[q_dtype], f"seed={seed}: rel err {err:.3g} > {TOL[q_dtype]}"
+  return out
+
+
 def mixed_seqs(rng, block_size, *, num_decode, prefill_q_lens, max_ctx=200):
   """Decode rows (q_len 1) and prefill chunks; chunk starts are often mid-block."""
   seqs = []

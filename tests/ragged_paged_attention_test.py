@@ -22,7 +22,8 @@ import pytest
 
 from pallas_kernels import ragged_tiling
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
-from ragged_batches import TOL, _test_seed, make_batch, mixed_seqs, reference, rel_err  # noqa: F401
+from ragged_batches import (_test_seed, assert_matches, make_batch, mixed_seqs, reference,
+                            rel_err)
 
 _MODE = os.environ.get("PAGED_JAX_TEST_COMPILED")
 COMPILED = _MODE == "1" or (_MODE is None and jax.default_backend() == "gpu")
@@ -32,14 +33,7 @@ INTERPRET = not COMPILED
 def check(seed, args, scales, row_valid, q_dtype, *, ref_kw=None, **kernel_kw):
   ref_kw = dict(ref_kw or {}, **scales)
   out = ragged_paged_attention(*args, interpret=INTERPRET, **ref_kw, **kernel_kw)
-  ref = reference(*args, **ref_kw)
-  out, ref = np.asarray(out.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32))
-  assert out.shape == ref.shape and out.dtype == ref.dtype
-  assert np.isfinite(out).all(), f"seed={seed}: non-finite output (stale data leaked?)"
-  assert (out[~row_valid] == 0).all(), f"seed={seed}: padding rows must be zero"
-  err = rel_err(out[row_valid], ref[row_valid])
-  assert err <= TOL[q_dtype], f"seed={seed}: rel err {err:.3g} > {TOL[q_dtype]}"
-  return out
+  return assert_matches(seed, out, reference(*args, **ref_kw), row_valid, q_dtype)
 
 
 # ----------------------------------------------------------------------------- fast grid

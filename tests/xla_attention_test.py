@@ -16,7 +16,8 @@ from pallas_kernels import xla_attention
 from pallas_kernels.reference import paged_attention_reference
 
 import engine_oracle
-from ragged_batches import TOL, _test_seed, make_batch, mixed_seqs, reference, rel_err
+from ragged_batches import (TOL, _test_seed, assert_matches, make_batch, mixed_seqs, reference,
+                            rel_err)
 
 ragged = jax.jit(xla_attention.ragged_attention,
                  static_argnames=("sm_scale", "soft_cap", "sliding_window", "tile_tokens",
@@ -46,13 +47,7 @@ def test_ragged_matches_reference(group, head_dim, block_size, q_dtype, page_dty
                                        head_dim=head_dim, block_size=block_size,
                                        q_dtype=q_dtype, page_dtype=page_dtype)
   out = ragged(*args, **kw, **scales, tile_tokens=tile_tokens, tiles_per_step=3)
-  want = reference(*args, **kw, **scales)
-  out, want = np.asarray(out.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
-  assert out.dtype == want.dtype and out.shape == want.shape
-  assert np.isfinite(out).all(), f"seed={seed}: non-finite output (stale data leaked?)"
-  assert (out[~row_valid] == 0).all(), f"seed={seed}: padding rows must be zero"
-  err = rel_err(out[row_valid], want[row_valid])
-  assert err <= TOL[q_dtype], f"seed={seed}: rel err {err:.3g} > {TOL[q_dtype]}"
+  assert_matches(seed, out, reference(*args, **kw, **scales), row_valid, q_dtype)
 
 
 @pytest.mark.parametrize("group,head_dim,block_size,q_dtype,page_dtype,kw", CASES)
