@@ -12,6 +12,7 @@ import pytest
 from paged_jax.engine import SamplingParams
 from paged_jax.engine import compiled as compiled_lib
 from paged_jax.engine import step as step_lib
+from paged_jax.engine.inputs import StepBuckets
 
 from engine_oracle import (ORACLE_LEN, PARAMS, dense_greedy, oracle_engine, random_prompts,
                            record_buckets)
@@ -24,6 +25,22 @@ BLOCK_SIZE, NUM_BLOCKS, MAX_SEQS, BUDGET = 4, 40, 16, 32
 make_engine = functools.partial(oracle_engine, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
                                 max_seqs=MAX_SEQS, budget=BUDGET)
 prompts_of = random_prompts
+
+
+@pytest.mark.parametrize("max_seqs", [1, 7, 8, 9, 16, 17, 36, 64, 100, 256, 257])
+def test_row_buckets_bound_padding(max_seqs):
+  # Every live row count n gets the smallest row bucket >= n, and that bucket pads by
+  # less than 2x, and by at most 1.5x from 16 rows up (the 1.5x points); the largest
+  # bucket is max_seqs itself. Checked by brute force over n.
+  b = StepBuckets.make(max_seqs=max_seqs, max_num_batched_tokens=256, max_blocks_per_seq=8,
+                       block_size=16, decode_steps=1)
+  assert list(b.rows) == sorted(set(b.rows)) and b.rows[-1] == max_seqs
+  for n in range(1, max_seqs + 1):
+    rows = b.pick(1, n, 1, True)[1]
+    assert rows == min(r for r in b.rows if r >= n)
+    assert rows < max(2 * n, 8 + 1), (n, rows, b.rows)
+    if n >= 16:
+      assert rows <= 1.5 * n, (n, rows, b.rows)
 
 
 def mixed_requests():

@@ -19,11 +19,15 @@ from paged_jax.engine.scheduler import Batch, Group, Scheduler, Sequence
 from paged_jax.engine.step import StepInputs
 
 
-def _geometric(largest: int, smallest: int, factor: int) -> Tuple[int, ...]:
-  """smallest, smallest * factor, ... below `largest`, then `largest` itself."""
+def _geometric(largest: int, smallest: int, factor: int, *,
+               halfway: bool = False) -> Tuple[int, ...]:
+  """smallest, smallest * factor, ... below `largest`, then `largest` itself.
+  `halfway` (factor 2) adds the 1.5x point from 16 up: 8, 16, 24, 32, 48, 64, ..."""
   out, v = [], smallest
   while v < largest:
     out.append(v)
+    if halfway and v >= 16 and v * 3 // 2 < largest:
+      out.append(v * 3 // 2)
     v *= factor
   return tuple(out) + (largest,)
 
@@ -53,11 +57,14 @@ class StepBuckets:
     if not enabled:
       return cls((max_num_batched_tokens,), (max_seqs,), (max_blocks_per_seq,), block_size,
                  decode_steps, enabled=False)
-    # Tokens by 4x (a prefill chunk's cost is mostly the model's matmuls); rows and
-    # widths by 2x (attention cost is rows x width on the reference path). The
+    # Tokens by 4x (a prefill chunk's cost is mostly the model's matmuls, and a
+    # busy engine fills its budget); rows by 2x to 16, then 1.5x / 2x alternately (8, 16, 24,
+    # 32, 48, ...: every decode step's matmuls, attention and sampling scale with R, and
+    # with 2x steps a 36-42-row decode ran at R = 64, a third of it padding:
+    # experiments.hf_peer_bench at 25M params); widths by 2x (attention only). The
     # smallest buckets keep small engines (tests) at one or two shapes each.
     return cls(_geometric(max_num_batched_tokens, min(16, max_num_batched_tokens), 4),
-               _geometric(max_seqs, min(8, max_seqs), 2),
+               _geometric(max_seqs, min(8, max_seqs), 2, halfway=True),
                _geometric(max_blocks_per_seq, min(4, max_blocks_per_seq), 2),
                block_size, decode_steps)
 
