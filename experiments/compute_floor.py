@@ -16,7 +16,9 @@ activation, jitted in JAX and in torch (when installed), the best of `repeats` c
 for each T in `token_batches` (decode-sized and prefill-sized batches).
 `attention_cost` times, beside it, the attention this platform's engine runs per layer
 (decode and mixed steps), which the floor leaves out: where the engine's time goes
-that no GEMM accounts for.
+that no GEMM accounts for. `kernel_floor` turns those per-layer times into the time
+the engine's own kernels need for the workload with perfect batching: the bound its
+attention and GEMMs set, before any padding, partial batch or host work.
 """
 
 from __future__ import annotations
@@ -140,6 +142,29 @@ def attention_cost(c, *, rows: int, kv_len: int, block_size: int, num_tokens: in
           "mixed_ms_per_layer": best(mixed, q_mix, *pages, tables, lens, cu),
           "decode_gemm_ms_per_layer": _chain_jax(_weights_for(layer), rows, repeats) * 1e3,
           "mixed_gemm_ms_per_layer": _chain_jax(_weights_for(layer), num_tokens, repeats) * 1e3}
+
+
+def kernel_floor(attention: Dict[str, float], num_layers: int, prompt_lens: Sequence[int],
+                 max_new_tokens: int) -> Dict[str, float]:
+  """Seconds the engine's kernels need for the workload if every prompt token ran in a
+  full mixed step of `attention["num_tokens"]` tokens and every fed-back token in a
+  full decode step of `attention["rows"]` rows, at the per-layer attention + projection
+  GEMM times `attention_cost` measured (lm_head, sampling and host work left out).
+
+  Returns {"prefill_s", "decode_s", "kernel_floor_s"}. No engine built on these kernels
+  runs faster on this machine; the distance from `floor_s` to here is the kernels'
+  (attention's K/V traffic, GEMM efficiency at these batch sizes), the distance from
+  here to a measured run is batching (padding, ramp-up and drain) and host work.
+  """
+  prompt_tokens = sum(prompt_lens)
+  decode_tokens = len(prompt_lens) * (max_new_tokens - 1)   # each fed back once, not the last
+  per_mixed_token = ((attention["mixed_ms_per_layer"] + attention["mixed_gemm_ms_per_layer"])
+                     / attention["num_tokens"])
+  per_decode_token = ((attention["decode_ms_per_layer"] + attention["decode_gemm_ms_per_layer"])
+                      / attention["rows"])
+  prefill_s = num_layers * prompt_tokens * per_mixed_token / 1e3
+  decode_s = num_layers * decode_tokens * per_decode_token / 1e3
+  return {"prefill_s": prefill_s, "decode_s": decode_s, "kernel_floor_s": prefill_s + decode_s}
 
 
 def compute_floor(c, prompt_lens: Sequence[int], max_new_tokens: int, *,

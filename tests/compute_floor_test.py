@@ -68,3 +68,15 @@ def test_attention_cost_times_this_platforms_attention():
   for key in ("decode_ms_per_layer", "mixed_ms_per_layer", "decode_gemm_ms_per_layer",
               "mixed_gemm_ms_per_layer"):
     assert at[key] > 0, key
+
+
+def test_kernel_floor_by_hand():
+  # 2 prompts of 10 and 30 tokens, 5 new tokens each: 40 prompt tokens in mixed steps
+  # of 20 tokens (3 + 1 ms per layer), 2 x 4 fed-back tokens in decode steps of 4 rows
+  # (2 + 2 ms per layer), 3 layers.
+  at = {"rows": 4, "num_tokens": 20, "decode_ms_per_layer": 2.0, "decode_gemm_ms_per_layer": 2.0,
+        "mixed_ms_per_layer": 3.0, "mixed_gemm_ms_per_layer": 1.0}
+  kf = compute_floor.kernel_floor(at, 3, [10, 30], 5)
+  assert kf["prefill_s"] == pytest.approx(3 * 40 * (4.0 / 20) / 1e3)
+  assert kf["decode_s"] == pytest.approx(3 * 8 * (4.0 / 4) / 1e3)
+  assert kf["kernel_floor_s"] == pytest.approx(kf["prefill_s"] + kf["decode_s"])

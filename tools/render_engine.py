@@ -60,7 +60,9 @@ def hf_peer_runs(results_dir: str) -> str:
 
 def hf_peer_floor(results_dir: str) -> str:
   """Where the 25M-model runs' time goes: achieved GFLOP/s of each engine beside this
-  CPU's GEMM rate, and the attention cost per layer beside the projection GEMMs."""
+  CPU's GEMM rate, the bound paged_jax's own kernels set (compute_floor.kernel_floor,
+  with the most it could then beat transformers by), and the attention cost per layer
+  beside the projection GEMMs."""
   base = os.path.join(results_dir, "hf_peer")
   rows = []
   for d in sorted(os.listdir(base)):
@@ -76,10 +78,13 @@ def hf_peer_floor(results_dir: str) -> str:
                  f"{e['paged_jax']['achieved_gflops']:.0f}",
                  f"{e['transformers']['achieved_gflops']:.0f}",
                  f"{fl['best_gemm_gflops']:.0f}", f"{fl['floor_s']:.2f}",
+                 (f"{fl['kernels']['kernel_floor_s']:.2f} ({fl['max_ratio_at_kernels']:.2f}x)"
+                  if "kernels" in fl else "-"),
                  f"{at['decode_ms_per_layer']:.2f} / {at['decode_gemm_ms_per_layer']:.2f}",
                  f"{at['mixed_ms_per_layer']:.2f} / {at['mixed_gemm_ms_per_layer']:.2f}"])
   return table(rows, ["run", "steps/sync", "paged_jax GFLOP/s", "transformers GFLOP/s",
-                      "best GEMM GFLOP/s", "floor s", "decode attn / GEMM ms per layer",
+                      "best GEMM GFLOP/s", "floor s", "kernel bound s (max ratio)",
+                      "decode attn / GEMM ms per layer",
                       "mixed attn / GEMM ms per layer"])
 
 
