@@ -191,12 +191,13 @@ def short_help(doc: Optional[str], flag_values) -> str:
   return "\n".join(lines)
 
 
-def versions() -> Dict[str, str]:
-  """Versions of Python and the packages a result depends on."""
+def versions(extra: Sequence[str] = ()) -> Dict[str, str]:
+  """Versions of Python and the packages a result depends on (plus `extra` ones,
+  e.g. the peer's torch; a package that is not installed is left out)."""
   import importlib.metadata  # pylint: disable=g-import-not-at-top
   import platform  # pylint: disable=g-import-not-at-top
   out = {"python": platform.python_version()}
-  for pkg in ("jax", "jaxlib", "flax", "numpy", "safetensors", "tokenizers"):
+  for pkg in ("jax", "jaxlib", "flax", "numpy", "safetensors", "tokenizers", *extra):
     try:
       out[pkg] = importlib.metadata.version(pkg)
     except importlib.metadata.PackageNotFoundError:
@@ -214,26 +215,30 @@ def machine() -> Dict[str, Any]:
           "device": getattr(dev, "device_kind", str(dev)), "device_count": jax.device_count()}
 
 
-def run_metadata(flag_values, names: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+def run_metadata(flag_values, names: Optional[Sequence[str]] = None, *,
+                 packages: Sequence[str] = ()) -> Dict[str, Any]:
   """{"flags": {name: value}, "versions": ..., "machine": ...} for a results JSON.
 
   `names` picks the flags (default: every flag the experiment defined on `flag_values`,
   absl's own left out)."""
   if names is None:
     names = [f.name for f in own_flags(flag_values)]
-  return {"flags": {n: flag_values[n].value for n in sorted(names)}, "versions": versions(),
-          "machine": machine(), "code": code_version()}
+  return {"flags": {n: flag_values[n].value for n in sorted(names)},
+          "versions": versions(packages), "machine": machine(), "code": code_version()}
 
 
 def code_version() -> Dict[str, Any]:
-  """{"git_commit": HEAD, "dirty": uncommitted changes to tracked files} of the checkout
-  the experiment ran from (None where git or the repository is absent)."""
+  """{"git_commit": HEAD, "dirty": uncommitted changes to tracked code} of the checkout
+  the experiment ran from (None where git or the repository is absent). Results under
+  experiments/results/ and Markdown do not count: a run that rewrites an earlier
+  run's JSON, or docs edited meanwhile, does not change the code that ran."""
   import subprocess  # pylint: disable=g-import-not-at-top
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   try:
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
                           text=True, timeout=10, check=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                            ":(exclude)experiments/results", ":(exclude)*.md"],
                            cwd=root, capture_output=True, text=True, timeout=10,
                            check=True).stdout.strip()
   except (OSError, subprocess.SubprocessError):

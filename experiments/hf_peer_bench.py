@@ -46,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -203,16 +202,6 @@ def agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> Dict[st
           "min_common_prefix": int(min(prefixes)), "num_prompts": len(prefixes)}
 
 
-def versions() -> Dict[str, str]:
-  import jax  # pylint: disable=g-import-not-at-top
-  import torch  # pylint: disable=g-import-not-at-top
-  import transformers  # pylint: disable=g-import-not-at-top
-  return {"jax": jax.__version__, "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__")
-          else "", "torch": torch.__version__, "transformers": transformers.__version__,
-          "python": platform.python_version(), "machine": platform.processor() or platform.machine(),
-          "cpu_count": os.cpu_count()}
-
-
 def random_checkpoint(directory: str, hidden_size: int, num_layers: int, seed: int = 0) -> str:
   """Writes a seeded randomly initialised Llama (the shipped model's vocabulary and
   byte tokens; head_dim 64, 2 query heads per K/V head, SwiGLU width 3 x hidden) to
@@ -347,7 +336,6 @@ def run(checkpoint: str = None, *, num_prompts: int = 32, min_prompt_len: int = 
                         "torch_threads": threads, "checkpoint": os.path.relpath(checkpoint),
                         "num_params": runners["paged_jax"].num_params,
                         "seed": seed}
-  result["versions"] = versions()
   result["sample_outputs"] = {name: outputs[("steady", name)][:2] for name in runners}
   return result
 
@@ -382,7 +370,7 @@ def main(f, out):
            "block_size", "num_blocks", "max_batch_tokens", "repeats", "torch_threads",
            "decode_steps_per_sync", "seed", "random_hidden_size", "random_num_layers")
   result = run(**{n: f[n].value for n in names})
-  result.update(common.run_metadata(f, names))
+  result.update(common.run_metadata(f, names, packages=("torch", "transformers")))
   result["date_utc"] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
   path = common.write_json(out / "hf_peer.json", result)
   rows = [[mode, name, e["median_s"], e["output_tokens_per_s"], e["requests_per_s"]]

