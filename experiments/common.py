@@ -227,13 +227,14 @@ def run_metadata(flag_values, names: Optional[Sequence[str]] = None, *,
           "versions": versions(packages), "machine": machine(), "code": code_version()}
 
 
-def code_version() -> Dict[str, Any]:
+def code_version(root: Optional[str] = None) -> Dict[str, Any]:
   """{"git_commit": HEAD, "dirty": uncommitted changes to tracked code} of the checkout
   the experiment ran from (None where git or the repository is absent). Results under
   experiments/results/ and Markdown do not count: a run that rewrites an earlier
-  run's JSON, or docs edited meanwhile, does not change the code that ran."""
+  run's JSON, or docs edited meanwhile, does not change the code that ran. `root`: the
+  checkout (default: this repository's)."""
   import subprocess  # pylint: disable=g-import-not-at-top
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   try:
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
                           text=True, timeout=10, check=True).stdout.strip()

@@ -98,3 +98,25 @@ def test_run_metadata_names_the_code_it_ran():
   if head.returncode == 0:      # a checkout (CI's clean clone is one)
     assert code["git_commit"] == head.stdout.strip()
     assert isinstance(code["dirty"], bool)
+
+
+def test_code_version_dirty_counts_code_not_results_or_docs(tmp_path):
+  def git(*args):
+    return subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, text=True,
+                          check=False)
+  if git("init", "-q").returncode != 0:
+    pytest.skip("git is not installed")
+  (tmp_path / "experiments" / "results").mkdir(parents=True)
+  files = {"lib.py": "x = 1\n", "README.md": "doc\n", "experiments/results/r.json": "{}\n"}
+  for name, text in files.items():
+    (tmp_path / name).write_text(text)
+  git("add", ".")
+  git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "init")
+  assert common.code_version(str(tmp_path))["dirty"] is False
+  (tmp_path / "README.md").write_text("edited\n")
+  (tmp_path / "experiments" / "results" / "r.json").write_text('{"new": 1}\n')
+  (tmp_path / "scratch.py").write_text("untracked\n")
+  assert common.code_version(str(tmp_path))["dirty"] is False
+  (tmp_path / "lib.py").write_text("x = 2\n")
+  assert common.code_version(str(tmp_path)) == {
+      "git_commit": git("rev-parse", "HEAD").stdout.strip(), "dirty": True}
