@@ -227,13 +227,19 @@ def run_metadata(flag_values, names: Optional[Sequence[str]] = None, *,
           "versions": versions(packages), "machine": machine(), "code": code_version()}
 
 
+_CODE_AT_START: Dict[str, Any] = {}   # run_app's reading, before the run could change it
+
+
 def code_version(root: Optional[str] = None) -> Dict[str, Any]:
   """{"git_commit": HEAD, "dirty": uncommitted changes to tracked code} of the checkout
   the experiment ran from (None where git or the repository is absent). Results under
   experiments/results/ and Markdown do not count: a run that rewrites an earlier
   run's JSON, or docs edited meanwhile, does not change the code that ran. `root`: the
-  checkout (default: this repository's)."""
+  checkout (default: this repository's). Inside `run_app` it is the reading taken when
+  the run started: the code that ran, not what HEAD became while it ran."""
   import subprocess  # pylint: disable=g-import-not-at-top
+  if root is None and _CODE_AT_START:
+    return dict(_CODE_AT_START)
   root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   try:
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
@@ -285,4 +291,6 @@ def run_app(main, define_flags, *, flag_values=None, doc: Optional[str] = None,
       sys.exit(f"error: {one_line(e)}")
 
   define_flags()
+  _CODE_AT_START.clear()
+  _CODE_AT_START.update(code_version())
   app.run(guarded, argv=None if argv is None else list(argv), flags_parser=parse)

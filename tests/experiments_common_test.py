@@ -123,3 +123,25 @@ def test_code_version_dirty_counts_code_not_results_or_docs(tmp_path):
   (tmp_path / "lib.py").write_text("x = 2\n")
   assert common.code_version(str(tmp_path)) == {
       "git_commit": git("rev-parse", "HEAD").stdout.strip(), "dirty": True}
+
+
+def test_run_app_records_the_code_read_when_the_run_started(monkeypatch):
+  # Inside run_app, code_version() is the reading taken at start: a run that outlives a
+  # commit (or git itself) still names the code it ran.
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  fv = flags.FlagValues()
+  seen = {}
+
+  def main(f, out):
+    del f, out
+    def no_git(*a, **k):
+      raise OSError("git vanished")
+    monkeypatch.setattr(subprocess, "run", no_git)
+    seen["code"] = common.code_version()
+
+  at_start = common.code_version()
+  with pytest.raises(SystemExit) as done:     # absl's app.run exits when main returns
+    common.run_app(main, lambda: flags.DEFINE_integer("seed", 0, "", flag_values=fv),
+                   flag_values=fv, argv=["prog"])
+  assert not done.value.code
+  assert seen["code"] == at_start
