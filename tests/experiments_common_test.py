@@ -114,7 +114,8 @@ def test_code_version_dirty_counts_code_not_results_or_docs(tmp_path):
   for name, text in files.items():
     (tmp_path / name).write_text(text)
   git("add", ".")
-  git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "init")
+  if git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "init").returncode:
+    pytest.skip("git cannot commit here")
   assert common.code_version(str(tmp_path))["dirty"] is False
   (tmp_path / "README.md").write_text("edited\n")
   (tmp_path / "experiments" / "results" / "r.json").write_text('{"new": 1}\n')
