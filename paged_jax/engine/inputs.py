@@ -9,7 +9,7 @@ block-table width W (columns attention reads) rides along as a jit static argume
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Sequence as Seq, Tuple
+from typing import Dict, Optional, Sequence as Seq, Tuple
 
 import jax
 import numpy as np
@@ -20,13 +20,13 @@ from paged_jax.engine.step import StepInputs
 
 
 def _geometric(largest: int, smallest: int, factor: int, *,
-               halfway: bool = False) -> Tuple[int, ...]:
-  """smallest, smallest * factor, ... below `largest`, then `largest` itself.
-  `halfway` (factor 2) adds the 1.5x point from 16 up: 8, 16, 24, 32, 48, 64, ..."""
+               halfway_from: Optional[int] = None) -> Tuple[int, ...]:
+  """smallest, smallest * factor, ... below `largest`, then `largest` itself; with
+  `halfway_from` (factor 2) also each v * 1.5 from v = halfway_from up (8, 16, 24, 32, 48)."""
   out, v = [], smallest
   while v < largest:
     out.append(v)
-    if halfway and v >= 16 and v * 3 // 2 < largest:
+    if halfway_from is not None and v >= halfway_from and v * 3 // 2 < largest:
       out.append(v * 3 // 2)
     v *= factor
   return tuple(out) + (largest,)
@@ -64,7 +64,7 @@ class StepBuckets:
     # experiments.hf_peer_bench at 25M params); widths by 2x (attention only). The
     # smallest buckets keep small engines (tests) at one or two shapes each.
     return cls(_geometric(max_num_batched_tokens, min(16, max_num_batched_tokens), 4),
-               _geometric(max_seqs, min(8, max_seqs), 2, halfway=True),
+               _geometric(max_seqs, min(8, max_seqs), 2, halfway_from=16),
                _geometric(max_blocks_per_seq, min(4, max_blocks_per_seq), 2),
                block_size, decode_steps)
 
