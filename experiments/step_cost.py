@@ -48,7 +48,7 @@ def _decode_step_s(engine, num_live: int, short: int, long: int, seed: int) -> D
     out[n] = (time.perf_counter() - t0, engine.timing["device_s"], engine.stats["steps"] - steps0)
   steps = out[long][2] - out[short][2]
   return {"step_s": (out[long][0] - out[short][0]) / steps,
-          "device_s": (out[long][1] - out[short][1]) / steps}
+          "device_s": (out[long][1] - out[short][1]) / steps, "steps": steps}
 
 
 def run(max_seqs: Sequence[int] = (4, 128), live: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), *,
@@ -80,7 +80,8 @@ def run(max_seqs: Sequence[int] = (4, 128), live: Sequence[int] = (1, 2, 4, 8, 1
   for (kind, ms, n), xs in samples.items():
     rows.append({"reading": kind, "max_seqs": ms, "live": n,
                  "step_ms": 1e3 * statistics.median(x["step_s"] for x in xs),
-                 "device_ms": 1e3 * statistics.median(x["device_s"] for x in xs)})
+                 "device_ms": 1e3 * statistics.median(x["device_s"] for x in xs),
+                 "decode_steps": xs[0]["steps"]})
   pad = [r for r in rows if r["reading"] == "padding"]
   result = {"rows": rows,
             "padding_ratio": pad[-1]["step_ms"] / pad[0]["step_ms"],
