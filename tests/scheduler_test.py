@@ -160,3 +160,48 @@ def test_preemption_newest_first_and_everything_completes(mode, seed, report_sol
 def test_bad_preemption_mode():
   with pytest.raises(ValueError, match="preemption_mode"):
     Scheduler(block_size=4, max_seqs=2, max_num_batched_tokens=8, preemption_mode="drop")
+
+
+def preempted_samples_group(i, prompt_len, generated, n):
+  """An n-sample group as recompute preemption leaves it: every sample keeps its
+  tokens, none is computed, the children wait to fork from the leader's prompt."""
+  sp = SamplingParams(max_tokens=generated + 4, temperature=1.0, n=n)
+  seqs = [Sequence(seq_id=10 * i + j, index=j, sample_seed=j,
+                   tokens=list(range(prompt_len)) + [5] * generated, prompt_len=prompt_len,
+                   pending_fork=j > 0) for j in range(n)]
+  return Group(request_id=i, arrival=i, params=sp, prompt=list(range(prompt_len)), seqs=seqs,
+               slots_needed=n)
+
+
+def test_group_need_counts_every_sample():
+  sched = Scheduler(block_size=4, max_seqs=8, max_num_batched_tokens=64)
+  # Fresh: the prompt (6 tokens) has one full block, shared, and each of the 4
+  # sequences ends up with its own copy of the partial block: 1 + 4.
+  assert sched.group_need(preempted_samples_group(0, 6, 0, 4)) == 5
+  # Recomputed: 15 tokens per sample = the shared block + 3 blocks of its own each.
+  assert sched.group_need(preempted_samples_group(0, 6, 9, 4)) == 1 + 4 * 3
+  assert sched.group_need(make_group(0, 15, 4)) == 4      # one sequence: its length
+
+
+@pytest.mark.parametrize("free,admitted", [(12, []), (13, [0])])
+def test_recomputed_sample_group_waits_for_all_its_blocks(free, admitted):
+  """A preempted n = 4 group is not readmitted on its leader's 4 blocks: its samples
+  recompute too (13 blocks), and a later single-sequence group does not overtake it."""
+  sched = Scheduler(block_size=4, max_seqs=8, max_num_batched_tokens=64)
+  sched.add(preempted_samples_group(0, 6, 9, 4))
+  sched.add(make_group(1, 3, 2))
+  batch = sched.schedule(free, collections.defaultdict(int))
+  assert sorted({c.seq.seq_id // 10 for c in batch.chunks if c.allocate}) == admitted
+  assert [g.request_id for g in sched.waiting] == [0, 1][len(admitted):]
+
+
+def test_admission_holds_the_blocks_a_group_takes_after_this_step():
+  """A fresh n = 4 group with a 6-token prompt prefills 2 blocks this step, but its
+  samples' first decode copies the shared partial block for each (5 in all): on 5
+  free blocks, a later 1-block request waits rather than take one of those."""
+  sched = Scheduler(block_size=4, max_seqs=8, max_num_batched_tokens=64)
+  sched.add(preempted_samples_group(0, 6, 0, 4))
+  sched.add(make_group(1, 3, 2))
+  batch = sched.schedule(5, collections.defaultdict(int))
+  assert [(c.seq.seq_id, c.num_tokens) for c in batch.chunks] == [(0, 6)]
+  assert [g.request_id for g in sched.waiting] == [1]
