@@ -146,18 +146,28 @@ def test_multi_step_decoding_matches_and_syncs_less():
   assert engine.num_free == NUM_BLOCKS
 
 
+@pytest.mark.parametrize("lookahead", [False, True], ids=["loop_unreserved", "loop_reserved"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_multi_step_runs_out_of_blocks_inside_the_loop_and_stays_exact(mode):
-  # 8 short prompts admitted at once, each growing to 3 blocks: the lax loop meets
-  # OUT_OF_BLOCKS mid-way (stops, state kept), the host then preempts.
+def test_multi_step_runs_out_of_blocks_inside_the_loop_and_stays_exact(mode, lookahead):
+  # 8 short prompts admitted at once, each growing to 3 blocks.
   # (Prompt lengths 1-8: sequences cross block boundaries at different loop steps.)
+  # loop_unreserved: the scheduler plans one token per row (as it would without its
+  #   lookahead), so the lax loop meets OUT_OF_BLOCKS mid-way: it stops, the state is
+  #   kept, the host then preempts. The device's safety net must stay exact.
+  # loop_reserved (the default): the scheduler reserves each row's loop blocks and
+  #   preempts up front instead, so no loop runs out.
   prompts = random_prompts(21, 8, lo=1, hi=8)
   engine = make_engine(preemption_mode=mode, decode_steps_per_sync=4)
+  assert engine.scheduler.lookahead == 3
+  if not lookahead:
+    engine.scheduler.lookahead = 0
   outs = engine.generate(prompts, greedy(44))
   for p, o in zip(prompts, outs):
     assert o.outputs[0] == dense_greedy(PARAMS, p, 44)
-  assert engine.stats["loop_out_of_blocks"] > 0 and engine.num_preemptions > 0
+  assert (engine.stats["loop_out_of_blocks"] > 0) != lookahead
+  assert engine.num_preemptions > 0
   assert engine.num_free == NUM_BLOCKS
+
 
 def test_no_retracing_over_hundreds_of_steps_of_changing_traffic():
   engine = make_engine()

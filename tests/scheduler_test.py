@@ -205,3 +205,27 @@ def test_admission_holds_the_blocks_a_group_takes_after_this_step():
   batch = sched.schedule(5, collections.defaultdict(int))
   assert [(c.seq.seq_id, c.num_tokens) for c in batch.chunks] == [(0, 6)]
   assert [g.request_id for g in sched.waiting] == [1]
+
+
+@pytest.mark.parametrize("lookahead,free,preempted", [(7, 3, [1]), (7, 4, []), (0, 1, [])])
+def test_multi_step_decode_reserves_its_loop_blocks(lookahead, free, preempted):
+  """With 8 decode steps per sync (lookahead 7) a decoding row appends up to 7 more
+  tokens in the step's decode loop, and the step reserves their blocks (block size 4):
+    request 0: 14 of 15 tokens computed; its token 15 takes no new block, its loop
+      up to 22 tokens takes 2;
+    request 1 (newer): 4 of 5 computed; token 5 takes 1 block, its loop up to 12
+      tokens 1 more.
+  On 3 free blocks request 0 takes 2 and request 1, the newest, is preempted rather
+  than let a loop run out of blocks; on 4 both run. One decode step per sync needs 1."""
+  sched = Scheduler(block_size=4, max_seqs=4, max_num_batched_tokens=16, lookahead=lookahead)
+  for i, computed in enumerate([14, 4]):
+    g = make_group(i, 3, 40)
+    g.seqs[0].tokens = list(range(computed + 1))
+    g.seqs[0].num_computed, g.seqs[0].slot, g.seqs[0].on_device = computed, i, True
+    g.slots, g.status = [i], GroupStatus.RUNNING
+    sched.running.append(g)
+    sched.free_slots.remove(i)
+  needs = [sched.lookahead_need(g, sched._chunks_for(g, 16)) for g in sched.running]  # pylint: disable=protected-access
+  assert needs == ([2, 1] if lookahead else [0, 0])
+  batch = sched.schedule(free, collections.defaultdict(int, {0: 4, 1: 1}))
+  assert [g.request_id for g in batch.preempted] == preempted

@@ -113,7 +113,8 @@ class Engine:
                                max_num_batched_tokens=max_num_batched_tokens,
                                preemption_mode=preemption_mode,
                                prefix_caching=self.prefix_caching,
-                               lookup_budget=self._lookup_len)
+                               lookup_budget=self._lookup_len,
+                               lookahead=decode_steps_per_sync - 1)
     self._groups: Dict[Any, Group] = {}
     self._outbox: Dict[Any, RequestOutput] = {}    # finished, not yet returned
     self._pending = None     # (batch, outputs, snapshot): dispatched, outputs not applied

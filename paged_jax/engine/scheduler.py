@@ -22,7 +22,10 @@ Vocabulary:
 
 Policy (vLLM's, arXiv:2309.06180 sec. 4.5):
   * running groups are served first, oldest first; decodes take 1 token of the
-    per-step token budget, prefills take what is left (chunked prefill);
+    per-step token budget, prefills take what is left (chunked prefill); with
+    several decode steps per sync a sampling row also reserves the blocks of the
+    step's decode loop (`lookahead_need`, vLLM's lookahead slots), so the loop
+    does not run out of blocks and idle;
   * when the blocks run out, the newest running groups are preempted (all their
     sequences: "all or nothing") until the group being served fits, or that
     group itself when it is the newest;
@@ -142,7 +145,7 @@ class Scheduler:
 
   def __init__(self, *, block_size: int, max_seqs: int, max_num_batched_tokens: int,
                preemption_mode: str = "recompute", prefix_caching: bool = False,
-               lookup_budget: int = 0):
+               lookup_budget: int = 0, lookahead: int = 0):
     if preemption_mode not in ("recompute", "swap"):
       raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
     self.block_size = block_size
@@ -150,6 +153,7 @@ class Scheduler:
     self.preemption_mode = preemption_mode
     self.prefix_caching = prefix_caching
     self.lookup_budget = lookup_budget          # prompt tokens looked up per step
+    self.lookahead = lookahead                  # decode-loop tokens after a sample
     self.waiting: List[Group] = []
     self.running: List[Group] = []
     self.swapped: List[Group] = []
@@ -227,6 +231,19 @@ class Scheduler:
       holders = collections.Counter(q.share_id for q in group.seqs
                                     if q.last_block_shared and q.num_computed % bs)
       need += sum(w - (w == holders[sid]) for sid, w in writers.items())
+    return need
+
+  def lookahead_need(self, group: Group, chunks: List["Chunk"]) -> int:
+    """Blocks the step's decode loop appends after the chunks that sample: up to
+    `lookahead` more tokens each (beams sample on the host, once per step)."""
+    if not self.lookahead or group.is_beam:
+      return 0
+    bs, need = self.block_size, 0
+    for c in chunks:
+      if c.samples:
+        end = c.seq.num_computed + c.num_tokens
+        left = group.params.max_tokens - c.seq.num_generated - 1
+        need += cdiv(end + max(0, min(self.lookahead, left)), bs) - cdiv(end, bs)
     return need
 
   # ---- preemption -----------------------------------------------------------------------
@@ -341,7 +358,7 @@ class Scheduler:
     while i < len(queue):
       group = queue[i]
       chunks = self._chunks_for(group, budget)
-      need = self.chunks_need(group, chunks)
+      need = self.chunks_need(group, chunks) + self.lookahead_need(group, chunks)
       while need > free and sole_blocks is not None and len(queue) > i + 1:
         victim = queue.pop()
         free += self._sole([q.slot for q in victim.seqs if q.on_device], sole_blocks)
