@@ -7,7 +7,7 @@ from typing import Any
 
 from paged_jax.config import CacheConfig
 from paged_jax.engine.params import SamplingParams, check_prompt
-from paged_jax.engine.scheduler import Group, Sequence, cdiv
+from paged_jax.engine.scheduler import Group, Sequence, forked_blocks
 
 
 def prepare_group(prompt, params, request_id: Any, *, vocab_size: int, cache_config: CacheConfig,
@@ -37,8 +37,7 @@ def prepare_group(prompt, params, request_id: Any, *, vocab_size: int, cache_con
     raise ValueError(f"n / beam_width ({params.num_seqs}) exceeds max_seqs={c.max_seqs}")
   # Worst case with only the prompt's full blocks shared (the scheduler's exact
   # copy-on-write count never exceeds it, so an accepted request fits alone).
-  shared = p // c.block_size
-  worst = shared + params.num_seqs * (cdiv(p + m - 1, c.block_size) - shared)
+  worst = forked_blocks(p, [p + m - 1] * params.num_seqs, c.block_size)
   if worst > c.num_blocks:
     raise ValueError(f"request can never fit: it may need {worst} blocks of {c.block_size} "
                      f"tokens, the cache has num_blocks={c.num_blocks}")

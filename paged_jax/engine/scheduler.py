@@ -140,6 +140,14 @@ def cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
+def forked_blocks(prompt_len: int, seq_lens, block_size: int) -> int:
+  """Blocks of sequences forked from one prompt, `seq_lens` tokens each: the prompt's
+  full blocks once (shared), plus each sequence's blocks past them (a partial last
+  prompt block is each sequence's own after copy-on-write)."""
+  shared = prompt_len // block_size
+  return shared + sum(cdiv(n, block_size) - shared for n in seq_lens)
+
+
 class Scheduler:
   """FCFS continuous batching with chunked prefill and preemption (host Python)."""
 
@@ -213,9 +221,8 @@ class Scheduler:
     copy-on-write copy of a partial last prompt block per child. A group preempted by
     recompute: every sample's or beam's generated tokens too, which it recomputes after
     the fork. Never more than `prepare_group`'s worst case, which the pool holds."""
-    bs = self.block_size
-    shared = group.leader.prompt_len // bs
-    return shared + sum(cdiv(len(q.tokens), bs) - shared for q in group.seqs)
+    return forked_blocks(group.leader.prompt_len, [len(q.tokens) for q in group.seqs],
+                         self.block_size)
 
   def chunks_need(self, group: Group, chunks: List["Chunk"]) -> int:
     """Exact blocks the group's chunks take in one step: new blocks, plus a copy
