@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from paged_jax.engine.params import SamplingParams
-from paged_jax.engine.scheduler import Group, GroupStatus, Scheduler, Sequence, cdiv
+from paged_jax.engine.block_needs import cdiv
+from paged_jax.engine.scheduler import Scheduler
+from paged_jax.engine.sequence import Group, GroupStatus, Sequence
 
 
 class FakeDevice:
@@ -229,3 +231,4 @@ def test_multi_step_decode_reserves_its_loop_blocks(lookahead, free, preempted):
   assert needs == ([2, 1] if lookahead else [0, 0])
   batch = sched.schedule(free, collections.defaultdict(int, {0: 4, 1: 1}))
   assert [g.request_id for g in batch.preempted] == preempted
+

@@ -36,7 +36,8 @@ from paged_jax.engine import swap
 from paged_jax.engine.inputs import build_inputs
 from paged_jax.engine.params import RequestOutput, SamplingParams
 from paged_jax.engine.results import ResultApplier, request_output
-from paged_jax.engine.scheduler import Batch, Group, GroupStatus, Scheduler
+from paged_jax.engine.scheduler import Scheduler
+from paged_jax.engine.sequence import Batch, Group, GroupStatus
 from paged_jax.engine.requests import prepare_group
 from paged_jax.engine.snapshot import Snapshot, sigint_deferred
 from paged_jax.engine.step import EngineState, init_state as default_init_state

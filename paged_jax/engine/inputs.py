@@ -15,7 +15,8 @@ import jax
 import numpy as np
 
 from paged_jax.engine.params import MAX_STOP_IDS
-from paged_jax.engine.scheduler import Batch, Group, Scheduler, Sequence
+from paged_jax.engine.scheduler import Scheduler
+from paged_jax.engine.sequence import Batch, Group, Sequence
 from paged_jax.engine.step import StepInputs
 
 

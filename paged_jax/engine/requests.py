@@ -7,7 +7,8 @@ from typing import Any
 
 from paged_jax.config import CacheConfig
 from paged_jax.engine.params import SamplingParams, check_prompt
-from paged_jax.engine.scheduler import Group, Sequence, forked_blocks
+from paged_jax.engine.block_needs import forked_blocks
+from paged_jax.engine.sequence import Group, Sequence
 
 
 def prepare_group(prompt, params, request_id: Any, *, vocab_size: int, cache_config: CacheConfig,

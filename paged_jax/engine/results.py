@@ -16,7 +16,8 @@ import numpy as np
 
 from paged_jax.engine import beam as beam_lib
 from paged_jax.engine.params import RequestOutput
-from paged_jax.engine.scheduler import Batch, Group, Scheduler, Sequence
+from paged_jax.engine.scheduler import Scheduler
+from paged_jax.engine.sequence import Batch, Group, Sequence
 
 
 def request_output(group: Group, seqs: List[Sequence]) -> RequestOutput:

@@ -12,13 +12,8 @@ step goes on with everyone older (vLLM's rule). Should a reservation still fail
 on device (a status, never a spin), the engine preempts the newest group and
 re-plans.
 
-Vocabulary:
-  Sequence  one token stream (prompt + generated) owning one block-table slot.
-  Group     one request: 1 sequence, or n parallel samples, or beam_width beams.
-            A group reserves `slots_needed` slots at admission.
-  chunk     the tokens of one sequence computed in a step (a prefill chunk or
-            one decode token). A sequence's uncomputed tokens are
-            `tokens[num_computed:]`; it samples when its chunk reaches the end.
+The records it plans with (Sequence, Group, Chunk, Batch) are in `sequence.py`; the
+block counts it plans by are in `block_needs.py`.
 
 Policy (vLLM's, arXiv:2309.06180 sec. 4.5):
   * running groups are served first, oldest first; decodes take 1 token of the
@@ -45,107 +40,11 @@ leader and forking it (`post_forks`) so the prompt blocks are shared again.
 from __future__ import annotations
 
 import bisect
-import collections
-import dataclasses
-import enum
-from typing import Any, List, Optional, Tuple
+from typing import List, Tuple
 
-
-class GroupStatus(enum.Enum):
-  WAITING = "waiting"
-  RUNNING = "running"
-  SWAPPED = "swapped"
-  FINISHED = "finished"
-
-
-@dataclasses.dataclass(eq=False)
-class Sequence:
-  """One token stream. `tokens` = prompt + generated (the last may be uncomputed)."""
-  seq_id: int
-  index: int                    # position in the request's outputs (sample j)
-  sample_seed: int              # seed of this sequence's sampling stream
-  tokens: List[int]
-  prompt_len: int
-  num_computed: int = 0         # tokens whose K/V are in the cache (device seq_len)
-  slot: int = -1
-  on_device: bool = False       # the slot is active in the device BlockState
-  pending_fork: bool = False    # must be forked from the group leader at prompt_len
-  last_block_shared: bool = False   # the partial last block is shared (copy-on-write)
-  share_id: int = -1            # sequences with equal share_id share that block
-  cum_logprob: float = 0.0
-  topk: Optional[Tuple[Any, Any]] = None   # beam candidates awaiting selection
-  swapped_kv: Any = None        # host copy of this sequence's pages (swap mode)
-  finish_reason: Optional[str] = None
-
-  @property
-  def num_generated(self) -> int:
-    return len(self.tokens) - self.prompt_len
-
-  @property
-  def num_uncomputed(self) -> int:
-    return len(self.tokens) - self.num_computed
-
-
-@dataclasses.dataclass(eq=False)
-class Group:
-  """One request and its live sequences."""
-  request_id: Any
-  arrival: int
-  params: Any                   # engine.SamplingParams
-  prompt: List[int]
-  seqs: List[Sequence]          # live (unfinished) sequences; seqs[0] leads
-  slots_needed: int
-  finished: List[Sequence] = dataclasses.field(default_factory=list)
-  slots: List[int] = dataclasses.field(default_factory=list)
-  status: GroupStatus = GroupStatus.WAITING
-  num_preemptions: int = 0
-
-  @property
-  def is_beam(self) -> bool:
-    return self.params.beam_width > 1
-
-  @property
-  def leader(self) -> Sequence:
-    return self.seqs[0]
-
-
-@dataclasses.dataclass
-class Chunk:
-  """`num_tokens` tokens of `seq` starting at `seq.num_computed`."""
-  seq: Sequence
-  num_tokens: int
-  samples: bool                 # the chunk ends at the last known token
-  allocate: bool                # the slot is not yet active on device
-
-
-@dataclasses.dataclass
-class Batch:
-  """What one step runs. Applied on device in this order: frees, forks, swap-ins
-  (before the step, by the engine), reservations + model + sampling, post_forks."""
-  chunks: List[Chunk] = dataclasses.field(default_factory=list)
-  frees: List[int] = dataclasses.field(default_factory=list)          # slots
-  forks: List[Tuple[Sequence, Sequence]] = dataclasses.field(default_factory=list)  # (parent, child)
-  post_forks: List[Tuple[Sequence, Sequence]] = dataclasses.field(default_factory=list)
-  swap_out: List[Sequence] = dataclasses.field(default_factory=list)
-  swap_in: List[Sequence] = dataclasses.field(default_factory=list)
-  preempted: List[Group] = dataclasses.field(default_factory=list)
-  attaches: List[Sequence] = dataclasses.field(default_factory=list)  # prefix lookups
-
-  @property
-  def num_tokens(self) -> int:
-    return sum(c.num_tokens for c in self.chunks)
-
-
-def cdiv(a: int, b: int) -> int:
-  return -(-a // b)
-
-
-def forked_blocks(prompt_len: int, seq_lens, block_size: int) -> int:
-  """Blocks of sequences forked from one prompt, `seq_lens` tokens each: the prompt's
-  full blocks once (shared), plus each sequence's blocks past them (a partial last
-  prompt block is each sequence's own after copy-on-write)."""
-  shared = prompt_len // block_size
-  return shared + sum(cdiv(n, block_size) - shared for n in seq_lens)
+from paged_jax.engine import block_needs
+from paged_jax.engine.block_needs import cdiv
+from paged_jax.engine.sequence import Batch, Chunk, Group, GroupStatus, Sequence
 
 
 class Scheduler:
@@ -208,50 +107,15 @@ class Scheduler:
     for seq in group.seqs:
       seq.slot = -1
 
-  # ---- block needs -------------------------------------------------------------------
-  def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-    """New blocks an append of `num_tokens` takes (copy-on-write not included)."""
-    bs, n = self.block_size, seq.num_computed
-    return cdiv(n + num_tokens, bs) - cdiv(n, bs)
-
+  # ---- block needs (block_needs.py, at this scheduler's block size and lookahead) ----
   def group_need(self, group: Group) -> int:
-    """Blocks that bring every sequence of a waiting group to its current tokens: the
-    prompt's full blocks once (shared by the forks), plus each sequence's blocks past
-    them. One sequence: its whole length. A fresh n-sample group: the prompt plus a
-    copy-on-write copy of a partial last prompt block per child. A group preempted by
-    recompute: every sample's or beam's generated tokens too, which it recomputes after
-    the fork. Never more than `prepare_group`'s worst case, which the pool holds."""
-    return forked_blocks(group.leader.prompt_len, [len(q.tokens) for q in group.seqs],
-                         self.block_size)
+    return block_needs.group_need(group, self.block_size)
 
-  def chunks_need(self, group: Group, chunks: List["Chunk"]) -> int:
-    """Exact blocks the group's chunks take in one step: new blocks, plus a copy
-    for every writer into a shared partial last block except the last holder
-    (the device's copy-on-write rule, `block_manager.append`)."""
-    bs = self.block_size
-    need, writers = 0, collections.Counter()
-    for c in chunks:
-      need += self.blocks_needed(c.seq, c.num_tokens)
-      if c.seq.last_block_shared and c.seq.num_computed % bs and not c.allocate:
-        writers[c.seq.share_id] += 1
-    if writers:
-      holders = collections.Counter(q.share_id for q in group.seqs
-                                    if q.last_block_shared and q.num_computed % bs)
-      need += sum(w - (w == holders[sid]) for sid, w in writers.items())
-    return need
+  def chunks_need(self, group: Group, chunks: List[Chunk]) -> int:
+    return block_needs.chunks_need(group, chunks, self.block_size)
 
-  def lookahead_need(self, group: Group, chunks: List["Chunk"]) -> int:
-    """Blocks the step's decode loop appends after the chunks that sample: up to
-    `lookahead` more tokens each (beams sample on the host, once per step)."""
-    if not self.lookahead or group.is_beam:
-      return 0
-    bs, need = self.block_size, 0
-    for c in chunks:
-      if c.samples:
-        end = c.seq.num_computed + c.num_tokens
-        left = group.params.max_tokens - c.seq.num_generated - 1
-        need += cdiv(end + max(0, min(self.lookahead, left)), bs) - cdiv(end, bs)
-    return need
+  def lookahead_need(self, group: Group, chunks: List[Chunk]) -> int:
+    return block_needs.lookahead_need(group, chunks, self.block_size, self.lookahead)
 
   # ---- preemption -----------------------------------------------------------------------
   def preempt(self, group: Group, batch: Batch) -> None:
@@ -330,6 +194,13 @@ class Scheduler:
     batch.post_forks.extend(self._post_forks(group, chunks))
     return sum(c.num_tokens for c in chunks)
 
+  def _admit(self, queue: List[Group], group: Group) -> None:
+    """Moves `group`, the head of `queue` (waiting or swapped), to running on fresh slots."""
+    queue.pop(0)
+    self._assign_slots(group)
+    group.status = GroupStatus.RUNNING
+    self.running.append(group)
+
   def _assign_slots(self, group: Group) -> None:
     group.slots = [self.free_slots.pop(0) for _ in range(group.slots_needed)]
     for seq, slot in zip(group.seqs, group.slots):
@@ -385,16 +256,14 @@ class Scheduler:
         group = self.swapped[0]
         seq = group.leader
         need = cdiv(seq.num_computed, self.block_size)
-        step_need = self.blocks_needed(seq, min(seq.num_uncomputed, budget))
+        step_need = block_needs.blocks_needed(seq, min(seq.num_uncomputed, budget),
+                                              self.block_size)
         if (len(self.free_slots) < group.slots_needed or need + step_need > free
             or need > swap_room):
           break
-        self.swapped.pop(0)
-        self._assign_slots(group)
+        self._admit(self.swapped, group)
         batch.swap_in.append(seq)
         seq.on_device = True   # the engine swaps in before the step, as planned here
-        group.status = GroupStatus.RUNNING
-        self.running.append(group)
         free -= need
         swap_room -= need
         used = self._take(group, batch, budget)
@@ -405,7 +274,6 @@ class Scheduler:
     if not batch.preempted:
       while self.waiting and budget > 0:
         group = self.waiting[0]
-        lead = group.leader
         if len(self.free_slots) < group.slots_needed:
           break
         # Admitted only when the whole group fits, and its blocks are held against
@@ -414,6 +282,7 @@ class Scheduler:
         # n = 4 group back in on its prompt's blocks; its samples' recompute then
         # preempted newer groups, which came back the same way (529 preemptions for
         # 45 requests in the Fig. 14 run at 8 req/s).
+        chunks = [] if self.prefix_caching else self._chunks_for(group, budget)
         need = self.group_need(group)
         if need > free:
           break
@@ -426,19 +295,11 @@ class Scheduler:
           # Paced like an admission that prefills: a prompt admitted later hits
           # what earlier ones registered, instead of all missing at once.
           budget -= min(n, budget)
-          self.waiting.pop(0)
-          self._assign_slots(group)
-          group.status = GroupStatus.RUNNING
-          self.running.append(group)
-          batch.attaches.append(lead)
-          free -= need
-          continue
-        self.waiting.pop(0)
-        self._assign_slots(group)
-        group.status = GroupStatus.RUNNING
-        self.running.append(group)
+          batch.attaches.append(group.leader)
+        else:
+          budget -= self._take(group, batch, budget, chunks)
+        self._admit(self.waiting, group)
         free -= need
-        budget -= self._take(group, batch, budget)
     batch.frees = list(self.pending_frees)
     return batch
 

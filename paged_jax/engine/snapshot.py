@@ -12,7 +12,8 @@ import signal
 import threading
 from typing import Any, Dict
 
-from paged_jax.engine.scheduler import Group, Scheduler
+from paged_jax.engine.scheduler import Scheduler
+from paged_jax.engine.sequence import Group
 
 _SEQ_FIELDS = ("num_computed", "slot", "on_device", "pending_fork", "last_block_shared",
                "share_id", "cum_logprob", "topk", "swapped_kv", "finish_reason")
