@@ -232,3 +232,22 @@ def test_multi_step_decode_reserves_its_loop_blocks(lookahead, free, preempted):
   batch = sched.schedule(free, collections.defaultdict(int, {0: 4, 1: 1}))
   assert [g.request_id for g in batch.preempted] == preempted
 
+
+@pytest.mark.parametrize("lookahead,max_tokens,budget,free,admitted", [
+    (7, 40, 16, 3, False),   # 2 prompt blocks + 2 for the loop's tokens 9..15
+    (7, 40, 16, 4, True),
+    (7, 3, 16, 3, True),     # the loop stops at max_tokens: tokens 9..10, 1 block
+    (7, 40, 5, 2, True),     # a 5-token chunk of the prompt does not sample: no loop
+    (0, 40, 16, 2, True),    # one decode step per sync: the prompt's blocks only
+])
+def test_admission_reserves_the_decode_loop_of_a_sampling_prompt(
+    lookahead, max_tokens, budget, free, admitted):
+  """An 8-token prompt (block size 4) admitted whole samples its first token in this
+  step, and with a lookahead the decode loop goes on to append up to `lookahead` more:
+  admission holds those blocks as step 1 does for running rows, or waits."""
+  sched = Scheduler(block_size=4, max_seqs=4, max_num_batched_tokens=budget,
+                    lookahead=lookahead)
+  sched.add(make_group(0, 8, max_tokens))
+  batch = sched.schedule(free, collections.defaultdict(int))
+  assert bool(batch.chunks) == admitted
+  assert [g.request_id for g in sched.waiting] == ([] if admitted else [0])

@@ -29,10 +29,10 @@ Policy (vLLM's, arXiv:2309.06180 sec. 4.5):
     others fall back to recompute);
   * swapped groups come back (oldest first) only in steps without preemption;
   * waiting groups are admitted strictly FCFS when slots, blocks for every sequence
-    of the group (`group_need`: a recomputed group's samples too) and token budget
-    are available; with prefix caching an
-    admitted leader is first attached to its longest cached prefix (in the
-    step, `Batch.attaches`) and prefills the rest from the next step on.
+    of the group (`group_need`: a recomputed group's samples too; plus the decode
+    loop's when its chunk samples) and token budget are available; with prefix
+    caching an admitted leader is first attached to its longest cached prefix (in
+    the step, `Batch.attaches`) and prefills the rest from the next step on.
 Groups with several sequences re-enter by prefilling the prompt once on their
 leader and forking it (`post_forks`) so the prompt blocks are shared again.
 """
@@ -256,8 +256,8 @@ class Scheduler:
         group = self.swapped[0]
         seq = group.leader
         need = cdiv(seq.num_computed, self.block_size)
-        step_need = block_needs.blocks_needed(seq, min(seq.num_uncomputed, budget),
-                                              self.block_size)
+        plan = self._chunks_for(group, budget)   # as _take will cut them once swapped in
+        step_need = self.chunks_need(group, plan) + self.lookahead_need(group, plan)
         if (len(self.free_slots) < group.slots_needed or need + step_need > free
             or need > swap_room):
           break
@@ -281,9 +281,10 @@ class Scheduler:
         # a prompt's blocks at admission). Counting the leader alone let a preempted
         # n = 4 group back in on its prompt's blocks; its samples' recompute then
         # preempted newer groups, which came back the same way (529 preemptions for
-        # 45 requests in the Fig. 14 run at 8 req/s).
+        # 45 requests in the Fig. 14 run at 8 req/s). A chunk that samples also
+        # holds its decode loop's blocks, as running groups do in step 1.
         chunks = [] if self.prefix_caching else self._chunks_for(group, budget)
-        need = self.group_need(group)
+        need = self.group_need(group) + self.lookahead_need(group, chunks)
         if need > free:
           break
         if self.prefix_caching:
