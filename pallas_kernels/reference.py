@@ -22,7 +22,6 @@ Semantics shared by every function here and by the kernels:
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import jax
 import jax.numpy as jnp

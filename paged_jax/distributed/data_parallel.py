@@ -31,7 +31,7 @@ from __future__ import annotations
 import collections
 from concurrent import futures
 import hashlib
-from typing import Any, Dict, List, Optional, Sequence as Seq, Union
+from typing import Any, Dict, Optional, Sequence as Seq
 
 import jax
 import numpy as np

@@ -13,7 +13,6 @@ import time
 from typing import Callable, List, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 

@@ -16,7 +16,6 @@ reference the tests compare with.
 
 from __future__ import annotations
 
-import jax
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
