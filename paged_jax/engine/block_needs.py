@@ -4,7 +4,7 @@ The device allocates (`block_manager.append`); the host plans from the free coun
 last step reported, so it must count every block the step will take, or the step's
 reservation fails on device and the engine re-plans. Counted here:
 
-  blocks_needed   an append of n tokens to one sequence (new blocks only);
+  appended_blocks an append of n tokens to a sequence of L tokens (new blocks only);
   chunks_need     a step's chunks of one group: new blocks, plus a copy for every
                   writer into a shared partial last block except its last holder
                   (copy-on-write);
@@ -24,7 +24,7 @@ from __future__ import annotations
 import collections
 from typing import Iterable, List
 
-from paged_jax.engine.sequence import Chunk, Group, Sequence
+from paged_jax.engine.sequence import Chunk, Group
 
 
 def cdiv(a: int, b: int) -> int:
@@ -39,10 +39,10 @@ def forked_blocks(prompt_len: int, seq_lens: Iterable[int], block_size: int) -> 
   return shared + sum(cdiv(n, block_size) - shared for n in seq_lens)
 
 
-def blocks_needed(seq: Sequence, num_tokens: int, block_size: int) -> int:
-  """New blocks an append of `num_tokens` to `seq` takes (copy-on-write not included)."""
-  n = seq.num_computed
-  return cdiv(n + num_tokens, block_size) - cdiv(n, block_size)
+def appended_blocks(length: int, num_tokens: int, block_size: int) -> int:
+  """New blocks an append of `num_tokens` to a `length`-token sequence takes
+  (copy-on-write not included)."""
+  return cdiv(length + num_tokens, block_size) - cdiv(length, block_size)
 
 
 def group_need(group: Group, block_size: int) -> int:
@@ -63,7 +63,7 @@ def chunks_need(group: Group, chunks: List[Chunk], block_size: int) -> int:
   copy-on-write rule, `block_manager.append`)."""
   need, writers = 0, collections.Counter()
   for c in chunks:
-    need += blocks_needed(c.seq, c.num_tokens, block_size)
+    need += appended_blocks(c.seq.num_computed, c.num_tokens, block_size)
     if c.seq.last_block_shared and c.seq.num_computed % block_size and not c.allocate:
       writers[c.seq.share_id] += 1
   if writers:
@@ -85,5 +85,5 @@ def lookahead_need(group: Group, chunks: List[Chunk], block_size: int,
     if c.samples:
       end = c.seq.num_computed + c.num_tokens
       left = group.params.max_tokens - c.seq.num_generated - 1
-      need += cdiv(end + max(0, min(lookahead, left)), block_size) - cdiv(end, block_size)
+      need += appended_blocks(end, max(0, min(lookahead, left)), block_size)
   return need
