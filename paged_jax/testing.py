@@ -118,6 +118,26 @@ class BlockModel:
       status.append(OK)
     return status
 
+  def restore(self, slots, tables, lens, num_blocks) -> int:
+    """A swapped group back: `num_blocks` fresh blocks popped one at a time; slot
+    `slots[i]` holds `lens[i]` tokens in blocks `tables[i][c]` (indices into the
+    fresh ones). All or nothing; returns the status."""
+    live = [s for s in slots if s >= 0]
+    if (any(not self._slot_ok(s) or self.active[s] for s in live)
+        or len(set(live)) != len(live)):
+      return INVALID
+    if num_blocks > len(self.stack):
+      return OUT_OF_BLOCKS
+    fresh = [self.stack.pop() for _ in range(num_blocks)]
+    for s, row, n in zip(slots, tables, lens):
+      if s < 0:
+        continue
+      self.tables[s] = [fresh[i] for i in row[:cdiv(n, self.block_size)]]
+      for b in self.tables[s]:
+        self.ref[b] += 1
+      self.lens[s], self.active[s] = n, True
+    return OK
+
   def block_table_array(self) -> np.ndarray:
     """i32[max_seqs, max_blocks_per_seq] block tables, -1 past each slot's blocks (the
     array a host allocator uploads to the device every step)."""

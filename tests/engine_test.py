@@ -244,21 +244,34 @@ def test_generate_cli_on_saved_checkpoint(tmp_path):
   assert result == {"outputs": [dense_greedy(PARAMS, p, 6) for p in prompts]}
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
 def test_preempted_parallel_sampling_and_beam_groups_restore_exactly(mode):
   # Two long greedy requests hold 8 of the 12 blocks; the sampling group (n=3) and the
-  # beam group (width 3) behind them get preempted (multi-sequence groups always
-  # recompute: prompt once on the leader, re-forked, then each sample's own tokens).
+  # beam group (width 3) behind them get preempted. Recompute: prompt once on the
+  # leader, re-forked, then each sample's own tokens. Swap / auto: the group's blocks
+  # go to host, shared ones once, and come back shared (auto recomputes the greedy
+  # singles).
   long_prompts = random_prompts(11, 2, lo=20, hi=20)
   sample_prompt, beam_prompt = random_prompts(12, 2, lo=18, hi=18)
   kw = dict(max_tokens=20, temperature=0.8, top_k=30)
   engine = make_engine(preemption_mode=mode)
+  group_swaps = []
+  swap_outs = engine._swap_outs
+
+  def spy():
+    group_swaps.extend(len(g.seqs) for g, _ in engine.scheduler.pending_swap_outs
+                       if len(g.seqs) > 1)
+    swap_outs()
+
+  engine._swap_outs = spy
   outs = engine.generate(
       long_prompts + [sample_prompt, beam_prompt],
       [greedy(40), greedy(40), SamplingParams(n=3, seed=3, **kw),
        SamplingParams(max_tokens=5, temperature=0.0, beam_width=3, n=2)])
   assert engine.num_preemptions > 0
   assert sum(o.num_preemptions for o in outs[2:]) > 0
+  if mode != "recompute":
+    assert group_swaps, "a multi-sequence group was meant to be swapped"
   for p, o in zip(long_prompts, outs):
     assert o.outputs[0] == dense_greedy(PARAMS, p, 40)
   singles = make_engine().generate([sample_prompt] * 3,

@@ -19,6 +19,7 @@ import jax
 
 from paged_jax.config import CacheConfig, ModelConfig
 from paged_jax.engine.inputs import StepBuckets, empty_inputs, input_shapes
+from paged_jax.engine.scheduler import PREEMPTION_MODES
 from paged_jax.engine.step import StepInputs, init_state, make_step
 from paged_jax.prefix_cache import step as prefix_step
 
@@ -57,8 +58,9 @@ def _check_options(model_config, cache_config, max_num_batched_tokens, decode_st
                       ("max_beam_width", max_beam_width)):
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2**20:
       raise ValueError(f"{name} must be an int in [1, {2**20}], got {value!r}")
-  if preemption_mode not in ("recompute", "swap"):
-    raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
+  if preemption_mode not in PREEMPTION_MODES:
+    raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
+                     f"got {preemption_mode!r}")
 
 
 def step_buckets(cache_config: CacheConfig, max_num_batched_tokens: int,

@@ -67,7 +67,9 @@ class Engine:
       `enable_prefix_caching=True` turns on automatic prefix caching.
     max_num_batched_tokens: per-step token budget (prefill chunks + decodes).
     decode_steps_per_sync: decode steps per device call (multi-step decoding).
-    preemption_mode: "recompute" (default) or "swap" (to host memory).
+    preemption_mode: "recompute" (default), "swap" (to host memory, a group's shared
+      blocks once) or "auto" (swap groups of several sequences, recompute single
+      ones: vLLM V0's rule).
     attention_backend: one of `attention.BACKENDS`: "auto", "reference", "xla", "pallas",
       "pallas_interpret", or with the GPU kernel family forced ("pallas:triton",
       "pallas:mosaic_gpu", "pallas_interpret:triton", "pallas_interpret:mosaic_gpu").
@@ -400,17 +402,23 @@ class Engine:
       self.stats[k] = 0
 
   # ---- swap preemption -----------------------------------------------------------------
+  # A swapped group's host copy hangs on its leader (`Sequence.swapped_kv`).
   def _swap_outs(self) -> None:
-    for seq, slot in self.scheduler.pending_swap_outs:
-      seq.swapped_kv = swap.swap_out(self.state, slot, seq.num_computed)
-      self.stats["swap_out_bytes"] += seq.swapped_kv.nbytes
+    for group, slots in self.scheduler.pending_swap_outs:
+      lead = group.leader
+      lead.swapped_kv = swap.swap_out(self.state, slots, [q.num_computed for q in group.seqs])
+      self.stats["swap_out_bytes"] += lead.swapped_kv.nbytes
+      self.stats["swapped_blocks"] += lead.swapped_kv.num_blocks
     self.scheduler.pending_swap_outs = []
 
   def _swap_ins(self, batch: Batch) -> None:
-    for seq in batch.swap_in:
-      if seq.swapped_kv is None:
+    for group in batch.swap_in:
+      lead = group.leader
+      if lead.swapped_kv is None:
         continue
-      self.state, status = swap.swap_in(self.state, seq.slot, seq.swapped_kv)
+      slots = [q.slot for q in group.seqs]
+      self.state, status = swap.swap_in(self.state, slots, lead.swapped_kv)
       if int(status) != OK:
-        raise RuntimeError(f"swap-in of slot {seq.slot} failed with status {int(status)}")
-      seq.swapped_kv = None
+        raise RuntimeError(f"swap-in of slots {slots} failed with status {int(status)}")
+      self.stats["swapped_blocks"] += lead.swapped_kv.num_blocks
+      lead.swapped_kv = None

@@ -25,8 +25,11 @@ Policy (vLLM's, arXiv:2309.06180 sec. 4.5):
     sequences: "all or nothing") until the group being served fits, or that
     group itself when it is the newest;
   * preempted groups are either recomputed (back to the waiting queue, their
-    K/V dropped) or swapped (K/V copied to host; only single-sequence groups,
-    others fall back to recompute);
+    K/V dropped) or swapped (K/V copied to host, each block shared by the group's
+    sequences once, and restored with that sharing; `preemption_mode`: "swap"
+    always, "auto" only groups of several sequences, vLLM V0's default). A group
+    caught mid-fork (samples not yet forked, beams with a fork or a selection
+    pending) is recomputed: its device rows are not yet what its records say;
   * swapped groups come back (oldest first) only in steps without preemption;
   * waiting groups are admitted strictly FCFS when slots, blocks for every sequence
     of the group (`group_need`: a recomputed group's samples too; plus the decode
@@ -43,8 +46,11 @@ import bisect
 from typing import List, Tuple
 
 from paged_jax.engine import block_needs
-from paged_jax.engine.block_needs import cdiv
 from paged_jax.engine.sequence import Batch, Chunk, Group, GroupStatus, Sequence
+
+# recompute: drop K/V, prefill again; swap: copy K/V to host and back; auto: swap
+# groups of several sequences, recompute single ones (vLLM V0's default rule).
+PREEMPTION_MODES = ("recompute", "swap", "auto")
 
 
 class Scheduler:
@@ -53,8 +59,9 @@ class Scheduler:
   def __init__(self, *, block_size: int, max_seqs: int, max_num_batched_tokens: int,
                preemption_mode: str = "recompute", prefix_caching: bool = False,
                lookup_budget: int = 0, lookahead: int = 0):
-    if preemption_mode not in ("recompute", "swap"):
-      raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
+    if preemption_mode not in PREEMPTION_MODES:
+      raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
+                       f"got {preemption_mode!r}")
     self.block_size = block_size
     self.max_num_batched_tokens = max_num_batched_tokens
     self.preemption_mode = preemption_mode
@@ -68,7 +75,8 @@ class Scheduler:
     self.pending_frees: List[int] = []          # device frees not yet committed
     self.pending_forks: List[Tuple[Sequence, Sequence]] = []   # (parent, child) beam forks
     self.released_slots: List[int] = []        # back to the pool once frees commit
-    self.pending_swap_outs: List[Tuple[Sequence, int]] = []   # (seq, slot) to copy to host
+    # (group, its sequences' slots): preempted by swap, K/V not yet copied to host
+    self.pending_swap_outs: List[Tuple[Group, List[int]]] = []
     self.num_preemptions = 0
     self.num_swaps = 0
 
@@ -121,25 +129,25 @@ class Scheduler:
   def preempt(self, group: Group, batch: Batch) -> None:
     """Preempts a running group (its slots are freed at the start of the next step)."""
     self.running.remove(group)
+    swap = self._swappable(group)
     self.pending_forks = [(p, c) for p, c in self.pending_forks if c not in group.seqs]
     group.num_preemptions += 1
     self.num_preemptions += 1
     batch.preempted.append(group)
-    swap = (self.preemption_mode == "swap" and len(group.seqs) == 1
-            and group.leader.on_device and group.leader.num_computed > 0)
+    if swap:   # the engine copies the slots out before this step frees them
+      batch.swap_out.append(group)
+      self.pending_swap_outs.append((group, [q.slot for q in group.seqs]))
     for seq in group.seqs:
       seq.topk = None
-      if swap:
-        batch.swap_out.append(seq)
-        self.pending_swap_outs.append((seq, seq.slot))
       if seq.on_device:
         self.pending_frees.append(seq.slot)
         seq.on_device = False
-      seq.last_block_shared = False
-      if not swap:
+      if not swap:   # sharing is restored on swap-in; a recompute starts over
+        seq.last_block_shared = False
         seq.num_computed = 0
-    for seq in group.seqs[1:]:
-      seq.pending_fork = True
+    if not swap:
+      for seq in group.seqs[1:]:
+        seq.pending_fork = True
     self._release_slots(group)
     if swap:
       self.num_swaps += 1
@@ -148,6 +156,16 @@ class Scheduler:
     else:
       group.status = GroupStatus.WAITING
       self._insert_by_arrival(self.waiting, group)
+
+  def _swappable(self, group: Group) -> bool:
+    """Whether a preempted group swaps: the mode says so, and every sequence's slot
+    holds exactly its computed tokens (none pending a fork or a beam selection)."""
+    if self.preemption_mode == "recompute" or (
+        self.preemption_mode == "auto" and len(group.seqs) == 1):
+      return False
+    forking = {id(c) for _, c in self.pending_forks}
+    return all(q.on_device and q.num_computed > 0 and not q.pending_fork and q.topk is None
+               and id(q) not in forking for q in group.seqs)
 
   def preempt_newest(self) -> Group:
     """After a device OUT_OF_BLOCKS: preempts the newest running group (next plan re-plans)."""
@@ -254,16 +272,16 @@ class Scheduler:
     if not batch.preempted:
       while self.swapped and budget > 0:
         group = self.swapped[0]
-        seq = group.leader
-        need = cdiv(seq.num_computed, self.block_size)
+        need = group.leader.swapped_kv.num_blocks   # its distinct blocks, copied once
         plan = self._chunks_for(group, budget)   # as _take will cut them once swapped in
         step_need = self.chunks_need(group, plan) + self.lookahead_need(group, plan)
         if (len(self.free_slots) < group.slots_needed or need + step_need > free
             or need > swap_room):
           break
         self._admit(self.swapped, group)
-        batch.swap_in.append(seq)
-        seq.on_device = True   # the engine swaps in before the step, as planned here
+        batch.swap_in.append(group)
+        for seq in group.seqs:
+          seq.on_device = True   # the engine swaps in before the step, as planned here
         free -= need
         swap_room -= need
         used = self._take(group, batch, budget)
