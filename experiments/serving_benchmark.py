@@ -30,11 +30,13 @@ import types
 from typing import Callable, Dict, List, Sequence
 
 from experiments import common
+from paged_jax import arrivals
 from paged_jax import latency
 from paged_jax import serving
 from paged_jax import serving_sweep
 from paged_jax import workloads
 from paged_jax.engine import compiled
+from paged_jax.engine.scheduler import PREEMPTION_MODES
 
 PAPER = "vLLM sustains 2-4x Orca's request rate at the same latency (Fig. 12, OPT on A100)"
 FIG14_MODES = {"n2": dict(n=2), "n4": dict(n=4), "beam4": dict(beam_width=4)}
@@ -89,7 +91,7 @@ def sweep(f, systems: Sequence[str], rates: Sequence[float], duration_s: float,
           mode: Dict) -> Dict:
   """{"systems": {NAME: curve}, "sizes": {NAME: sizes}} over `rates` for one sampling mode."""
   num_total = max(serving.arrival_times(r, duration_s, f.seed).size for r in rates)
-  clock_fn = ((lambda: serving.StepClock(f.step_s)) if f.clock == "step"
+  clock_fn = ((lambda: serving.StepClock(f.step_s, f.swap_s_per_token)) if f.clock == "step"
               else serving.WallClock)
   num_seqs = max(mode.get("n", 1), mode.get("beam_width", 1))
   curves, sizes = {}, {}
@@ -106,7 +108,7 @@ def sweep(f, systems: Sequence[str], rates: Sequence[float], duration_s: float,
         points.append(serving_sweep.run_point(
             system, reqs, kv_budget_tokens=f.kv_budget_tokens, block_size=f.block_size,
             max_len=f.max_len, sizes=sizes[system], params_fn=params_fn(mode),
-            clock=clock_fn(), progress=bar))
+            clock=clock_fn(), progress=bar, preemption_mode=f.preemption_mode))
     curves[system] = serving_sweep.curve(rates, points)
     compiled.release_compiled()   # the next system's engine has other shapes
   return {"systems": curves, "sizes": sizes}
@@ -166,7 +168,8 @@ def plot_fig14(fig14: Dict, path):
 DEFAULTS = dict(workload="sharegpt", rates=["2", "4", "8", "16"], duration_s=20.0,
                 systems=list(serving_sweep.SYSTEMS), seed=0, kv_budget_tokens=2048,
                 block_size=16, max_len=serving.ENGINE_MAX_LEN, slo_factor=3.0, clock="wall",
-                step_s=0.01, max_seqs_headroom=1.5, max_seqs_cap=64, fig14=False,
+                step_s=0.01, swap_s_per_token=arrivals.OPT13B_SWAP_S_PER_TOKEN,
+                preemption_mode="auto", max_seqs_headroom=1.5, max_seqs_cap=64, fig14=False,
                 fig14_rates=[], fig14_duration_s=0.0)
 
 
@@ -196,6 +199,12 @@ def _define_flags():
                      "SLO = factor x max unloaded normalized latency")
   flags.DEFINE_enum("clock", d["clock"], ["wall", "step"], "wall clock, or virtual step clock")
   flags.DEFINE_float("step_s", d["step_s"], "seconds per engine step with --clock=step")
+  flags.DEFINE_float("swap_s_per_token", d["swap_s_per_token"],
+                     "with --clock=step, seconds per token of K/V swapped out or in "
+                     "(default: OPT-13B's 800 KB per token over ~25 GB/s PCIe)")
+  flags.DEFINE_enum("preemption_mode", d["preemption_mode"], list(PREEMPTION_MODES),
+                    "engine preemption: auto swaps multi-sequence groups and recomputes "
+                    "single ones (vLLM V0's default)")
   flags.DEFINE_float("max_seqs_headroom", d["max_seqs_headroom"],
                      "engine slots per request its memory holds")
   flags.DEFINE_integer("max_seqs_cap", d["max_seqs_cap"], "largest engine max_seqs",
@@ -213,6 +222,8 @@ def run(f) -> Dict:
   if f.slo_factor < 1 or not f.step_s > 0:
     raise ValueError(f"--slo_factor must be >= 1 and --step_s > 0, got {f.slo_factor}, "
                      f"{f.step_s}")
+  if not (math.isfinite(f.swap_s_per_token) and f.swap_s_per_token >= 0):
+    raise ValueError(f"--swap_s_per_token must be finite and >= 0, got {f.swap_s_per_token}")
   rates = sorted(float(r) for r in f.rates)
   start = time.time()
   main_sweep = sweep(f, f.systems, rates, f.duration_s, {})
@@ -222,7 +233,8 @@ def run(f) -> Dict:
                f"system at the lowest swept rate ({rates[0]:g} req/s, the unloaded latency)",
       systems=main_sweep["systems"], sizes=main_sweep["sizes"],
       sizing_rule=serving_sweep.__doc__.split("Sizing")[1].strip(),
-      clock=(f"step: every engine step costs {f.step_s:g} s" if f.clock == "step" else
+      clock=(f"step: every engine step costs {f.step_s:g} s, plus {f.swap_s_per_token:g} s "
+             f"per token swapped out or in" if f.clock == "step" else
              "wall: perf_counter, requests added while the engine steps"),
       paper=PAPER)
   result["paged_rate_ratio"] = ratios(result["max_rate_at_slo"])

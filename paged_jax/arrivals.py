@@ -49,24 +49,34 @@ class WallClock:
   def now(self) -> float:
     return time.perf_counter() - self._t0
 
-  def stepped(self) -> None:
-    """Called after every engine step (real time moved by itself)."""
+  def stepped(self, swapped_tokens: int = 0) -> None:
+    """Called after every engine step (real time moved by itself, copies included)."""
+    del swapped_tokens
 
   def wait_until(self, t: float) -> None:
     time.sleep(max(0.0, t - self.now()))
 
 
+# Swap traffic on the step clock, per token moved one way: the paper's OPT-13B holds
+# 800 KB of K/V per token (arXiv:2309.06180 sec. 3), over PCIe 4.0 x16 at ~25 GB/s
+# achieved (32 GB/s peak) between an A100 and pinned host memory.
+OPT13B_SWAP_S_PER_TOKEN = 800e3 / 25e9
+
+
 class StepClock:
   """Virtual time: every engine step costs `step_s` seconds whatever its batch (the
-  memory-bound GPU regime, where a decode step's time barely grows with the batch);
-  waiting jumps ahead. Deterministic: no wall-clock reads."""
+  memory-bound GPU regime, where a decode step's time barely grows with the batch),
+  plus `swap_s_per_token` per token of K/V the step swapped out or in; waiting jumps
+  ahead. Deterministic: no wall-clock reads."""
 
   name = "step"
 
-  def __init__(self, step_s: float):
+  def __init__(self, step_s: float, swap_s_per_token: float = OPT13B_SWAP_S_PER_TOKEN):
     if not step_s > 0:
       raise ValueError(f"step_s must be > 0, got {step_s}")
-    self.step_s, self._t = step_s, 0.0
+    if not (math.isfinite(swap_s_per_token) and swap_s_per_token >= 0):
+      raise ValueError(f"swap_s_per_token must be a finite number >= 0, got {swap_s_per_token}")
+    self.step_s, self.swap_s_per_token, self._t = step_s, swap_s_per_token, 0.0
 
   def start(self) -> None:
     self._t = 0.0
@@ -74,8 +84,8 @@ class StepClock:
   def now(self) -> float:
     return self._t
 
-  def stepped(self) -> None:
-    self._t += self.step_s
+  def stepped(self, swapped_tokens: int = 0) -> None:
+    self._t += self.step_s + swapped_tokens * self.swap_s_per_token
 
   def wait_until(self, t: float) -> None:
     self._t = max(self._t, t)

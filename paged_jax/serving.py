@@ -301,6 +301,7 @@ def serve_online(engine, requests: Sequence, gate, params_fn: Callable = greedy,
   Returns:
     {"summary": latency.summarize(...), "arrival", "first_token", "finish" (f64[n], s),
     "output_len" (i32[n]), "steps", "mean_running", "max_running", "preemptions",
+    "swaps" (preemptions by swap), "swapped_blocks" (blocks copied out and in),
     "ttft_observed" (bool: first tokens were read from the engine), "step_traces_in_run"
     (engine step traces while serving: 0 after a complete `warm_up`), "engine_step_s" /
     "device_s" (wall s in engine.step / in its jitted call; nan for engines without
@@ -318,6 +319,10 @@ def serve_online(engine, requests: Sequence, gate, params_fn: Callable = greedy,
   finish: Dict = {}
   from paged_jax.engine import step as step_lib  # pylint: disable=g-import-not-at-top
   base_pre = getattr(engine, "num_preemptions", 0)
+  base_swaps = getattr(engine, "num_swaps", 0)
+  stats = getattr(engine, "stats", {})
+  swapped = base_swapped = stats.get("swapped_blocks", 0)
+  block_size = engine.cache_config.block_size if hasattr(engine, "cache_config") else 0
   traces = sum(step_lib.TRACE_COUNT.values())
   timing = dict(getattr(engine, "timing", {}))
   nxt = steps = running_sum = running_max = 0
@@ -336,7 +341,9 @@ def serve_online(engine, requests: Sequence, gate, params_fn: Callable = greedy,
       clock.wait_until(arrivals[nxt].arrival_time)
       continue
     done = engine.step()
-    clock.stepped()
+    moved = stats.get("swapped_blocks", 0) - swapped   # out and in, whole blocks
+    swapped += moved
+    clock.stepped(moved * block_size)
     t = clock.now()
     steps += 1
     live = _running_progress(engine)
@@ -367,6 +374,8 @@ def serve_online(engine, requests: Sequence, gate, params_fn: Callable = greedy,
           "first_token": t1, "finish": fin, "output_len": out_len, "steps": steps,
           "mean_running": running_sum / max(steps, 1), "max_running": running_max,
           "preemptions": int(getattr(engine, "num_preemptions", 0) - base_pre),
+          "swaps": int(getattr(engine, "num_swaps", 0) - base_swaps),
+          "swapped_blocks": int(swapped - base_swapped),
           "ttft_observed": observed, "step_traces_in_run": int(traces),
           "engine_step_s": spent.get("step_s", math.nan),
           "device_s": spent.get("device_s", math.nan)}

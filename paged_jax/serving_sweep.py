@@ -86,7 +86,8 @@ def system_sizes(system: str, requests: Sequence, *, kv_budget_tokens: int, bloc
 def run_point(system: str, requests: Sequence, *, kv_budget_tokens: int, block_size: int,
               max_len: int = serving.ENGINE_MAX_LEN, sizes: Optional[Dict] = None,
               params_fn: Callable = serving.greedy, clock=None, progress=None,
-              attention_backend: str = "auto", max_num_batched_tokens: int = 256) -> Dict:
+              attention_backend: str = "auto", max_num_batched_tokens: int = 256,
+              preemption_mode: str = "recompute") -> Dict:
   """One system at one arrival stream: a fresh warmed-up engine, `serve_online`.
 
   On the wall clock every step shape the stream can reach is compiled before serving
@@ -100,7 +101,8 @@ def run_point(system: str, requests: Sequence, *, kv_budget_tokens: int, block_s
   engine = serving.make_engine(block_size=block_size, kv_budget_tokens=sizes["pool_tokens"],
                                max_seqs=sizes["max_seqs"], max_len=max_len,
                                attention_backend=attention_backend,
-                               max_num_batched_tokens=max_num_batched_tokens)
+                               max_num_batched_tokens=max_num_batched_tokens,
+                               preemption_mode=preemption_mode)
   warm = ({"compiled": 0, "shapes": 0} if isinstance(clock, serving.StepClock) else
           serving.warm_up(engine, requests, params_fn))
   gate = gate_lib.make_gate(system, kv_budget_tokens, max_len)
@@ -125,6 +127,8 @@ def curve(rates: Sequence[float], points: Sequence[Dict]) -> Dict:
   out["mean_running"] = [p["mean_running"] for p in points]
   out["max_running"] = [p["max_running"] for p in points]
   out["preemptions"] = [p["preemptions"] for p in points]
+  out["swaps"] = [p.get("swaps", 0) for p in points]
+  out["swapped_blocks"] = [p.get("swapped_blocks", 0) for p in points]
   out["steps"] = [p["steps"] for p in points]
   for k in ("step_traces_in_run", "engine_step_s", "device_s", "warm_up_compiled",
             "warm_up_shapes"):

@@ -58,6 +58,7 @@ def test_tiny_run_writes_the_contract_json(tmp_path):
     ("--rates=2,-1", "--rates must be finite and > 0"),
     ("--systems=paged,orca_fifo", "unknown system 'orca_fifo'"),
     ("--duration_s=0.001", "admits no request"),
+    ("--swap_s_per_token=-1", "--swap_s_per_token must be finite and >= 0"),
 ])
 def test_bad_flags_end_with_one_line(flag, message, tmp_path):
   proc = _run(flag, f"--out={tmp_path}", timeout=120)

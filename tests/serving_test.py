@@ -4,6 +4,7 @@ virtual step clock, so no wall-clock assertion)."""
 
 import dataclasses
 import math
+import types
 
 import numpy as np
 import pytest
@@ -241,6 +242,38 @@ def test_serve_online_through_orca_gate_respects_reservations():
                                   clock=serving.StepClock(0.01))
   assert (open_res["summary"]["normalized_latency_s_per_token"]
           < res["summary"]["normalized_latency_s_per_token"])
+
+
+class SwappingEngine(FakeEngine):
+  """FakeEngine whose every third step swaps `blocks` blocks (as Engine.stats counts)."""
+
+  def __init__(self, max_running, blocks):
+    super().__init__(max_running)
+    self.blocks, self.steps, self.stats = blocks, 0, {"swapped_blocks": 0}
+    self.cache_config = types.SimpleNamespace(block_size=16)
+
+  def step(self):
+    self.steps += 1
+    if self.steps % 3 == 0:
+      self.stats["swapped_blocks"] += self.blocks
+    return super().step()
+
+
+def test_step_clock_charges_swapped_tokens():
+  reqs = _requests(20, rate=50.0, seed=5)   # a busy engine: no idle gaps to absorb time
+  free = serving.serve_online(SwappingEngine(4, 3), reqs, gate_lib.OpenGate(),
+                              clock=serving.StepClock(0.01, swap_s_per_token=0.0))
+  paid = serving.serve_online(SwappingEngine(4, 3), reqs, gate_lib.OpenGate(),
+                              clock=serving.StepClock(0.01, swap_s_per_token=1e-4))
+  assert paid["swapped_blocks"] == free["swapped_blocks"] == 3 * (free["steps"] // 3)
+  assert paid["steps"] == free["steps"]
+  # Each finish moves by the swaps of the steps up to it: 3 blocks x 16 tokens x 1e-4 s.
+  extra = paid["finish"] - free["finish"]
+  assert extra.max() == pytest.approx((free["steps"] // 3) * 3 * 16 * 1e-4)
+  assert np.all(extra >= 0) and len(set(np.round(extra, 9))) > 1
+  for bad in (-1.0, math.nan, math.inf):
+    with pytest.raises(ValueError, match="swap_s_per_token"):
+      serving.StepClock(0.01, swap_s_per_token=bad)
 
 
 def test_serve_online_rejects_duplicate_ids():
