@@ -41,7 +41,7 @@ WORKLOADS = {
     "engine8": ([(1, 1024)] * 8, 8),        # engine default bucket: max_seqs 8 decodes
     "engine256": ([(128, 512), (64, 64)] + [(1, 512)] * 6, 256),
 }
-_QUANT = ("int8", "float8_e4m3fn")
+QUANT = ("int8", "float8_e4m3fn")   # page dtypes that carry per-token scales
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +75,7 @@ def _pool(case: Case, num_blocks: int):
   a = ct.abstract
   pages = a((hkv, num_blocks, case.block_size, d), case.pdtype)
   scales = (a((hkv, num_blocks, case.block_size), jnp.float32)
-            if case.page_dtype in _QUANT else None)
+            if case.page_dtype in QUANT else None)
   return pages, scales
 
 
@@ -114,7 +114,7 @@ def build(case: Case):
 def kv_bytes(case: Case) -> int:
   """K/V bytes the kernel must read (scales included): the modelled traffic."""
   _, hkv, d, sem = MODELS[case.model]
-  per_token = hkv * 2 * (d * case.pdtype.itemsize + (4 if case.page_dtype in _QUANT else 0))
+  per_token = hkv * 2 * (d * case.pdtype.itemsize + (4 if case.page_dtype in QUANT else 0))
   window = sem.get("sliding_window")
   if case.kernel == "decode":
     ctx = min(case.context, window) if window else case.context
