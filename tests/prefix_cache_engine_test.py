@@ -122,6 +122,19 @@ def test_parallel_sampling_beam_search_and_multi_step_with_caching():
     np.testing.assert_allclose(on[1].cumulative_logprobs, off[1].cumulative_logprobs, rtol=1e-5)
 
 
+def test_swapped_sampling_groups_with_caching_stay_exact():
+  # n = 3 groups outgrow the pool; "auto" swaps them (their shared prompt blocks once)
+  # and restores the sharing over fresh blocks, evicting cached ones to make room.
+  rng = np.random.default_rng(8)
+  prompts = shared_prefix_prompts(rng, 4, 16, max_suffix=4)
+  params = [SamplingParams(max_tokens=14, temperature=0.8, n=3, seed=20 + i) for i in range(4)]
+  roomy = make(False, num_blocks=4 * NUM_BLOCKS).generate(prompts, params)
+  eng = make(True, preemption_mode="auto")
+  assert outputs(eng.generate(prompts, params)) == outputs(roomy)
+  assert eng.num_swaps > 0 and eng.prefix_stats()["hit_blocks"] > 0
+  assert eng.stats["swapped_blocks"] > 0
+
+
 def test_no_cached_or_shared_block_is_written_and_free_stack_holds_no_cached_block():
   rng = np.random.default_rng(4)
   prompts = shared_prefix_prompts(rng, 10, 21, max_suffix=10)
