@@ -4,9 +4,13 @@ Backends:
   "reference"         plain jnp (pallas_kernels/reference.py), the oracle; any platform.
   "xla"               plain jnp laid out for XLA:CPU (pallas_kernels/xla_attention.py):
                       the same results, K/V gathered once per sequence or query tile.
+  "cpu"               XLA:CPU custom calls, the block-table walk fused into an online
+                      softmax (pallas_kernels/cpu_attention.py, C++ built on first use):
+                      f32 q and pages; anything else, or no compiler, runs "xla".
   "pallas"            the Pallas Triton GPU kernels (pallas_kernels/*.py).
   "pallas_interpret"  the same kernels run by the Pallas interpreter (CPU tests).
-  "auto"              "pallas" when jax.default_backend() == "gpu", else "xla".
+  "auto"              "pallas" when jax.default_backend() == "gpu", else "cpu" (or "xla"
+                      where the custom calls cannot be built).
   "pallas:triton", "pallas:mosaic_gpu", "pallas_interpret:triton",
   "pallas_interpret:mosaic_gpu"
                       the Pallas backends with the GPU kernel family forced; plain "pallas"
@@ -25,7 +29,7 @@ import flax
 import jax
 import jax.numpy as jnp
 
-BACKENDS = ("auto", "reference", "xla", "pallas", "pallas_interpret", "pallas:triton",
+BACKENDS = ("auto", "reference", "xla", "cpu", "pallas", "pallas_interpret", "pallas:triton",
             "pallas:mosaic_gpu", "pallas_interpret:triton", "pallas_interpret:mosaic_gpu")
 
 
@@ -68,8 +72,20 @@ def resolve_backend(backend: str) -> str:
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
   if backend == "auto":
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
+    if jax.default_backend() == "gpu":
+      return "pallas"
+    from pallas_kernels import cpu_attention  # pylint: disable=g-import-not-at-top
+    return "cpu" if cpu_attention.unavailable_reason() is None else "xla"
   return backend
+
+
+def _cpu_path_module(backend: str):
+  """The module behind a CPU backend, "xla" or "cpu" (same signatures)."""
+  if backend == "cpu":
+    from pallas_kernels import cpu_attention  # pylint: disable=g-import-not-at-top
+    return cpu_attention
+  from pallas_kernels import xla_attention  # pylint: disable=g-import-not-at-top
+  return xla_attention
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, backend: str = "auto",
@@ -86,10 +102,9 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, backend: str 
     kw = _reference_kwargs(kw)
     return reference.paged_attention_reference(q, k_pages, v_pages, block_tables, lengths,
                                                **kw)
-  if backend == "xla":
-    from pallas_kernels import xla_attention  # pylint: disable=g-import-not-at-top
-    return xla_attention.decode_attention(q, k_pages, v_pages, block_tables, lengths,
-                                          **_reference_kwargs(kw))
+  if backend in ("xla", "cpu"):
+    return _cpu_path_module(backend).decode_attention(q, k_pages, v_pages, block_tables,
+                                                       lengths, **_reference_kwargs(kw))
   import pallas_kernels  # pylint: disable=g-import-not-at-top
   # The package binds the name to the kernel function (not the submodule of that name).
   interpret, gpu = _gpu_backend(backend)
@@ -110,10 +125,10 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens
     kw = _reference_kwargs(kw)
     return reference.ragged_paged_attention_reference(
         q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, **kw)
-  if backend == "xla":
-    from pallas_kernels import xla_attention  # pylint: disable=g-import-not-at-top
-    return xla_attention.ragged_attention(q, k_pages, v_pages, block_tables, kv_lens,
-                                          cu_q_lens, num_seqs, **_reference_kwargs(kw))
+  if backend in ("xla", "cpu"):
+    return _cpu_path_module(backend).ragged_attention(
+        q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
+        **_reference_kwargs(kw))
   import pallas_kernels  # pylint: disable=g-import-not-at-top
   kernel = getattr(pallas_kernels, "ragged_paged_attention", None)
   if kernel is None:

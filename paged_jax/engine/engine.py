@@ -70,8 +70,8 @@ class Engine:
     preemption_mode: "recompute" (default), "swap" (to host memory, a group's shared
       blocks once) or "auto" (swap groups of several sequences, recompute single
       ones: vLLM V0's rule).
-    attention_backend: one of `attention.BACKENDS`: "auto", "reference", "xla", "pallas",
-      "pallas_interpret", or with the GPU kernel family forced ("pallas:triton",
+    attention_backend: one of `attention.BACKENDS`: "auto", "reference", "xla", "cpu",
+      "pallas", "pallas_interpret", or with the GPU kernel family forced ("pallas:triton",
       "pallas:mosaic_gpu", "pallas_interpret:triton", "pallas_interpret:mosaic_gpu").
     max_beam_width: largest beam_width accepted (sets the candidate count).
     model_apply: replaces `LlamaForCausalLM(...).apply` in the jitted step (same

@@ -198,7 +198,7 @@ class LlamaForCausalLM(nn.Module):
   Attributes:
     config: ModelConfig.
     attention_backend: passed to `attention.attention_from_metadata`: one of
-      `attention.BACKENDS` ("auto", "reference", "xla", "pallas", "pallas_interpret", or
+      `attention.BACKENDS` ("auto", "reference", "xla", "cpu", "pallas", "pallas_interpret", or
       with the GPU kernel family forced: "pallas:triton", "pallas:mosaic_gpu",
       "pallas_interpret:triton", "pallas_interpret:mosaic_gpu").
   """
