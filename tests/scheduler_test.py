@@ -162,6 +162,27 @@ def test_preemption_newest_first_and_everything_completes(mode, seed, report_sol
         "a recomputed request re-prefills prompt + generated tokens")
 
 
+def test_a_group_swapped_after_a_failed_step_returns_once_copied():
+  # The engine's path after a device OUT_OF_BLOCKS: preempt_newest() swaps the newest
+  # group outside any plan; its copy is made after the NEXT plan (before that step frees
+  # its slot), so that plan must not bring it back, and a later one does.
+  sched = Scheduler(block_size=4, max_seqs=4, max_num_batched_tokens=16,
+                    preemption_mode="swap")
+  dev = FakeDevice(32, 4)
+  groups = [make_group(0, 6, 4), make_group(1, 5, 4)]
+  for g in groups:
+    sched.add(g)
+  log = []
+  run_step(sched, dev, log)
+  victim = sched.preempt_newest()
+  assert victim is groups[1] and victim.leader.swapped_kv is None
+  batch = run_step(sched, dev, log)
+  assert not batch.swap_in and victim.leader.swapped_kv is not None
+  batch = run_step(sched, dev, log)
+  assert batch.swap_in == [victim]
+  drain(sched, dev, [], max_steps=50)
+
+
 def test_bad_preemption_mode():
   with pytest.raises(ValueError, match="preemption_mode"):
     Scheduler(block_size=4, max_seqs=2, max_num_batched_tokens=8, preemption_mode="drop")

@@ -272,6 +272,10 @@ class Scheduler:
     if not batch.preempted:
       while self.swapped and budget > 0:
         group = self.swapped[0]
+        if group.leader.swapped_kv is None:
+          # Preempted after a failed step (`preempt_newest`): the engine copies it out
+          # after this plan, before the step frees its slots. It returns from the next.
+          break
         need = group.leader.swapped_kv.num_blocks   # its distinct blocks, copied once
         plan = self._chunks_for(group, budget)   # as _take will cut them once swapped in
         step_need = self.chunks_need(group, plan) + self.lookahead_need(group, plan)
