@@ -126,3 +126,21 @@ def test_engine_on_cpu_attention_equals_dense_oracle(decode_steps):
   assert eng.num_preemptions > 0
   for p, o in zip(prompts, outs):
     assert list(o.outputs[0]) == engine_oracle.dense_greedy(engine_oracle.PARAMS, p, 9)
+
+
+def test_engine_step_reads_the_pool_in_place():
+  """The compiled CPU step hands the donated K/V pool to the custom calls as it is: no
+  copy of a pool-sized array anywhere in the optimized HLO."""
+  import re   # pylint: disable=g-import-not-at-top
+  from paged_jax.engine import step_for_compile   # pylint: disable=g-import-not-at-top
+  mc = engine_oracle.MC
+  cc = mc.cache_config(block_size=16, num_blocks=64, max_seqs=8, max_blocks_per_seq=8)
+  fn, args = step_for_compile(mc, cc, max_num_batched_tokens=32, decode_steps_per_sync=2,
+                              attention_backend="cpu")
+  hlo = fn.trace(*args).lower().compile().as_text()
+  assert 'custom_call_target="paged_jax_cpu_ragged"' in hlo
+  assert 'custom_call_target="paged_jax_cpu_decode"' in hlo   # the decode loop's
+  pool = f"f32[{mc.num_kv_heads},64,16,{mc.head_dim}]"
+  copies = [l for l in hlo.splitlines()
+            if pool in l.split("=", 1)[-1][:80] and re.search(r"\} copy\(", l)]
+  assert not copies, copies[:2]
