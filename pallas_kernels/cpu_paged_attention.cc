@@ -46,6 +46,31 @@ struct Semantics {
   int32_t window;          // <= 0: none
 };
 
+// out[j] = q . k[j] for keys j in [j0, j1) of a block (rows of D floats). Four keys at a
+// time: each q element is loaded once for four products, and the four sums stay in
+// registers until the end (one dot at a time reduces a vector per key).
+inline void Dots(const float* q, const float* k, int64_t D, int64_t j0, int64_t j1,
+                 float* out) {
+  int64_t j = j0;
+  for (; j + 4 <= j1; j += 4) {
+    const float* k0 = k + j * D;
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+    for (int64_t d = 0; d < D; ++d) {
+      const float x = q[d];
+      a0 += x * k0[d];
+      a1 += x * k0[D + d];
+      a2 += x * k0[2 * D + d];
+      a3 += x * k0[3 * D + d];
+    }
+    out[j] = a0; out[j + 1] = a1; out[j + 2] = a2; out[j + 3] = a3;
+  }
+  for (; j < j1; ++j) {
+    float a = 0.f;
+    for (int64_t d = 0; d < D; ++d) a += q[d] * k[j * D + d];
+    out[j] = a;
+  }
+}
+
 // Attention of `n` queries (positions pos[0..n), each with G heads at q + (i * G + g) * D,
 // stride q_stride between queries) of one sequence over KV head h; writes out likewise.
 void AttendTile(const float* q, int64_t q_stride, float* out, const int64_t* pos, int64_t n,
@@ -74,12 +99,10 @@ void AttendTile(const float* q, int64_t q_stride, float* out, const int64_t* pos
       for (int64_t g = 0; g < G; ++g) {
         const float* qr = q + i * q_stride + g * D;
         const int64_t r = i * G + g;
+        Dots(qr, p.row(p.k, h, blk, 0), D, j0, j1, logit.data());
         float new_max = mx[r];
         for (int64_t j = j0; j < j1; ++j) {
-          const float* kr = p.row(p.k, h, blk, j);
-          float dot = 0.f;
-          for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
-          dot *= s.scale;
+          float dot = logit[j] * s.scale;
           if (s.soft_cap > 0.f) dot = s.soft_cap * std::tanh(dot / s.soft_cap);
           logit[j] = dot;
           new_max = std::max(new_max, dot);
