@@ -135,11 +135,14 @@ def serving_fig14(results_dir: str) -> str:
   rows = []
   for run, doc in serving_runs(results_dir):
     for mode, sec in doc.get("fig14", {}).items():
+      paged = sec["systems"]["paged"]
       rows.append([run, mode, _max_rate(sec, "paged"), _max_rate(sec, "orca_oracle"),
-                   rate_ratio(sec, "orca_oracle")])
+                   rate_ratio(sec, "orca_oracle"),
+                   f"{sum(paged['preemptions'])} ({sum(paged.get('swaps', [0]))})"])
   if not rows:
     raise FileNotFoundError("no committed serving_benchmark run has a fig14 section")
-  return table(rows, ["run", "mode", "paged req/s", "Orca(Oracle) req/s", "paged / Oracle"])
+  return table(rows, ["run", "mode", "paged req/s", "Orca(Oracle) req/s", "paged / Oracle",
+                      "paged preemptions (swapped), all rates"])
 
 
 def summary(doc) -> str:
