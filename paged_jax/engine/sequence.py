@@ -41,7 +41,7 @@ class Sequence:
   share_id: int = -1            # sequences with equal share_id share that block
   cum_logprob: float = 0.0
   topk: Optional[Tuple[Any, Any]] = None   # beam candidates awaiting selection
-  swapped_kv: Any = None        # host copy of this sequence's pages (swap mode)
+  swapped_kv: Any = None        # a leader's host copy of its group's pages (swap.SwappedKV)
   finish_reason: Optional[str] = None
 
   @property
@@ -93,8 +93,8 @@ class Batch:
   frees: List[int] = dataclasses.field(default_factory=list)          # slots
   forks: List[Tuple[Sequence, Sequence]] = dataclasses.field(default_factory=list)  # (parent, child)
   post_forks: List[Tuple[Sequence, Sequence]] = dataclasses.field(default_factory=list)
-  swap_out: List[Sequence] = dataclasses.field(default_factory=list)
-  swap_in: List[Sequence] = dataclasses.field(default_factory=list)
+  swap_out: List[Group] = dataclasses.field(default_factory=list)   # whole groups
+  swap_in: List[Group] = dataclasses.field(default_factory=list)
   preempted: List[Group] = dataclasses.field(default_factory=list)
   attaches: List[Sequence] = dataclasses.field(default_factory=list)  # prefix lookups
 
