@@ -71,7 +71,7 @@ class TensorParallelLlama:
     mesh: a mesh with a `tp` axis (1-D, from `make_mesh(tp=...)` or `dp_submeshes`).
     tp: shards.
     local_config: the per-shard ModelConfig.
-    attention_backend: passed to the model ("auto": Pallas on GPU, else xla).
+    attention_backend: passed to the model ("auto": Pallas on GPU, else the CPU custom calls).
   """
 
   def __init__(self, config: ModelConfig, mesh: Mesh, *, attention_backend: str = "auto"):
