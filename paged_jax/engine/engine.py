@@ -413,9 +413,7 @@ class Engine:
 
   def _swap_ins(self, batch: Batch) -> None:
     for group in batch.swap_in:
-      lead = group.leader
-      if lead.swapped_kv is None:
-        continue
+      lead = group.leader   # the scheduler plans a swap-in only once its copy exists
       slots = [q.slot for q in group.seqs]
       self.state, status = swap.swap_in(self.state, slots, lead.swapped_kv)
       if int(status) != OK:

@@ -19,12 +19,12 @@ import functools
 from typing import Sequence, Union
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import block_manager as bm
-from paged_jax.config import INVALID, OK, OUT_OF_BLOCKS
+from paged_jax import block_rounds
+from paged_jax.config import INVALID, OK, OUT_OF_BLOCKS, cdiv
 from paged_jax.engine.step import EngineState, TRACE_COUNT
 from paged_jax.prefix_cache import evict
 
@@ -83,7 +83,7 @@ def swap_out(state: EngineState, slots: Union[int, Sequence[int]],
   tables = np.full((len(slots), width), -1, np.int32)
   local = {}   # physical block -> index in the copy, in first-seen order
   for i, (slot, n) in enumerate(zip(slots, num_tokens)):
-    nblk = -(-n // bs)
+    nblk = cdiv(n, bs)
     if nblk < 1 or nblk > width or np.any(rows[i, :nblk] < 0):
       raise RuntimeError(f"swap_out: slot {slot} does not hold {n} tokens")
     tables[i, :nblk] = [local.setdefault(int(b), len(local)) for b in rows[i, :nblk]]
@@ -116,14 +116,15 @@ def restore_blocks(blocks: bm.BlockState, slots, tables, num_tokens, num_blocks,
   s_max, nb = blocks.max_seqs, blocks.num_blocks
   live = slots >= 0
   sc = jnp.clip(slots, 0, s_max - 1)
-  repeated = jnp.sum((sc[:, None] == sc[None, :]) & live[:, None] & live[None, :]) > jnp.sum(live)
-  bad = jnp.any(live & ((slots >= s_max) | blocks.active[sc])) | repeated
+  in_range = live & (slots < s_max)
+  repeated = jnp.any(in_range & ~block_rounds.first_of_slot(slots, in_range, s_max))
+  bad = jnp.any(live & ~in_range) | jnp.any(in_range & blocks.active[sc]) | repeated
   fits = num_blocks <= blocks.num_free
   ok = ~bad & fits
   status = jnp.where(bad, INVALID, jnp.where(fits, OK, OUT_OF_BLOCKS)).astype(_I32)
-  k = lax.iota(_I32, width)
-  take = ok & (k < num_blocks)
-  fresh = jnp.where(take, blocks.free_stack[jnp.clip(blocks.num_free - 1 - k, 0, nb - 1)], -1)
+  # The allocator's own pop: one request of num_blocks (none unless ok), in stack order.
+  fresh = bm._pop(blocks, jnp.where(ok, num_blocks, 0).astype(_I32)[None], width)[0][0]  # pylint: disable=protected-access
+  take = fresh >= 0
   held = live[:, None] & (tables >= 0) & ok
   local = jnp.clip(tables, 0, width - 1)
   rows_tbl = jnp.where(held, fresh[local], -1)
