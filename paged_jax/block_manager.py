@@ -145,19 +145,26 @@ def _pop(state: BlockState, need: jax.Array, width: int):
   return jnp.where(take, state.free_stack[pos], -1), jnp.sum(need)
 
 
-def allocate(state: BlockState, slot, num_tokens):
+def allocate(state: BlockState, slot, num_tokens, *, max_num_tokens: Optional[int] = None):
   """Activates `slot` holding `num_tokens` tokens in `cdiv(num_tokens, bs)` fresh blocks.
 
   Args:
     state: the allocator.
     slot: i32[] or i32[n]: inactive slots in [0, max_seqs); < 0 is padding.
     num_tokens: i32, broadcast to `slot`'s shape: prompt length in [1, max_seq_len].
+    max_num_tokens: optional static bound on `num_tokens` (larger values get
+      INVALID); narrows the pop window, and the vector rounds after a shortfall,
+      from max_blocks_per_seq to cdiv(max_num_tokens, bs) blocks. Inferred from an
+      int argument.
   Returns:
     (state, status with `slot`'s shape): INVALID (slot out of range or already
-    active, num_tokens < 1), TOO_LONG (> max_seq_len), OUT_OF_BLOCKS.
+    active, num_tokens < 1 or > max_num_tokens), TOO_LONG (> max_seq_len),
+    OUT_OF_BLOCKS.
   """
   bs, s_max, nb, max_len = state.block_size, state.max_seqs, state.num_blocks, state.max_seq_len
-  static_n = num_tokens if isinstance(num_tokens, int) else None
+  static_n = max_num_tokens
+  if isinstance(num_tokens, int):
+    static_n = num_tokens if static_n is None else min(static_n, num_tokens)
   _check_state(state)
   slot = _int_arg(slot, "slot")
   num_tokens = _int_arg(num_tokens, "num_tokens")
@@ -166,6 +173,8 @@ def allocate(state: BlockState, slot, num_tokens):
   n_tok = jnp.broadcast_to(jnp.asarray(num_tokens, _I32), shape).reshape(-1)
   sc = jnp.clip(slots, 0, s_max - 1)
   bad = (slots < 0) | (slots >= s_max) | state.active[sc] | (n_tok < 1)
+  if max_num_tokens is not None:
+    bad = bad | (n_tok > max_num_tokens)
   too_long = ~bad & (n_tok > max_len)
   cand = ~bad & ~too_long
   need = jnp.where(cand, cdiv(jnp.clip(n_tok, 0, max_len), bs), 0)

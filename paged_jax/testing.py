@@ -42,10 +42,11 @@ class BlockModel:
     self.ref[b] = 1
     return b
 
-  def allocate(self, slots, counts) -> list:
+  def allocate(self, slots, counts, max_num_tokens=None) -> list:
     status = []
     for s, n in zip(slots, counts):
-      if not self._slot_ok(s) or self.active[s] or n < 1:
+      if (not self._slot_ok(s) or self.active[s] or n < 1
+          or (max_num_tokens is not None and n > max_num_tokens)):
         status.append(INVALID)
       elif n > self.max_seq_len:
         status.append(TOO_LONG)

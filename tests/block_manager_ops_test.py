@@ -298,18 +298,23 @@ class ShortfallTailTest(chex.TestCase):
   def test_successes_after_a_shortfall_match_model(self):
     cfg = CacheConfig(block_size=2, num_blocks=14, max_seqs=8, max_blocks_per_seq=7)
     s_max, nb = cfg.max_seqs, cfg.num_blocks
-    seen = {"allocate": 0, "append": 0, "append_cow": 0}
-    for seed in range(40):
+    seen = {"allocate": 0, "append": 0, "append_cow": 0, "bounded_invalid": 0}
+    for seed in range(56):
       rng = np.random.default_rng(seed)
       state, model = bm.init(cfg), BlockModel.from_config(cfg)
       # Large first requests so a later, smaller one often still fits; duplicate slots
       # whose first request ran short may take the slot.
+      # Seeds from 40 on with a static bound on prompt length (the engine step passes
+      # its token bucket): narrower pop window and rounds, longer prompts INVALID.
       slots = rng.integers(0, s_max, size=8)
       counts = rng.integers(1, cfg.max_seq_len + 1, size=8)
+      bound = 9 if seed >= 40 else None
       state, status = j_allocate(state, jnp.asarray(slots, jnp.int32),
-                                 jnp.asarray(counts, jnp.int32))
-      np.testing.assert_array_equal(status, model.allocate(slots.tolist(), counts.tolist()))
+                                 jnp.asarray(counts, jnp.int32), max_num_tokens=bound)
+      np.testing.assert_array_equal(
+          status, model.allocate(slots.tolist(), counts.tolist(), max_num_tokens=bound))
       seen["allocate"] += _ok_after_shortfall(status)
+      seen["bounded_invalid"] += int(bound is not None and np.any(counts > bound))
       assert_matches_model(state, model)
       live = np.flatnonzero(model.active)
       if live.size:  # share blocks, so appends also copy on write
@@ -337,6 +342,7 @@ class ShortfallTailTest(chex.TestCase):
     self.assertGreater(seen["allocate"], 10, seen)
     self.assertGreater(seen["append"], 10, seen)
     self.assertGreater(seen["append_cow"], 0, seen)
+    self.assertGreater(seen["bounded_invalid"], 5, seen)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from paged_jax.testing import BlockModel
 CFG = CacheConfig(block_size=4, num_blocks=20, max_seqs=6, max_blocks_per_seq=5)
 S, P, BS, NB, MAX_LEN = 6, 5, 4, 20, 20
 
-j_allocate = jax.jit(bm.allocate)
+j_allocate = jax.jit(bm.allocate, static_argnames=("max_num_tokens",))
 j_append = jax.jit(bm.append, static_argnames=("max_new_tokens",))
 j_free = jax.jit(bm.free)
 j_fork = jax.jit(bm.fork)

@@ -120,3 +120,30 @@ def test_each_bucket_traces_once_and_their_number_is_bounded():
   assert sum(step_lib.TRACE_COUNT.values()) - before == len(new)
   assert len(seen) <= engine._buckets.max_variants     # pylint: disable=protected-access
   assert len(seen) >= 4                                  # it did move between buckets
+
+
+def _decode_step_cost(max_seqs):
+  """XLA's cost analysis of the compiled decode-only step at the smallest bucket
+  (R = T = 8 rows, W = 4 blocks) on an engine with `max_seqs` slots: (bytes accessed,
+  while loops in the optimized HLO, bytes of one KV block over every layer)."""
+  from paged_jax.engine.inputs import empty_inputs
+  engine = oracle_engine(block_size=16, num_blocks=1024, max_seqs=max_seqs, budget=32)
+  inputs = step_lib.StepInputs(**empty_inputs(8, max_seqs, 1, num_rows=8))
+  exe = engine._step.lower(engine.params, engine.state, inputs, width=4,   # pylint: disable=protected-access
+                           decode_only=True, all_greedy=True).compile()
+  cost = exe.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  pool_bytes = sum(x.nbytes for x in (engine.state.pages.k, engine.state.pages.v))
+  return cost["bytes accessed"], exe.as_text().count(" while("), pool_bytes // 1024
+
+
+def test_decode_step_work_follows_the_row_bucket_not_max_seqs():
+  # One live decode row costs the same compiled work at max_seqs 128 as at 8: the
+  # step's forks, allocations and copy-on-write page copies run on the row bucket's
+  # lanes, so no loop runs max_seqs trips and no page traffic grows with the slots
+  # (a copy over every slot's pair reads and writes 128 blocks of every layer). What may
+  # grow is the slot-wide integer bookkeeping (block tables, lengths: a few KB a slot).
+  small, small_loops, block = _decode_step_cost(8)
+  large, large_loops, _ = _decode_step_cost(128)
+  assert large_loops == small_loops
+  assert large - small < 128 * block, (small, large, block)

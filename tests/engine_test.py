@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from paged_jax.config import ModelConfig
+from paged_jax.config import INVALID, ModelConfig
 from paged_jax.engine import Engine, SamplingParams
 from paged_jax.engine import compiled
 from paged_jax.engine import step as step_lib
@@ -311,6 +311,27 @@ def test_failed_reservation_leaves_state_unchanged_and_host_replans():
 
 
 @pytest.mark.slow
+
+def test_a_plan_with_more_reserving_slots_than_rows_is_refused_whole():
+  # Allocations and copy-on-write run on the row bucket's R lanes: a plan reserving in
+  # more slots than R (a host bug) must be refused, never cut to R and half applied.
+  from paged_jax.engine.inputs import empty_inputs
+  for rows, ok in ((2, False), (4, True)):
+    engine = make_engine()
+    before = jax.device_get(engine.state)
+    a = empty_inputs(BUDGET, MAX_SEQS, 1, num_rows=rows)
+    a["alloc_tokens"][[1, 2, 5]] = 1
+    engine.state, out = engine._step(engine.params, engine.state, step_lib.StepInputs(**a))   # pylint: disable=protected-access
+    assert bool(out.ok) == ok
+    after = jax.device_get(engine.state)
+    if ok:
+      np.testing.assert_array_equal(after.blocks.active, np.isin(np.arange(MAX_SEQS), [1, 2, 5]))
+      assert int(after.blocks.num_free) == NUM_BLOCKS - 3
+    else:
+      np.testing.assert_array_equal(np.asarray(out.status)[[1, 2, 5]], [INVALID] * 3)
+      for x, y in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(after)):
+        np.testing.assert_array_equal(x, y)
+
 def test_generate_cli_subprocess_text_prompt_on_shipped_model():
   import subprocess
   import sys

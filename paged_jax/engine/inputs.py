@@ -96,9 +96,9 @@ def empty_inputs(num_tokens: int, max_seqs: int, lookup_len: int,
   r = max_seqs if num_rows is None else num_rows
   i32 = lambda n, v=0: np.full((n,), v, np.int32)
   return dict(tokens=i32(num_tokens), positions=i32(num_tokens), token_row=i32(num_tokens, -1),
-              row_slot=i32(r, -1), row_q_len=i32(r), free_slots=i32(s, -1), fork_src=i32(s, -1),
-              fork_dst=i32(s, -1), alloc_tokens=i32(s), append_tokens=i32(s),
-              sample_row=i32(s, -1), post_fork_src=i32(s, -1),
+              row_slot=i32(r, -1), row_q_len=i32(r), free_slots=i32(s, -1), fork_src=i32(r, -1),
+              fork_dst=i32(r, -1), alloc_tokens=i32(s), append_tokens=i32(s),
+              sample_row=i32(s, -1), post_fork_src=i32(r, -1), post_fork_dst=i32(r, -1),
               temperature=np.zeros((s,), np.float32), top_k=i32(s),
               top_p=np.ones((s,), np.float32), seed=i32(s), sample_index=i32(s),
               remaining=i32(s, 1), stop_ids=np.full((s, MAX_STOP_IDS), -1, np.int32),
@@ -123,14 +123,15 @@ def build_inputs(batch: Batch, running: Seq[Group], *, buckets: StepBuckets, max
   """
   chunks = batch.chunks
   max_len = max((ch.seq.num_computed + ch.num_tokens for ch in chunks), default=0)
-  # Rows also hold the sampled slots (n > 1 children sample from their leader's row).
+  # Rows also hold the sampled slots (n > 1 children sample from their leader's row)
+  # and the beam forks: the fork lanes are R wide (a forked beam is nearly always a row).
   num_sampled = sum(ch.samples for ch in chunks) + len(batch.post_forks)
   # Decided over every running request, not only this step's sampled rows: the
   # multi-step decode loop samples the others too.
   all_greedy = (all(g.params.temperature == 0 for g in running) if running
                 else bool(idle_all_greedy))
-  bucket = buckets.pick(batch.num_tokens, max(len(chunks), num_sampled), max_len,
-                        all(ch.num_tokens == 1 for ch in chunks)) + (all_greedy,)
+  bucket = buckets.pick(batch.num_tokens, max(len(chunks), num_sampled, len(batch.forks)),
+                        max_len, all(ch.num_tokens == 1 for ch in chunks)) + (all_greedy,)
   a = empty_inputs(bucket[0], max_seqs, lookup_len, num_rows=bucket[1])
 
   def sampling_row(seq: Sequence, group: Group, row: int):
@@ -158,8 +159,8 @@ def build_inputs(batch: Batch, running: Seq[Group], *, buckets: StepBuckets, max
     if ch.samples:
       sampling_row(seq, owner[id(seq)], r)
     t += n
-  for leader, child in batch.post_forks:
-    a["post_fork_src"][child.slot] = leader.slot
+  for i, (leader, child) in enumerate(batch.post_forks):
+    a["post_fork_src"][i], a["post_fork_dst"][i] = leader.slot, child.slot
     if len(child.tokens) == child.prompt_len:
       sampling_row(child, owner[id(child)], leader_row[id(leader)])
   a["free_slots"][:len(batch.frees)] = batch.frees

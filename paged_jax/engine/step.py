@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from paged_jax import block_manager as bm
 from paged_jax import kv_cache
 from paged_jax.attention import AttentionMetadata
-from paged_jax.config import OK
+from paged_jax.config import INVALID, OK
 from paged_jax.engine import sampling
 from paged_jax.prefix_cache import step as prefix_step
 
@@ -82,9 +82,13 @@ class StepInputs:
   Row level [R] (the row bucket, >= the rows and >= the sampled slots): row_slot
     (slot of each attention row, -1 = padding; live rows first), row_q_len (new
     tokens of the row).
-  Slot level [S]: free_slots (-1 pad), fork_src/fork_dst (-1 pad), alloc_tokens
+  Fork lanes [R] (used lanes first, -1 pad; the host sizes R to hold them, so a
+    fork costs what is forked, not max_seqs): fork_src/fork_dst (beam forks, before
+    the reservations), post_fork_src/post_fork_dst (parallel-sampling children
+    forked from their leader after the prefill).
+  Slot level [S]: free_slots (-1 pad), alloc_tokens
     (> 0: allocate that many tokens in this inactive slot), append_tokens (> 0:
-    append), sample_row (-1: no sample), post_fork_src (-1: none), temperature,
+    append), sample_row (-1: no sample), temperature,
     top_k, top_p, seed, sample_index (tokens generated so far), remaining
     (tokens the sequence may still generate, >= 1 where sampling), stop_ids
     [S, num_stop_ids] (-1 pad), multi_step (may continue in the decode loop).
@@ -103,6 +107,7 @@ class StepInputs:
   append_tokens: jax.Array
   sample_row: jax.Array
   post_fork_src: jax.Array
+  post_fork_dst: jax.Array
   temperature: jax.Array
   top_k: jax.Array
   top_p: jax.Array
@@ -195,6 +200,15 @@ def _finished(tokens, remaining, stop_ids):
   return is_stop | (remaining <= 1)
 
 
+def _cow_lanes(cow, num_lanes: int):
+  """i32[num_lanes, 2]: the copy-on-write pairs of `cow` (i32[S, 2], (-1, -1) = none)
+  packed into `num_lanes` lanes, so the page copy gathers that many blocks per layer,
+  not max_seqs. Only appending slots copy, and they are the step's rows (or the
+  decode loop's live slots), at most R of them."""
+  lane = _lanes(cow[:, 0] >= 0, num_lanes)
+  return jnp.where((lane < cow.shape[0])[:, None], cow[jnp.clip(lane, 0, cow.shape[0] - 1)], -1)
+
+
 def _lanes(mask, num_lanes: int):
   """i32[num_lanes]: the slots where `mask` (bool[S]) holds, in slot order, padded with
   S (out of range: gathers clamp, `.at[...].set(mode="drop")` drops). The host sizes
@@ -244,7 +258,6 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     blocks, pages, ps = state.blocks, state.pages, state.prefix
     s_max = blocks.max_seqs
     rows = inp.row_slot.shape[0]          # R: row bucket (live rows and sampled slots)
-    slots = lax.iota(_I32, s_max)
 
     # 1-2. frees, beam forks (and prefix attach / eviction): these always stand.
     hits = jnp.zeros((s_max,), _I32)
@@ -259,12 +272,22 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
       ps, b = prefix_step.evict_for(ps, b, inp, num_decode_steps=num_decode_steps,
                                     max_evict=max_evict)
     blocks = b
-    # 3. reservations.
+    # 3. reservations. Every reserving slot is one of the step's rows, so allocations
+    # run on R lanes and the copy-on-write pairs fit R lanes; a plan with more
+    # reserving slots than R is refused whole (INVALID), never cut short. A chunk
+    # has at most T tokens: that static bound narrows both ops' pop windows.
+    num_tokens = inp.tokens.shape[0]
     alloc = inp.alloc_tokens > 0
-    b, st_alloc = bm.allocate(b, jnp.where(alloc, slots, -1), jnp.maximum(inp.alloc_tokens, 1))
     grow = inp.append_tokens > 0
-    b, st_append, cow = bm.append(b, grow, inp.append_tokens)
+    alloc_lane = _lanes(alloc, rows)
+    b, st_lane = bm.allocate(
+        b, jnp.where(alloc_lane < s_max, alloc_lane, -1),
+        jnp.maximum(inp.alloc_tokens[jnp.clip(alloc_lane, 0, s_max - 1)], 1),
+        max_num_tokens=num_tokens)
+    st_alloc = jnp.full((s_max,), INVALID, _I32).at[alloc_lane].set(st_lane, mode="drop")
+    b, st_append, cow = bm.append(b, grow, inp.append_tokens, max_new_tokens=num_tokens)
     status = jnp.where(alloc, st_alloc, jnp.where(grow, st_append, OK))
+    status = jnp.where((alloc | grow) & (jnp.sum(alloc | grow) > rows), INVALID, status)
     ok = jnp.all(status == OK)
 
     # A failed reservation must leave the state unchanged. Rather than a lax.cond
@@ -277,7 +300,7 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     token_row = jnp.where(ok, inp.token_row, -1)
     k_steps = num_decode_steps
 
-    pg = kv_cache.copy_blocks(pages, cow)
+    pg = kv_cache.copy_blocks(pages, _cow_lanes(cow, rows))
     meta = build_metadata(b, row_slot, inp.row_q_len, token_row, inp.positions,
                           width).replace(decode_only=decode_only)
     logits, pg = apply_fn(params, inp.tokens, inp.positions, pg, meta)   # [R rows, V]
@@ -293,8 +316,7 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     topv = jnp.zeros((s_max, num_candidates), lane_v.dtype).at[lane_slot].set(lane_v,
                                                                                mode="drop")
     topi = jnp.zeros((s_max, num_candidates), _I32).at[lane_slot].set(lane_i, mode="drop")
-    post_src = jnp.where(ok, inp.post_fork_src, -1)
-    b, _ = bm.fork(b, post_src, jnp.where(post_src >= 0, slots, -1))
+    b, _ = bm.fork(b, jnp.where(ok, inp.post_fork_src, -1), inp.post_fork_dst)
     out_tokens = jnp.zeros((k_steps, s_max), _I32).at[0].set(tok)
     out_valid = jnp.zeros((k_steps, s_max), jnp.bool_).at[0].set(sampled)
     cont = sampled & inp.multi_step & ~_finished(tok, inp.remaining, inp.stop_ids)
@@ -321,7 +343,7 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
         rs = jnp.clip(row_slot, 0, s_max - 1)
         positions = jnp.where(row_live, b_new.seq_lens[rs] - 1, 0)
         token_row = jnp.where(row_live, lax.iota(_I32, rows), -1)
-        pg2 = kv_cache.copy_blocks(pg_cur, cow_i)
+        pg2 = kv_cache.copy_blocks(pg_cur, _cow_lanes(cow_i, rows))
         meta = build_metadata(b_new, row_slot, row_live.astype(_I32), token_row, positions,
                               width).replace(decode_only=True)
         logits, pg2 = apply_fn(params, last[rs], positions, pg2, meta)   # [R, V]

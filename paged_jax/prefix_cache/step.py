@@ -165,8 +165,7 @@ def after(ps: PrefixStepState, blocks: bm.BlockState, inputs, outputs, *,
       inputs.tokens, mode="drop")
   ps = ps.replace(history=hist)
   # Parallel-sampling children share the leader's prompt after the prefill.
-  post = jnp.where(ok, inputs.post_fork_src, -1)
-  ps = _copy_rows(ps, post, jnp.where(post >= 0, slots, -1))
+  ps = _copy_rows(ps, jnp.where(ok, inputs.post_fork_src, -1), inputs.post_fork_dst)
   # Decode-loop tokens: outputs.tokens[k, s] sits at position L1 + k, where L1
   # is the slot's length after the first forward; it was computed iff
   # valid[k + 1, s].
