@@ -94,7 +94,49 @@ def run(workload_names: Sequence[str] = ("sharegpt", "alpaca"), *, num_requests:
     row["concurrency_ratio"] = (row["paged"]["mean_running_seqs"]
                                 / row["orca_max"]["mean_running_seqs"])
     results[name] = row
+  results_fit = step_cost_fit(results)
+  if results_fit is not None:
+    for name, row in results.items():
+      row["step_cost_fit"] = results_fit[name]
   return results
+
+
+def step_cost_fit(results: Dict):
+  """Where the wall / step gap comes from, measured: a least-squares fit of every run's
+  device seconds to `a * device_steps + b * bucket_tokens` (a fixed cost per jitted call
+  and a cost per token its shape computes, padding included), over all workloads and
+  configurations of the run. A GPU decode step is memory-bound (b ~ 0: wall / step -> 1);
+  on this CPU the tokens' matmuls make b large, so twice the rows cost up to twice the
+  time. Per workload: the fit's a, b, each config's fixed share a * steps / device_s, the
+  wall / step ratio the fit predicts, and the one it gives without recomputation (paged's
+  bucket tokens scaled by Orca(Max)'s computed tokens over its own). None with fewer
+  points than unknowns."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  runs = [row[c] for row in results.values() for c in CONFIGS]
+  if len(runs) < 3 or any("bucket_tokens" not in r for r in runs):
+    return None
+  x = np.array([[r["device_steps"], r["bucket_tokens"]] for r in runs], float)
+  y = np.array([r["device_s"] for r in runs], float)
+  (a, b), *_ = np.linalg.lstsq(x, y, rcond=None)
+  cost = lambda steps, tokens: a * steps + b * tokens
+  out = {}
+  for name, row in results.items():
+    p, o = row["paged"], row["orca_max"]
+    step_ratio = row["speedup_tokens_per_step"]
+    # Wall time follows device time plus host time per step (kept as measured).
+    wall = lambda r, dev: dev + r["host_s"]
+    predicted = (wall(o, cost(o["device_steps"], o["bucket_tokens"]))
+                 / wall(p, cost(p["device_steps"], p["bucket_tokens"])))
+    no_recompute = p["bucket_tokens"] * o["computed_tokens"] / max(p["computed_tokens"], 1)
+    predicted_nr = (wall(o, cost(o["device_steps"], o["bucket_tokens"]))
+                    / wall(p, cost(p["device_steps"], no_recompute)))
+    out[name] = {"ms_per_step": 1e3 * a, "us_per_bucket_token": 1e6 * b,
+                 "fixed_share": {c: a * row[c]["device_steps"] / row[c]["device_s"]
+                                 for c in CONFIGS},
+                 "predicted_wall_over_step": predicted / step_ratio,
+                 "predicted_wall_over_step_without_recompute": predicted_nr / step_ratio,
+                 "recomputed_tokens": p["computed_tokens"] - o["computed_tokens"]}
+  return out
 
 
 def summary_rows(results: Dict):
@@ -115,11 +157,32 @@ def summary_rows(results: Dict):
                  f"{(p['device_s'] / p['steps']) / (o['device_s'] / o['steps']):.2f}x"])
     rows.append([name, "wall / step ratio", "", "", f"{row['wall_over_step_ratio']:.2f}",
                  "", "", "", "", "", ""])
+
   return rows
 
 
 HEADERS = ["workload", "config", "max seqs", "req/s", "tok/s", "mean latency s", "tok/step",
            "mean running", "preempt", "device s", "device ms/step"]
+
+FIT_HEADERS = ["workload", "ms / call", "us / bucket token", "fixed share orca_max; paged",
+               "bucket tokens orca_max; paged", "recomputed tokens", "wall / step measured",
+               "fit", "fit, no recompute"]
+
+
+def fit_rows(results: Dict):
+  """The step-cost fit (`step_cost_fit`) beside the measured wall / step ratio."""
+  rows = []
+  for name, row in results.items():
+    fit = row.get("step_cost_fit")
+    if fit:
+      share = fit["fixed_share"]
+      rows.append([name, f"{fit['ms_per_step']:.2f}", f"{fit['us_per_bucket_token']:.1f}",
+                   f"{share['orca_max']:.2f}; {share['paged']:.2f}",
+                   f"{row['orca_max']['bucket_tokens']}; {row['paged']['bucket_tokens']}",
+                   fit["recomputed_tokens"], f"{row['wall_over_step_ratio']:.2f}",
+                   f"{fit['predicted_wall_over_step']:.2f}",
+                   f"{fit['predicted_wall_over_step_without_recompute']:.2f}"])
+  return rows
 
 
 def plot(results: Dict, path):
@@ -178,6 +241,8 @@ def main(f, out):
       **common.run_metadata(f)})
   png = plot(results, out / "throughput.png")
   print(common.table(summary_rows(results), HEADERS))
+  if fit_rows(results):
+    print(common.table(fit_rows(results), FIT_HEADERS))
   print(f"paper: {PAPER_SPEEDUP}\nwrote {out / 'throughput.json'}, {png}")
 
 

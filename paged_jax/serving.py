@@ -167,7 +167,9 @@ def serve(engine, requests: Sequence, params_fn: Callable = greedy, *,
     "sharing_savings" (1 - sum of used blocks / sum of blocks without sharing, over
     steps; None unless tracked), "engine_step_s" / "device_s" / "host_s" (inside
     engine.step: all / jitted call to outputs on host / the rest), "step_traces_in_run"
-    (step traces inside the timing: 0 after a complete warm-up), "warm_up" (its dict)}.
+    (step traces inside the timing: 0 after a complete warm-up), "device_steps" (jitted
+    calls), "computed_tokens" (scheduled, recomputation included), "bucket_tokens"
+    (computed by the calls' shape buckets, padding included), "warm_up" (its dict)}.
   """
   from paged_jax import metrics  # pylint: disable=g-import-not-at-top
   from paged_jax.engine import step as step_lib  # pylint: disable=g-import-not-at-top
@@ -189,6 +191,7 @@ def serve(engine, requests: Sequence, params_fn: Callable = greedy, *,
   base_tokens = engine.stats["generated_tokens"]
   base_steps, base_pre, base_swaps = (engine.stats["steps"], engine.num_preemptions,
                                       engine.num_swaps)
+  base_work = {k: engine.stats[k] for k in ("device_steps", "computed_tokens", "bucket_tokens")}
   ids = [engine.add_request(list(map(int, r.prompt_token_ids)), params_fn(r)) for r in requests]
   latency: Dict = {}
   outputs: Dict = {}
@@ -241,6 +244,9 @@ def serve(engine, requests: Sequence, params_fn: Callable = greedy, *,
       "engine_step_s": timing["step_s"], "device_s": timing["device_s"],
       "host_s": timing["step_s"] - timing["device_s"],
       "step_traces_in_run": int(traces),    # 0: nothing compiled inside the timing
+      # The device's work: jitted calls, tokens the schedule computed (recomputed ones
+      # included), and tokens the calls' shape buckets computed (padding included).
+      **{k: int(engine.stats[k] - v) for k, v in base_work.items()},
       "warm_up": warm,
   }
   if keep_outputs:

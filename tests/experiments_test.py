@@ -208,3 +208,32 @@ def test_throughput_paged_beats_contiguous_reservation_with_same_tokens():
   assert res["orca_max"]["max_running_seqs"] <= 512 // 256 == res["orca_max"]["max_seqs"]
   assert res["paged"]["max_running_seqs"] > res["orca_max"]["max_running_seqs"]
   assert res["speedup_tokens_per_step"] > 1.0
+
+
+def test_step_cost_fit_recovers_a_known_cost_model():
+  # Device seconds built from a known per-call and per-token cost: the fit must give
+  # them back, and its predicted wall / step ratio must be the one those costs imply.
+  a, b = 0.6e-3, 20e-6
+  def run_(steps, tokens, computed, generated):
+    return {"device_steps": steps, "steps": steps, "bucket_tokens": tokens,
+            "computed_tokens": computed, "device_s": a * steps + b * tokens, "host_s": 0.1,
+            "tokens_per_step": generated / steps}
+  results = {}
+  for name, (o, p) in {"sharegpt": ((587, 9024, 5998), (298, 10360, 7220)),
+                       "alpaca": ((379, 5312, 3487), (231, 5032, 3487))}.items():
+    row = {"orca_max": run_(*o, 3882), "paged": run_(*p, 3882)}
+    row["speedup_tokens_per_step"] = (row["paged"]["tokens_per_step"]
+                                      / row["orca_max"]["tokens_per_step"])
+    results[name] = row
+  fit = throughput.step_cost_fit(results)
+  s = fit["sharegpt"]
+  assert s["ms_per_step"] == pytest.approx(0.6) and s["us_per_bucket_token"] == pytest.approx(20)
+  o, p = results["sharegpt"]["orca_max"], results["sharegpt"]["paged"]
+  wall = (o["device_s"] + 0.1) / (p["device_s"] + 0.1)
+  assert s["predicted_wall_over_step"] == pytest.approx(wall / (587 / 298))
+  assert s["recomputed_tokens"] == 7220 - 5998
+  assert s["predicted_wall_over_step_without_recompute"] > s["predicted_wall_over_step"]
+  assert s["fixed_share"]["orca_max"] == pytest.approx(a * 587 / o["device_s"])
+  for name, row in results.items():
+    row["step_cost_fit"], row["wall_over_step_ratio"] = fit[name], 0.7
+  assert [r[0] for r in throughput.fit_rows(results)] == ["sharegpt", "alpaca"]

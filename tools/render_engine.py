@@ -14,12 +14,13 @@ def memory_waste(doc) -> str:
   return experiment.summary_table(doc)
 
 
-def rows_with(module: str, key=None) -> Callable:
-  """A renderer: `module.summary_rows(doc[key] or doc)` under `module.HEADERS`."""
+def rows_with(module: str, key=None, rows: str = "summary_rows",
+              headers: str = "HEADERS") -> Callable:
+  """A renderer: `module.<rows>(doc[key] or doc)` under `module.<headers>`."""
   def render(doc) -> str:
     import importlib  # pylint: disable=g-import-not-at-top
     mod = importlib.import_module(f"experiments.{module}")
-    return table(mod.summary_rows(doc if key is None else doc[key]), mod.HEADERS)
+    return table(getattr(mod, rows)(doc if key is None else doc[key]), getattr(mod, headers))
   return render
 
 

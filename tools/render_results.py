@@ -52,6 +52,8 @@ SECTIONS: Dict[str, Tuple[object, Callable]] = {
     "sharing": ("sharing/sharing.json", engine.rows_with("sharing", "rows")),
     "preemption": ("preemption/preemption.json", engine.rows_with("preemption", "rows")),
     "throughput": ("throughput/throughput.json", engine.rows_with("throughput", "results")),
+    "throughput_fit": ("throughput/throughput.json",
+                       engine.rows_with("throughput", "results", "fit_rows", "FIT_HEADERS")),
     "hf_peer": ("hf_peer/hf_peer.json", engine.hf_peer),
     "hf_peer_batch128": ("hf_peer/batch128/hf_peer.json", engine.hf_peer),
     "hf_peer_runs": (_RESULTS_DIR, engine.hf_peer_runs),

@@ -291,6 +291,7 @@ class Engine:
       self._pending = (batch, out, t0)
       self._last_all_greedy = bucket[4]
       self.stats["device_steps"] += 1
+      self.stats["bucket_tokens"] += bucket[0]    # tokens the step's shape computes (padded)
 
   def _finish_pending(self) -> None:
     """Waits for the pending step's outputs (the one host sync) and applies them."""
