@@ -27,7 +27,9 @@ Order of device effects in one call (the scheduler plans with this order):
 Shapes: the state is full size (max_seqs S slots, max_blocks_per_seq P); per call
 the work follows a shape bucket (T tokens, R rows, W block-table columns,
 decode_only), chosen by the host from what is live (`compiled.StepBuckets`), so
-attention and sampling cost what is live, not what S and P allow. The step
+attention and sampling cost what is live, not what S and P allow; so do forks,
+allocations and copy-on-write copies, which run on R lanes (every reserving or forked
+slot is a row). Frees, appends' planning and the outputs stay slot-wide. The step
 traces once per bucket; `TRACE_COUNT` counts traces for the no-retracing tests.
 """
 
@@ -86,10 +88,9 @@ class StepInputs:
     fork costs what is forked, not max_seqs): fork_src/fork_dst (beam forks, before
     the reservations), post_fork_src/post_fork_dst (parallel-sampling children
     forked from their leader after the prefill).
-  Slot level [S]: free_slots (-1 pad), alloc_tokens
-    (> 0: allocate that many tokens in this inactive slot), append_tokens (> 0:
-    append), sample_row (-1: no sample), temperature,
-    top_k, top_p, seed, sample_index (tokens generated so far), remaining
+  Slot level [S]: free_slots (-1 pad), alloc_tokens (> 0: allocate that many
+    tokens in this inactive slot), append_tokens (> 0: append; at most R slots
+    allocate or append), sample_row (-1: no sample), temperature, top_k, top_p, seed, sample_index (tokens generated so far), remaining
     (tokens the sequence may still generate, >= 1 where sampling), stop_ids
     [S, num_stop_ids] (-1 pad), multi_step (may continue in the decode loop).
   Prefix caching (lanes [S], used lanes first): attach_slot (-1 pad),
