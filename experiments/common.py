@@ -255,6 +255,17 @@ def code_version(root: Optional[str] = None) -> Dict[str, Any]:
   return {"git_commit": head, "dirty": bool(dirty)}
 
 
+def use_compilation_cache(value: str) -> Optional[str]:
+  """Applies a `--compilation_cache` value: 'auto' (the default directory), 'none' or ''
+  (off), else a directory; returns the directory in use (None: off). A directory that
+  cannot be written is a ValueError naming it."""
+  from paged_jax import compile_cache  # pylint: disable=g-import-not-at-top
+  if value in ("none", ""):
+    compile_cache.disable()
+    return None
+  return str(compile_cache.enable(None if value == "auto" else value))
+
+
 def run_app(main, define_flags, *, flag_values=None, doc: Optional[str] = None,
             argv: Optional[Sequence[str]] = None):
   """The `__main__` of an experiment: defines its absl flags, parses them, then runs
@@ -265,6 +276,8 @@ def run_app(main, define_flags, *, flag_values=None, doc: Optional[str] = None,
   FLAGS). `--help` prints `short_help(doc)`. A bad flag value, a stray argument, or a
   `USER_ERRORS` exception from `main` (a bad value found by the library, a missing file)
   ends the run with one line `error: ...` and exit status 1 instead of a traceback.
+  Every experiment also takes `--compilation_cache` (default 'auto': compiled steps are
+  kept on disk and loaded by later runs; `use_compilation_cache`).
   """
   from absl import app, flags  # pylint: disable=g-import-not-at-top
   registry = flags.FLAGS if flag_values is None else flag_values
@@ -287,12 +300,19 @@ def run_app(main, define_flags, *, flag_values=None, doc: Optional[str] = None,
 
   def guarded(_):
     try:
+      use_compilation_cache(registry.compilation_cache)
       out = out_dir(registry.out) if "out" in registry else None
       return main(registry, out)
     except (app.UsageError,) + USER_ERRORS as e:
       sys.exit(f"error: {one_line(e)}")
 
   define_flags()
+  if "compilation_cache" not in registry:
+    flags.DEFINE_string("compilation_cache", "auto",
+                        "JAX's persistent compilation cache directory: compiled engine steps "
+                        "load in later runs instead of compiling ('auto': "
+                        "$PAGED_JAX_CACHE/xla or ~/.cache/paged_jax/xla; 'none': off)",
+                        flag_values=registry)
   _CODE_AT_START.update(code_version())
   try:
     app.run(guarded, argv=None if argv is None else list(argv), flags_parser=parse)

@@ -63,10 +63,10 @@ def _library_path() -> pathlib.Path:
   import jaxlib  # pylint: disable=g-import-not-at-top
   key = hashlib.sha256("\0".join([_SOURCE.read_text(), jax.ffi.include_dir(), jaxlib.__version__,
                                   " ".join(_FLAGS), _cpu_signature()]).encode()).hexdigest()[:16]
-  return _cache_root() / "cpu_kernels" / f"cpu_paged_attention-{key}.so"
+  return cache_root() / "cpu_kernels" / f"cpu_paged_attention-{key}.so"
 
 
-def _cache_root() -> pathlib.Path:
+def cache_root() -> pathlib.Path:
   """$PAGED_JAX_CACHE, else $XDG_CACHE_HOME/paged_jax or ~/.cache/paged_jax when writable
   (a sandboxed test may have no writable home), else the temp dir."""
   if os.environ.get("PAGED_JAX_CACHE"):

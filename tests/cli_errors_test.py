@@ -42,6 +42,8 @@ def _cases(tmp):
       "memory_waste_block_size_7": (m, ["--block_size=7"], "power of two"),
       "memory_waste_out_is_a_file": (m, [f"--out={a_file}"], "is a file, not a directory"),
       "memory_waste_unknown_flag": (m, ["--num_request=5"], "num_request"),
+      "compilation_cache_under_a_file": (m, [f"--compilation_cache={a_file}/xla"],
+                                         "cannot be created"),
       "generate_help": (g, ["--help"], None),
       "memory_waste_help": (m, ["--helpfull"], None),
   }
@@ -63,7 +65,8 @@ def results(tmp_path_factory):
 ERROR_CASES = ["empty_prompt", "id_outside_vocab", "negative_max_tokens", "block_size_0",
                "block_size_24", "temperature_nan", "one_block", "missing_checkpoint",
                "no_tokenizer", "stray_argument", "memory_waste_block_size_7",
-               "memory_waste_out_is_a_file", "memory_waste_unknown_flag"]
+               "memory_waste_out_is_a_file", "memory_waste_unknown_flag",
+               "compilation_cache_under_a_file"]
 
 
 @pytest.mark.parametrize("name", ERROR_CASES)

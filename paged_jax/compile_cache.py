@@ -1,0 +1,77 @@
+"""The engine's compiled steps kept on disk across processes (JAX's persistent cache).
+
+    from paged_jax import compile_cache
+    compile_cache.enable()                 # $PAGED_JAX_CACHE/xla or ~/.cache/paged_jax/xla
+    compile_cache.enable("/scratch/xla")   # or a directory of your own
+    compile_cache.directory()              # where it is on (None: off)
+
+An engine compiles its step once per shape bucket it meets (3-4 s each for the shipped
+model on a quiet 2-core CPU, minutes per serving sweep of ~100 shapes). JAX's persistent
+compilation cache stores each XLA executable under a key of its HLO, compile options,
+jax / jaxlib versions and backend, so a later process meeting the same shapes loads
+the executable (~0.6 s a step here) instead of compiling it. Executables that call the
+CPU attention custom calls name their FFI targets, which `pallas_kernels.cpu_attention`
+registers in every process before a step is traced, so a loaded step runs the same code.
+
+This module only points JAX at a directory beside the CPU kernels' cache and lowers the
+smallest compile time worth storing; everything else (keys, eviction, concurrent writers)
+is JAX's. The experiments' `--compilation_cache` flag calls `enable`.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Optional, Union
+
+import jax
+
+from pallas_kernels.cpu_attention import cache_root
+
+# A step that compiles faster than this is not worth a file (the block ops' small jits).
+DEFAULT_MIN_COMPILE_TIME_S = 0.5
+
+
+def default_directory() -> pathlib.Path:
+  """`xla/` under the project's cache root ($PAGED_JAX_CACHE, else ~/.cache/paged_jax)."""
+  return cache_root() / "xla"
+
+
+def enable(path: Optional[Union[str, os.PathLike]] = None, *,
+           min_compile_time_s: float = DEFAULT_MIN_COMPILE_TIME_S) -> pathlib.Path:
+  """Turns JAX's persistent compilation cache on at `path` (default `default_directory()`),
+  created if missing; compiles from then on are stored and looked up there (JAX reads the
+  setting at each compile, so earlier compiles in the process do not matter).
+
+  Args:
+    path: cache directory.
+    min_compile_time_s: store only executables that took at least this long to compile (s).
+  Returns:
+    The directory.
+  Raises:
+    ValueError: `path` cannot be created or written, or `min_compile_time_s` < 0.
+  """
+  if not min_compile_time_s >= 0:
+    raise ValueError(f"min_compile_time_s must be >= 0 seconds, got {min_compile_time_s}")
+  directory = pathlib.Path(path) if path is not None else default_directory()
+  try:
+    directory.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise ValueError(f"compilation cache directory {str(directory)!r} cannot be created: "
+                     f"{e.strerror or e}") from None
+  if not os.access(directory, os.W_OK):
+    raise ValueError(f"compilation cache directory {str(directory)!r} is not writable")
+  jax.config.update("jax_compilation_cache_dir", str(directory))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  return directory
+
+
+def disable() -> None:
+  """Turns the persistent cache off for later compiles in this process."""
+  jax.config.update("jax_compilation_cache_dir", None)
+
+
+def directory() -> Optional[str]:
+  """The cache directory compiles use now, or None when the cache is off."""
+  return jax.config.jax_compilation_cache_dir or None

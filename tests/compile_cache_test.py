@@ -1,0 +1,84 @@
+"""paged_jax.compile_cache: engine steps compiled in one process load in the next.
+
+The round trip runs two fresh interpreters over one cache directory: the first compiles
+and stores the engine's steps, the second must load them (JAX's cache-hit events) and
+generate exactly what the first did.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from experiments import common
+from paged_jax import compile_cache
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_PROBE = r"""
+import json, sys
+from jax import monitoring
+events = []
+monitoring.register_event_listener(lambda name, **kw: events.append(name))
+from paged_jax import compile_cache, serving
+from paged_jax.engine import SamplingParams
+compile_cache.enable(sys.argv[1], min_compile_time_s=0)
+engine = serving.make_engine(block_size=16, kv_budget_tokens=256, max_seqs=4)
+outs = engine.generate([[1, 2, 3, 4, 5], [9, 8, 7]],
+                       SamplingParams(max_tokens=6, temperature=0.0))
+print(json.dumps({"outputs": [o.outputs[0] for o in outs],
+                  "hits": events.count("/jax/compilation_cache/cache_hits"),
+                  "misses": events.count("/jax/compilation_cache/cache_misses")}))
+"""
+
+
+def _run(cache_dir):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", _PROBE, str(cache_dir)], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_loads_the_steps_and_generates_the_same(tmp_path):
+  first = _run(tmp_path / "xla")
+  assert first["misses"] >= 1 and first["hits"] == 0
+  stored = os.listdir(tmp_path / "xla")
+  assert any(name.startswith("jit_step-") for name in stored), stored   # the engine step
+  second = _run(tmp_path / "xla")
+  assert second["hits"] >= first["misses"] - second["misses"] > 0
+  assert second["misses"] < first["misses"]
+  assert second["outputs"] == first["outputs"]
+  assert all(len(o) == 6 for o in first["outputs"])
+
+
+@pytest.fixture
+def restore_cache_setting():
+  before = jax.config.jax_compilation_cache_dir
+  yield
+  jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_enable_and_disable(tmp_path, restore_cache_setting):
+  del restore_cache_setting
+  assert compile_cache.enable(tmp_path / "a" / "b") == tmp_path / "a" / "b"
+  assert compile_cache.directory() == str(tmp_path / "a" / "b")
+  compile_cache.disable()
+  assert compile_cache.directory() is None
+  assert common.use_compilation_cache(str(tmp_path / "c")) == str(tmp_path / "c")
+  assert common.use_compilation_cache("none") is None
+  assert compile_cache.default_directory().name == "xla"
+
+
+def test_bad_directory_and_time_are_one_line_errors(tmp_path, restore_cache_setting):
+  del restore_cache_setting
+  a_file = tmp_path / "a_file"
+  a_file.write_text("")
+  with pytest.raises(ValueError, match="cannot be created"):
+    compile_cache.enable(a_file / "xla")
+  with pytest.raises(ValueError, match="min_compile_time_s must be >= 0"):
+    compile_cache.enable(tmp_path, min_compile_time_s=-1)
+  assert compile_cache.directory() != str(tmp_path)
