@@ -25,11 +25,16 @@ import pathlib
 from typing import Optional, Union
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 from pallas_kernels.cpu_attention import cache_root
 
 # A step that compiles faster than this is not worth a file (the block ops' small jits).
 DEFAULT_MIN_COMPILE_TIME_S = 0.5
+# Past this the least recently used executables are deleted (JAX's LRU eviction, which
+# locks the directory with `filelock`): ~200 KB a step of the shipped model, tens of MB
+# for a Llama-8B-shaped one.
+DEFAULT_MAX_BYTES = 4 << 30
 
 
 def default_directory() -> pathlib.Path:
@@ -38,21 +43,27 @@ def default_directory() -> pathlib.Path:
 
 
 def enable(path: Optional[Union[str, os.PathLike]] = None, *,
-           min_compile_time_s: float = DEFAULT_MIN_COMPILE_TIME_S) -> pathlib.Path:
+           min_compile_time_s: float = DEFAULT_MIN_COMPILE_TIME_S,
+           max_bytes: int = DEFAULT_MAX_BYTES) -> pathlib.Path:
   """Turns JAX's persistent compilation cache on at `path` (default `default_directory()`),
-  created if missing; compiles from then on are stored and looked up there (JAX reads the
-  setting at each compile, so earlier compiles in the process do not matter).
+  created if missing; compiles from then on are stored and looked up there (earlier
+  compiles in the process do not matter; a cache already open elsewhere is closed).
 
   Args:
     path: cache directory.
     min_compile_time_s: store only executables that took at least this long to compile (s).
+    max_bytes: the directory's size bound (least recently used entries go first); -1: none.
   Returns:
     The directory.
   Raises:
-    ValueError: `path` cannot be created or written, or `min_compile_time_s` < 0.
+    ValueError: `path` cannot be created or written, or a bound is out of range.
   """
   if not min_compile_time_s >= 0:
     raise ValueError(f"min_compile_time_s must be >= 0 seconds, got {min_compile_time_s}")
+  if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or not (
+      max_bytes == -1 or max_bytes >= 1):
+    raise ValueError(f"max_bytes must be a positive int of bytes or -1 (no bound), "
+                     f"got {max_bytes!r}")
   directory = pathlib.Path(path) if path is not None else default_directory()
   try:
     directory.mkdir(parents=True, exist_ok=True)
@@ -64,12 +75,17 @@ def enable(path: Optional[Union[str, os.PathLike]] = None, *,
   jax.config.update("jax_compilation_cache_dir", str(directory))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  jax.config.update("jax_compilation_cache_max_size", max_bytes)
+  # JAX opens its cache once, at the first compile that finds a directory set: reset it
+  # so the next compile opens this one (and not one an earlier call set).
+  jax_cache.reset_cache()
   return directory
 
 
 def disable() -> None:
   """Turns the persistent cache off for later compiles in this process."""
   jax.config.update("jax_compilation_cache_dir", None)
+  jax_cache.reset_cache()
 
 
 def directory() -> Optional[str]:

@@ -11,6 +11,8 @@ import subprocess
 import sys
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache as jax_cache
+import jax.numpy as jnp
 import pytest
 
 from experiments import common
@@ -55,11 +57,35 @@ def test_a_second_process_loads_the_steps_and_generates_the_same(tmp_path):
   assert all(len(o) == 6 for o in first["outputs"])
 
 
+_SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes", "jax_compilation_cache_max_size")
+
+
 @pytest.fixture
 def restore_cache_setting():
-  before = jax.config.jax_compilation_cache_dir
+  before = {name: getattr(jax.config, name) for name in _SETTINGS}
   yield
-  jax.config.update("jax_compilation_cache_dir", before)
+  for name, value in before.items():
+    jax.config.update(name, value)
+  jax_cache.reset_cache()
+
+
+def test_a_second_enable_moves_the_cache(tmp_path, restore_cache_setting):
+  # JAX opens its cache at the first compile; enable() must make later compiles use the
+  # new directory, and disable() must stop them.
+  del restore_cache_setting
+  compile_cache.enable(tmp_path / "first", min_compile_time_s=0)
+  jax.jit(lambda x: x * 3 + 1)(jnp.arange(5.0)).block_until_ready()
+  compile_cache.enable(tmp_path / "second", min_compile_time_s=0, max_bytes=1 << 20)
+  assert jax.config.jax_compilation_cache_max_size == 1 << 20
+  jax.jit(lambda x: x * 5 - 2)(jnp.arange(6.0)).block_until_ready()
+  entries = lambda d: [n for n in os.listdir(tmp_path / d) if n.startswith("jit_")]
+  assert entries("first") and entries("second")
+  assert not set(entries("first")) & set(entries("second"))
+  compile_cache.disable()
+  before = len(entries("second"))
+  jax.jit(lambda x: x * 7 + 3)(jnp.arange(7.0)).block_until_ready()
+  assert len(entries("second")) == before
 
 
 def test_enable_and_disable(tmp_path, restore_cache_setting):
@@ -81,4 +107,7 @@ def test_bad_directory_and_time_are_one_line_errors(tmp_path, restore_cache_sett
     compile_cache.enable(a_file / "xla")
   with pytest.raises(ValueError, match="min_compile_time_s must be >= 0"):
     compile_cache.enable(tmp_path, min_compile_time_s=-1)
+  for bad in (0, -2, 1.5, True):
+    with pytest.raises(ValueError, match="max_bytes must be a positive int"):
+      compile_cache.enable(tmp_path, max_bytes=bad)
   assert compile_cache.directory() != str(tmp_path)
