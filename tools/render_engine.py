@@ -131,6 +131,32 @@ def serving(results_dir: str, every_row: bool = True) -> str:
                        "max mean running"])
 
 
+def serving_saturation(results_dir: str) -> str:
+  """Per wall-clock run and system, at its highest swept rate (every system saturated):
+  what a step holds and costs on this CPU. 'rows / ms' (mean running per device ms of a
+  step) over Orca(Max)'s is
+  the throughput the batching buys here; on the step clock it would be the ratio of
+  mean running alone (a step costs the same whatever it holds)."""
+  rows = []
+  for run, doc in serving_runs(results_dir):
+    if doc["flags"].get("clock") != "wall":
+      continue
+    per_ms = {}
+    for name, c in doc["systems"].items():
+      ms = 1e3 * c["device_s"][-1] / c["steps"][-1]
+      per_ms[name] = (c["mean_running"][-1], ms)
+    base = per_ms["orca_max"][0] / per_ms["orca_max"][1] if "orca_max" in per_ms else None
+    for i, (name, c) in enumerate(doc["systems"].items()):
+      running, ms = per_ms[name]
+      rel = f"{running / ms / base:.2f}x" if base else ""
+      rows.append(["" if i else f"{run} ({c['rates'][-1]:g}/s)", name, f"{running:.1f}",
+                   f"{ms:.2f}", rel, f"{c['throughput_req_s'][-1]:.1f}", c["preemptions"][-1]])
+  if not rows:
+    raise FileNotFoundError("no committed wall-clock serving_benchmark run")
+  return table(rows, ["run (top rate)", "system", "running", "ms / step",
+                      "rows / ms over Orca(Max)", "req/s served", "preempted"])
+
+
 def serving_fig14(results_dir: str) -> str:
   """The --fig14 sections: paged vs Orca(Oracle) with parallel sampling and beam search."""
   rows = []

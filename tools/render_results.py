@@ -62,6 +62,7 @@ SECTIONS: Dict[str, Tuple[object, Callable]] = {
     "serving_benchmark": (_RESULTS_DIR, engine.serving),
     "serving_benchmark_compact": (_RESULTS_DIR, lambda d: engine.serving(d, every_row=False)),
     "serving_benchmark_fig14": (_RESULTS_DIR, engine.serving_fig14),
+    "serving_saturation": (_RESULTS_DIR, engine.serving_saturation),
     "prefix_caching": ("prefix_caching/prefix_caching.json",
                        engine.rows_with("prefix_caching", "serving")),
     "prefix_caching_block_size": ("prefix_caching/prefix_caching.json", engine.prefix_sweep),
