@@ -20,6 +20,7 @@ is JAX's. The experiments' `--compilation_cache` flag calls `enable`.
 
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
 from typing import Optional, Union
@@ -76,16 +77,27 @@ def enable(path: Optional[Union[str, os.PathLike]] = None, *,
   jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   jax.config.update("jax_compilation_cache_max_size", max_bytes)
-  # JAX opens its cache once, at the first compile that finds a directory set: reset it
-  # so the next compile opens this one (and not one an earlier call set).
-  jax_cache.reset_cache()
+  _reset()
   return directory
 
 
 def disable() -> None:
   """Turns the persistent cache off for later compiles in this process."""
   jax.config.update("jax_compilation_cache_dir", None)
-  jax_cache.reset_cache()
+  _reset()
+
+
+def _reset() -> None:
+  """JAX opens its cache once, at the first compile that finds a directory set: reset it
+  so the next compile opens the directory set now. Quietly: JAX logs each reset at INFO,
+  which would add a line to every experiment's output (and to its one-line errors)."""
+  logger = logging.getLogger(jax_cache.reset_cache.__module__)
+  level = logger.level
+  logger.setLevel(logging.WARNING)
+  try:
+    jax_cache.reset_cache()
+  finally:
+    logger.setLevel(level)
 
 
 def directory() -> Optional[str]:
