@@ -143,6 +143,6 @@ def test_run_app_records_the_code_read_when_the_run_started(monkeypatch):
   at_start = common.code_version()
   with pytest.raises(SystemExit) as done:     # absl's app.run exits when main returns
     common.run_app(main, lambda: flags.DEFINE_integer("seed", 0, "", flag_values=fv),
-                   flag_values=fv, argv=["prog"])
+                   flag_values=fv, argv=["prog", "--compilation_cache=none"])
   assert not done.value.code
   assert seen["code"] == at_start
