@@ -134,20 +134,21 @@ def serving(results_dir: str, every_row: bool = True) -> str:
 def serving_saturation(results_dir: str) -> str:
   """Per wall-clock run and system, at its highest swept rate (every system saturated):
   what a step holds and costs on this CPU. 'rows / ms' (mean running per device ms of a
-  step) over Orca(Max)'s is
-  the throughput the batching buys here; on the step clock it would be the ratio of
-  mean running alone (a step costs the same whatever it holds)."""
+  step) over Orca(Max)'s is the throughput the batching buys here; on the step clock it
+  would be the ratio of mean running alone (a step costs the same whatever it holds)."""
+  def running_and_ms(c):
+    return c["mean_running"][-1], 1e3 * c["device_s"][-1] / c["steps"][-1]
+
   rows = []
   for run, doc in serving_runs(results_dir):
     if doc["flags"].get("clock") != "wall":
       continue
-    per_ms = {}
-    for name, c in doc["systems"].items():
-      ms = 1e3 * c["device_s"][-1] / c["steps"][-1]
-      per_ms[name] = (c["mean_running"][-1], ms)
-    base = per_ms["orca_max"][0] / per_ms["orca_max"][1] if "orca_max" in per_ms else None
+    base = None
+    if "orca_max" in doc["systems"]:
+      running, ms = running_and_ms(doc["systems"]["orca_max"])
+      base = running / ms
     for i, (name, c) in enumerate(doc["systems"].items()):
-      running, ms = per_ms[name]
+      running, ms = running_and_ms(c)
       rel = f"{running / ms / base:.2f}x" if base else ""
       rows.append(["" if i else f"{run} ({c['rates'][-1]:g}/s)", name, f"{running:.1f}",
                    f"{ms:.2f}", rel, f"{c['throughput_req_s'][-1]:.1f}", c["preemptions"][-1]])
