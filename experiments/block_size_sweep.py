@@ -43,8 +43,8 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from experiments import common
-from experiments import serving
-from paged_jax import workloads
+from paged_jax.bench import serving
+from paged_jax.bench import workloads
 from paged_jax.config import cdiv, check_block_size
 
 PAPER_BEST = {"sharegpt": (16, 128), "alpaca": (16, 32)}
@@ -64,7 +64,7 @@ def block_table_stats(requests: Sequence, block_size: int, max_len: int) -> Dict
 def memory_stats(requests: Sequence, block_size: int, kv_budget_tokens: int,
                  max_len: int) -> Dict:
   """Paged memory partition and concurrency at a fixed KV budget (the real block manager)."""
-  from paged_jax.baselines import simulate  # pylint: disable=g-import-not-at-top
+  from paged_jax.bench.baselines import simulate  # pylint: disable=g-import-not-at-top
   res = simulate.simulate_paged(requests, block_size, kv_budget_tokens, max_len)
   return {k: res[k] for k in ("token_utilization", "reservation", "internal_fragmentation",
                               "max_concurrent", "mean_concurrent", "preemptions")}

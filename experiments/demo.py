@@ -152,7 +152,7 @@ def _serving_benchmark(out) -> Dict:
 def run_all(out, sizes: DemoSizes = DemoSizes(), show_progress=None) -> Dict:
   """Runs every experiment; writes per-experiment files; returns their results + seconds."""
   from experiments import memory_waste  # pylint: disable=g-import-not-at-top
-  from paged_jax import workloads  # pylint: disable=g-import-not-at-top
+  from paged_jax.bench import workloads  # pylint: disable=g-import-not-at-top
   from paged_jax.engine import compiled  # pylint: disable=g-import-not-at-top
   results, seconds = {}, {}
 

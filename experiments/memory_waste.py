@@ -3,9 +3,9 @@ r"""Where the KV memory goes: paged blocks vs Orca's contiguous reservations (pa
     python -m experiments.memory_waste --workload=sharegpt --num_requests=2000 \
         --block_size=16 --kv_budget_tokens=14336 --out=results/memory_waste
 
-Serves one seeded synthetic stream (`paged_jax.workloads`) with four allocators
+Serves one seeded synthetic stream (`paged_jax.bench.workloads`) with four allocators
 under the same KV budget of `T = kv_budget_tokens` token slots, in a saturated
-continuous-batching simulation (`paged_jax.baselines.simulate`: all requests
+continuous-batching simulation (`paged_jax.bench.baselines.simulate`: all requests
 queued at step 0, FCFS admission, one token per running request per step):
 
   paged        vLLM: the real `paged_jax.block_manager`, blocks on demand
@@ -18,7 +18,7 @@ Writes `DIR/memory_waste.json` = {"paged": {...}, "orca_max": {...},
 `reservation`, `internal_fragmentation`, `external_fragmentation` and `free` are
 fractions of the KV budget that partition it (they sum to 1): slot-steps
 in each category over the saturated steps (a request still waiting after
-admission) divided by T * steps; see `paged_jax.metrics` for the exact
+admission) divided by T * steps; see `paged_jax.bench.memory` for the exact
 definitions. `max_concurrent` is the peak number of requests in memory at once,
 `mean_concurrent` the mean over the saturated steps; also `steps`,
 `saturated_steps`, `preemptions`. `DIR/memory_waste_meta.json` holds the flags,
@@ -34,10 +34,10 @@ from typing import Dict, Optional, Sequence
 from absl import flags
 
 from experiments import common
-from paged_jax import workloads
-from paged_jax.baselines import simulate
+from paged_jax.bench import workloads
+from paged_jax.bench.baselines import simulate
 from paged_jax.config import check_block_size
-from paged_jax.metrics import CATEGORIES
+from paged_jax.bench.memory import CATEGORIES
 
 ALLOCATORS = ("orca_max", "orca_pow2", "orca_oracle", "paged")
 LABELS = {"orca_max": "Orca (Max)", "orca_pow2": "Orca (Pow2)",

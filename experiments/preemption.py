@@ -28,7 +28,7 @@ from typing import Dict, Sequence
 import numpy as np
 
 from experiments import common
-from paged_jax import serving
+from paged_jax.bench import serving
 
 MODES = ("recompute", "swap")
 

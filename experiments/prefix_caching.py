@@ -33,7 +33,7 @@ from typing import Dict, List, Sequence
 import numpy as np
 
 from experiments import common
-from paged_jax import serving
+from paged_jax.bench import serving
 
 PAPER_SPEEDUP = {"1-shot": 1.67, "5-shot": 3.58}   # vLLM paper Fig. 16 (LLaMA-13B, translation)
 
@@ -113,13 +113,13 @@ def compare(name: str, prefix: np.ndarray, requests, **engine_kw) -> Dict:
 
 
 def system_prompt_requests(num_requests: int, prefix_len: int, seed: int):
-  from paged_jax import workloads  # pylint: disable=g-import-not-at-top
+  from paged_jax.bench import workloads  # pylint: disable=g-import-not-at-top
   return workloads.shared_prefix(num_requests, prefix_len=prefix_len, seed=seed, max_len=1024,
                                  vocab_size=256)
 
 
 def few_shot_requests(num_requests: int, shots: int, seed: int):
-  from paged_jax import workloads  # pylint: disable=g-import-not-at-top
+  from paged_jax.bench import workloads  # pylint: disable=g-import-not-at-top
   return workloads.shared_prefix(num_requests, num_shots=shots, seed=seed, max_len=1024,
                                  vocab_size=256)
 

@@ -82,7 +82,7 @@ import jax
 import numpy as np
 
 from experiments import common
-from paged_jax import workloads
+from paged_jax.bench import workloads
 from paged_jax.config import CacheConfig, ModelConfig
 from paged_jax.distributed import (cache_config_for_device_budget,
                                    make_mesh, make_tp_engine, per_device_bytes)

@@ -7,7 +7,7 @@ For every system and rate, seeded Poisson arrivals over `duration_s` seconds are
 into a RUNNING engine (added while it steps, on a wall clock, or with
 `--clock=step` on a virtual clock where each engine step costs `--step_s` whatever
 its batch: the memory-bound GPU regime). Systems share one KV memory of
-`kv_budget_tokens` slots (`paged_jax.serving_sweep`): paged (vLLM) and Orca
+`kv_budget_tokens` slots (`paged_jax.bench.sweep`): paged (vLLM) and Orca
 Max / Pow2 / Oracle as contiguous-reservation admission gates in front of the same
 engine. Per system and rate: normalized latency (mean of latency / output length),
 TTFT and TPOT p50 / p99, achieved throughput; then the highest rate each system
@@ -30,11 +30,11 @@ import types
 from typing import Callable, Dict, List, Sequence
 
 from experiments import common
-from paged_jax import arrivals
-from paged_jax import latency
-from paged_jax import serving
-from paged_jax import serving_sweep
-from paged_jax import workloads
+from paged_jax.bench import arrivals
+from paged_jax.bench import latency
+from paged_jax.bench import serving
+from paged_jax.bench import sweep as serving_sweep
+from paged_jax.bench import workloads
 from paged_jax.engine import compiled
 from paged_jax.engine.scheduler import PREEMPTION_MODES
 

@@ -7,7 +7,7 @@ The engine (shipped tiny model) serves one stream per workload with, per request
 parallel sampling (`SamplingParams(n=w, temperature=1)`: the w samples fork the
 prompt's blocks) or beam search (`beam_width=w`: beams fork and copy-on-write
 their last block), for each width w. After every engine step the block state is
-read (`paged_jax.metrics.sharing_savings`): without sharing each live sequence
+read (`paged_jax.bench.memory.sharing_savings`): without sharing each live sequence
 would hold cdiv(len, block_size) blocks; with it the pool holds the distinct
 blocks. Savings = 1 - sum(used) / sum(unshared) over the steps. A width-1 greedy
 run gives the throughput baseline. Writes `DIR/sharing.json`, `DIR/sharing.png`.
@@ -22,7 +22,7 @@ import time
 from typing import Dict, Sequence
 
 from experiments import common
-from paged_jax import serving
+from paged_jax.bench import serving
 
 MODES = ("parallel", "beam")
 # Paper Fig. 15 ranges over widths 2-6, as fractions.

@@ -46,7 +46,7 @@ import time
 from typing import Dict, Sequence
 
 from experiments import common
-from paged_jax import serving
+from paged_jax.bench import serving
 
 PAPER_SPEEDUP = "2-4x (vLLM vs Orca/FasterTransformer at equal latency, Fig. 12)"
 CONFIGS = ("orca_max", "paged")

@@ -13,9 +13,9 @@ import importlib
 from paged_jax.config import (CacheConfig, INVALID, ModelConfig, OK, OUT_OF_BLOCKS,
                               OutOfBlocksError, STATUS_NAMES, TOO_LONG)
 
-_SUBMODULES = ("attention", "baselines", "block_manager", "block_manager_host", "config",
-               "engine", "kv_cache", "layer_stack", "metrics", "models", "prefix_cache",
-               "serving", "testing", "workloads", "distributed")
+_SUBMODULES = ("attention", "bench", "block_manager", "block_manager_host", "config",
+               "engine", "kv_cache", "layer_stack", "models", "prefix_cache", "testing",
+               "distributed")
 
 __version__ = "0.1.0"
 

@@ -5,8 +5,8 @@ import collections
 import numpy as np
 import pytest
 
-from paged_jax.baselines import ContiguousArena, OrcaAllocator, reservation_tokens
-from paged_jax.baselines import simulate
+from paged_jax.bench.baselines import ContiguousArena, OrcaAllocator, reservation_tokens
+from paged_jax.bench.baselines import simulate
 
 
 # ----------------------------------------------------------------------------- arena
@@ -165,7 +165,7 @@ def test_sharing_savings_counts_forked_blocks_once():
   import jax.numpy as jnp
   from paged_jax import block_manager
   from paged_jax.config import CacheConfig
-  from paged_jax.metrics import sharing_savings
+  from paged_jax.bench.memory import sharing_savings
   rng = np.random.default_rng(5)
   cfg = CacheConfig(block_size=4, num_blocks=64, max_seqs=6, max_blocks_per_seq=8)
   state = block_manager.init(cfg)

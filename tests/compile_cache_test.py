@@ -25,7 +25,8 @@ import json, sys
 from jax import monitoring
 events = []
 monitoring.register_event_listener(lambda name, **kw: events.append(name))
-from paged_jax import compile_cache, serving
+from paged_jax import compile_cache
+from paged_jax.bench import serving
 from paged_jax.engine import SamplingParams
 compile_cache.enable(sys.argv[1], min_compile_time_s=0)
 engine = serving.make_engine(block_size=16, kv_budget_tokens=256, max_seqs=4)

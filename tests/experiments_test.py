@@ -12,10 +12,10 @@ import pytest
 
 from experiments import block_size_sweep
 from experiments import demo
-from experiments import serving
+from paged_jax.bench import serving
 from experiments import sharing
 from experiments import throughput
-from paged_jax import workloads
+from paged_jax.bench import workloads
 
 ENGINE_KW = dict(block_size=16, kv_budget_tokens=1024, max_seqs=16)   # 4 samples of 256 fit
 

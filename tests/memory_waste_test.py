@@ -8,9 +8,9 @@ import pytest
 from absl import flags
 
 from experiments import memory_waste
-from paged_jax import workloads
-from paged_jax.baselines import simulate
-from paged_jax.metrics import CATEGORIES
+from paged_jax.bench import workloads
+from paged_jax.bench.baselines import simulate
+from paged_jax.bench.memory import CATEGORIES
 
 # One cache shape for every paged run in this file (one compile): T=512 slots, block
 # size 8 -> 64 blocks, max_len 128 -> 16 blocks per sequence, 64 sequence slots.

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from paged_jax import serving
+from paged_jax.bench import serving
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CURVE_KEYS = ("rates", "normalized_latency_s_per_token", "ttft_p50_s", "ttft_p99_s",
@@ -70,7 +70,7 @@ def test_bad_flags_end_with_one_line(flag, message, tmp_path):
 @pytest.mark.slow
 def test_sharegpt_real_stream_for_the_benchmark():
   from experiments import serving_benchmark
-  from paged_jax import workloads
+  from paged_jax.bench import workloads
   if workloads.sharegpt_real_available():
     pytest.skip(workloads.sharegpt_real_available())
   reqs = serving_benchmark.stream("sharegpt-real", 4.0, 5.0, 0, 256, 40)

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from paged_jax import latency
-from paged_jax import serving
-from paged_jax import workloads
-from paged_jax.baselines import gate as gate_lib
+from paged_jax.bench import latency
+from paged_jax.bench import serving
+from paged_jax.bench import workloads
+from paged_jax.bench.baselines import gate as gate_lib
 
 
 # ---- arrivals ----------------------------------------------------------------------------

@@ -11,9 +11,9 @@ import jax
 import numpy as np
 import pytest
 
-from paged_jax import serving
-from paged_jax import workloads
-from paged_jax.baselines import gate as gate_lib
+from paged_jax.bench import serving
+from paged_jax.bench import workloads
+from paged_jax.bench.baselines import gate as gate_lib
 from paged_jax.engine import Engine, SamplingParams
 from paged_jax.engine import compiled as compiled_lib
 from paged_jax.engine import step as step_lib

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from paged_jax import workloads
+from paged_jax.bench import workloads
 
 # vLLM paper Table 1.
 PAPER_MEANS = {"sharegpt": (161.31, 337.99), "alpaca": (19.31, 58.45)}

@@ -34,8 +34,8 @@ from typing import Callable, Dict, Optional, Sequence
 
 import numpy as np
 
-from paged_jax import serving
-from paged_jax.baselines import gate as gate_lib
+from paged_jax.bench import serving
+from paged_jax.bench.baselines import gate as gate_lib
 
 SYSTEMS = ("paged", "orca_max", "orca_pow2", "orca_oracle")
 LABELS = {"paged": "vLLM (paged)", "orca_max": "Orca (Max)", "orca_pow2": "Orca (Pow2)",

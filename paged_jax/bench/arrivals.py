@@ -3,7 +3,7 @@
     times = arrivals.arrival_times(rate=4.0, duration_s=10.0, seed=0)   # f64[n] seconds
     clock = arrivals.WallClock()          # real time; or StepClock(0.01): 10 ms per step
 
-`paged_jax.serving.serve_online` feeds requests into a running engine at these
+`paged_jax.bench.serving.serve_online` feeds requests into a running engine at these
 times; `serving` re-exports the three names.
 """
 

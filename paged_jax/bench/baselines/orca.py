@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Hashable
 
-from paged_jax.baselines.arena import ContiguousArena
+from paged_jax.bench.baselines.arena import ContiguousArena
 from paged_jax.config import check_int
 
 POLICIES = ("max", "pow2", "oracle")

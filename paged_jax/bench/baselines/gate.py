@@ -24,8 +24,8 @@ from __future__ import annotations
 import collections
 from typing import Deque, Dict, Hashable, List, Tuple
 
-from paged_jax.baselines.arena import ContiguousArena
-from paged_jax.baselines.orca import POLICIES, reservation_tokens
+from paged_jax.bench.baselines.arena import ContiguousArena
+from paged_jax.bench.baselines.orca import POLICIES, reservation_tokens
 
 
 class OpenGate:

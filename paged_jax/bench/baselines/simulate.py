@@ -9,7 +9,7 @@ step is one decode iteration:
   2. every running request grows by one token (its next output token's K/V);
   3. waiting requests are admitted in FCFS order while memory allows; an
      admitted request holds its prompt's K/V (prefill) at this step;
-  4. the step is accounted (`paged_jax.metrics`).
+  4. the step is accounted (`paged_jax.bench.memory`).
 
 A request admitted at step s with prompt p and output o therefore holds
 p, p+1, ..., p+o tokens at steps s..s+o and finishes at s+o+1.
@@ -40,9 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import block_manager
-from paged_jax.baselines.orca import OrcaAllocator
+from paged_jax.bench.baselines.orca import OrcaAllocator
 from paged_jax.config import OK, CacheConfig, cdiv, check_int
-from paged_jax.metrics import MemoryAccount, compacting_admission, request_usage
+from paged_jax.bench.memory import MemoryAccount, compacting_admission, request_usage
 
 
 def _lengths(requests) -> List[tuple]:

@@ -5,7 +5,7 @@
     result = serving.serve(engine, requests, lambda r: SamplingParams(max_tokens=r.output_len))
     result["tokens_per_s"], result["mean_latency_s"], result["sharing_savings"]
 
-Scaling (what is synthetic): the streams are `paged_jax.workloads`' seeded
+Scaling (what is synthetic): the streams are `paged_jax.bench.workloads`' seeded
 ShareGPT-like / Alpaca-like lengths (Table 1 means) with every mean divided by
 `STREAM_SCALE[dataset]` (ShareGPT 4, Alpaca 1) and clipped to `max_len` tokens,
 so the shipped tiny byte-level model (4 layers, 1024 positions) serves a stream on
@@ -24,8 +24,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from paged_jax import workloads
-from paged_jax.arrivals import StepClock, WallClock, arrival_times  # noqa: F401  (re-exported)
+from paged_jax.bench import workloads
+from paged_jax.bench.arrivals import StepClock, WallClock, arrival_times  # noqa: F401  (re-exported)
 
 # Mean-length divisor per stream for engine runs (memory-only simulations use 1).
 STREAM_SCALE = {"sharegpt": 4, "alpaca": 1}
@@ -171,7 +171,7 @@ def serve(engine, requests: Sequence, params_fn: Callable = greedy, *,
     calls), "computed_tokens" (scheduled, recomputation included), "bucket_tokens"
     (computed by the calls' shape buckets, padding included), "warm_up" (its dict)}.
   """
-  from paged_jax import metrics  # pylint: disable=g-import-not-at-top
+  from paged_jax.bench import memory as metrics  # pylint: disable=g-import-not-at-top
   from paged_jax.engine import step as step_lib  # pylint: disable=g-import-not-at-top
   if warmup == "replay":
     t0, twin = time.perf_counter(), engine.fresh_copy()
@@ -313,7 +313,7 @@ def serve_online(engine, requests: Sequence, gate, params_fn: Callable = greedy,
     "device_s" (wall s in engine.step / in its jitted call; nan for engines without
     `timing`)}.
   """
-  from paged_jax import latency  # pylint: disable=g-import-not-at-top
+  from paged_jax.bench import latency  # pylint: disable=g-import-not-at-top
   clock = clock or WallClock()
   clock.start()   # arrivals count from here, not from when the clock was built
   reqs = {r.request_id: r for r in requests}
