@@ -8,11 +8,13 @@
 
 Modules: specs (GpuSpec, ModelSpec, Efficiency), catalog (every named GPU, model and
 constant with its source), step (StepShape), roofline (DeviceTimeModel), budget (KvBudget),
-fit (fit_efficiency). Imports only paged_jax.config, numpy and the standard library.
+fit (fit_efficiency), clock (ModelClock). Imports only paged_jax.config, numpy and the
+standard library.
 """
 
 from paged_jax.perf.budget import KvBudget, kv_budget
 from paged_jax.perf.catalog import DEFAULT_EFFICIENCY, GPUS, MODELS, gpu_spec, model_spec
+from paged_jax.perf.clock import ModelClock
 from paged_jax.perf.fit import FitResult, fit_efficiency, predict, relative_errors
 from paged_jax.perf.roofline import PARAMS, PARTS, DeviceTimeModel
 from paged_jax.perf.specs import Efficiency, GpuSpec, ModelSpec
@@ -20,6 +22,6 @@ from paged_jax.perf.step import StepShape
 
 __all__ = [
     "DEFAULT_EFFICIENCY", "DeviceTimeModel", "Efficiency", "FitResult", "GPUS", "GpuSpec",
-    "KvBudget", "MODELS", "ModelSpec", "PARAMS", "PARTS", "StepShape",
+    "KvBudget", "MODELS", "ModelClock", "ModelSpec", "PARAMS", "PARTS", "StepShape",
     "fit_efficiency", "gpu_spec", "kv_budget", "model_spec", "predict", "relative_errors",
 ]
