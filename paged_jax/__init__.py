@@ -14,7 +14,7 @@ from paged_jax.config import (CacheConfig, INVALID, ModelConfig, OK, OUT_OF_BLOC
                               OutOfBlocksError, STATUS_NAMES, TOO_LONG)
 
 _SUBMODULES = ("attention", "bench", "block_manager", "block_manager_host", "config",
-               "engine", "kv_cache", "layer_stack", "models", "prefix_cache", "testing",
+               "engine", "kv_cache", "layer_stack", "models", "perf", "prefix_cache", "testing",
                "distributed")
 
 __version__ = "0.1.0"

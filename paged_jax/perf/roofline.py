@@ -1,0 +1,244 @@
+"""DeviceTimeModel: the seconds one engine step takes on a named GPU for a named model.
+
+A roofline per part of the step, summed (the parts run one after another as kernels):
+
+  step = sum over forward passes of
+           max(linear FLOPs / (peak * e_lf), weight bytes / (HBM * e_wb))      projections
+         + max(attention FLOPs / (peak * e_af), K/V bytes / (HBM * e_kv))     one ragged kernel
+         + logits bytes / (HBM * e_el)                                         sampler
+         + all-reduce ring bytes / (NVLink * e_nv) + count * allreduce_latency (tp > 1)
+         + pass_overhead
+       + copy-on-write bytes / (HBM * e_el)
+       + swap bytes / (PCIe * e_pcie) + copies * swap_copy_latency
+
+Every figure is per GPU under Megatron-style tensor parallelism (weights, heads and K/V
+split tp ways). The time is positively homogeneous and piecewise linear in the parameter
+vector theta = (1/e_lf, 1/e_wb, 1/e_af, 1/e_kv, 1/e_el, 1/e_pcie, 1/e_nv, pass_overhead_s,
+allreduce_latency_s, swap_copy_latency_s): `StepWork` holds the step's coefficients, which
+is what `fit.py` fits theta with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import List, Optional, Tuple, Union
+
+import numpy as np
+
+from paged_jax import config as pj_config
+from paged_jax.perf import catalog
+from paged_jax.perf.specs import Efficiency, GpuSpec, ModelSpec, dtype_bytes
+from paged_jax.perf.step import StepShape
+
+# theta's entries, in order: the seven efficiencies (as 1 / efficiency), then three latencies.
+PARAMS = Efficiency.FRACTIONS + Efficiency.LATENCIES
+_I = {name: i for i, name in enumerate(PARAMS)}
+
+COMBINATION = ("sum over the step's parts (kernels run one after another) of each part's "
+               "max(compute time, memory time); per forward pass, plus copy-on-write and swap")
+
+PARTS = ("linear", "attention", "sampler", "allreduce", "overhead", "copy_on_write", "swap")
+
+
+def theta_of(eff: Efficiency) -> np.ndarray:
+  """f64[len(PARAMS)]: 1 / efficiency for the fractions, seconds for the latencies."""
+  return np.array([1.0 / getattr(eff, n) for n in Efficiency.FRACTIONS]
+                  + [float(getattr(eff, n)) for n in Efficiency.LATENCIES])
+
+
+def efficiency_of(theta: np.ndarray, source: str) -> Efficiency:
+  """Inverse of theta_of."""
+  k = len(Efficiency.FRACTIONS)
+  vals = {n: 1.0 / float(t) for n, t in zip(Efficiency.FRACTIONS, theta[:k])}
+  vals.update({n: float(t) for n, t in zip(Efficiency.LATENCIES, theta[k:])})
+  return Efficiency(source=source, **vals)
+
+
+@dataclasses.dataclass
+class StepWork:
+  """One step's coefficients: time(theta) = sum(max(theta[ci] * cv, theta[mi] * mv)) over
+  `pairs` + sum(theta[k] * v) over `terms`; each entry is tagged with its part name."""
+
+  pairs: List[Tuple[str, int, float, int, float]] = dataclasses.field(default_factory=list)
+  terms: List[Tuple[str, int, float]] = dataclasses.field(default_factory=list)
+
+  def seconds(self, theta: np.ndarray) -> float:
+    t = sum(max(theta[ci] * cv, theta[mi] * mv) for _, ci, cv, mi, mv in self.pairs)
+    return float(t + sum(theta[k] * v for _, k, v in self.terms))
+
+  def gradient(self, theta: np.ndarray) -> np.ndarray:
+    """d seconds / d theta (the active side of each max); seconds == gradient @ theta."""
+    g = np.zeros(len(PARAMS))
+    for _, ci, cv, mi, mv in self.pairs:
+      if theta[ci] * cv >= theta[mi] * mv:
+        g[ci] += cv
+      else:
+        g[mi] += mv
+    for _, k, v in self.terms:
+      g[k] += v
+    return g
+
+  def by_part(self, theta: np.ndarray) -> dict:
+    out = dict.fromkeys(PARTS, 0.0)
+    for part, ci, cv, mi, mv in self.pairs:
+      out[part] += float(max(theta[ci] * cv, theta[mi] * mv))
+    for part, k, v in self.terms:
+      out[part] += float(theta[k] * v)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceTimeModel:
+  """Seconds per engine step for `model` on `tp` GPUs of kind `gpu`.
+
+  Attributes:
+    model: the model's shapes (catalog.MODELS or ModelSpec.from_model_config).
+    gpu: the accelerator (catalog.GPUS or your own GpuSpec).
+    tp: tensor-parallel degree (GPUs per model replica); must divide num_heads.
+    efficiency: efficiencies and fixed latencies (catalog.DEFAULT_EFFICIENCY or a fit).
+    kv_dtype: K/V page dtype name (None: the model's dtype).
+  """
+
+  model: ModelSpec
+  gpu: GpuSpec
+  tp: int = 1
+  efficiency: Efficiency = catalog.DEFAULT_EFFICIENCY
+  kv_dtype: Optional[str] = None
+
+  def __post_init__(self):
+    pj_config.check_int("tp", self.tp, 1, 1024)
+    if self.model.num_heads % self.tp:
+      raise ValueError(f"tp must divide {self.model.name}'s num_heads={self.model.num_heads}, "
+                       f"got {self.tp}")
+    if self.kv_dtype is not None:
+      dtype_bytes(self.kv_dtype)
+
+  @classmethod
+  def named(cls, model: Union[str, ModelSpec, pj_config.ModelConfig],
+            gpu: Union[str, GpuSpec], tp: int = 1, efficiency: Optional[Efficiency] = None,
+            kv_dtype: Optional[str] = None) -> "DeviceTimeModel":
+    """`DeviceTimeModel.named("opt-13b", "a100-40gb")`; bad names are one-line ValueErrors."""
+    return cls(model=catalog.model_spec(model), gpu=catalog.gpu_spec(gpu), tp=tp,
+               efficiency=efficiency or catalog.DEFAULT_EFFICIENCY, kv_dtype=kv_dtype)
+
+  def replace(self, **changes) -> "DeviceTimeModel":
+    return dataclasses.replace(self, **changes)
+
+  # ---- per-GPU sizes ----
+
+  @property
+  def kv_bytes_per_token(self) -> float:
+    """K/V bytes of one token held by ONE GPU (its share of the KV heads)."""
+    m = self.model
+    per_gpu_heads = math.ceil(m.num_kv_heads / self.tp)  # replicated when tp > kv heads
+    return m.kv_bytes_per_token(self.kv_dtype) * per_gpu_heads / m.num_kv_heads
+
+  @property
+  def weight_bytes_per_gpu(self) -> float:
+    return self.model.weight_bytes / self.tp
+
+  # ---- the step ----
+
+  def work(self, step: StepShape) -> StepWork:
+    """The step's coefficients in seconds at 100% of each peak (see module docstring)."""
+    m, g = self.model, self.gpu
+    work = StepWork()
+    new, ctx = step.arrays()
+    if step.num_rows:
+      decode = new == 1
+      self._pass(work, new, ctx, max(step.bucket_tokens, step.num_tokens), step.num_sampled)
+      for i in range(1, step.decode_iterations):
+        if decode.any():
+          self._pass(work, new[decode], ctx[decode] + i, int(decode.sum()), int(decode.sum()))
+    kvb = self.kv_bytes_per_token
+    if step.cow_blocks:  # read and write each block
+      bytes_ = 2.0 * step.cow_blocks * step.block_size * kvb
+      work.terms.append(("copy_on_write", _I["elementwise_bandwidth"], bytes_ / g.hbm_bandwidth))
+    if step.swapped_blocks:
+      bytes_ = step.swapped_blocks * step.block_size * kvb
+      copies = step.swapped_blocks * m.num_layers * catalog.SWAP_COPIES_PER_BLOCK_LAYER
+      work.terms.append(("swap", _I["pcie"], bytes_ / g.pcie_bandwidth))
+      work.terms.append(("swap", _I["swap_copy_latency_s"], float(copies)))
+    return work
+
+  def _pass(self, work: StepWork, new: np.ndarray, ctx: np.ndarray, tokens: int,
+            sampled: int) -> None:
+    """Appends one forward pass over rows (new, ctx) computing `tokens` tokens."""
+    m, g, tp = self.model, self.gpu, self.tp
+    peak, hbm = g.tensor_flops, g.hbm_bandwidth
+    lin_flops = (2.0 * m.num_layers * m.layer_matmul_params * tokens
+                 + 2.0 * m.lm_head_params * sampled) / tp
+    work.pairs.append(("linear", _I["linear_flops"], lin_flops / peak,
+                       _I["weight_bandwidth"], m.weight_bytes_per_pass / tp / hbm))
+    # Query-key pairs: the chunk's j-th token sees ctx - new + j + 1 keys.
+    pairs = new * (ctx - new) + new * (new + 1) / 2.0
+    flops_per_pair = 4.0 * (m.num_heads // tp) * m.head_dim * m.num_layers
+    kv_bytes = (ctx + new) * self.kv_bytes_per_token        # read the context, write the new
+    # One ragged kernel runs every row of the pass (the engine's mixed prefill + decode
+    # batch), so a decode row's K/V reads overlap a long chunk's FLOPs: one max per pass.
+    work.pairs.append(("attention", _I["attention_flops"], flops_per_pair * pairs.sum() / peak,
+                       _I["kv_bandwidth"], kv_bytes.sum() / hbm))
+    if sampled:
+      logits = sampled * m.vocab_size * catalog.SAMPLER_BYTES_PER_LOGIT
+      work.terms.append(("sampler", _I["elementwise_bandwidth"], logits / hbm))
+    if tp > 1:
+      count = catalog.ALLREDUCES_PER_LAYER * m.num_layers
+      ring = 2.0 * (tp - 1) / tp * tokens * m.hidden_size * m.dtype_bytes * count
+      work.terms.append(("allreduce", _I["nvlink"], ring / g.nvlink_bandwidth))
+      work.terms.append(("allreduce", _I["allreduce_latency_s"], float(count)))
+    work.terms.append(("overhead", _I["pass_overhead_s"], 1.0))
+
+  @property
+  def theta(self) -> np.ndarray:
+    return theta_of(self.efficiency)
+
+  def step_seconds(self, step: StepShape) -> float:
+    """Seconds the step takes on the device."""
+    return self.work(step).seconds(self.theta)
+
+  def breakdown(self, step: StepShape) -> dict:
+    """Seconds by part (PARTS) and "total"."""
+    out = self.work(step).by_part(self.theta)
+    out["total"] = sum(out.values())
+    return out
+
+  # ---- memory ----
+
+  def kv_budget(self, gpu_memory_utilization: float = catalog.GPU_MEMORY_UTILIZATION,
+                reserve_bytes: int = 0):
+    """The KV cache the GPUs leave after the weights (budget.KvBudget)."""
+    from paged_jax.perf import budget  # pylint: disable=g-import-not-at-top
+    return budget.kv_budget(self.model, self.gpu, tp=self.tp, kv_dtype=self.kv_dtype,
+                            gpu_memory_utilization=gpu_memory_utilization,
+                            reserve_bytes=reserve_bytes)
+
+  # ---- provenance ----
+
+  def as_dict(self) -> dict:
+    """Every constant the model uses, with its source (goes into result JSON)."""
+    eff = self.efficiency
+    default = catalog.DEFAULT_EFFICIENCY
+    efficiency = {}
+    for name in PARAMS:
+      value = getattr(eff, name)
+      source = (catalog.EFFICIENCY_SOURCES[name] if value == getattr(default, name)
+                else eff.source)
+      efficiency[name] = {"value": value, "source": source}
+    return {
+        "model": self.model.as_dict(),
+        "gpu": self.gpu.as_dict(),
+        "tp": self.tp,
+        "kv_dtype": self.kv_dtype or self.model.dtype,
+        "efficiency": efficiency,
+        "efficiency_source": eff.source,
+        "structure": {
+            "allreduces_per_layer": catalog.ALLREDUCES_PER_LAYER,
+            "swap_copies_per_block_layer": catalog.SWAP_COPIES_PER_BLOCK_LAYER,
+            "sampler_bytes_per_logit": catalog.SAMPLER_BYTES_PER_LOGIT,
+            "sources": dict(catalog.STRUCTURE_SOURCES),
+        },
+        "combination": COMBINATION,
+    }
+
+  describe = as_dict

@@ -1,0 +1,239 @@
+"""What the device-time model knows about a GPU, a model and their efficiencies.
+
+Plain frozen dataclasses with derived sizes (parameter counts, weight and K/V bytes). The
+named instances and every number's source live in `catalog.py`; this module holds no
+hardware or model figures of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+from paged_jax import config as pj_config
+
+
+def dtype_bytes(dtype: str) -> int:
+  """Bytes per element of a dtype name from `paged_jax.config.PAGE_DTYPES`."""
+  if dtype not in pj_config.PAGE_DTYPES:
+    raise ValueError(f"dtype must be one of {tuple(pj_config.PAGE_DTYPES)}, got {dtype!r}")
+  return pj_config.PAGE_DTYPES[dtype].itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuSpec:
+  """One accelerator's peaks (vendor datasheet figures, dense, no sparsity).
+
+  Attributes:
+    name: catalog name, e.g. "a100-40gb".
+    hbm_bytes: device memory in bytes (what the driver reports as total).
+    hbm_bandwidth: peak HBM bandwidth, bytes/s.
+    tensor_flops: peak dense 16-bit (bf16/fp16) tensor-core FLOP/s.
+    nvlink_bandwidth: NVLink bandwidth per GPU per direction, bytes/s (what a ring
+      all-reduce's bus bandwidth is bounded by).
+    pcie_bandwidth: host link bandwidth per direction, bytes/s (swap traffic).
+    source: where the figures come from.
+  """
+
+  name: str
+  hbm_bytes: int
+  hbm_bandwidth: float
+  tensor_flops: float
+  nvlink_bandwidth: float
+  pcie_bandwidth: float
+  source: str = ""
+
+  def __post_init__(self):
+    for field in ("hbm_bytes", "hbm_bandwidth", "tensor_flops", "nvlink_bandwidth",
+                  "pcie_bandwidth"):
+      value = getattr(self, field)
+      if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"GpuSpec.{field} must be a finite number > 0, got {value!r}")
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """A decoder-only transformer's shapes, enough to count its weights, FLOPs and K/V.
+
+  Attributes:
+    name: catalog name, e.g. "opt-13b".
+    num_layers, hidden_size, num_heads, num_kv_heads, head_dim: as in the model's config.
+    ffn_size: MLP hidden width (OPT `ffn_dim`, Llama `intermediate_size`).
+    vocab_size: rows of the embedding / lm_head.
+    gated_mlp: three MLP matrices (SwiGLU: gate, up, down) instead of two (fc1, fc2).
+    linear_bias: every projection carries a bias (OPT).
+    norm_vectors: vectors per norm: 2 for LayerNorm (scale, bias), 1 for RMSNorm.
+    learned_positions: rows of a learned position table (OPT: max positions + 2), 0 for RoPE.
+    tie_word_embeddings: the lm_head is the embedding matrix.
+    dtype: weight / activation dtype name (bytes per element from paged_jax.config).
+    max_context: longest context the model serves (tokens).
+    reported_params: the parameter count the model's publisher states (None: none).
+    source: where the shapes come from.
+  """
+
+  name: str
+  num_layers: int
+  hidden_size: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  ffn_size: int
+  vocab_size: int
+  gated_mlp: bool = True
+  linear_bias: bool = False
+  norm_vectors: int = 1
+  learned_positions: int = 0
+  tie_word_embeddings: bool = False
+  dtype: str = "bfloat16"
+  max_context: int = 2048
+  reported_params: Optional[float] = None
+  source: str = ""
+
+  def __post_init__(self):
+    for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                  "ffn_size", "vocab_size", "max_context"):
+      pj_config.check_int(f"ModelSpec.{field}", getattr(self, field), 1)
+    pj_config.check_int("ModelSpec.learned_positions", self.learned_positions, 0)
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"ModelSpec.num_kv_heads must divide num_heads={self.num_heads}, "
+                       f"got {self.num_kv_heads}")
+    dtype_bytes(self.dtype)
+
+  @classmethod
+  def from_model_config(cls, cfg: pj_config.ModelConfig, name: str = "model-config",
+                        source: str = "paged_jax.config.ModelConfig") -> "ModelSpec":
+    """The shapes of any `ModelConfig` (a Llama-style decoder: SwiGLU MLP, RMSNorm, RoPE).
+
+    Families with biases on q/k/v (Qwen2) read `attention_bias` when the config has it.
+    """
+    return cls(
+        name=name, num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+        num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        ffn_size=cfg.intermediate_size, vocab_size=cfg.vocab_size, gated_mlp=True,
+        linear_bias=bool(getattr(cfg, "attention_bias", False)), norm_vectors=1,
+        tie_word_embeddings=cfg.tie_word_embeddings, dtype=cfg.dtype,
+        max_context=cfg.max_position_embeddings, source=source)
+
+  # ---- sizes (parameters) ----
+
+  @property
+  def q_size(self) -> int:
+    return self.num_heads * self.head_dim
+
+  @property
+  def kv_size(self) -> int:
+    return self.num_kv_heads * self.head_dim
+
+  @property
+  def layer_matmul_params(self) -> int:
+    """Weights of one layer's projections (q, k, v, o and the MLP), biases excluded."""
+    h = self.hidden_size
+    attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
+    mlp = (3 if self.gated_mlp else 2) * h * self.ffn_size
+    return attn + mlp
+
+  @property
+  def layer_params(self) -> int:
+    """Every parameter of one layer: projections, their biases (if any), two norms."""
+    bias = 0
+    if self.linear_bias:
+      bias = self.q_size + 2 * self.kv_size + self.hidden_size   # q, k, v, o
+      bias += (2 if self.gated_mlp else 1) * self.ffn_size + self.hidden_size
+    return self.layer_matmul_params + bias + 2 * self.norm_vectors * self.hidden_size
+
+  @property
+  def lm_head_params(self) -> int:
+    return self.vocab_size * self.hidden_size
+
+  @property
+  def param_count(self) -> int:
+    """All parameters: embeddings (and learned positions), layers, final norm, lm_head."""
+    embed = self.vocab_size * self.hidden_size + self.learned_positions * self.hidden_size
+    head = 0 if self.tie_word_embeddings else self.lm_head_params
+    return (embed + self.num_layers * self.layer_params + self.norm_vectors * self.hidden_size
+            + head)
+
+  @property
+  def dtype_bytes(self) -> int:
+    return dtype_bytes(self.dtype)
+
+  @property
+  def weight_bytes(self) -> int:
+    """Bytes the weights occupy in device memory."""
+    return self.param_count * self.dtype_bytes
+
+  @property
+  def weight_bytes_per_pass(self) -> int:
+    """Bytes one forward pass reads: every layer, the final norm and the lm_head (the
+    embedding table is gathered a row per token, not read whole)."""
+    read = self.num_layers * self.layer_params + self.norm_vectors * self.hidden_size
+    return (read + self.lm_head_params) * self.dtype_bytes
+
+  def kv_bytes_per_token(self, kv_dtype: Optional[str] = None) -> int:
+    """K plus V bytes of one token over all layers, as paged_jax.config.CacheConfig counts
+    them (int8 / fp8 pages add an f32 scale per head)."""
+    cache = pj_config.CacheConfig(num_blocks=1, num_layers=self.num_layers,
+                                  num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                                  dtype=kv_dtype or self.dtype)
+    return cache.kv_bytes_per_token
+
+  def as_dict(self) -> dict:
+    out = dataclasses.asdict(self)
+    out.update(param_count=self.param_count, weight_bytes=self.weight_bytes,
+               kv_bytes_per_token=self.kv_bytes_per_token())
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Efficiency:
+  """Fractions of peak a step's parts reach, and the fixed latencies; `fit.py` fits them.
+
+  Attributes:
+    linear_flops: projections and lm_head, of `GpuSpec.tensor_flops` (compute-bound side).
+    weight_bandwidth: weight reads, of `GpuSpec.hbm_bandwidth` (memory-bound side).
+    attention_flops: attention score / value products, of the tensor-core peak.
+    kv_bandwidth: K/V page reads and writes by the paged attention kernels, of HBM peak.
+    elementwise_bandwidth: sampler logits and copy-on-write block copies, of HBM peak.
+    pcie: swap traffic, of `GpuSpec.pcie_bandwidth`.
+    nvlink: all-reduce traffic, of `GpuSpec.nvlink_bandwidth`.
+    pass_overhead_s: fixed seconds per forward pass (launches, host sync, scheduling).
+    allreduce_latency_s: fixed seconds per all-reduce (tp > 1).
+    swap_copy_latency_s: fixed seconds per host<->device copy (one per block, layer, K/V).
+    source: where these values come from (the catalog's defaults, or a fit).
+  """
+
+  linear_flops: float
+  weight_bandwidth: float
+  attention_flops: float
+  kv_bandwidth: float
+  elementwise_bandwidth: float
+  pcie: float
+  nvlink: float
+  pass_overhead_s: float
+  allreduce_latency_s: float
+  swap_copy_latency_s: float
+  source: str = ""
+
+  FRACTIONS = ("linear_flops", "weight_bandwidth", "attention_flops", "kv_bandwidth",
+               "elementwise_bandwidth", "pcie", "nvlink")
+  LATENCIES = ("pass_overhead_s", "allreduce_latency_s", "swap_copy_latency_s")
+
+  def __post_init__(self):
+    for field in self.FRACTIONS:
+      value = getattr(self, field)
+      if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"Efficiency.{field} must be a finite number > 0, got {value!r}")
+    for field in self.LATENCIES:
+      value = getattr(self, field)
+      if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+        raise ValueError(f"Efficiency.{field} must be a finite number >= 0, got {value!r}")
+
+  def replace(self, **changes: Any) -> "Efficiency":
+    return dataclasses.replace(self, **changes)
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self)

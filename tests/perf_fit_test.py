@@ -1,0 +1,121 @@
+"""fit_efficiency: steps generated from known constants give those constants back."""
+
+import numpy as np
+import pytest
+
+from paged_jax import perf
+from paged_jax.perf import catalog
+
+TRUTH = catalog.DEFAULT_EFFICIENCY.replace(
+    linear_flops=0.55, weight_bandwidth=0.7, attention_flops=0.5, kv_bandwidth=0.45,
+    elementwise_bandwidth=0.6, pcie=0.7, nvlink=0.6, pass_overhead_s=2.5e-3,
+    allreduce_latency_s=15e-6, swap_copy_latency_s=8e-6, source="truth")
+
+
+def _steps(rng, n=80):
+  """Decode batches, whole prompts, mixed batches with copy-on-write, swaps: every part of
+  the model in both its compute-bound and memory-bound regime, at several block sizes."""
+  out = []
+  for i in range(n):
+    bs = int(rng.choice([8, 16, 32, 64]))
+    kind = i % 4
+    if kind == 0:
+      ctx = rng.integers(16, 2048, size=int(rng.integers(1, 257)))
+      out.append(perf.StepShape.decode(ctx, block_size=bs,
+                                       decode_iterations=int(rng.choice([1, 1, 4]))))
+    elif kind == 1:
+      out.append(perf.StepShape.prefill(rng.integers(16, 2048, size=int(rng.integers(1, 5))),
+                                        block_size=bs))
+    elif kind == 2:
+      rows = [(1, int(c)) for c in rng.integers(16, 2048, size=int(rng.integers(1, 64)))]
+      rows.append((int(rng.integers(64, 1024)), int(rng.integers(1024, 2048))))
+      out.append(perf.StepShape.from_rows(rows, cow_blocks=int(rng.integers(0, 20)),
+                                          block_size=bs))
+    else:
+      ctx = rng.integers(16, 2048, size=int(rng.integers(1, 128)))
+      out.append(perf.StepShape.decode(ctx, swapped_blocks=int(rng.integers(1, 200)),
+                                       block_size=bs))
+  return out
+
+
+def test_noise_free_steps_recover_every_identifiable_constant():
+  rng = np.random.default_rng(0)
+  steps = _steps(rng)
+  truth = perf.DeviceTimeModel.named("opt-13b", "a100-40gb", efficiency=TRUTH)
+  start = perf.DeviceTimeModel.named("opt-13b", "a100-40gb")   # the catalog's defaults
+  result = perf.fit_efficiency(start, steps, perf.predict(truth, steps), prior_weight=0.0)
+  # tp 1: no all-reduce, so nothing can identify nvlink or allreduce_latency_s.
+  assert result.held == ("nvlink", "allreduce_latency_s")
+  for name in result.fitted:
+    assert getattr(result.model.efficiency, name) == pytest.approx(getattr(TRUTH, name),
+                                                                   rel=1e-4), name
+  for name in result.held:
+    assert getattr(result.model.efficiency, name) == getattr(catalog.DEFAULT_EFFICIENCY, name)
+  assert result.max_abs_rel_error < 1e-6
+  held_out = _steps(np.random.default_rng(1), n=40)
+  errs = perf.relative_errors(result.model, held_out, perf.predict(truth, held_out))
+  assert errs["max_abs_rel_error"] < 1e-6
+
+
+def test_inseparable_latencies_are_held_and_their_sum_is_fitted():
+  # At one tp every pass has 2 x layers all-reduces: their latency and the per-pass overhead
+  # move together. The fit keeps the overhead, holds the latency at its prior, and the
+  # overhead absorbs the difference.
+  rng = np.random.default_rng(2)
+  steps = _steps(rng)
+  truth = perf.DeviceTimeModel.named("opt-13b", "a100-40gb", tp=2, efficiency=TRUTH)
+  start = perf.DeviceTimeModel.named("opt-13b", "a100-40gb", tp=2)
+  result = perf.fit_efficiency(start, steps, perf.predict(truth, steps), prior_weight=0.0)
+  assert result.held == ("allreduce_latency_s",)
+  eff, count = result.model.efficiency, 2 * 40
+  assert eff.pass_overhead_s + count * eff.allreduce_latency_s == pytest.approx(
+      TRUTH.pass_overhead_s + count * TRUTH.allreduce_latency_s, rel=1e-4)
+  assert eff.nvlink == pytest.approx(TRUTH.nvlink, rel=1e-3)
+  assert result.max_abs_rel_error < 1e-5
+
+
+def test_noisy_steps_predict_held_out_steps_within_the_noise():
+  rng = np.random.default_rng(3)
+  steps = _steps(rng)
+  truth = perf.DeviceTimeModel.named("llama-13b", "a100-80gb", efficiency=TRUTH)
+  measured = perf.predict(truth, steps) * np.exp(rng.normal(0.0, 0.03, size=len(steps)))
+  result = perf.fit_efficiency(perf.DeviceTimeModel.named("llama-13b", "a100-80gb"), steps,
+                               measured)
+  assert 0.015 < result.mean_abs_rel_error < 0.035       # the 3% noise, not less, not more
+  held_out = _steps(np.random.default_rng(4), n=40)
+  errs = perf.relative_errors(result.model, held_out, perf.predict(truth, held_out))
+  assert errs["mean_abs_rel_error"] < 0.02
+  for name in ("linear_flops", "kv_bandwidth", "pcie"):   # the parts most steps exercise
+    assert getattr(result.model.efficiency, name) == pytest.approx(getattr(TRUTH, name),
+                                                                   rel=0.1), name
+    assert result.rel_std_errors[name] < 0.1
+  d = result.as_dict()
+  assert d["num_steps"] == 80 and set(d["fitted"]) | set(d["held"]) == set(perf.PARAMS)
+
+
+def test_fit_of_a_subset_moves_only_that_subset_and_records_its_source():
+  rng = np.random.default_rng(5)
+  steps = [perf.StepShape.decode(rng.integers(16, 2048, size=b)) for b in (1, 8, 64, 256)]
+  truth = perf.DeviceTimeModel.named("opt-13b", "a100-40gb", efficiency=TRUTH)
+  start = perf.DeviceTimeModel.named("opt-13b", "a100-40gb")
+  result = perf.fit_efficiency(start, steps, perf.predict(truth, steps),
+                               params=["kv_bandwidth"], source="unit test")
+  assert result.fitted == ("kv_bandwidth",)
+  eff = result.model.efficiency
+  assert eff.replace(kv_bandwidth=0.65, source="catalog defaults") == catalog.DEFAULT_EFFICIENCY
+  described = result.model.as_dict()["efficiency"]
+  assert described["kv_bandwidth"]["source"] == "unit test"
+  assert described["linear_flops"]["source"] == catalog.EFFICIENCY_SOURCES["linear_flops"]
+
+
+def test_bad_inputs_are_one_line_errors():
+  dm = perf.DeviceTimeModel.named("opt-13b", "a100-40gb")
+  steps = [perf.StepShape.decode([10])]
+  with pytest.raises(ValueError, match="one time per step"):
+    perf.fit_efficiency(dm, steps, [0.1, 0.2])
+  with pytest.raises(ValueError, match="finite seconds > 0"):
+    perf.fit_efficiency(dm, steps, [0.0])
+  with pytest.raises(ValueError, match="params must be among"):
+    perf.fit_efficiency(dm, steps, [0.1], params=["hbm"])
+  with pytest.raises(ValueError, match="prior_weight"):
+    perf.fit_efficiency(dm, steps, [0.1], prior_weight=-1.0)
