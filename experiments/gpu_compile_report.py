@@ -83,8 +83,8 @@ def _target(compile_target, **extra):
 
 
 def _triton(flag_values, out, skipped):
-  from pallas_kernels import compile_configs  # pylint: disable=g-import-not-at-top
-  from pallas_kernels import compile_target  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.deviceless import triton_configs as compile_configs  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.deviceless import target as compile_target  # pylint: disable=g-import-not-at-top
   cases = (compile_configs.default_cases() if flag_values.cases == "default"
            else compile_configs.full_cases())
   cases = [c for c in cases if flag_values.only in c.name]
@@ -120,8 +120,8 @@ def _ptxas_version(path):
 
 
 def _mosaic(flag_values, out):
-  from pallas_kernels import compile_target  # pylint: disable=g-import-not-at-top
-  from pallas_kernels import mosaic_compile_configs as mcc  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.deviceless import target as compile_target  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.deviceless import mosaic_configs as mcc  # pylint: disable=g-import-not-at-top
   copy_bps, copy_source = _measured_copy()
   cases = [c for c in mcc.default_cases() if flag_values.only in c.name]
   rows, failures = _compile_all(
@@ -157,8 +157,8 @@ def _mosaic(flag_values, out):
 
 
 def main(flag_values, out):
-  from pallas_kernels import compile_target  # pylint: disable=g-import-not-at-top
-  from pallas_kernels import mosaic_compile_configs as mcc  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.deviceless import target as compile_target  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.deviceless import mosaic_configs as mcc  # pylint: disable=g-import-not-at-top
   backends = list(flag_values.backends)
   unknown = sorted(set(backends) - set(BACKENDS))
   if unknown or not backends:

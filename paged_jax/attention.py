@@ -74,7 +74,7 @@ def resolve_backend(backend: str) -> str:
   if backend == "auto":
     if jax.default_backend() == "gpu":
       return "pallas"
-    from pallas_kernels import cpu_attention  # pylint: disable=g-import-not-at-top
+    from pallas_kernels.cpu import custom_calls as cpu_attention  # pylint: disable=g-import-not-at-top
     return "cpu" if cpu_attention.unavailable_reason() is None else "xla"
   return backend
 
@@ -82,9 +82,9 @@ def resolve_backend(backend: str) -> str:
 def _cpu_path_module(backend: str):
   """The module behind a CPU backend, "xla" or "cpu" (same signatures)."""
   if backend == "cpu":
-    from pallas_kernels import cpu_attention  # pylint: disable=g-import-not-at-top
+    from pallas_kernels.cpu import custom_calls as cpu_attention  # pylint: disable=g-import-not-at-top
     return cpu_attention
-  from pallas_kernels import xla_attention  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.cpu import xla_attention  # pylint: disable=g-import-not-at-top
   return xla_attention
 
 

@@ -28,7 +28,7 @@ from typing import Optional, Union
 import jax
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
-from pallas_kernels.cpu_attention import cache_root
+from pallas_kernels.cpu.custom_calls import cache_root
 
 # A step that compiles faster than this is not worth a file (the block ops' small jits).
 DEFAULT_MIN_COMPILE_TIME_S = 0.5

@@ -24,12 +24,12 @@ from typing import Optional, Tuple
 
 import jax
 
-from pallas_kernels import mosaic_paged_attention as _mosaic_decode
-from pallas_kernels import mosaic_ragged_paged_attention as _mosaic_ragged
+from pallas_kernels.mosaic_gpu import paged_attention as _mosaic_decode
+from pallas_kernels.mosaic_gpu import ragged_paged_attention as _mosaic_ragged
 
 # By module path: the package rebinds these names to the dispatching functions.
-_triton_decode_module = importlib.import_module("pallas_kernels.paged_attention")
-_triton_ragged_module = importlib.import_module("pallas_kernels.ragged_paged_attention")
+_triton_decode_module = importlib.import_module("pallas_kernels.triton.paged_attention")
+_triton_ragged_module = importlib.import_module("pallas_kernels.triton.ragged_paged_attention")
 
 GPU_BACKENDS = ("auto", "triton", "mosaic_gpu")
 _log = logging.getLogger("pallas_kernels")

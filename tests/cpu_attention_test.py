@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 from paged_jax import attention
-from pallas_kernels import cpu_attention
+from pallas_kernels.cpu import custom_calls as cpu_attention
 
 import engine_oracle
 

@@ -19,7 +19,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from pallas_kernels import compile_target as ct
+from pallas_kernels.deviceless import target as ct
 from paged_jax import block_manager as bm
 from paged_jax.config import CacheConfig
 from paged_jax.engine import sampling

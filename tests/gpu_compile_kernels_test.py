@@ -15,9 +15,9 @@ Skipped, with the reason, where the jax-cuda12 plugin wheels are not installed.
 
 import pytest
 
-from pallas_kernels import compile_configs
-from pallas_kernels import compile_target
-from pallas_kernels import tuning
+from pallas_kernels.deviceless import triton_configs as compile_configs
+from pallas_kernels.deviceless import target as compile_target
+from pallas_kernels.triton import tuning
 
 pytestmark = pytest.mark.skipif(compile_target.unavailable_reason() is not None,
                                 reason=str(compile_target.unavailable_reason()))

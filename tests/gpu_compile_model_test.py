@@ -26,7 +26,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import compile_target as ct
+from pallas_kernels.deviceless import target as ct
 from paged_jax import kv_cache
 from paged_jax.attention import AttentionMetadata
 from paged_jax.config import ModelConfig

@@ -14,8 +14,8 @@ import os
 
 import pytest
 
-from pallas_kernels import compile_target
-from pallas_kernels import mosaic_compile_configs as mcc
+from pallas_kernels.deviceless import target as compile_target
+from pallas_kernels.deviceless import mosaic_configs as mcc
 
 REPORT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                       "experiments", "results", "gpu_compile_report",

@@ -27,7 +27,7 @@ class MosaicKernel:
 
 def mosaic_resources(fn, *args):
   """Compiles jax.jit(fn)(*args) deviceless for sm_90a; returns ([MosaicKernel], report)."""
-  from pallas_kernels import mosaic_compile_configs  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.deviceless import mosaic_configs as mosaic_compile_configs  # pylint: disable=g-import-not-at-top
   kernels, report = mosaic_compile_configs.compile_with_dump(fn, args)
   return [MosaicKernel(k["kernel"], k["registers"], k["spill_bytes"], k["shared_memory"])
           for k in kernels], report

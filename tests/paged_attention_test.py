@@ -27,7 +27,7 @@ from paged_jax import attention
 from pallas_kernels import paged_attention, paged_attention_reference
 
 # The package binds `paged_attention` to the function; the module holds the heuristics.
-kernel_module = importlib.import_module("pallas_kernels.paged_attention")
+kernel_module = importlib.import_module("pallas_kernels.triton.paged_attention")
 
 TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
 

@@ -20,8 +20,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels import ragged_tiling
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.triton import ragged_tiling
+from pallas_kernels.triton.ragged_paged_attention import ragged_paged_attention
 from ragged_batches import (_test_seed, assert_matches, make_batch, mixed_seqs, reference,
                             rel_err)
 

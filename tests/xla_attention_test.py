@@ -16,8 +16,8 @@ import pytest
 
 from paged_jax import attention
 from paged_jax.engine import Engine
-from pallas_kernels import cpu_attention
-from pallas_kernels import xla_attention
+from pallas_kernels.cpu import custom_calls as cpu_attention
+from pallas_kernels.cpu import xla_attention
 from pallas_kernels.reference import paged_attention_reference
 
 import engine_oracle

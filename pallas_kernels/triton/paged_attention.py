@@ -43,12 +43,12 @@ from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import tuning
-from pallas_kernels.paged_attention_args import SUPPORTED_BLOCK_SIZES  # pylint: disable=unused-import
-from pallas_kernels.paged_attention_args import default_num_splits
-from pallas_kernels.paged_attention_args import default_num_warps
-from pallas_kernels.paged_attention_args import default_tile_tokens  # pylint: disable=unused-import
-from pallas_kernels.paged_attention_args import validate as _validate
+from pallas_kernels.triton import tuning
+from pallas_kernels.triton.paged_attention_args import SUPPORTED_BLOCK_SIZES  # pylint: disable=unused-import
+from pallas_kernels.triton.paged_attention_args import default_num_splits
+from pallas_kernels.triton.paged_attention_args import default_num_warps
+from pallas_kernels.triton.paged_attention_args import default_tile_tokens  # pylint: disable=unused-import
+from pallas_kernels.triton.paged_attention_args import validate as _validate
 
 # Finite "minus infinity" for masked logits: exp(MASK - m) underflows to exactly 0 while
 # (MASK - MASK) stays 0, never NaN.

@@ -21,9 +21,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import compile_target as ct
-from pallas_kernels import ragged_tiling
-from pallas_kernels import tuning
+from pallas_kernels.deviceless import target as ct
+from pallas_kernels.triton import ragged_tiling
+from pallas_kernels.triton import tuning
 
 MODELS = {  # name: (q heads, kv heads, head_dim, extra semantics)
     "llama8b": (32, 8, 128, {}),
@@ -81,8 +81,8 @@ def _pool(case: Case, num_blocks: int):
 
 def build(case: Case):
   """(jitted fn, abstract args) for the compile-only H200."""
-  from pallas_kernels.paged_attention import paged_attention  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.ragged_paged_attention import ragged_paged_attention  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.triton.paged_attention import paged_attention  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.triton.ragged_paged_attention import ragged_paged_attention  # pylint: disable=g-import-not-at-top
   hq, hkv, d, sem = MODELS[case.model]
   a = ct.abstract
   knobs = dict(case.knobs)
@@ -132,7 +132,7 @@ def kv_bytes(case: Case) -> int:
 
 def resolved(case: Case) -> Dict[str, Any]:
   """The knobs the kernel's defaults resolve to for this case."""
-  from pallas_kernels import paged_attention as _pa_unused  # pylint: disable=g-import-not-at-top,unused-import
+  from pallas_kernels.triton import paged_attention as _pa_unused  # pylint: disable=g-import-not-at-top,unused-import
   hq, hkv, d, _ = MODELS[case.model]
   knobs = dict(case.knobs)
   dp = tuning.padded_head_dim(d)

@@ -30,9 +30,9 @@ from typing import Any, Dict, List, Optional
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import compile_configs as cc
-from pallas_kernels import compile_target as ct
-from pallas_kernels import mosaic_attention_core as core
+from pallas_kernels.deviceless import triton_configs as cc
+from pallas_kernels.deviceless import target as ct
+from pallas_kernels.mosaic_gpu import pipeline as core
 
 # The Triton report's models and ragged workloads (compile_configs), those Mosaic is
 # measured on: "d80" (D % 64 != 0) is recorded as unsupported (Triton's).
@@ -106,7 +106,7 @@ def unavailable_reason() -> Optional[str]:
 
 def resolved(case: MosaicCase) -> Dict[str, Any]:
   """The knobs the kernel's defaults resolve to, and its grid."""
-  from pallas_kernels import mosaic_paged_attention as mpa  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.mosaic_gpu import paged_attention as mpa  # pylint: disable=g-import-not-at-top
   hq, hkv, d, _ = MODELS[case.model]
   knobs = dict(case.knobs)
   tile_kv = knobs.get("tile_kv", 64)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import tuning
+from pallas_kernels.triton import tuning
 
 Q_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 PAGE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int8, jnp.float8_e4m3fn)

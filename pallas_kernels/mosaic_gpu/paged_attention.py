@@ -37,9 +37,9 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from pallas_kernels import mosaic_attention_core as core
+from pallas_kernels.mosaic_gpu import pipeline as core
 # Re-exported: the support checks and smem model are part of this module's surface.
-from pallas_kernels.mosaic_attention_core import (  # pylint: disable=unused-import
+from pallas_kernels.mosaic_gpu.pipeline import (  # pylint: disable=unused-import
     SM90_SHARED_MEMORY_BYTES, check_num_stages, default_num_stages,
     interpret_unavailable_reason, shared_memory_bytes, supported_reason)
 

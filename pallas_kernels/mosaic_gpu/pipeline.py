@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # Split-K partials merge exactly as the Triton decode kernel's.
-from pallas_kernels.paged_attention import combine_splits  # pylint: disable=unused-import
+from pallas_kernels.triton.paged_attention import combine_splits  # pylint: disable=unused-import
 
 try:  # Mosaic GPU Pallas; its interpreter needs jax >= 0.11.2 (checked by callers).
   from jax.experimental import pallas as pl

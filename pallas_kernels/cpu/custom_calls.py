@@ -37,9 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import reference
-from pallas_kernels import xla_attention
+from pallas_kernels.cpu import xla_attention
 
-_SOURCE = pathlib.Path(__file__).with_name("cpu_paged_attention.cc")
+_SOURCE = pathlib.Path(__file__).with_name("custom_calls.cc")
 _TARGETS = {"decode": ("paged_jax_cpu_decode", "PagedJaxCpuDecode"),
             "ragged": ("paged_jax_cpu_ragged", "PagedJaxCpuRagged")}
 # Vectorized, reassociated dot products; no -ffinite-math-only (the kernel starts its

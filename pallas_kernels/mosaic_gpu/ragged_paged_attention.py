@@ -33,8 +33,8 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from pallas_kernels import mosaic_attention_core as core
-from pallas_kernels.mosaic_attention_core import plgpu
+from pallas_kernels.mosaic_gpu import pipeline as core
+from pallas_kernels.mosaic_gpu.pipeline import plgpu
 
 _Q_ROWS = core.Q_ROWS
 

@@ -53,8 +53,8 @@ from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import ragged_tiling as tiling
-from pallas_kernels import tuning
+from pallas_kernels.triton import ragged_tiling as tiling
+from pallas_kernels.triton import tuning
 
 # Finite "minus infinity": exp2(MASK - m) is 0 for any real m and MASK - MASK is not NaN.
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
