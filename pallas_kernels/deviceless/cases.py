@@ -94,13 +94,12 @@ def build(case: Case, backend: str):
   if case.kernel == "decode":
     def fn(q, k, v, t, n, ks, vs):
       return pallas_kernels.paged_attention(q, k, v, t, n, k_scales=ks, v_scales=vs,
-                                            gpu_backend=backend, **sem, **knobs)
+                                            backend=backend, **sem, **knobs)
     return jax.jit(fn), (*common, scales, scales)
 
   def rfn(q, k, v, t, kl, cu, n, ks, vs):
     return pallas_kernels.ragged_paged_attention(q, k, v, t, kl, cu, n, k_scales=ks,
-                                                 v_scales=vs, gpu_backend=backend, **sem,
-                                                 **knobs)
+                                                 v_scales=vs, backend=backend, **sem, **knobs)
   return jax.jit(rfn), (*common, a((num_seqs + 1,), jnp.int32), a((), jnp.int32), scales,
                         scales)
 
