@@ -82,21 +82,17 @@ def _check_error(excinfo, name, has, want):
   assert traceback.extract_tb(excinfo.tb)[-1].filename.endswith(CHECKS_FILE)
 
 
-@pytest.mark.parametrize("spelling", SPELLINGS)
-@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: c[0])
-def test_decode_bad_shapes_through_the_attention_entry(case, spelling):
-  _, args, name, has, want = case
-  with pytest.raises(ValueError) as e:
-    attention.paged_attention(**args, backend=spelling)
-  _check_error(e, name, has, want)
+ENTRIES = {"decode": attention.paged_attention, "ragged": attention.ragged_paged_attention}
 
 
 @pytest.mark.parametrize("spelling", SPELLINGS)
-@pytest.mark.parametrize("case", RAGGED_CASES, ids=lambda c: c[0])
-def test_ragged_bad_shapes_through_the_attention_entry(case, spelling):
+@pytest.mark.parametrize("op,case", [("decode", c) for c in DECODE_CASES]
+                         + [("ragged", c) for c in RAGGED_CASES],
+                         ids=lambda x: x if isinstance(x, str) else x[0])
+def test_bad_shapes_through_the_attention_entry(op, case, spelling):
   _, args, name, has, want = case
   with pytest.raises(ValueError) as e:
-    attention.ragged_paged_attention(**args, backend=spelling)
+    ENTRIES[op](**args, backend=spelling)
   _check_error(e, name, has, want)
 
 
