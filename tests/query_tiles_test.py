@@ -55,20 +55,23 @@ def test_query_tiles_match_python_model():
 @pytest.mark.parametrize("tq", [1, 3, 8])
 def test_token_tiles_invert_query_tiles(tq):
   """Every live row is found in its tile at its row; padding rows are not live."""
+  rows, num_tokens = 6, 80                 # static: one compile per tile size
+
+  @jax.jit
+  def plan(cu, kv_lens, num_live):
+    tiles = tiling.query_tiles(cu, kv_lens, num_live, num_tokens=num_tokens, q_per_tile=tq,
+                               num_tiles=-(-num_tokens // tq) + rows)
+    return tiles, tiling.token_tiles(cu, num_live, num_tokens=num_tokens, q_per_tile=tq)
+
   for i in range(20):
     seed = _test_seed(i)
     rng = np.random.default_rng(seed)
-    rows = int(rng.integers(1, 7))
     q_lens = rng.integers(0, 12, rows)
     num_live = int(rng.integers(0, rows + 1))
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    num_tokens = int(cu[-1]) + int(rng.integers(1, 4))
-    kv_lens = jnp.asarray(q_lens + 5, jnp.int32)
-    tiles = _query_tiles(jnp.asarray(cu), kv_lens, jnp.int32(num_live), num_tokens=num_tokens,
-                         q_per_tile=tq, num_tiles=-(-num_tokens // tq) + rows)
-    tile, row, live = map(np.asarray, tiling.token_tiles(
-        jnp.asarray(cu), jnp.int32(num_live), num_tokens=num_tokens, q_per_tile=tq))
-    start, count = np.asarray(tiles.row_start), np.asarray(tiles.num_rows)
+    tiles, (tile, row, live) = jax.device_get(plan(
+        jnp.asarray(cu), jnp.asarray(q_lens + 5, jnp.int32), jnp.int32(num_live)))
+    start, count = tiles.row_start, tiles.num_rows
     for t in range(num_tokens):
       assert live[t] == (t < cu[num_live]), f"seed={seed} row {t}"
       if live[t]:
