@@ -8,7 +8,7 @@ on the paged cache, i.e. gather pages through a randomly permuted block table th
 vs `contiguous_decode_attention` on a contiguous cache of the same content; the ratio is
 the price of paging for the reference path.
 
-On GPU: the Pallas paged kernel (pallas_kernels.paged_attention, gpu_backend "auto": Mosaic
+On GPU: the Pallas paged kernel (pallas_kernels.paged_attention, backend "auto": Mosaic
 GPU on Hopper where it applies; the Triton kernel is also timed pinned, kernel_triton_paged,
 column triton/ours) against, in the same run and on the same shapes,
   kernel_contiguous  the same kernel with an identity block table (pages in order): the

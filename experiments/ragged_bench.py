@@ -163,9 +163,9 @@ def _variant(knobs, interpret):
   def f(*args):
     kw = dict(knobs)
     if "q_per_tile" in kw:  # one launch: short tiles as large as the prefill tiles
-      from pallas_kernels import ragged_tiling  # pylint: disable=g-import-not-at-top
+      from pallas_kernels.triton import tuning  # pylint: disable=g-import-not-at-top
       group = args[0].shape[1] // args[1].shape[0]
-      kw["q_per_tile"] = kw["short_q_per_tile"] = ragged_tiling.default_q_per_tile(group)[0]
+      kw["q_per_tile"] = kw["short_q_per_tile"] = tuning.default_q_per_tile(group)[0]
     return pallas_kernels.ragged_paged_attention(*args, interpret=interpret, **kw)
   return jax.jit(f)
 

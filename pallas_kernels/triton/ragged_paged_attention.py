@@ -8,13 +8,10 @@ cache hits). Each new query attends causally within its chunk and fully to the c
 prefix. Semantics are exactly `reference.ragged_paged_attention_reference`.
 
 Design (Triton backend, chosen explicitly through `plgpu.CompilerParams`):
-  * Query tiles. Outside the kernel (inside jit, plain jnp) each live sequence's rows are
-    cut into tiles; tile j is described by (seq, first row, row count, position of its
-    first row). Two launches share one output buffer: sequences with at most
-    `short_q_per_tile` new queries (decode rows) get one small tile each (grid S), the
-    others (prefill chunks) tiles of `q_per_tile` rows (grid with the static bound
-    T // q_per_tile + number of sequences that can be that long). Tiles past the real
-    count do nothing. A decode row so costs a 16-row tile, not a 64-row one.
+  * Query tiles (pallas_kernels/tiling.py, jnp inside jit). Two launches share one output
+    buffer: sequences with at most `short_q_per_tile` new queries (decode rows) get one
+    small tile each, the others (prefill chunks) tiles of `q_per_tile` rows; tiles past
+    the real count do nothing. A decode row so costs a 16-row tile, not a 64-row one.
   * Grid (query tile, KV head, KV split). One program holds all G = Hq / Hkv query heads
     of its KV head for its q_per_tile rows (R = q_per_tile * G logit rows), so every K/V
     page is read once per (tile, KV head), not once per query head.
@@ -27,7 +24,7 @@ Design (Triton backend, chosen explicitly through `plgpu.CompilerParams`):
     tile's causal bound are never dereferenced; keys at or past the sequence end are
     masked out of the logits and their values zeroed (stale NaN pages cannot leak).
   * Online softmax in base 2 with float32 accumulation; bf16/fp16 operands go to the
-    tensor cores as-is, float32 as 3-pass TF32 (IEEE in interpret mode; see tuning.py).
+    tensor cores as-is, float32 as 3-pass TF32 (IEEE in interpret mode; triton/tuning.py).
     int8 / fp8 pages are converted to the query dtype in registers (to bf16 under f32
     queries, which are split into bf16 hi + lo parts: tuning.splits_f32_queries); their
     per-token scales multiply the logits (K) and the probabilities (V).
@@ -42,6 +39,7 @@ Design (Triton backend, chosen explicitly through `plgpu.CompilerParams`):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Optional
@@ -51,19 +49,79 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
-import numpy as np
 
-from pallas_kernels import ragged_tiling as tiling
-from pallas_kernels import tuning
+from pallas_kernels import checks
+from pallas_kernels import common
+from pallas_kernels import reference
+from pallas_kernels import tiling
+from pallas_kernels.triton import tuning
 
-# Finite "minus infinity": exp2(MASK - m) is 0 for any real m and MASK - MASK is not NaN.
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+Q_DTYPES = ("float32", "bfloat16", "float16")
+PAGE_DTYPES = Q_DTYPES + ("int8", "float8_e4m3fn")
+NUM_WARPS = tuning.NUM_WARPS
 _LOG2E = math.log2(math.e)
 _SQ = pl.Squeezed()  # a block dimension indexed by the grid and squeezed out of the ref
 
 
+def check_supported(shapes: checks.AttentionShapes, q, k_pages) -> None:
+  """What this kernel takes beyond `checks.check_ragged` (one-line ValueError)."""
+  if shapes.rows < 1:
+    raise ValueError(f"q has shape {tuple(q.shape)}; expected at least one row (T >= 1)")
+  if shapes.q_dtype.name not in Q_DTYPES:
+    raise ValueError(f"q has dtype {shapes.q_dtype.name}; expected one of {Q_DTYPES}")
+  if shapes.page_dtype.name not in PAGE_DTYPES:
+    raise ValueError(f"k_pages has dtype {shapes.page_dtype.name}; expected one of "
+                     f"{PAGE_DTYPES}")
+  if not 16 <= shapes.head_dim <= 256:
+    raise ValueError(f"q has shape {tuple(q.shape)}; expected head_dim (dim 2) in [16, 256] "
+                     f"(computed padded to a power of two)")
+  if shapes.num_blocks < 1 or not 1 <= shapes.block_size <= 1024:
+    raise ValueError(f"k_pages has shape {tuple(k_pages.shape)}; expected num_blocks >= 1 "
+                     f"and a block_size (dim 2) in [1, 1024]")
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig:
+  """Static launch parameters of the kernel (part of its jit key).
+
+  Attributes:
+    q_per_tile: query tokens per prefill tile, a power of two with q_per_tile x G_pad
+      >= 16 logit rows (Triton's dot); with the key tile within sm_90 shared memory.
+    short_q_per_tile: sequences with at most this many new queries (decode rows, short
+      chunks) get one tile of this size in a first launch (a power of two <= q_per_tile;
+      == q_per_tile: one launch for every sequence).
+    kv_per_tile: keys per inner step, a power of two in [16, 1024].
+    kv_splits: split-K factor of the short-sequence launch, in [1, 256].
+    num_warps: one of 1, 2, 4, 8, 16. num_stages: in [1, 4].
+  """
+  q_per_tile: int
+  short_q_per_tile: int
+  kv_per_tile: int
+  kv_splits: int
+  num_warps: int
+  num_stages: int
+
+  def __post_init__(self):
+    checks.check_int("q_per_tile", self.q_per_tile, 1, 1024, pow2=True)
+    checks.check_int("short_q_per_tile", self.short_q_per_tile, 1, self.q_per_tile, pow2=True)
+    checks.check_int("kv_per_tile", self.kv_per_tile, 16, 1024, pow2=True)
+    checks.check_int("kv_splits", self.kv_splits, 1, 256)
+    checks.check_choice("num_warps", self.num_warps, NUM_WARPS)
+    checks.check_int("num_stages", self.num_stages, 1, 4)
+
+  @classmethod
+  def resolve(cls, shapes: checks.AttentionShapes, *, interpret: bool,
+              **knobs) -> "TuningConfig":
+    """The given knobs (None: default), checked against the sm_90 budgets
+    (`tuning.ragged_knobs`: ~64 logit rows x 64 keys for bf16 at D <= 128; split-K fills
+    ~2 GPU waves, 1 in interpret mode)."""
+    return cls(**tuning.ragged_knobs(shapes, interpret=interpret, **knobs))
+
+
+# ------------------------------------------------------------------------- kernel
+
 def _ragged_kernel(
-    # Scalar-like metadata, one entry per query tile (see ragged_tiling.query_tiles).
+    # Scalar-like metadata, one entry per query tile (see pallas_kernels/tiling.py).
     tile_seq_ref,        # i32[num_tiles]   sequence id (clamped into [0, S))
     tile_row_start_ref,  # i32[num_tiles]   first q row of the tile
     tile_num_rows_ref,   # i32[num_tiles]   valid rows (0 for idle tiles)
@@ -75,23 +133,15 @@ def _ragged_kernel(
     k_scales_ref,        # f32[NB, bs] | None
     v_scales_ref,        # f32[NB, bs] | None
     *refs,               # aliased initial outputs, then the outputs (see below)
-    q_per_tile: int,
-    kv_per_tile: int,
-    kv_splits: int,
-    sm_scale: float,
-    soft_cap: Optional[float],
-    sliding_window: Optional[int],
-    precision,
-    split_q: bool,
-):
+    q_per_tile: int, kv_per_tile: int, kv_splits: int, sm_scale: float,
+    soft_cap: Optional[float], sliding_window: Optional[int], precision, split_q: bool):
   # refs: the aliased input buffers (never read here: they only give the outputs their
   # initial content, zeros or the previous launch's rows), then the outputs: o_ref
   # [T, G, D] (normalised, q dtype) when kv_splits == 1; else (nothing aliased) this
   # (split, tile)'s acc_ref f32[tq, G, D], m_ref f32[tq, G], l_ref f32[tq, G].
   num_outs = 1 if kv_splits == 1 else 3
   out_refs = refs[len(refs) - num_outs:]
-  tile = pl.program_id(0)
-  split = pl.program_id(2)
+  tile, split = pl.program_id(0), pl.program_id(2)
   _, group, head_dim = q_ref.shape  # head_dim padded to a power of two
   num_blocks, block_size, page_head_dim = k_ref.shape
   pages_per_seq = block_tables_ref.shape[1]
@@ -100,10 +150,8 @@ def _ragged_kernel(
   # the probabilities, two bf16 MMAs per dot (tuning.splits_f32_queries).
   compute_dtype = jnp.bfloat16 if split_q else q_ref.dtype
 
-  seq = tile_seq_ref[tile]
-  row_start = tile_row_start_ref[tile]
-  num_rows = tile_num_rows_ref[tile]
-  pos_start = tile_pos_start_ref[tile]
+  seq, row_start = tile_seq_ref[tile], tile_row_start_ref[tile]
+  num_rows, pos_start = tile_num_rows_ref[tile], tile_pos_start_ref[tile]
 
   row_ok = jnp.arange(q_per_tile, dtype=jnp.int32) < num_rows            # [tq]
   q = plgpu.load(q_ref.at[pl.ds(row_start, q_per_tile)],
@@ -166,7 +214,7 @@ def _ragged_kernel(
     visible = (key_pos[None, :] <= row_pos[:, None]) & key_ok[None, :]
     if sliding_window is not None:
       visible &= key_pos[None, :] > row_pos[:, None] - sliding_window
-    logits = jnp.where(visible, logits, _MASK_VALUE)
+    logits = jnp.where(visible, logits, common.MASK_VALUE)
     m_next = jnp.maximum(m_prev, jnp.max(logits, axis=1))
     correction = jnp.exp2(m_prev - m_next)
     probs = jnp.where(visible, jnp.exp2(logits - m_next[:, None]), 0.0)       # [R, tk]
@@ -182,10 +230,9 @@ def _ragged_kernel(
     pv = tuning.dot_parts(p_parts, v, ((1,), (0,)), precision)
     return correction[:, None] * acc + pv, m_next, l_next
 
-  acc = jnp.zeros((rows, head_dim), jnp.float32)
-  m_i = jnp.full((rows,), _MASK_VALUE, jnp.float32)
-  l_i = jnp.zeros((rows,), jnp.float32)
-  acc, m_i, l_i = lax.fori_loop(first_tile, end_tile, body, (acc, m_i, l_i))
+  init = (jnp.zeros((rows, head_dim), jnp.float32),
+          jnp.full((rows,), common.MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32))
+  acc, m_i, l_i = lax.fori_loop(first_tile, end_tile, body, init)
 
   out_rows = pl.ds(row_start, q_per_tile)
   if kv_splits == 1:
@@ -214,8 +261,7 @@ def _combine_splits(acc, m, l, out_dtype):
 
 
 def _kernel_call(q4, k_pages, v_pages, block_tables, k_scales, v_scales, tiles, init, *,
-                 q_per_tile, kv_per_tile, kv_splits, sm_scale, soft_cap, sliding_window,
-                 num_warps, num_stages, interpret, precision, split_q):
+                 q_per_tile, kv_splits, sem, cfg, interpret, precision, split_q):
   """One pallas_call over `tiles`; returns [T, Hkv, G, D] in q4.dtype.
 
   Rows of the tiles are (re)written; every other row keeps its value from `init` (the
@@ -260,9 +306,10 @@ def _kernel_call(q4, k_pages, v_pages, block_tables, k_scales, v_scales, tiles, 
     out_specs = [split_acc, split_ml, split_ml]
     inits = []
   first_alias = len(jax.tree.leaves(args))  # None scales are empty pytrees: no operand
+  kv_per_tile = cfg.kv_per_tile
   kernel = functools.partial(
       _ragged_kernel, q_per_tile=q_per_tile, kv_per_tile=kv_per_tile, kv_splits=kv_splits,
-      sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+      sm_scale=sem.sm_scale, soft_cap=sem.soft_cap, sliding_window=sem.sliding_window,
       precision=precision, split_q=split_q)
   outs = pl.pallas_call(
       kernel,
@@ -271,7 +318,8 @@ def _kernel_call(q4, k_pages, v_pages, block_tables, k_scales, v_scales, tiles, 
       out_specs=out_specs,
       out_shape=out_shapes,
       input_output_aliases={first_alias + i: i for i in range(len(inits))},
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
+                                           num_stages=cfg.num_stages),
       interpret=interpret,
       name=f"ragged_paged_attention_tq{q_per_tile}_tk{kv_per_tile}_s{kv_splits}",
   )(*args, *inits)
@@ -286,39 +334,35 @@ def _kernel_call(q4, k_pages, v_pages, block_tables, k_scales, v_scales, tiles, 
   return init.at[rows.reshape(-1)].set(part, mode="drop")
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("sm_scale", "soft_cap", "sliding_window", "interpret", "q_per_tile",
-                     "short_q_per_tile", "kv_per_tile", "kv_splits", "num_warps",
-                     "num_stages"))
-def _ragged_paged_attention_jit(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
-                                num_seqs, k_scales, v_scales, *, sm_scale, soft_cap,
-                                sliding_window, interpret, q_per_tile, short_q_per_tile,
-                                kv_per_tile, kv_splits, num_warps, num_stages):
+# ------------------------------------------------------------------------ wrapper
+
+@functools.partial(jax.jit, static_argnames=("sem", "cfg", "interpret"))
+def _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
+                            k_scales, v_scales, *, sem: checks.Semantics, cfg: TuningConfig,
+                            interpret: bool):
   num_tokens, num_q_heads, head_dim = q.shape
   num_kv_heads = k_pages.shape[0]
   group = num_q_heads // num_kv_heads
-  group_p = tiling.next_pow2(group)  # Triton tensors need power-of-two sizes.
+  group_p = common.next_pow2(group)  # Triton tensors need power-of-two sizes.
   head_dim_p = tuning.padded_head_dim(head_dim)  # pages keep D: padded on load
   q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
   if group_p != group or head_dim_p != head_dim:
     q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, group_p - group), (0, head_dim_p - head_dim)))
   block_tables = block_tables.astype(jnp.int32)
   split_q = tuning.splits_f32_queries(q.dtype, k_pages.dtype)  # f32 q, int8 / fp8 pages
-  common = dict(kv_per_tile=kv_per_tile, sm_scale=sm_scale, soft_cap=soft_cap,
-                sliding_window=sliding_window, num_warps=num_warps, num_stages=num_stages,
-                interpret=interpret, split_q=split_q,
+  launch = dict(sem=sem, cfg=cfg, interpret=interpret, split_q=split_q,
                 precision=tuning.dot_precision(jnp.bfloat16 if split_q else q.dtype,
                                                interpret))
   out4 = jnp.zeros(q4.shape, q4.dtype)  # rows no tile covers (padding) stay zero
-  for tile_class in tiling.tile_classes(num_tokens, q_per_tile, short_q_per_tile, kv_splits):
+  for tile_class in tiling.tile_classes(num_tokens, cfg.q_per_tile, cfg.short_q_per_tile,
+                                        cfg.kv_splits):
     tiles = tiling.query_tiles(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens,
                                q_per_tile=tile_class.q_per_tile,
                                min_q_len=tile_class.min_q_len,
                                max_q_len=tile_class.max_q_len)
     out4 = _kernel_call(q4, k_pages, v_pages, block_tables, k_scales, v_scales, tiles, out4,
                         q_per_tile=tile_class.q_per_tile, kv_splits=tile_class.kv_splits,
-                        **common)
+                        **launch)
   return out4[:, :, :group, :head_dim].reshape(num_tokens, num_q_heads, head_dim)
 
 
@@ -344,37 +388,28 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens
     sliding_window: W -> a query at position p sees keys in (p - W, p].
     k_scales, v_scales: f32[Hkv, NB, bs] per-token dequantisation scales or None.
     interpret: run the Pallas interpreter (CPU tests) instead of compiling for the GPU.
-    q_per_tile: query tokens per prefill tile (power of two; default: a tile holds ~64
-      logit rows, 32 for float32 (tuning.ragged_defaults); at least 16 // G).
-    short_q_per_tile: sequences with at most this many new queries (decode rows, short
-      chunks) get one tile of this size in a first launch, so a decode row does not pay
-      for a 64-row tile (power of two <= q_per_tile; default max(1, 16 // G); equal to
-      q_per_tile: a single launch for every sequence).
-    kv_per_tile: keys per inner step (power of two >= 16, up to what the sm_90 shared
-      memory budget allows; default tuning.ragged_defaults: 64 for bf16/fp16 at D <= 128).
-    kv_splits: split-K factor of the short-sequence launch (>= 1; default: enough
-      programs to fill ~2 waves of a GPU; 1 in interpret mode).
-    num_warps, num_stages: Triton compiler parameters (default tuning.ragged_defaults).
-    head_dim: any D in [16, 256]; one that is not a power of two (80, 96) is computed as
-      the next power of two (q zero-padded, K/V loaded with a feature mask).
-    float32 runs its dots as 3-pass TF32 on the GPU, IEEE in interpret mode.
+    q_per_tile, short_q_per_tile, kv_per_tile, kv_splits, num_warps, num_stages: the
+      tuning knobs (`TuningConfig`); None takes triton/tuning.py's sm_90 default (a tile
+      of ~64 logit rows and 64 keys for bf16 at D <= 128; kv_splits 1 in interpret mode).
+  Any D in [16, 256] runs; one that is not a power of two (80, 96) is computed as the next
+  (q zero-padded, K/V loaded with a feature mask). float32 dots are 3-pass TF32 on the GPU.
 
   Returns:
     [T, Hq, D] in q.dtype.
-
   Raises:
-    ValueError / TypeError naming the argument, before any tracing of the kernel.
+    ValueError naming the argument, before any tracing of the kernel.
   """
-  cfg = tiling.validate(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
-                        sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
-                        k_scales=k_scales, v_scales=v_scales, q_per_tile=q_per_tile,
-                        short_q_per_tile=short_q_per_tile, kv_per_tile=kv_per_tile,
-                        kv_splits=kv_splits, num_warps=num_warps, num_stages=num_stages,
-                        interpret=interpret)
-  return _ragged_paged_attention_jit(
-      q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
-      jnp.asarray(num_seqs, jnp.int32), k_scales, v_scales,
-      sm_scale=cfg.sm_scale, soft_cap=cfg.soft_cap, sliding_window=cfg.sliding_window,
-      interpret=bool(interpret), q_per_tile=cfg.q_per_tile,
-      short_q_per_tile=cfg.short_q_per_tile, kv_per_tile=cfg.kv_per_tile,
-      kv_splits=cfg.kv_splits, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+  shapes = checks.check_ragged(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
+                               num_seqs, k_scales, v_scales)
+  check_supported(shapes, q, k_pages)
+  sem = checks.check_semantics(sm_scale, soft_cap, sliding_window, head_dim=shapes.head_dim)
+  cfg = TuningConfig.resolve(shapes, interpret=bool(interpret), q_per_tile=q_per_tile,
+                             short_q_per_tile=short_q_per_tile, kv_per_tile=kv_per_tile,
+                             kv_splits=kv_splits, num_warps=num_warps, num_stages=num_stages)
+  return _ragged_paged_attention(
+      q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, jnp.asarray(num_seqs, jnp.int32),
+      k_scales, v_scales, sem=sem, cfg=cfg, interpret=bool(interpret))
+
+
+# The plain-jnp oracle of this op (same arguments, no tuning knobs): pallas_kernels/reference.py.
+ragged_paged_attention_reference = reference.ragged_paged_attention_reference

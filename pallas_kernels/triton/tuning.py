@@ -1,4 +1,5 @@
-"""Resource model of the Triton kernels on sm_90 (H100 / H200): defaults and knob budgets.
+"""Resource model of the Triton kernels on sm_90 (H100 / H200): defaults and knob budgets
+(`decode_knobs`, `ragged_knobs`: what each op's TuningConfig.resolve returns).
 
 Both kernels keep one K tile and one V tile of `tile_tokens x head_dim` (decode) or
 `kv_per_tile x head_dim` (ragged) in shared memory per pipeline stage, plus layout-conversion
@@ -6,7 +7,7 @@ scratch, and hold the [rows, head_dim] f32 accumulator and the [rows, tile] logi
 registers. The limits of one sm_90 thread block are 232,448 B of (opt-in) shared memory
 and 255 registers per thread; a config over either fails to compile (shared memory) or
 spills (registers). The defaults below were chosen with the deviceless compile of
-`pallas_kernels.compile_target` (`python -m experiments.gpu_compile_report`), and
+`pallas_kernels.deviceless` (`python -m experiments.gpu_compile_report`), and
 `tests/gpu_compile_kernels_test.py` compiles every default for sm_90 with XLA's
 fail-on-spill option on. Hand-set knobs are checked against the shared-memory estimate
 before tracing (`check_shared_memory`), so a config over the budget fails with a one-line
@@ -23,22 +24,17 @@ interpreter (CPU) keeps precision HIGHEST.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
-
 from jax import lax
 import jax.numpy as jnp
 
-SHARED_MEMORY_BUDGET = 232448        # sm_90 opt-in shared memory per thread block (bytes)
-REGISTERS_PER_SM = 65536
-MAX_THREADS_PER_SM = 2048
-NUM_SMS = 132                        # H100 SXM / H200
-HBM_BYTES_PER_S = 4.8e12             # H200
+from pallas_kernels import checks
+from pallas_kernels import common
+from pallas_kernels import sm90
+from pallas_kernels import tiling
+
+SHARED_MEMORY_BUDGET = sm90.SHARED_MEMORY_BYTES   # opt-in shared memory per thread block
 F32_GPU_PRECISION = lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 _SCRATCH_BYTES = 8192                # reduction / layout-conversion scratch (measured)
-
-
-def next_pow2(x: int) -> int:
-  return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -46,7 +42,7 @@ def padded_head_dim(head_dim: int) -> int:
 
   Pages keep their real head_dim; the kernels load the first `head_dim` features with a
   mask (zeros past it), so 80 / 96 run as 128 without copying the cache."""
-  return max(16, next_pow2(head_dim))
+  return max(16, common.next_pow2(head_dim))
 
 
 def dot_precision(dtype, interpret: bool):
@@ -245,33 +241,126 @@ def ragged_defaults(compute_dtype, head_dim_p: int, padded: bool = False,
   return tune
 
 
-def resident_blocks(registers: int, threads: int, shared_memory: int) -> int:
-  """Thread blocks one SM holds at once (registers, shared memory, threads bound)."""
-  by_regs = REGISTERS_PER_SM // max(1, registers * threads)
-  by_smem = (233472 // shared_memory) if shared_memory else 32
-  return max(0, min(by_regs, by_smem, MAX_THREADS_PER_SM // max(1, threads), 32))
+def default_num_splits(batch: int, num_kv_heads: int, pages_per_seq: int, block_size: int,
+                       tile_tokens: int, target_programs: int = 528,
+                       max_splits: int = 32) -> int:
+  """Decode split-K heuristic: programs for about two waves of resident blocks (132 SMs x
+  2 blocks of 256 threads at ~128 registers on H100/H200: 528), without splits shorter
+  than two page tiles of the longest sequence the table can hold. B=64 x 8 KV heads at
+  4K context: 2 splits (1,024 programs) instead of 512 programs for 264 slots."""
+  max_tiles = -(-pages_per_seq // max(1, tile_tokens // block_size))
+  want = -(-target_programs // (batch * num_kv_heads))
+  return int(max(1, min(want, max_tiles // 2, max_splits)))
 
 
-def wave_efficiency(programs: int, slots: int) -> float:
-  """Busy fraction of the SM slots over the waves `programs` take (tail effect)."""
-  if programs <= 0 or slots <= 0:
-    return 0.0
-  waves = -(-programs // slots)
-  return programs / (waves * slots)
+def default_num_warps(tile_tokens: int, head_dim: int, dtype=jnp.bfloat16) -> int:
+  """Decode warps for a hand-set tile: 8 for big tiles and for float32, else 4
+  (`decode_defaults` picks its own for its tile)."""
+  wide = jnp.dtype(dtype).itemsize >= 4
+  return 8 if wide or tile_tokens * padded_head_dim(head_dim) >= 64 * 128 else 4
 
 
-def default_decode_programs(num_warps: int) -> int:
-  """Programs to aim for: two waves of the blocks an SM keeps resident (~128 registers)."""
-  return 2 * NUM_SMS * max(1, resident_blocks(128, 32 * num_warps, 0))
+# Ragged programs wanted in flight before split-K is used: about two waves of an H100/H200
+# (132 SMs). Only a default; `kv_splits` overrides it.
+RAGGED_TARGET_PROGRAMS = 264
+RAGGED_MAX_DEFAULT_SPLITS = 16
+MIN_DOT_ROWS = 16  # Triton's tl.dot needs M, N, K >= 16.
+NUM_WARPS = (1, 2, 4, 8, 16)
 
 
-def check_knob(name: str, value, lo: int, hi: int, pow2: bool = False,
-               why: Optional[str] = None) -> None:
-  """One-line ValueError naming the argument, its allowed range and the reason."""
-  ok = isinstance(value, (int,)) and not isinstance(value, bool) and lo <= value <= hi
-  if ok and pow2:
-    ok = value & (value - 1) == 0
-  if not ok:
-    kind = "a power of two in" if pow2 else "in"
-    reason = f" ({why})" if why else ""
-    raise ValueError(f"{name} must be {kind} [{lo}, {hi}]{reason}, got {value!r}")
+def default_q_per_tile(group: int, rows: int = 64):
+  """Ragged (q_per_tile, short_q_per_tile): ~`rows` logit rows per prefill tile, 16 per
+  short (decode) tile."""
+  group_p = common.next_pow2(group)
+  short = max(1, MIN_DOT_ROWS // group_p)
+  return max(short, rows // group_p), short
+
+
+def default_kv_splits(num_tiles: int, num_kv_heads: int, max_kv_tokens: int,
+                      kv_per_tile: int) -> int:
+  """Ragged split-K factor: fill ~RAGGED_TARGET_PROGRAMS programs, >= 4 KV steps per split
+  at full length."""
+  programs = num_tiles * num_kv_heads
+  if programs >= RAGGED_TARGET_PROGRAMS:
+    return 1
+  wanted = -(-RAGGED_TARGET_PROGRAMS // programs)
+  by_length = max(1, -(-max_kv_tokens // kv_per_tile) // 4)
+  return int(max(1, min(wanted, by_length, RAGGED_MAX_DEFAULT_SPLITS)))
+
+
+def decode_knobs(shapes, *, tile_tokens=None, num_splits=None, num_warps=None,
+                 num_stages=None) -> dict:
+  """The decode kernel's knobs for `shapes` (checks.AttentionShapes): the given ones
+  checked against the sm_90 budgets (one-line ValueError naming the knob), defaults for
+  the rest."""
+  if num_splits is not None:
+    checks.check_int("num_splits", num_splits, 1, 256)
+  if num_stages is not None:
+    checks.check_int("num_stages", num_stages, 1, 4, why="Triton software pipelining")
+  head_dim_p = padded_head_dim(shapes.head_dim)
+  dec = decode_defaults(shapes.q_dtype, head_dim_p, padded=head_dim_p != shapes.head_dim,
+                        page_dtype=shapes.page_dtype)
+  stages = dec.num_stages if num_stages is None else num_stages
+  buffers = kv_buffers("decode", stages)
+  top = max_tile(head_dim_p, shapes.page_dtype, shapes.q_dtype, buffers)
+  if tile_tokens is not None:
+    checks.check_int("tile_tokens", tile_tokens, MIN_DOT_ROWS, top, pow2=True,
+                     why=f"Triton dot >= 16; above {top}, {stages} stages of K/V tiles at "
+                     f"head_dim {head_dim_p} exceed the sm_90 shared-memory budget of "
+                     f"{SHARED_MEMORY_BUDGET:,} B")
+  if num_warps is not None:
+    checks.check_choice("num_warps", num_warps, NUM_WARPS)
+  tile = dec.tile_tokens if tile_tokens is None else tile_tokens
+  check_shared_memory(knob="num_stages", value=stages, tile=tile, head_dim_p=head_dim_p,
+                      page_dtype=shapes.page_dtype, compute_dtype=shapes.q_dtype,
+                      buffers=buffers)
+  if num_splits is None:
+    num_splits = default_num_splits(shapes.rows, shapes.num_kv_heads, shapes.pages_per_seq,
+                                    shapes.block_size, tile)
+  if num_warps is None:  # the resource model's warps for its tile, else by tile size
+    num_warps = (dec.num_warps if tile == dec.tile_tokens
+                 else default_num_warps(tile, shapes.head_dim, shapes.q_dtype))
+  return dict(tile_tokens=int(tile), num_splits=int(num_splits), num_warps=int(num_warps),
+              num_stages=int(stages))
+
+
+def ragged_knobs(shapes, *, interpret: bool, q_per_tile=None, short_q_per_tile=None,
+                 kv_per_tile=None, kv_splits=None, num_warps=None, num_stages=None) -> dict:
+  """The ragged kernel's knobs for `shapes` (checks.AttentionShapes): the given ones
+  checked against the sm_90 budgets (one-line ValueError naming the knob), defaults for
+  the rest (split-K: ~RAGGED_TARGET_PROGRAMS programs; 1 in interpret mode)."""
+  group_p = common.next_pow2(shapes.group)
+  min_tile = max(1, MIN_DOT_ROWS // group_p)
+  head_dim_p = padded_head_dim(shapes.head_dim)
+  tune = ragged_defaults(shapes.q_dtype, head_dim_p, padded=head_dim_p != shapes.head_dim,
+                         page_dtype=shapes.page_dtype)
+  default_long, default_short = default_q_per_tile(shapes.group, tune.rows)
+  q_per_tile = default_long if q_per_tile is None else q_per_tile
+  checks.check_int("q_per_tile", q_per_tile, min_tile, 1024, pow2=True)
+  if short_q_per_tile is None:
+    short_q_per_tile = min(default_short, q_per_tile)
+  checks.check_int("short_q_per_tile", short_q_per_tile, min_tile, q_per_tile, pow2=True)
+  num_warps = tune.num_warps if num_warps is None else num_warps
+  num_stages = tune.num_stages if num_stages is None else num_stages
+  checks.check_int("num_stages", num_stages, 1, 4)
+  buffers = kv_buffers("ragged", num_stages)
+  rows = q_per_tile * group_p
+  top = max_tile(head_dim_p, shapes.page_dtype, shapes.q_dtype, buffers, rows)
+  if kv_per_tile is None:
+    kv_per_tile = min(tune.kv_per_tile, top)
+  checks.check_int("kv_per_tile", kv_per_tile, 16, 1024, pow2=True)
+  check_shared_memory(knob="q_per_tile/kv_per_tile", value=f"{q_per_tile}/{kv_per_tile}",
+                      tile=kv_per_tile, head_dim_p=head_dim_p, page_dtype=shapes.page_dtype,
+                      compute_dtype=shapes.q_dtype, buffers=buffers, q_rows=rows)
+  if kv_splits is None:
+    if interpret:
+      kv_splits = 1  # the interpreter runs programs one by one: splitting only costs time
+    else:
+      first = tiling.tile_classes(shapes.rows, q_per_tile, short_q_per_tile, 1)[0]
+      kv_splits = default_kv_splits(
+          tiling.max_query_tiles(shapes.rows, shapes.num_seqs, first.q_per_tile,
+                                 first.min_q_len, first.max_q_len),
+          shapes.num_kv_heads, shapes.pages_per_seq * shapes.block_size, kv_per_tile)
+  return dict(q_per_tile=int(q_per_tile), short_q_per_tile=int(short_q_per_tile),
+              kv_per_tile=int(kv_per_tile), kv_splits=int(kv_splits),
+              num_warps=int(num_warps), num_stages=int(num_stages))

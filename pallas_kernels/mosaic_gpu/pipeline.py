@@ -25,10 +25,10 @@ from typing import Optional
 import jax
 from jax import lax
 import jax.numpy as jnp
-import numpy as np
 
-# Split-K partials merge exactly as the Triton decode kernel's.
-from pallas_kernels.paged_attention import combine_splits  # pylint: disable=unused-import
+from pallas_kernels import checks
+from pallas_kernels import common
+from pallas_kernels import sm90
 
 try:  # Mosaic GPU Pallas; its interpreter needs jax >= 0.11.2 (checked by callers).
   from jax.experimental import pallas as pl
@@ -36,9 +36,9 @@ try:  # Mosaic GPU Pallas; its interpreter needs jax >= 0.11.2 (checked by calle
 except ImportError:  # pragma: no cover - very old jax
   pl = plgpu = None
 
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+MASK_VALUE = common.MASK_VALUE
 Q_ROWS = 64               # wgmma M: every query tile has 64 rows.
-SM90_SHARED_MEMORY_BYTES = 232448   # opt-in limit per block (227 KiB)
+SM90_SHARED_MEMORY_BYTES = sm90.SHARED_MEMORY_BYTES   # opt-in limit per block (227 KiB)
 _LOG2E, _LN2 = math.log2(math.e), math.log(2.0)
 _SWIZZLE = 128            # bytes
 _SMEM_SLACK = 4096        # Mosaic's alignment padding and barriers
@@ -47,14 +47,10 @@ _DTYPES = ("bfloat16", "float16")
 _QUANT_DTYPES = ("int8", "float8_e4m3fn")
 
 
-def _jax_version():
-  return tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
-
-
 def interpret_unavailable_reason() -> Optional[str]:
   """None when GPU interpret mode can run these kernels here, else a one-line reason."""
   if plgpu is None or not hasattr(plgpu, "InterpretGPUParams") or \
-      _jax_version() < (0, 11, 2):
+      common.jax_version() < (0, 11, 2):
     return f"Mosaic GPU interpret mode needs jax >= 0.11.2, this is jax {jax.__version__}"
   return None
 
@@ -103,8 +99,7 @@ def check_num_stages(num_stages, head_dim, tile_kv, page_itemsize=None) -> int:
   """Default or validated ring depth; ValueError when over the shared-memory budget."""
   if num_stages is None:
     return default_num_stages(head_dim, tile_kv, page_itemsize)
-  if int(num_stages) != num_stages or not 1 <= num_stages <= 8:
-    raise ValueError(f"num_stages must be an int in [1, 8], got {num_stages}")
+  checks.check_int("num_stages", num_stages, 1, 8)
   need = shared_memory_bytes(head_dim, tile_kv, num_stages,
                              page_itemsize=page_itemsize) + _SMEM_SLACK
   if need > SM90_SHARED_MEMORY_BYTES:
@@ -323,36 +318,20 @@ def launch(kernel, inputs, k_scales, v_scales, *, out_lead, dtype, page_dtype, h
       grid=grid, grid_names=grid_names, name=name, interpret=interpret)
 
 
-def validate(entry, q, k_pages, v_pages, k_scales, v_scales, *, tile_kv, num_stages,
-             num_splits, sliding_window, interpret) -> int:
-  """Checks shared by the public entries (static information only); returns num_stages.
-  Raises ValueError naming what is unsupported (callers fall back to Triton)."""
+def check_supported(entry: str, shapes: checks.AttentionShapes, interpret: bool) -> None:
+  """One-line ValueError when the Mosaic kernels do not take this call (after
+  `checks.check_decode` / `check_ragged`); "auto" falls back to Triton for these."""
   if plgpu is None:
     raise ValueError("Mosaic GPU Pallas is not available in this jax")
-  if q.ndim != 3 or k_pages.ndim != 4 or v_pages.shape != k_pages.shape:
-    raise ValueError(f"q must be [tokens, Hq, D] and k/v_pages [Hkv, NB, bs, D], got "
-                     f"{q.shape}, {k_pages.shape}, {v_pages.shape}")
-  num_q_heads, head_dim = q.shape[1:]
-  num_kv_heads, _, block_size, page_dim = k_pages.shape
-  quantized = k_scales is not None or v_scales is not None
-  why = supported_reason(num_q_heads, num_kv_heads, head_dim, block_size, q.dtype,
-                         k_pages.dtype, quantized)
-  for name, sc in (("k_scales", k_scales), ("v_scales", v_scales)):
-    if why is None and quantized and (sc is None or sc.shape != k_pages.shape[:3]):
-      why = f"{name} {None if sc is None else sc.shape} (need f32{list(k_pages.shape[:3])})"
-  if why is None and page_dim != head_dim:
-    why = f"page head_dim {page_dim} != q head_dim {head_dim}"
-  if why is None and v_pages.dtype != k_pages.dtype:
-    why = f"v_pages dtype {v_pages.dtype} != k_pages dtype {k_pages.dtype}"
+  why = supported_reason(shapes.num_q_heads, shapes.num_kv_heads, shapes.head_dim,
+                         shapes.block_size, shapes.q_dtype, shapes.page_dtype,
+                         shapes.quantized)
   if why is not None:
     raise ValueError(f"mosaic_gpu {entry} does not support {why}; use Triton")
-  if tile_kv not in (64, 128):
-    raise ValueError(f"tile_kv must be 64 or 128, got {tile_kv}")
-  if int(num_splits) != num_splits or not 1 <= num_splits <= 256:
-    raise ValueError(f"num_splits must be an int in [1, 256], got {num_splits}")
-  if sliding_window is not None and (int(sliding_window) != sliding_window
-                                     or sliding_window < 1):
-    raise ValueError(f"sliding_window must be an int >= 1, got {sliding_window}")
   if interpret and interpret_unavailable_reason():
     raise ValueError(interpret_unavailable_reason())
-  return check_num_stages(num_stages, head_dim, tile_kv, 1 if quantized else None)
+
+
+def check_tile_kv(tile_kv) -> int:
+  checks.check_choice("tile_kv", tile_kv, (64, 128))
+  return int(tile_kv)

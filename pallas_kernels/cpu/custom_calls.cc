@@ -3,7 +3,7 @@
 // (The plain-jnp path, xla_attention.py, has XLA write the gathered K and V out before the
 // dot and the reduce read them back: each byte crosses memory three times.)
 //
-// Built and registered by pallas_kernels/cpu_attention.py; semantics are
+// Built and registered by pallas_kernels/cpu/custom_calls.py; semantics are
 // pallas_kernels/reference.py's: scale, then optional tanh soft cap; a query at position p
 // sees keys j <= p, j < kv_len and, with a sliding window W > 0, j > p - W; a query that
 // sees nothing returns zeros. f32 q and pages. Work items (a sequence's query tile x one KV

@@ -32,6 +32,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import jax
 
+from pallas_kernels import sm90
+
 # H100 SXM / H200: 132 SMs, 227 KiB opt-in shared memory per block, 64K registers per SM.
 # Only the fields XLA's GPU compiler reads for planning; bandwidth is H200's 4.8 TB/s.
 SM90_TARGET_CONFIG = """
@@ -51,10 +53,10 @@ dnn_version_info { major: 9 minor: 8 }
 runtime_version { major: 12 minor: 8 }
 device_description_str: "NVIDIA H200"
 """
-SM90_SHARED_MEMORY_BYTES = 232448      # opt-in limit per thread block
-SM90_REGISTERS_PER_SM = 65536
-SM90_MAX_THREADS_PER_SM = 2048
-H200_HBM_BYTES_PER_S = 4.8e12
+SM90_SHARED_MEMORY_BYTES = sm90.SHARED_MEMORY_BYTES      # opt-in limit per thread block
+SM90_REGISTERS_PER_SM = sm90.REGISTERS_PER_SM
+SM90_MAX_THREADS_PER_SM = sm90.MAX_THREADS_PER_SM
+H200_HBM_BYTES_PER_S = sm90.HBM_BYTES_PER_S
 
 _SPILL_OPTION = "xla_gpu_fail_ptx_compilation_on_register_spilling"
 
@@ -117,11 +119,8 @@ class Launch:
     threads = self.threads[0] * self.threads[1] * self.threads[2]
     if not threads or self.registers is None:
       return None
-    by_regs = SM90_REGISTERS_PER_SM // max(1, self.registers * threads)
-    by_smem = (233472 // self.shared_memory) if self.shared_memory else 32
-    by_threads = SM90_MAX_THREADS_PER_SM // threads
-    blocks = max(0, min(by_regs, by_smem, by_threads))
-    return blocks * threads / SM90_MAX_THREADS_PER_SM
+    blocks = sm90.resident_blocks(self.registers, threads, self.shared_memory)
+    return blocks * threads / sm90.MAX_THREADS_PER_SM
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,12 +7,13 @@ pool: no gather of the cache into a contiguous copy, and nothing past a sequence
 length is loaded (every page load is masked by position).
 
 Each loop step handles `tile_tokens` tokens (default 128 for bf16/fp16 at D <= 128, from
-the sm_90 resource model in tuning.py): several whole pages when pages are small (the
-tile stays big enough for Triton's 16-wide dot), or one slice of a page when a page is
-bigger than the tile. float32 runs its dots as 3-pass TF32 on the GPU (IEEE in interpret
-mode); float32 queries over int8 / fp8 pages run two bf16 dots (q split into bf16 hi + lo,
-pages exact in bf16: tuning.splits_f32_queries); a head_dim that is not a power of two (80, 96) is computed padded to the next one
-(q zero-padded, K/V loaded with a feature mask: the pool is never copied).
+the sm_90 resource model in triton/tuning.py): several whole pages when pages are small
+(the tile stays big enough for Triton's 16-wide dot), or one slice of a page when a page
+is bigger than the tile. float32 runs its dots as 3-pass TF32 on the GPU (IEEE in
+interpret mode); float32 queries over int8 / fp8 pages run two bf16 dots (q split into
+bf16 hi + lo, pages exact in bf16: tuning.splits_f32_queries); a head_dim that is not a
+power of two (80, 96) is computed padded to the next one (q zero-padded, K/V loaded with
+a feature mask: the pool is never copied).
 
 Grid: (batch, num_kv_heads, num_splits). One program serves ALL query heads that share
 one KV head (GQA / MQA), so each K/V page is read once per KV head; its query tile is
@@ -26,14 +27,15 @@ Layout (see paged_jax/kv_cache.py; semantics in pallas_kernels/reference.py):
   q [B, Hq, D]; k_pages, v_pages [Hkv, NB, bs, D]; k_scales, v_scales f32[Hkv, NB, bs];
   block_tables i32[B, P]; lengths i32[B]  ->  [B, Hq, D].
 
-Structure follows jax/experimental/pallas/ops/gpu: kernel body, then the pallas_call
-wrapper, then the public entry with keyword-only tuning knobs.
+Structure follows jax/experimental/pallas/ops/gpu: the checks and the frozen
+`TuningConfig`, the kernel body, the pallas_call wrapper, the public entry with
+keyword-only tuning knobs, and the plain-jnp reference it is tested against.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import math
 from typing import Optional
 
 import jax
@@ -41,24 +43,75 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
-import numpy as np
 
-from pallas_kernels import tuning
-from pallas_kernels.paged_attention_args import SUPPORTED_BLOCK_SIZES  # pylint: disable=unused-import
-from pallas_kernels.paged_attention_args import default_num_splits
-from pallas_kernels.paged_attention_args import default_num_warps
-from pallas_kernels.paged_attention_args import default_tile_tokens  # pylint: disable=unused-import
-from pallas_kernels.paged_attention_args import validate as _validate
+from pallas_kernels import checks
+from pallas_kernels import common
+from pallas_kernels import reference
+from pallas_kernels.triton import tuning
 
-# Finite "minus infinity" for masked logits: exp(MASK - m) underflows to exactly 0 while
-# (MASK - MASK) stays 0, never NaN.
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+SUPPORTED_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+Q_DTYPES = ("float32", "bfloat16", "float16")
+PAGE_DTYPES = Q_DTYPES + ("int8", "float8_e4m3fn")
+NUM_WARPS = tuning.NUM_WARPS
+_MIN_TILE_TOKENS = 16
 _MIN_Q_ROWS = 16           # Triton's tl.dot needs M, N, K >= 16.
 
 
-def _next_pow2(x: int) -> int:
-  return 1 << max(0, int(x) - 1).bit_length()
+def check_supported(shapes: checks.AttentionShapes, q, k_pages, k_scales) -> None:
+  """What this kernel takes beyond `checks.check_decode` (one-line ValueError)."""
+  if shapes.block_size not in SUPPORTED_BLOCK_SIZES:
+    raise ValueError(f"k_pages has shape {tuple(k_pages.shape)}; expected a block_size "
+                     f"(dim 2) that is a power of two in [1, 256] (Triton decode kernel)")
+  if not 16 <= shapes.head_dim <= 256:
+    raise ValueError(f"q has shape {tuple(q.shape)}; expected head_dim (dim 2) in [16, 256] "
+                     f"(computed padded to a power of two)")
+  if shapes.q_dtype.name not in Q_DTYPES:
+    raise ValueError(f"q has dtype {shapes.q_dtype.name}; expected one of {Q_DTYPES}")
+  page = shapes.page_dtype.name
+  if page not in PAGE_DTYPES:
+    raise ValueError(f"k_pages has dtype {page}; expected one of {PAGE_DTYPES}")
+  quantized = page in ("int8", "float8_e4m3fn")
+  if quantized and not shapes.quantized:
+    raise ValueError(f"k_pages has dtype {page}; {page} pages need k_scales and v_scales "
+                     f"f32{list(k_pages.shape[:3])}")
+  if not quantized and page != shapes.q_dtype.name:
+    raise ValueError(f"k_pages has dtype {page}; expected q's dtype {shapes.q_dtype.name} "
+                     f"(or int8 / float8_e4m3fn with scales)")
+  if k_scales is not None and jnp.dtype(k_scales.dtype) != jnp.float32:
+    raise ValueError(f"k_scales has dtype {jnp.dtype(k_scales.dtype).name}; expected float32")
 
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig:
+  """Static launch parameters of the kernel (part of its jit key).
+
+  Attributes:
+    tile_tokens: tokens per loop step, a power of two >= 16 (whole pages when block_size
+      <= tile_tokens, else slices of one page); at most what the sm_90 shared memory holds
+      for the dtype / head_dim / stages (`resolve` checks).
+    num_splits: split-K partitions per (sequence, KV head), in [1, 256].
+    num_warps: Triton warps per program, one of 1, 2, 4, 8, 16.
+    num_stages: Triton software-pipelining stages, in [1, 4].
+  """
+  tile_tokens: int
+  num_splits: int
+  num_warps: int
+  num_stages: int
+
+  def __post_init__(self):
+    checks.check_int("tile_tokens", self.tile_tokens, _MIN_TILE_TOKENS, None, pow2=True)
+    checks.check_int("num_splits", self.num_splits, 1, 256)
+    checks.check_choice("num_warps", self.num_warps, NUM_WARPS)
+    checks.check_int("num_stages", self.num_stages, 1, 4, why="Triton software pipelining")
+
+  @classmethod
+  def resolve(cls, shapes: checks.AttentionShapes, **knobs) -> "TuningConfig":
+    """The given knobs (None: default), checked against the sm_90 budgets
+    (`tuning.decode_knobs`: `decode_defaults`, `default_num_splits`)."""
+    return cls(**tuning.decode_knobs(shapes, **knobs))
+
+
+# ------------------------------------------------------------------------- kernel
 
 def _load_pages(ref, page_ids, tok_ids, mask, width=None):
   """Masked load of tokens `tok_ids` of pages `page_ids`: ref [NB, bs, *rest] ->
@@ -171,7 +224,7 @@ def _decode_kernel(
     logits = logits * sm_scale
     if soft_cap is not None:
       logits = soft_cap * jnp.tanh(logits / soft_cap)
-    logits = jnp.where(live_row, logits, _MASK_VALUE)
+    logits = jnp.where(live_row, logits, common.MASK_VALUE)
 
     m_new = jnp.maximum(m, jnp.max(logits, axis=1))                   # [G_pad]
     alpha = jnp.exp(m - m_new)
@@ -185,7 +238,7 @@ def _decode_kernel(
     return alpha[:, None] * o + pv, m_new, l_new
 
   o = jnp.zeros((q_rows, head_dim), jnp.float32)
-  m = jnp.full((q_rows,), _MASK_VALUE, jnp.float32)
+  m = jnp.full((q_rows,), common.MASK_VALUE, jnp.float32)
   l = jnp.zeros((q_rows,), jnp.float32)
   o, m, l = lax.fori_loop(0, num_steps, body, (o, m, l))
 
@@ -194,24 +247,18 @@ def _decode_kernel(
   lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
-def combine_splits(o, lse):
-  """Merges split-K partials: o f32[..., S, G, D], lse f32[..., S, G] -> f32[..., G, D]."""
-  lse_max = jnp.max(lse, axis=-2, keepdims=True)
-  lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
-  w = jnp.exp(lse - lse_max)                      # 0 for empty splits (lse = -inf)
-  denom = jnp.sum(w, axis=-2)
-  out = jnp.sum(w[..., None] * o, axis=-3)
-  return out / jnp.where(denom > 0, denom, 1.0)[..., None]
+# ------------------------------------------------------------------------ wrapper
 
-
-def _paged_attention_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, *,
-                          sm_scale, soft_cap, sliding_window, num_splits, tile_tokens,
-                          num_warps, num_stages, interpret):
+@functools.partial(jax.jit, static_argnames=("sem", "cfg", "interpret"))
+def _paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, *,
+                     sem: checks.Semantics, cfg: TuningConfig, interpret: bool):
+  sm_scale, soft_cap, sliding_window = sem
+  tile_tokens, num_splits = cfg.tile_tokens, cfg.num_splits
   batch, num_q_heads, head_dim = q.shape
   num_kv_heads, num_blocks, block_size, _ = k_pages.shape
   pages_per_seq = block_tables.shape[1]
   group = num_q_heads // num_kv_heads
-  q_rows = max(_MIN_Q_ROWS, _next_pow2(group))
+  q_rows = max(_MIN_Q_ROWS, common.next_pow2(group))
   head_dim_p = tuning.padded_head_dim(head_dim)  # pages stay [.., D]: padded on load
 
   q4 = q.reshape(batch, num_kv_heads, group, head_dim)
@@ -223,7 +270,7 @@ def _paged_attention_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, 
   tables_width = tables.shape[1]
 
   # f32: 3-pass TF32 on the GPU, IEEE in the interpreter; f32 q over int8 / fp8 pages:
-  # bf16 K/V and a bf16 hi + lo split of q and p (see pallas_kernels/tuning.py).
+  # bf16 K/V and a bf16 hi + lo split of q and p (see triton/tuning.py).
   split_q = tuning.splits_f32_queries(q.dtype, k_pages.dtype)
   compute_dtype = jnp.bfloat16 if split_q else q.dtype
   precision = tuning.dot_precision(compute_dtype, interpret)
@@ -261,22 +308,17 @@ def _paged_attention_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, 
       ],
       interpret=interpret,
       # Passing Triton's params pins the Triton backend (not Mosaic GPU) on every JAX.
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
+                                           num_stages=cfg.num_stages),
       name=f"paged_decode_bs{block_size}_tile{tile_tokens}_splits{num_splits}",
   )(lengths.astype(jnp.int32), tables, q4, k_pages, v_pages, k_scales, v_scales)
 
   if num_splits == 1:
     out = o[:, :, 0]
   else:
-    out = combine_splits(o, lse)
+    out = common.combine_splits(o, lse)
   out = out[:, :, :group, :head_dim]
   return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
-
-
-_jitted_impl = jax.jit(
-    _paged_attention_impl,
-    static_argnames=("sm_scale", "soft_cap", "sliding_window", "num_splits",
-                     "tile_tokens", "num_warps", "num_stages", "interpret"))
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None,
@@ -298,40 +340,29 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None
     sliding_window: W, the query sees the last W tokens only.
     k_scales, v_scales: f32[Hkv, NB, bs] per-token dequantization scales.
     interpret: run the Pallas interpreter (CPU) instead of compiling for the GPU.
-    num_splits: split-K partitions per (sequence, KV head); default `default_num_splits`.
+    num_splits: split-K partitions per (sequence, KV head); default
+      `tuning.default_num_splits`.
     tile_tokens: tokens per loop step (power of two >= 16, up to what the sm_90 shared
       memory budget allows for the dtype / head_dim / stages): whole pages when
       block_size <= tile_tokens, else slices of one page; default
       `tuning.decode_defaults` (per q / page dtype and head_dim).
     num_warps, num_stages: Triton launch parameters (default `tuning.decode_defaults`
-      for its tile, else `default_num_warps`; stages in [1, 4], default 3).
+      for its tile, else `tuning.default_num_warps`; stages in [1, 4], default 3).
   Returns:
     [B, Hq, D] in q's dtype, accumulated in float32. float32 dots run as 3-pass TF32 on
-    the GPU (~1e-6 relative error) and IEEE f32 in interpret mode (pallas_kernels/tuning.py).
+    the GPU (~1e-6 relative error) and IEEE f32 in interpret mode (triton/tuning.py).
   Raises:
     ValueError naming the argument and its allowed range, before any tracing.
   """
-  _validate(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, sm_scale,
-            soft_cap, sliding_window, num_splits, tile_tokens, num_warps, num_stages)
-  batch, _, head_dim = q.shape
-  num_kv_heads, _, block_size, _ = k_pages.shape
-  head_dim_p = tuning.padded_head_dim(head_dim)
-  dec = tuning.decode_defaults(q.dtype, head_dim_p, padded=head_dim_p != head_dim,
-                               page_dtype=k_pages.dtype)
-  if tile_tokens is None:
-    tile_tokens = dec.tile_tokens
-  if num_splits is None:
-    num_splits = default_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size,
-                                    tile_tokens)
-  if num_warps is None:  # the resource model's warps for its tile, else by tile size
-    num_warps = (dec.num_warps if tile_tokens == dec.tile_tokens
-                 else default_num_warps(tile_tokens, head_dim, q.dtype))
-  if num_stages is None:
-    num_stages = dec.num_stages
-  return _jitted_impl(
-      q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
-      sm_scale=float(1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale),
-      soft_cap=None if soft_cap is None else float(soft_cap),
-      sliding_window=None if sliding_window is None else int(sliding_window),
-      num_splits=int(num_splits), tile_tokens=int(tile_tokens), num_warps=int(num_warps),
-      num_stages=int(num_stages), interpret=bool(interpret))
+  shapes = checks.check_decode(q, k_pages, v_pages, block_tables, lengths, k_scales,
+                               v_scales)
+  check_supported(shapes, q, k_pages, k_scales)
+  sem = checks.check_semantics(sm_scale, soft_cap, sliding_window, head_dim=shapes.head_dim)
+  cfg = TuningConfig.resolve(shapes, tile_tokens=tile_tokens, num_splits=num_splits,
+                             num_warps=num_warps, num_stages=num_stages)
+  return _paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
+                          sem=sem, cfg=cfg, interpret=bool(interpret))
+
+
+# The plain-jnp oracle of this op (same arguments, no tuning knobs): pallas_kernels/reference.py.
+paged_attention_reference = reference.paged_attention_reference

@@ -1,16 +1,16 @@
 """Ragged (mixed prefill + decode) paged attention on the Mosaic GPU backend (sm_90a).
 
-Same contract as `ragged_paged_attention.ragged_paged_attention` (Triton) and
+Same contract as `triton/ragged_paged_attention.py` and
 `reference.ragged_paged_attention_reference`: sequence i's new queries
 q[cu_q_lens[i]:cu_q_lens[i+1]] sit at positions kv_lens[i] - q_len_i .. kv_lens[i] - 1,
 attend causally (and within a sliding window), rows past cu_q_lens[num_seqs] are zeros.
 
-Design (the decode kernel's pipeline, mosaic_paged_attention.py, with query tiles):
-  * Query tiles, planned outside the kernel in jnp: each live sequence's rows are cut into
-    tiles of `q_per_tile` tokens (default 64 // G, so that q_per_tile * G <= 64 logit rows
-    fill one wgmma M tile); tile j is (sequence, first q row, rows, first position).
-    The grid has the static bound min(T, T // q_per_tile + S) tiles; tiles past the real
-    count see no keys and write nothing that is read back.
+Design (the decode kernel's pipeline, mosaic_gpu/pipeline.py, with query tiles):
+  * Query tiles, planned outside the kernel in jnp (pallas_kernels/tiling.py): each live
+    sequence's rows are cut into tiles of `q_per_tile` tokens (default 64 // G, so that
+    q_per_tile * G <= 64 logit rows fill one wgmma M tile); tile j is (sequence, first q
+    row, rows, first position). The grid has the static bound min(T, cdiv(T, q_per_tile)
+    + S) tiles; tiles past the real count see no keys and write nothing that is read back.
   * The query is laid out KV-head-major, [Hkv, T * G, D], so a tile's q_per_tile tokens x
     G heads are 64 consecutive rows, gathered in jnp into [Hkv, tiles, 64, D] (one aligned
     TMA per tile). Rows of the next tile are computed and discarded.
@@ -26,17 +26,59 @@ pages with scales included), q_per_tile * G <= 64.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import math
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 
-from pallas_kernels import mosaic_attention_core as core
-from pallas_kernels.mosaic_attention_core import plgpu
+from pallas_kernels import checks
+from pallas_kernels import common
+from pallas_kernels import reference
+from pallas_kernels import tiling
+from pallas_kernels.mosaic_gpu import pipeline as core
+from pallas_kernels.mosaic_gpu.pipeline import plgpu
 
 _Q_ROWS = core.Q_ROWS
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig:
+  """Static launch parameters of the kernel (part of its jit key).
+
+  Attributes:
+    q_per_tile: query tokens per tile, q_per_tile * G <= 64 (one wgmma M tile).
+    num_splits: split-K partitions per tile, in [1, 256].
+    tile_kv: keys per loop step, 64 or 128.
+    num_stages: depth of the shared-memory K/V ring, in [1, 8] and within sm_90's 227 KiB.
+  """
+  q_per_tile: int
+  num_splits: int
+  tile_kv: int
+  num_stages: int
+
+  def __post_init__(self):
+    checks.check_int("q_per_tile", self.q_per_tile, 1, _Q_ROWS)
+    checks.check_int("num_splits", self.num_splits, 1, 256)
+    core.check_tile_kv(self.tile_kv)
+    checks.check_int("num_stages", self.num_stages, 1, 8)
+
+  @classmethod
+  def resolve(cls, shapes: checks.AttentionShapes, *, q_per_tile=None, num_splits=1,
+              tile_kv=64, num_stages=None) -> "TuningConfig":
+    """The given knobs, checked, and defaults for the rest (64 // G query tokens, the
+    deepest ring that fits: `pipeline.default_num_stages`)."""
+    tile_kv = core.check_tile_kv(tile_kv)
+    checks.check_int("num_splits", num_splits, 1, 256)
+    stages = core.check_num_stages(num_stages, shapes.head_dim, tile_kv,
+                                   1 if shapes.quantized else None)
+    group = shapes.group
+    q_per_tile = _Q_ROWS // group if q_per_tile is None else q_per_tile
+    checks.check_int("q_per_tile", q_per_tile, 1, _Q_ROWS // group,
+                     why=f"q_per_tile x {group} query heads <= {_Q_ROWS} rows")
+    return cls(q_per_tile=int(q_per_tile), num_splits=int(num_splits), tile_kv=tile_kv,
+               num_stages=stages)
 
 
 def _ragged_kernel(
@@ -84,61 +126,44 @@ def _ragged_kernel(
       live_fn=live_fn, split=split, **pipeline)
 
 
-def plan_tiles(cu_q_lens, kv_lens, num_seqs, num_tokens, q_per_tile):
-  """Query tiles of a ragged batch (jnp, traced).
-
-  Returns (num_tiles_max (static), tile arrays (seq, first row, tokens, first position),
-  and per token: its tile and its first logit row in that tile).
-  """
-  num_seqs_max = kv_lens.shape[0]
-  live = jnp.arange(num_seqs_max) < num_seqs
-  q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)
-  tiles = (q_lens + q_per_tile - 1) // q_per_tile
-  tile_end = jnp.cumsum(tiles)
-  tile_base = tile_end - tiles
-  n_max = max(1, min(num_tokens, -(-num_tokens // q_per_tile) + num_seqs_max))
-  j = jnp.arange(n_max, dtype=jnp.int32)
-  seq = jnp.minimum(jnp.searchsorted(tile_end, j, side="right"), num_seqs_max - 1)
-  q_off = (j - tile_base[seq]) * q_per_tile
-  valid = j < tile_end[-1]
-  n_tok = jnp.where(valid, jnp.clip(q_lens[seq] - q_off, 0, q_per_tile), 0)
-  first_row = jnp.where(valid, cu_q_lens[seq] + q_off, 0)
-  pos0 = kv_lens[seq] - q_lens[seq] + q_off
-  # Per token t: sequence, tile and row.
-  t = jnp.arange(num_tokens, dtype=jnp.int32)
-  tok_seq = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], t, side="right"), num_seqs_max - 1)
-  local = t - cu_q_lens[tok_seq]
-  tok_live = (t < cu_q_lens[jnp.clip(num_seqs, 0, num_seqs_max)]) & (local >= 0)
-  tok_tile = jnp.where(tok_live, tile_base[tok_seq] + local // q_per_tile, 0)
-  tok_row = (local % q_per_tile)
-  tile_arrays = tuple(x.astype(jnp.int32) for x in (seq, first_row, n_tok, pos0))
-  return n_max, tile_arrays, tok_tile.astype(jnp.int32), tok_row.astype(jnp.int32), tok_live
+def num_query_tiles(num_tokens: int, num_seqs_max: int, q_per_tile: int) -> int:
+  """The grid's static tile count: cdiv(T, q_per_tile) + S, at most T (one more than
+  `tiling.max_query_tiles` when q_per_tile does not divide T; kept so the compiled grid
+  stays the one measured in the compile report)."""
+  return max(1, min(num_tokens, common.cdiv(num_tokens, q_per_tile) + num_seqs_max))
 
 
-def _ragged_impl(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, k_scales,
-                 v_scales, *, sm_scale, soft_cap, sliding_window, q_per_tile, num_splits, tile_kv,
-                 num_stages, interpret):
+@functools.partial(jax.jit, static_argnames=("sem", "cfg", "interpret"))
+def _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
+                            k_scales, v_scales, *, sem: checks.Semantics, cfg: TuningConfig,
+                            interpret: bool):
+  q_per_tile, num_splits = cfg.q_per_tile, cfg.num_splits
+  tile_kv, num_stages = cfg.tile_kv, cfg.num_stages
   num_tokens, num_q_heads, head_dim = q.shape
   num_kv_heads, _, block_size, _ = k_pages.shape
   group = num_q_heads // num_kv_heads
   dtype = q.dtype
   cu_q_lens = cu_q_lens.astype(jnp.int32)
   kv_lens = kv_lens.astype(jnp.int32)
-  n_max, tile_arrays, tok_tile, tok_row, tok_live = plan_tiles(
-      cu_q_lens, kv_lens, jnp.asarray(num_seqs, jnp.int32), num_tokens, q_per_tile)
+  num_seqs = jnp.asarray(num_seqs, jnp.int32)
+  n_max = num_query_tiles(num_tokens, kv_lens.shape[0], q_per_tile)
+  tiles = tiling.query_tiles(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens,
+                             q_per_tile=q_per_tile, num_tiles=n_max)
+  tok_tile, tok_row, tok_live = tiling.token_tiles(cu_q_lens, num_seqs, num_tokens=num_tokens,
+                                                   q_per_tile=q_per_tile)
   q_rows = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
   q_rows = q_rows.reshape(num_kv_heads, num_tokens * group, head_dim)
   q_rows = jnp.pad(q_rows, ((0, 0), (0, _Q_ROWS), (0, 0)))       # [Hkv, T*G + 64, D]
   # Each tile's 64 rows, gathered here (a TMA at a dynamic, unaligned row offset of the
   # swizzled tile would not lower): [Hkv, N, 64, D].
-  seq, first_row, n_tok, pos0 = tile_arrays
+  seq, first_row, n_tok, pos0 = tiles
   q_tiles = q_rows[:, first_row[:, None] * group + jnp.arange(_Q_ROWS)[None, :]]
 
   inputs = [kv_lens, block_tables.astype(jnp.int32), seq, n_tok, pos0, q_tiles, k_pages,
             v_pages]
   kernel = functools.partial(
-      _ragged_kernel, group=group, sliding_window=sliding_window, num_splits=num_splits,
-      tile_kv=tile_kv, num_stages=num_stages, sm_scale=sm_scale, soft_cap=soft_cap,
+      _ragged_kernel, group=group, sliding_window=sem.sliding_window, num_splits=num_splits,
+      tile_kv=tile_kv, num_stages=num_stages, sm_scale=sem.sm_scale, soft_cap=sem.soft_cap,
       interpret=interpret)
   o, lse = core.launch(
       kernel, inputs, k_scales, v_scales, out_lead=(num_kv_heads, n_max, num_splits),
@@ -156,16 +181,10 @@ def _ragged_impl(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs
     out = o_tok[:, :, :, 0].astype(jnp.float32)
   else:
     # Split axis last-but-one: [T, G, Hkv, splits, 1, D] / [T, G, Hkv, splits, 1].
-    out = core.combine_splits(o_tok[..., None, :].astype(jnp.float32),
-                              lse_tok[..., None])[..., 0, :]
+    out = common.combine_splits(o_tok[..., None, :].astype(jnp.float32),
+                                lse_tok[..., None])[..., 0, :]
   out = jnp.where(tok_live[:, None, None, None], out, 0.0)   # [T, G, Hkv, D]
   return out.transpose(0, 2, 1, 3).reshape(num_tokens, num_q_heads, head_dim).astype(dtype)
-
-
-_jitted_impl = jax.jit(
-    _ragged_impl,
-    static_argnames=("sm_scale", "soft_cap", "sliding_window", "q_per_tile", "num_splits",
-                     "tile_kv", "num_stages", "interpret"))
 
 
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
@@ -177,34 +196,27 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens
   Args: as the Triton `ragged_paged_attention` (q [T, Hq, D], k/v_pages [Hkv, NB, bs, D],
     block_tables i32[S, P], kv_lens i32[S], cu_q_lens i32[S + 1], num_seqs i32 scalar),
     k_scales / v_scales (int8 / fp8 pages), with the decode kernel's support limits
-    (`mosaic_attention_core.supported_reason`: bf16 / f16 q, bs >= 16, D 64 / 128 / 256,
-    G <= 64).
+    (`pipeline.supported_reason`: bf16 / f16 q, bs >= 16, D 64 / 128 / 256, G <= 64).
     q_per_tile: query tokens per tile (default 64 // G; q_per_tile * G <= 64).
     num_splits: split-K partitions per tile (default 1). tile_kv: 64 or 128.
     num_stages: K/V shared-memory ring depth (default: deepest of 3, 2, 1 that fits).
     interpret: GPU interpret mode on a CPU (jax >= 0.11.2), race detection on.
   Returns:
     [T, Hq, D] in q's dtype; rows past cu_q_lens[num_seqs] are zeros.
+  Raises:
+    ValueError naming the argument (checks.check_ragged), or what this kernel does not
+    support, before any tracing.
   """
-  num_stages = core.validate(
-      "ragged_paged_attention", q, k_pages, v_pages, k_scales, v_scales, tile_kv=tile_kv,
-      num_stages=num_stages, num_splits=num_splits, sliding_window=sliding_window,
-      interpret=interpret)
-  num_tokens, num_q_heads, head_dim = q.shape
-  num_kv_heads = k_pages.shape[0]
-  group = num_q_heads // num_kv_heads
-  if q_per_tile is None:
-    q_per_tile = _Q_ROWS // group
-  if int(q_per_tile) != q_per_tile or not 1 <= q_per_tile * group <= _Q_ROWS:
-    raise ValueError(f"q_per_tile must be an int with q_per_tile * {group} <= {_Q_ROWS}, "
-                     f"got {q_per_tile}")
-  if cu_q_lens.shape != (kv_lens.shape[0] + 1,) or block_tables.shape[0] != kv_lens.shape[0]:
-    raise ValueError(f"cu_q_lens must be i32[S + 1] and block_tables i32[S, P] for kv_lens "
-                     f"i32[S], got {cu_q_lens.shape}, {block_tables.shape}, {kv_lens.shape}")
-  return _jitted_impl(
-      q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, k_scales, v_scales,
-      sm_scale=float(1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale),
-      soft_cap=None if soft_cap is None else float(soft_cap),
-      sliding_window=None if sliding_window is None else int(sliding_window),
-      q_per_tile=int(q_per_tile), num_splits=int(num_splits), tile_kv=int(tile_kv),
-      num_stages=int(num_stages), interpret=bool(interpret))
+  shapes = checks.check_ragged(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
+                               num_seqs, k_scales, v_scales)
+  core.check_supported("ragged_paged_attention", shapes, bool(interpret))
+  sem = checks.check_semantics(sm_scale, soft_cap, sliding_window, head_dim=shapes.head_dim)
+  cfg = TuningConfig.resolve(shapes, q_per_tile=q_per_tile, num_splits=num_splits,
+                             tile_kv=tile_kv, num_stages=num_stages)
+  return _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
+                                 num_seqs, k_scales, v_scales, sem=sem, cfg=cfg,
+                                 interpret=bool(interpret))
+
+
+# The plain-jnp oracle of this op (same arguments, no tuning knobs): pallas_kernels/reference.py.
+ragged_paged_attention_reference = reference.ragged_paged_attention_reference

@@ -1,7 +1,7 @@
 """Paged attention for XLA:CPU as FFI custom calls (C++, `cpu_paged_attention.cc`).
 
-    out = cpu_attention.decode_attention(q, k_pages, v_pages, block_tables, lengths)
-    out = cpu_attention.ragged_attention(q, k_pages, v_pages, block_tables, kv_lens,
+    out = custom_calls.decode_attention(q, k_pages, v_pages, block_tables, lengths)
+    out = custom_calls.ragged_attention(q, k_pages, v_pages, block_tables, kv_lens,
                                          cu_q_lens, num_seqs)
 
 Same signatures and semantics as `xla_attention` (and `reference`, the oracle). The
@@ -36,10 +36,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import reference
-from pallas_kernels import xla_attention
+from pallas_kernels import checks
+from pallas_kernels.cpu import xla_attention
 
-_SOURCE = pathlib.Path(__file__).with_name("cpu_paged_attention.cc")
+_SOURCE = pathlib.Path(__file__).with_name("custom_calls.cc")
 _TARGETS = {"decode": ("paged_jax_cpu_decode", "PagedJaxCpuDecode"),
             "ragged": ("paged_jax_cpu_ragged", "PagedJaxCpuRagged")}
 # Vectorized, reassociated dot products; no -ffinite-math-only (the kernel starts its
@@ -135,17 +135,10 @@ def _fallback_reason(q, k_pages, k_scales) -> str:
       f"{k_pages.dtype}{' with scales' if k_scales is not None else ''}")
 
 
-def _attrs(head_dim, sm_scale, soft_cap, sliding_window) -> dict:
-  return dict(scale=np.float32(reference._resolve_scale(sm_scale, head_dim)),  # pylint: disable=protected-access
-              soft_cap=np.float32(0.0 if soft_cap is None else soft_cap),
-              window=np.int32(0 if sliding_window is None else sliding_window))
-
-
-def _check(soft_cap, sliding_window) -> None:
-  if soft_cap is not None and not float(soft_cap) > 0:
-    raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap}")
-  if sliding_window is not None and not int(sliding_window) >= 1:
-    raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+def _attrs(sem: checks.Semantics) -> dict:
+  return dict(scale=np.float32(sem.sm_scale),
+              soft_cap=np.float32(0.0 if sem.soft_cap is None else sem.soft_cap),
+              window=np.int32(0 if sem.sliding_window is None else sem.sliding_window))
 
 
 def decode_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None,
@@ -153,17 +146,18 @@ def decode_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=Non
   """One query per sequence at position lengths[b] - 1: q [B, Hq, D] -> [B, Hq, D].
 
   k_pages / v_pages [Hkv, NB, bs, D], block_tables i32[B, W], lengths i32[B] (0: zeros).
+  Bad shapes or dtypes: a one-line ValueError (`checks.check_decode`) before any tracing.
   """
+  checks.check_decode(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales)
+  sem = checks.check_semantics(sm_scale, soft_cap, sliding_window, head_dim=q.shape[-1])
   if not supported(q, k_pages, k_scales):
     _log_fallback(_fallback_reason(q, k_pages, k_scales))
     return xla_attention.decode_attention(
         q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale, soft_cap=soft_cap,
         sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales)
-  _check(soft_cap, sliding_window)
   call = jax.ffi.ffi_call(_TARGETS["decode"][0], jax.ShapeDtypeStruct(q.shape, jnp.float32))
   return call(q, k_pages, v_pages.astype(jnp.float32), block_tables.astype(jnp.int32),
-              lengths.astype(jnp.int32), **_attrs(q.shape[-1], sm_scale, soft_cap,
-                                                  sliding_window))
+              lengths.astype(jnp.int32), **_attrs(sem))
 
 
 def ragged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, *,
@@ -171,16 +165,18 @@ def ragged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_
                      v_scales=None):
   """Mixed prefill + decode attention: q [T, Hq, D] -> [T, Hq, D] (causal; sequence i's
   new queries are q[cu_q_lens[i]:cu_q_lens[i+1]] at positions kv_lens[i] - q_len_i ..
-  kv_lens[i] - 1; padding rows return zeros)."""
+  kv_lens[i] - 1; padding rows return zeros). Bad shapes or dtypes: a one-line ValueError
+  (`checks.check_ragged`) before any tracing."""
+  checks.check_ragged(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
+                      k_scales, v_scales)
+  sem = checks.check_semantics(sm_scale, soft_cap, sliding_window, head_dim=q.shape[-1])
   if not supported(q, k_pages, k_scales):
     _log_fallback(_fallback_reason(q, k_pages, k_scales))
     return xla_attention.ragged_attention(
         q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, sm_scale=sm_scale,
         soft_cap=soft_cap, sliding_window=sliding_window, k_scales=k_scales,
         v_scales=v_scales)
-  _check(soft_cap, sliding_window)
   call = jax.ffi.ffi_call(_TARGETS["ragged"][0], jax.ShapeDtypeStruct(q.shape, jnp.float32))
   return call(q, k_pages, v_pages.astype(jnp.float32), block_tables.astype(jnp.int32),
               kv_lens.astype(jnp.int32), cu_q_lens.astype(jnp.int32),
-              jnp.asarray(num_seqs, jnp.int32).reshape(()),
-              **_attrs(q.shape[-1], sm_scale, soft_cap, sliding_window))
+              jnp.asarray(num_seqs, jnp.int32).reshape(()), **_attrs(sem))

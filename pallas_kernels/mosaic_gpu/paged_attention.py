@@ -3,7 +3,7 @@
 One query token per sequence attends to that sequence's K/V pages, scattered through a
 shared pool. The kernel reads `lengths[b]` and the block table as scalars from global
 memory and gathers the live pages with TMA into a shared-memory ring; wgmma does QK^T and
-PV; softmax is online (the pipeline: mosaic_attention_core.py). The same code runs under
+PV; softmax is online (the pipeline: mosaic_gpu/pipeline.py). The same code runs under
 GPU interpret mode on a CPU (jax >= 0.11.2).
 
 Grid: (num_kv_heads, batch, num_splits), one warpgroup per program. One program serves all
@@ -30,20 +30,64 @@ Layout (semantics in pallas_kernels/reference.py):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import math
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 
-from pallas_kernels import mosaic_attention_core as core
+from pallas_kernels import checks
+from pallas_kernels import common
+from pallas_kernels import reference
+from pallas_kernels.mosaic_gpu import pipeline as core
 # Re-exported: the support checks and smem model are part of this module's surface.
-from pallas_kernels.mosaic_attention_core import (  # pylint: disable=unused-import
+from pallas_kernels.mosaic_gpu.pipeline import (  # pylint: disable=unused-import
     SM90_SHARED_MEMORY_BYTES, check_num_stages, default_num_stages,
     interpret_unavailable_reason, shared_memory_bytes, supported_reason)
 
 _Q_ROWS = core.Q_ROWS
+
+
+def default_num_splits(batch, num_kv_heads, pages_per_seq, block_size, tile_kv,
+                       target_programs=264, max_splits=32) -> int:
+  """Enough programs to fill 132 SMs about twice, no split shorter than two tiles."""
+  max_tiles = -(-pages_per_seq * block_size // tile_kv)
+  want = -(-target_programs // (batch * num_kv_heads))
+  return int(max(1, min(want, max_tiles // 2, max_splits)))
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig:
+  """Static launch parameters of the kernel (part of its jit key).
+
+  Attributes:
+    num_splits: split-K partitions per (sequence, KV head), in [1, 256].
+    tile_kv: keys per loop step, 64 or 128 (several whole pages, or one page slice).
+    num_stages: depth of the shared-memory K/V ring, in [1, 8] and within sm_90's 227 KiB.
+  """
+  num_splits: int
+  tile_kv: int
+  num_stages: int
+
+  def __post_init__(self):
+    checks.check_int("num_splits", self.num_splits, 1, 256)
+    core.check_tile_kv(self.tile_kv)
+    checks.check_int("num_stages", self.num_stages, 1, 8)
+
+  @classmethod
+  def resolve(cls, shapes: checks.AttentionShapes, *, num_splits=None, tile_kv=64,
+              num_stages=None) -> "TuningConfig":
+    """The given knobs, checked, and defaults for the rest (`default_num_splits`, the
+    deepest ring that fits: `pipeline.default_num_stages`)."""
+    tile_kv = core.check_tile_kv(tile_kv)
+    if num_splits is None:
+      num_splits = default_num_splits(shapes.rows, shapes.num_kv_heads, shapes.pages_per_seq,
+                                      shapes.block_size, tile_kv)
+    checks.check_int("num_splits", num_splits, 1, 256)
+    stages = core.check_num_stages(num_stages, shapes.head_dim, tile_kv,
+                                   1 if shapes.quantized else None)
+    return cls(num_splits=int(num_splits), tile_kv=tile_kv, num_stages=stages)
 
 
 def _decode_kernel(
@@ -75,9 +119,10 @@ def _decode_kernel(
       live_fn=lambda key: (key >= start_tok) & (key < end_tok), split=split, **pipeline)
 
 
-def _paged_attention_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, *,
-                          sm_scale, soft_cap, sliding_window, num_splits, tile_kv, num_stages,
-                          interpret):
+@functools.partial(jax.jit, static_argnames=("sem", "cfg", "interpret"))
+def _paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, *,
+                     sem: checks.Semantics, cfg: TuningConfig, interpret: bool):
+  num_splits, tile_kv, num_stages = cfg.num_splits, cfg.tile_kv, cfg.num_stages
   batch, num_q_heads, head_dim = q.shape
   num_kv_heads, _, block_size, _ = k_pages.shape
   group = num_q_heads // num_kv_heads
@@ -86,8 +131,8 @@ def _paged_attention_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, 
   q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, _Q_ROWS - group), (0, 0)))   # [B, Hkv, 64, D]
   inputs = [lengths.astype(jnp.int32), block_tables.astype(jnp.int32), q4, k_pages, v_pages]
   kernel = functools.partial(
-      _decode_kernel, sliding_window=sliding_window, num_splits=num_splits,
-      tile_kv=tile_kv, num_stages=num_stages, sm_scale=sm_scale, soft_cap=soft_cap,
+      _decode_kernel, sliding_window=sem.sliding_window, num_splits=num_splits,
+      tile_kv=tile_kv, num_stages=num_stages, sm_scale=sem.sm_scale, soft_cap=sem.soft_cap,
       interpret=interpret)
   o, lse = core.launch(
       kernel, inputs, k_scales, v_scales, out_lead=(batch, num_kv_heads, num_splits),
@@ -100,22 +145,8 @@ def _paged_attention_impl(q, k_pages, v_pages, block_tables, lengths, k_scales, 
   if num_splits == 1:
     out = o[:, :, 0].astype(jnp.float32)
   else:
-    out = core.combine_splits(o.astype(jnp.float32), lse)
+    out = common.combine_splits(o.astype(jnp.float32), lse)
   return out[:, :, :group].reshape(batch, num_q_heads, head_dim).astype(dtype)
-
-
-_jitted_impl = jax.jit(
-    _paged_attention_impl,
-    static_argnames=("sm_scale", "soft_cap", "sliding_window", "num_splits", "tile_kv",
-                     "num_stages", "interpret"))
-
-
-def default_num_splits(batch, num_kv_heads, pages_per_seq, block_size, tile_kv,
-                       target_programs=264, max_splits=32) -> int:
-  """Enough programs to fill 132 SMs about twice, no split shorter than two tiles."""
-  max_tiles = -(-pages_per_seq * block_size // tile_kv)
-  want = -(-target_programs // (batch * num_kv_heads))
-  return int(max(1, min(want, max_tiles // 2, max_splits)))
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None,
@@ -140,23 +171,18 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None
   Returns:
     [B, Hq, D] in q's dtype, accumulated in float32.
   Raises:
-    ValueError for shapes / dtypes this kernel does not support (see `supported_reason`).
+    ValueError naming the argument (checks.check_decode), or what this kernel does not
+    support (`supported_reason`), before any tracing.
   """
-  if q.ndim != 3 or block_tables.ndim != 2 or block_tables.shape[0] != q.shape[0] or \
-      lengths.shape != q.shape[:1]:
-    raise ValueError(f"q must be [B, Hq, D], block_tables i32[B, P] and lengths i32[B], got "
-                     f"{q.shape}, {block_tables.shape}, {lengths.shape}")
-  if num_splits is None:
-    num_splits = default_num_splits(q.shape[0], k_pages.shape[0], block_tables.shape[1],
-                                    k_pages.shape[2], tile_kv)
-  num_stages = core.validate(
-      "paged_attention", q, k_pages, v_pages, k_scales, v_scales, tile_kv=tile_kv,
-      num_stages=num_stages, num_splits=num_splits, sliding_window=sliding_window,
-      interpret=interpret)
-  return _jitted_impl(
-      q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
-      sm_scale=float(1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale),
-      soft_cap=None if soft_cap is None else float(soft_cap),
-      sliding_window=None if sliding_window is None else int(sliding_window),
-      num_splits=int(num_splits), tile_kv=int(tile_kv), num_stages=num_stages,
-      interpret=bool(interpret))
+  shapes = checks.check_decode(q, k_pages, v_pages, block_tables, lengths, k_scales,
+                               v_scales)
+  core.check_supported("paged_attention", shapes, bool(interpret))
+  sem = checks.check_semantics(sm_scale, soft_cap, sliding_window, head_dim=shapes.head_dim)
+  cfg = TuningConfig.resolve(shapes, num_splits=num_splits, tile_kv=tile_kv,
+                             num_stages=num_stages)
+  return _paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
+                          sem=sem, cfg=cfg, interpret=bool(interpret))
+
+
+# The plain-jnp oracle of this op (same arguments, no tuning knobs): pallas_kernels/reference.py.
+paged_attention_reference = reference.paged_attention_reference

@@ -8,8 +8,8 @@ is how the work is laid out for XLA:CPU, where gathers of K/V, not FLOPs, set th
   ragged   the reference gathers each query token's whole K/V (a 256-token prefill
            chunk reads its row's cache 256 times). Here the new tokens are cut into
            query tiles of `tile_tokens` tokens that never straddle two sequences
-           (at most cdiv(T, tile) + S tiles); a tile gathers its one sequence's K/V
-           once and scores all of its tokens against it.
+           (pallas_kernels/tiling.py); a tile gathers its one sequence's K/V once and
+           scores all of its tokens against it.
 
     out = decode_attention(q, k_pages, v_pages, block_tables, lengths)          # [B, Hq, D]
     out = ragged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
@@ -24,7 +24,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import checks
 from pallas_kernels import reference
+from pallas_kernels import tiling
 
 _I32 = jnp.int32
 
@@ -43,9 +45,8 @@ def _softmax_out(logits, visible, v, scale, soft_cap):
   """logits f32[Hkv, N, G, Q, L] (Q queries of each of N items), visible bool broadcast
   to it, v f32[Hkv, N, L, D] -> f32[Hkv, N, G, Q, D]; rows with nothing visible -> 0.
   Scaling, soft cap and the masked softmax are the reference's own."""
-  # pylint: disable=protected-access
-  logits = reference._scaled_logits(logits, scale, soft_cap)
-  w = reference._masked_softmax_weights(logits, visible)
+  logits = reference.scaled_logits(logits, scale, soft_cap)
+  w = reference.masked_softmax_weights(logits, visible)
   return jnp.einsum("hngql,hnld->hngqd", w, v)
 
 
@@ -53,6 +54,9 @@ def decode_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=Non
                      soft_cap=None, sliding_window=None, k_scales=None, v_scales=None):
   """One query per sequence at position lengths[b] - 1: q [B, Hq, D] -> [B, Hq, D].
   lengths i32[B] (0: the row returns zeros)."""
+  checks.check_decode(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales)
+  sem = checks.check_semantics(sm_scale, soft_cap, sliding_window, head_dim=q.shape[-1])
+  sliding_window = sem.sliding_window
   num_seqs, num_q_heads, head_dim = q.shape
   num_kv_heads = k_pages.shape[0]
   group = num_q_heads // num_kv_heads
@@ -69,37 +73,9 @@ def decode_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=Non
   qg = q.astype(jnp.float32).reshape(num_seqs, num_kv_heads, group, head_dim)
   qg = jnp.swapaxes(qg, 0, 1)[:, :, :, None, None, :]  # [Hkv, B, G, 1, 1, D]
   logits = jnp.sum(qg * k[:, :, None, None, :, :], axis=-1)   # [Hkv, B, G, 1, L]
-  out = _softmax_out(logits, visible[None, :, None, None, :], v,
-                     reference._resolve_scale(sm_scale, head_dim), soft_cap)
+  out = _softmax_out(logits, visible[None, :, None, None, :], v, sem.sm_scale, sem.soft_cap)
   out = jnp.swapaxes(out[:, :, :, 0, :], 0, 1)          # [B, Hkv, G, D]
   return out.reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)
-
-
-def query_tiles(cu_q_lens, num_seqs, num_tokens: int, tile_tokens: int):
-  """Cuts a ragged batch's tokens into tiles of one sequence each.
-
-  Args:
-    cu_q_lens: i32[S + 1]; num_seqs: i32[] (rows >= num_seqs have no tokens).
-    num_tokens: T (static); tile_tokens: C (static).
-  Returns:
-    (tile_seq i32[N], tokens i32[N, C], ok bool[N, C]) with N = cdiv(T, C) + S: each
-    tile's sequence (clamped into [0, S)), its token rows, and which are real.
-  """
-  num_rows = cu_q_lens.shape[0] - 1
-  cu = cu_q_lens.astype(_I32)
-  live = jnp.arange(num_rows, dtype=_I32) < num_seqs
-  q_lens = jnp.where(live, cu[1:] - cu[:-1], 0)
-  tiles = (q_lens + tile_tokens - 1) // tile_tokens    # [S]
-  ends = jnp.cumsum(tiles).astype(_I32)
-  num_tiles = -(-num_tokens // tile_tokens) + num_rows
-  t = jnp.arange(num_tiles, dtype=_I32)
-  seq = jnp.searchsorted(ends, t, side="right").astype(_I32)   # == S past the last tile
-  used = seq < num_rows
-  seq = jnp.minimum(seq, num_rows - 1)
-  first = cu[seq] + (t - (ends[seq] - tiles[seq])) * tile_tokens
-  tokens = first[:, None] + jnp.arange(tile_tokens, dtype=_I32)[None, :]
-  ok = used[:, None] & (tokens < (cu[seq] + q_lens[seq])[:, None])
-  return seq, jnp.where(ok, tokens, 0), ok
 
 
 def ragged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, *,
@@ -109,16 +85,22 @@ def ragged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_
   new queries are q[cu_q_lens[i]:cu_q_lens[i+1]] at positions kv_lens[i] - q_len_i ..
   kv_lens[i] - 1; padding rows return zeros). `tiles_per_step` tiles share one loop
   step (bounds memory at tiles_per_step x Hkv x P x bs x D floats per K and V)."""
+  checks.check_ragged(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
+                      k_scales, v_scales)
+  sem = checks.check_semantics(sm_scale, soft_cap, sliding_window, head_dim=q.shape[-1])
+  soft_cap, sliding_window = sem.soft_cap, sem.sliding_window
   num_tokens, num_q_heads, head_dim = q.shape
   num_kv_heads = k_pages.shape[0]
   group = num_q_heads // num_kv_heads
   tile = max(1, min(tile_tokens, num_tokens))
-  seq, tokens, ok = query_tiles(cu_q_lens, jnp.asarray(num_seqs, _I32), num_tokens, tile)
-  cu = cu_q_lens.astype(_I32)
   kv_lens = kv_lens.astype(_I32)
-  q_len = cu[seq + 1] - cu[seq]
-  pos = jnp.where(ok, kv_lens[seq][:, None] - q_len[:, None] + (tokens - cu[seq][:, None]), -1)
-  scale = reference._resolve_scale(sm_scale, head_dim)
+  tiles = tiling.query_tiles(cu_q_lens, kv_lens, jnp.asarray(num_seqs, _I32),
+                             num_tokens=num_tokens, q_per_tile=tile)
+  seq, local = tiles.seq, jnp.arange(tile, dtype=_I32)[None, :]
+  ok = local < tiles.num_rows[:, None]                 # [N, C] real rows of each tile
+  tokens = jnp.where(ok, tiles.row_start[:, None] + local, 0)
+  pos = jnp.where(ok, tiles.pos_start[:, None] + local, -1)
+  scale = sem.sm_scale
   qt = q.astype(jnp.float32)[tokens]                   # [N, C, Hq, D]
 
   def run(args):   # one tile (lax.map vmaps it over `tiles_per_step` tiles at a time)

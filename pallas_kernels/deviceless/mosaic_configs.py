@@ -2,7 +2,7 @@
 
 Shared by experiments/gpu_compile_report.py (the resource table, `--backends=mosaic_gpu`)
 and tests/mosaic_compile_configs_test.py (0 spills, shared memory within budget). The Triton
-configurations are pallas_kernels/compile_configs.py; the shapes are the same real models'
+configurations are triton_configs.py; the shapes are the same real models' (cases.py:
 (Llama-3-8B 32/8 x 128, Qwen-like 14/2 x 64, Gemma-like 8/4 x 256 with soft cap 50 and a
 4096-token sliding window), restricted to what the Mosaic kernels accept (bf16 / f16 q;
 pages of q's dtype or int8 / fp8 with scales; block sizes: powers of two >= 16; D 64 / 128
@@ -28,25 +28,27 @@ import tempfile
 from typing import Any, Dict, List, Optional
 
 import jax
-import jax.numpy as jnp
 
-from pallas_kernels import compile_configs as cc
-from pallas_kernels import compile_target as ct
-from pallas_kernels import mosaic_attention_core as core
+from pallas_kernels import common
+from pallas_kernels import sm90
+from pallas_kernels.deviceless import cases
+from pallas_kernels.deviceless import target as ct
+from pallas_kernels.mosaic_gpu import paged_attention as mpa
+from pallas_kernels.mosaic_gpu import pipeline as core
+from pallas_kernels.mosaic_gpu import ragged_paged_attention as mrpa
 
-# The Triton report's models and ragged workloads (compile_configs), those Mosaic is
-# measured on: "d80" (D % 64 != 0) is recorded as unsupported (Triton's).
-MODELS = {k: cc.MODELS[k] for k in ("llama8b", "qwen", "gemma", "d80")}
-WORKLOADS = {k: cc.WORKLOADS[k] for k in ("decode64", "prefill2k", "mixed", "engine256")}
-QUANT = cc.QUANT
+# The models and ragged workloads of cases.py that Mosaic is measured on: "d80"
+# (D % 64 != 0) is recorded as unsupported (Triton's).
+MODELS = {k: cases.MODELS[k] for k in ("llama8b", "qwen", "gemma", "d80")}
+WORKLOADS = {k: cases.WORKLOADS[k] for k in ("decode64", "prefill2k", "mixed", "engine256")}
+QUANT = cases.QUANT
 SHORT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "int8": "int8",
          "float8_e4m3fn": "fp8"}
-THREADS_PER_SM = 2048
 
 
 @dataclasses.dataclass(frozen=True)
-class MosaicCase(cc.Case):
-  """One Mosaic kernel call: `compile_configs.Case` with Mosaic's default block size
+class MosaicCase(cases.Case):
+  """One Mosaic kernel call: `cases.Case` with Mosaic's default block size
   and short names (dtypes abbreviated, context in k); knobs: the kernel's tuning keywords."""
   block_size: int = 64
 
@@ -56,7 +58,8 @@ class MosaicCase(cc.Case):
     work = (f"B{self.batch}x{self.context // 1024}k" if self.kernel == "decode"
             else self.workload)
     knobs = "".join(f",{k}={v}" for k, v in self.knobs)
-    return f"{self.kernel}:{self.model}:{SHORT[self.dtype]}{pages}:bs{self.block_size}:{work}{knobs}"
+    return (f"{self.kernel}:{self.model}:{SHORT[self.dtype]}{pages}:bs{self.block_size}:"
+            f"{work}{knobs}")
 
   def supported_reason(self) -> Optional[str]:
     hq, hkv, d, _ = MODELS[self.model]
@@ -99,18 +102,17 @@ def unsupported_cases() -> List[MosaicCase]:
 
 def unavailable_reason() -> Optional[str]:
   """None when the Mosaic configs can be compiled here, else a one-line reason."""
-  if core.plgpu is None or core._jax_version() < (0, 11, 2):  # pylint: disable=protected-access
+  if core.plgpu is None or common.jax_version() < (0, 11, 2):
     return f"the Mosaic GPU kernels need jax >= 0.11.2, this is jax {jax.__version__}"
   return ct.unavailable_reason()
 
 
 def resolved(case: MosaicCase) -> Dict[str, Any]:
   """The knobs the kernel's defaults resolve to, and its grid."""
-  from pallas_kernels import mosaic_paged_attention as mpa  # pylint: disable=g-import-not-at-top
   hq, hkv, d, _ = MODELS[case.model]
   knobs = dict(case.knobs)
   tile_kv = knobs.get("tile_kv", 64)
-  quant = 1 if case.page_dtype in QUANT else None
+  quant = 1 if case.quantized else None
   stages = knobs.get("num_stages") or core.default_num_stages(d, tile_kv, quant)
   if case.kernel == "decode":
     pages = -(-case.context // case.block_size)
@@ -121,58 +123,21 @@ def resolved(case: MosaicCase) -> Dict[str, Any]:
   seqs, tokens = WORKLOADS[case.workload]
   q_per_tile = knobs.get("q_per_tile") or core.Q_ROWS // (hq // hkv)
   splits = knobs.get("num_splits", 1)
-  n_max = max(1, min(tokens, -(-tokens // q_per_tile) + len(seqs)))
+  n_max = mrpa.num_query_tiles(tokens, len(seqs), q_per_tile)
   return {"tile_kv": tile_kv, "num_stages": stages, "num_splits": splits,
           "q_per_tile": q_per_tile, "grid": [hkv, n_max, splits]}
 
 
 def kv_bytes(case: MosaicCase) -> int:
-  """K/V bytes (scales included) of the live keys each program must read: per sequence
-  for decode, per query tile for ragged (each tile reads its own keys). Queries, outputs
-  and split partials are not counted."""
-  _, hkv, d, sem = MODELS[case.model]
-  per_token = hkv * 2 * (d * case.pdtype.itemsize + (4 if case.page_dtype in QUANT else 0))
-  window = sem.get("sliding_window")
-  if case.kernel == "decode":
-    return case.batch * (min(case.context, window) if window else case.context) * per_token
-  tq = resolved(case)["q_per_tile"]
-  tokens = 0
-  for q_len, kv_len in WORKLOADS[case.workload][0]:
-    for start in range(0, q_len, tq):
-      pos0 = kv_len - q_len + start
-      end = pos0 + min(tq, q_len - start)
-      tokens += end - (max(pos0 - window + 1, 0) if window else 0)
-  return tokens * per_token
+  """K/V bytes (scales included) of the live keys each program must read
+  (`cases.kv_bytes`, tiles of the resolved q_per_tile)."""
+  tq = resolved(case)["q_per_tile"] if case.kernel == "ragged" else None
+  return cases.kv_bytes(case, lambda q_len: tq)
 
 
 def build(case: MosaicCase):
   """(fn, abstract args on the compile-only H200) through the package entry points."""
-  import pallas_kernels  # pylint: disable=g-import-not-at-top
-  hq, hkv, d, sem = MODELS[case.model]
-  a, knobs = ct.abstract, dict(case.knobs)
-  if case.kernel == "decode":
-    num_seqs, rows = case.batch, case.batch
-    pages_per_seq = -(-case.context // case.block_size)
-  else:
-    seqs, rows = WORKLOADS[case.workload]
-    num_seqs = len(seqs)
-    pages_per_seq = -(-max(kv for _, kv in seqs) // case.block_size)
-  nb = num_seqs * pages_per_seq
-  pages = a((hkv, nb, case.block_size, d), case.pdtype)
-  scales = a((hkv, nb, case.block_size), jnp.float32) if case.page_dtype in QUANT else None
-  common = (a((rows, hq, d), case.dtype), pages, pages, a((num_seqs, pages_per_seq), jnp.int32),
-            a((num_seqs,), jnp.int32))
-  if case.kernel == "decode":
-    def fn(q, k, v, t, n, ks, vs):
-      return pallas_kernels.paged_attention(q, k, v, t, n, k_scales=ks, v_scales=vs,
-                                            gpu_backend="mosaic_gpu", **sem, **knobs)
-    return fn, (*common, scales, scales)
-
-  def rfn(q, k, v, t, kl, cu, n, ks, vs):
-    return pallas_kernels.ragged_paged_attention(
-        q, k, v, t, kl, cu, n, k_scales=ks, v_scales=vs, gpu_backend="mosaic_gpu", **sem,
-        **knobs)
-  return rfn, (*common, a((num_seqs + 1,), jnp.int32), a((), jnp.int32), scales, scales)
+  return cases.build(case, "mosaic_gpu")
 
 
 @contextlib.contextmanager
@@ -218,17 +183,7 @@ def compile_with_dump(fn, args, *, fail_on_spill: bool = True):
     shutil.rmtree(dump, ignore_errors=True)
 
 
-def resident_blocks(registers: int, threads: int, shared_memory: int) -> int:
-  """Blocks an sm_90 SM holds at once: registers (allocated per warp in units of 256),
-  shared memory (228 KiB per SM, 1 KiB reserved per block), threads, 32 blocks."""
-  warps = -(-threads // 32)
-  regs_per_warp = -(-registers * 32 // 256) * 256
-  by_regs = ct.SM90_REGISTERS_PER_SM // max(1, regs_per_warp * warps)
-  by_smem = 233472 // (shared_memory + 1024)
-  return max(0, min(by_regs, by_smem, THREADS_PER_SM // max(1, threads), 32))
-
-
-def measure(case: MosaicCase, hbm_bytes_per_s: float = ct.H200_HBM_BYTES_PER_S,
+def measure(case: MosaicCase, hbm_bytes_per_s: float = sm90.HBM_BYTES_PER_S,
             copy_bytes_per_s: Optional[float] = None) -> Dict[str, Any]:
   """Compiles `case` for sm_90a; its one Mosaic kernel's resources and the modelled bound
   (K/V bytes over `hbm_bytes_per_s` and, if given, the measured `copy_bytes_per_s`)."""
@@ -240,17 +195,17 @@ def measure(case: MosaicCase, hbm_bytes_per_s: float = ct.H200_HBM_BYTES_PER_S,
   if f"_bs{case.block_size}_" not in k["kernel"] or \
       not k["kernel"].endswith(f"_splits{cfg['num_splits']}"):
     raise RuntimeError(f"{case.name}: kernel {k['kernel']} is not the resolved {cfg}")
-  blocks = resident_blocks(k["registers"], k["threads"], k["shared_memory"])
+  blocks = sm90.resident_blocks(k["registers"], k["threads"], k["shared_memory"])
   programs = cfg["grid"][0] * cfg["grid"][1] * cfg["grid"][2]
-  slots = blocks * 132
+  slots = blocks * sm90.NUM_SMS
   nbytes = kv_bytes(case)
   row = {"case": case.name, "kernel": case.kernel, "model": case.model, "dtype": case.dtype,
          "page_dtype": case.pdtype.name, "block_size": case.block_size,
          "workload": (f"B{case.batch} ctx {case.context}" if case.kernel == "decode"
                       else case.workload),
          "resolved": cfg, **k, "resident_blocks_per_sm": blocks,
-         "occupancy": blocks * k["threads"] / THREADS_PER_SM,
-         "wave_efficiency": programs / (-(-programs // slots) * slots) if slots else None,
+         "occupancy": blocks * k["threads"] / sm90.MAX_THREADS_PER_SM,
+         "wave_efficiency": sm90.wave_efficiency(programs, slots) if slots else None,
          "temp_bytes": report.temp_bytes, "kv_bytes_read": nbytes,
          "modelled_us_at_hbm_spec": nbytes / hbm_bytes_per_s * 1e6}
   if copy_bytes_per_s:
