@@ -370,7 +370,7 @@ class ModelConfig:
   def to_hf_config(self) -> dict:
     """The family's config.json dictionary; ValueError if `model_type`'s config.json cannot
     express these fields (e.g. qk_norm on a Llama)."""
-    hf = hf_config.hf_config(dataclasses.asdict(self))
+    hf = hf_config.config_json(dataclasses.asdict(self))
     back = dataclasses.asdict(ModelConfig.from_hf_config(hf, dtype=self.dtype))
     lost = [k for k, v in dataclasses.asdict(self).items() if back[k] != v]
     if lost:

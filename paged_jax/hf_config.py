@@ -3,7 +3,7 @@
 One decoder serves every supported family; a family is a set of ModelConfig field values
 (see `ModelConfig`'s docstring). `model_fields(cfg)` reads a config.json dictionary of
 `model_type` in `MODEL_TYPES` into those fields, with transformers' defaults for the keys a
-config may leave out; `hf_config(fields)` writes the family's config.json back. Both the
+config may leave out; `config_json(fields)` writes the family's config.json back. Both the
 transformers v4 layout (`rope_theta`, `rope_scaling` at the top level; Gemma-3's
 `rope_local_base_freq` and `sliding_window_pattern`) and the v5 one (`rope_parameters`,
 per layer type for Gemma-3; `layer_types`) are read.
@@ -214,7 +214,8 @@ def model_fields(cfg: Mapping[str, Any]) -> Dict[str, Any]:
     qkv_bias = o_bias = False
   else:
     qkv_bias = o_bias = bias
-  window = _get(cfg, "sliding_window", model_type)
+  # Llama has no sliding window (transformers ignores the key); Qwen only with the switch.
+  window = None if model_type == "llama" else _get(cfg, "sliding_window", model_type)
   if model_type in ("qwen2", "qwen3") and not _get(cfg, "use_sliding_window", model_type):
     window = None
   window = None if window is None else int(window)
@@ -254,7 +255,7 @@ def model_fields(cfg: Mapping[str, Any]) -> Dict[str, Any]:
       **_rope_fields(cfg, model_type))
 
 
-def hf_config(fields: Mapping[str, Any]) -> dict:
+def config_json(fields: Mapping[str, Any]) -> dict:
   """The config.json dictionary of ModelConfig `fields` (`dataclasses.asdict`), in the
   transformers v4 layout (which v5 reads too). The caller checks the round trip."""
   f = fields

@@ -46,6 +46,7 @@ def test_layer_types_derived_as_transformers_does():
   assert kinds(dict(model_type="qwen3", use_sliding_window=True, sliding_window=4,
                     layer_types=[F, S] * 3)) == (F, S) * 3
   assert kinds(dict(model_type="llama")) is None
+  assert windows(dict(model_type="llama", sliding_window=4)) == [None] * 6   # as transformers
 
 
 def test_transformers_v4_and_v5_layouts_agree():

@@ -117,3 +117,22 @@ def test_engine_generate_equals_transformers(family, block_size):
   result = generate.run(checkpoint=directory, prompt_ids=ids, max_tokens=golden["max_tokens"],
                         block_size=block_size)
   assert result == {"outputs": golden["outputs"]}
+
+
+@pytest.mark.slow
+def test_generate_cli_prints_transformers_tokens():
+  """`python -m experiments.generate --checkpoint=DIR ...` as a user runs it (Gemma-3)."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  directory = os.path.join(GOLDEN, "gemma3_text")
+  with open(os.path.join(directory, "golden.json")) as f:
+    golden = json.load(f)
+  ids = ";".join(",".join(str(t) for t in p) for p in golden["prompts"])
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run(
+      [sys.executable, "-m", "experiments.generate", f"--checkpoint={directory}",
+       f"--prompt_ids={ids}", f"--max_tokens={golden['max_tokens']}", "--temperature=0",
+       "--block_size=16"], cwd=root, capture_output=True, text=True, timeout=600, check=False,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert json.loads(proc.stdout) == {"outputs": golden["outputs"]}
