@@ -10,12 +10,15 @@ from paged_jax.config import cdiv
 from paged_jax.models.decoder import DecoderForCausalLM
 
 
-def paged_greedy(config, params, prompts, max_tokens, block_size, *, backend="auto", seed=0):
+def paged_greedy(config, params, prompts, max_tokens, block_size, *, backend="auto", seed=0,
+                 decode_only=False):
   """Decodes every prompt together, `max_tokens` greedy steps.
 
   The first step prefills all prompts as one ragged batch, each later step decodes one
   token per sequence, on pages whose blocks are handed out in a shuffled order. Every step
-  has the prefill's row count (padding rows write nothing), so the step compiles once.
+  has the prefill's row count (padding rows write nothing), so the step compiles once;
+  with `decode_only`, decode steps have one row per sequence and run the decode kernel
+  (`AttentionMetadata.decode_only`), as the engine's decode steps do.
 
   Returns:
     (outputs: one list of max_tokens ids per prompt, f32[len(prompts), vocab] logits of the
@@ -40,12 +43,13 @@ def paged_greedy(config, params, prompts, max_tokens, block_size, *, backend="au
       tokens += new[i]
       lens[i] += len(new[i])
       cu.append(len(tokens))
-    pad = rows - len(tokens)
+    decoding = decode_only and len(tokens) == n
+    pad = (n if decoding else rows) - len(tokens)
     meta = attention.AttentionMetadata(
         slot_mapping=jnp.asarray(slots + [-1] * pad, jnp.int32),
         block_tables=jnp.asarray(tables, jnp.int32), kv_lens=jnp.asarray(lens, jnp.int32),
         cu_q_lens=jnp.asarray(cu, jnp.int32), num_seqs=jnp.asarray(n, jnp.int32),
-        logits_indices=jnp.asarray([c - 1 for c in cu[1:]], jnp.int32))
+        logits_indices=jnp.asarray([c - 1 for c in cu[1:]], jnp.int32), decode_only=decoding)
     logits, pages = step(params, jnp.asarray(tokens + [0] * pad, jnp.int32),
                          jnp.asarray(positions + [0] * pad, jnp.int32), pages, meta)
     nxt = np.asarray(jnp.argmax(logits, axis=-1))
