@@ -1,4 +1,5 @@
-r"""Generate with the paged engine from a Hugging Face-format Llama checkpoint.
+r"""Generate with the paged engine from a Hugging Face-format checkpoint (Llama, Qwen2 /
+Qwen2.5, Qwen3, Mistral, Gemma-2, Gemma-3 text; see paged_jax/hf_config.py).
 
     python -m experiments.generate --checkpoint=DIR --prompt_ids='1,2,3;4,5' \
         --max_tokens=16 --temperature=0 --block_size=16 [--num_blocks=K]
@@ -9,7 +10,7 @@ with n > 1 or beam search, sample / hypothesis 0), plus "text" (decoded) when
 --prompt is given. Text goes through the checkpoint's own tokenizer.json (the
 `tokenizers` package), or the byte-level tokenizer of the shipped default model.
 Logs (cache sizing etc.) go to stderr. Cache shapes come from the checkpoint's
-config (layers, KV heads, head dim), so any Llama size works; by default the
+config (layers, KV heads, head dim), so any model size works; by default the
 cache holds every request at once (no preemption) with block_size tokens per block.
 A bad flag value ends with one line `error: ...` and exit status 1.
 """
@@ -31,7 +32,7 @@ FLAGS = flags.FLAGS
 
 def define_flags(flag_values=flags.FLAGS):
   """Defines the CLI flags on `flag_values` (absl's global FLAGS when run as a script)."""
-  flags.DEFINE_string("checkpoint", None, "HF Llama checkpoint dir (default: shipped tiny model)",
+  flags.DEFINE_string("checkpoint", None, "HF checkpoint dir (default: shipped tiny model)",
                       flag_values=flag_values)
   flags.DEFINE_string("prompt_ids", None, "token ids: '1,2,3' or several prompts '1,2;3,4'",
                       flag_values=flag_values)
