@@ -43,6 +43,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from experiments import common
+from paged_jax.bench import engines
 from paged_jax.bench import serving
 from paged_jax.bench import workloads
 from paged_jax.config import cdiv, check_block_size
@@ -190,7 +191,7 @@ def prefix_hit_rate(requests: Sequence, block_size: int, *, prefix_len: int = 80
 def engine_stats(requests: Sequence, block_size: int, kv_budget_tokens: int,
                  attention_backend: str = "auto") -> Dict:
   """Tiny-model engine throughput at this block size on a scaled stream."""
-  engine = serving.make_engine(block_size=block_size, kv_budget_tokens=kv_budget_tokens,
+  engine = engines.make_engine(block_size=block_size, kv_budget_tokens=kv_budget_tokens,
                                attention_backend=attention_backend)
   res = serving.serve(engine, requests)
   return {"engine_tokens_per_s": res["tokens_per_s"],
@@ -233,7 +234,7 @@ def run(workload_names: Sequence[str] = ("sharegpt", "alpaca"), *,
   with bar:
     for name in workload_names:
       requests = workloads.synthetic(name, num_requests[name], seed=seed, max_len=max_len)
-      engine_requests = serving.scaled_requests(name, engine_num_requests, seed=seed)
+      engine_requests = workloads.scaled_requests(name, engine_num_requests, seed=seed)
       prefix_requests = requests[:prefix_num_requests]
       for bs in block_sizes:
         row = {"workload": name, "block_size": bs}

@@ -28,7 +28,10 @@ from typing import Dict, Sequence
 import numpy as np
 
 from experiments import common
+from paged_jax.bench import engines
 from paged_jax.bench import serving
+from paged_jax.bench import workloads
+from paged_jax.bench.scale import TINY
 
 MODES = ("recompute", "swap")
 
@@ -59,7 +62,7 @@ def time_per_preemption(block_size: int, *, seq_len: int = 256, repeats: int = 5
   import jax  # pylint: disable=g-import-not-at-top
   from paged_jax import block_manager as bm  # pylint: disable=g-import-not-at-top
   from paged_jax.engine import SamplingParams, swap  # pylint: disable=g-import-not-at-top
-  engine = serving.make_engine(block_size=block_size, kv_budget_tokens=kv_budget_tokens)
+  engine = engines.make_engine(block_size=block_size, kv_budget_tokens=kv_budget_tokens)
   if seq_len > engine.max_model_len - 1:
     raise ValueError(f"seq_len must be < {engine.max_model_len}, got {seq_len}")
   _warm_swaps(engine)   # the recompute timing below keeps the fastest of `repeats` runs
@@ -100,8 +103,8 @@ def run(block_sizes: Sequence[int] = (8, 16, 32, 64), *, num_requests: int = 24,
         kv_budget_tokens: int = 512, seq_len: int = 200, repeats: int = 5, seed: int = 0,
         show_progress=None) -> list:
   """One row per block size: (a) time per preemption, (b) end-to-end per mode."""
-  requests = serving.scaled_requests("sharegpt", num_requests, seed=seed)
-  seq_len = min(seq_len, serving.ENGINE_MAX_LEN - 1)
+  requests = workloads.scaled_requests("sharegpt", num_requests, seed=seed)
+  seq_len = min(seq_len, TINY.max_len - 1)
   rows = []
   for bs in common.progress(block_sizes, desc="block sizes",
                             disable=None if show_progress is None else not show_progress):
@@ -109,7 +112,7 @@ def run(block_sizes: Sequence[int] = (8, 16, 32, 64), *, num_requests: int = 24,
     row.update(time_per_preemption(bs, seq_len=seq_len, repeats=repeats,
                                    kv_budget_tokens=kv_budget_tokens, seed=seed))
     for mode in MODES:
-      engine = serving.make_engine(block_size=bs, kv_budget_tokens=kv_budget_tokens,
+      engine = engines.make_engine(block_size=bs, kv_budget_tokens=kv_budget_tokens,
                                    preemption_mode=mode)
       res = serving.serve(engine, requests)
       for key in ("mean_latency_s", "p90_latency_s", "tokens_per_s", "preemptions", "swaps",

@@ -33,7 +33,8 @@ from typing import Dict, List, Sequence
 import numpy as np
 
 from experiments import common
-from paged_jax.bench import serving
+from paged_jax.bench import engines
+from paged_jax.bench import workloads
 
 PAPER_SPEEDUP = {"1-shot": 1.67, "5-shot": 3.58}   # vLLM paper Fig. 16 (LLaMA-13B, translation)
 
@@ -41,7 +42,7 @@ PAPER_SPEEDUP = {"1-shot": 1.67, "5-shot": 3.58}   # vLLM paper Fig. 16 (LLaMA-1
 def _engine(caching: bool, *, block_size: int, kv_budget_tokens: int, max_seqs: int,
             max_len: int, budget: int):
   from paged_jax.engine import Engine  # pylint: disable=g-import-not-at-top
-  mc, params = serving.tiny_model()
+  mc, params = engines.tiny_model()
   cc = mc.cache_config(block_size=block_size, num_blocks=kv_budget_tokens // block_size,
                        max_seqs=max_seqs, max_blocks_per_seq=-(-max_len // block_size),
                        enable_prefix_caching=caching)

@@ -31,38 +31,20 @@ from typing import Callable, Dict, List, Sequence
 
 from experiments import common
 from paged_jax.bench import arrivals
+from paged_jax.bench import clocks
 from paged_jax.bench import latency
-from paged_jax.bench import serving
+from paged_jax.bench import sharegpt_trace
 from paged_jax.bench import sweep as serving_sweep
-from paged_jax.bench import workloads
-from paged_jax.engine import compiled
+from paged_jax.bench.scale import TINY
 from paged_jax.engine.scheduler import PREEMPTION_MODES
 
 PAPER = "vLLM sustains 2-4x Orca's request rate at the same latency (Fig. 12, OPT on A100)"
-FIG14_MODES = {"n2": dict(n=2), "n4": dict(n=4), "beam4": dict(beam_width=4)}
-
-
-def stream(workload: str, rate: float, duration_s: float, seed: int, max_len: int,
-           num_total: int) -> List[workloads.Request]:
-  """The first arrivals (within `duration_s`) of `num_total` requests, arrival times set.
-
-  Lengths and ids come from one seeded stream of `num_total` requests for every rate
-  (common random numbers); a rate's arrival count picks its prefix.
-  """
-  times = serving.arrival_times(rate, duration_s, seed)
-  if workload == "sharegpt-real":
-    # Real first prompt/answer pairs, lengths / 4 like the synthetic ShareGPT-like stream.
-    base = workloads.sharegpt_real(num_total, seed=seed, max_len=max_len,
-                                   scale=serving.STREAM_SCALE["sharegpt"])
-  else:
-    base = serving.scaled_requests(workload, num_total, seed=seed, max_len=max_len)
-  return [dataclasses.replace(r, arrival_time=float(t)) for r, t in zip(base, times)]
 
 
 def check_flags(f) -> None:
   """Raises ValueError (one line) on a bad flag combination."""
-  if f.workload == "sharegpt-real" and workloads.sharegpt_real_available():
-    raise ValueError(workloads.sharegpt_real_available())
+  if f.workload == "sharegpt-real" and sharegpt_trace.available():
+    raise ValueError(sharegpt_trace.available())
   for s in f.systems:
     serving_sweep.check_system(s)
   if not f.systems:
@@ -74,63 +56,22 @@ def check_flags(f) -> None:
   if not (math.isfinite(f.duration_s) and f.duration_s > 0):
     raise ValueError(f"--duration_s must be > 0, got {f.duration_s}")
   for r in rates:
-    if serving.arrival_times(r, f.duration_s, f.seed).size == 0:
+    if arrivals.arrival_times(r, f.duration_s, f.seed).size == 0:
       raise ValueError(f"--duration_s={f.duration_s:g} admits no request at rate {r:g}/s "
                        f"(seed {f.seed}); use a longer duration or a higher rate")
-
-
-def params_fn(mode: Dict) -> Callable:
-  """request -> SamplingParams: greedy, or n samples (temperature 1, seeded), or beams."""
-  from paged_jax.engine import SamplingParams  # pylint: disable=g-import-not-at-top
-  temp = 1.0 if mode.get("n", 1) > 1 else 0.0
-  return lambda r: SamplingParams(max_tokens=r.output_len, temperature=temp,
-                                  seed=r.request_id % 1000, **mode)
 
 
 def sweep(f, systems: Sequence[str], rates: Sequence[float], duration_s: float,
           mode: Dict) -> Dict:
   """{"systems": {NAME: curve}, "sizes": {NAME: sizes}} over `rates` for one sampling mode."""
-  num_total = max(serving.arrival_times(r, duration_s, f.seed).size for r in rates)
-  clock_fn = ((lambda: serving.StepClock(f.step_s, f.swap_s_per_token)) if f.clock == "step"
-              else serving.WallClock)
-  num_seqs = max(mode.get("n", 1), mode.get("beam_width", 1))
-  curves, sizes = {}, {}
-  streams = {r: stream(f.workload, r, duration_s, f.seed, f.max_len, num_total) for r in rates}
-  for system in systems:
-    sizes[system] = serving_sweep.system_sizes(
-        system, streams[max(rates)], kv_budget_tokens=f.kv_budget_tokens,
-        block_size=f.block_size, max_len=f.max_len, num_seqs=num_seqs,
-        headroom=f.max_seqs_headroom, max_seqs_cap=f.max_seqs_cap)
-    points = []
-    for r in rates:
-      reqs = streams[r]
-      with common.progress(total=len(reqs), desc=f"{system} {r:g} req/s") as bar:
-        points.append(serving_sweep.run_point(
-            system, reqs, kv_budget_tokens=f.kv_budget_tokens, block_size=f.block_size,
-            max_len=f.max_len, sizes=sizes[system], params_fn=params_fn(mode),
-            clock=clock_fn(), progress=bar, preemption_mode=f.preemption_mode))
-    curves[system] = serving_sweep.curve(rates, points)
-    compiled.release_compiled()   # the next system's engine has other shapes
-  return {"systems": curves, "sizes": sizes}
-
-
-def slo_and_rates(curves: Dict, factor: float) -> Dict:
-  """SLO from the lowest rate's latencies (module docstring) and each system's max rate."""
-  unloaded = {s: c["normalized_latency_s_per_token"][c["rates"].index(min(c["rates"]))]
-              for s, c in curves.items()}
-  slo = latency.slo_from_unloaded(list(unloaded.values()), factor)
-  found = {s: latency.max_rate_at_slo(c["rates"], c["normalized_latency_s_per_token"], slo)
-           for s, c in curves.items()}
-  return {"slo_s_per_token": slo, "unloaded_s_per_token": unloaded,
-          "max_rate_at_slo": {s: v["swept"] for s, v in found.items()},
-          "max_rate_at_slo_interpolated": {s: v["interpolated"] for s, v in found.items()}}
-
-
-def ratios(max_rate: Dict) -> Dict:
-  """paged's sustainable rate over each Orca system's (inf when Orca sustains none)."""
-  p = max_rate.get("paged")
-  return {f"paged_over_{s}": (p / r if r else math.inf) for s, r in max_rate.items()
-          if s != "paged" and p is not None and r is not None}
+  clock_fn = ((lambda: clocks.StepClock(f.step_s, f.swap_s_per_token)) if f.clock == "step"
+              else clocks.WallClock)
+  return serving_sweep.sweep_systems(
+      systems, rates, workload=f.workload, duration_s=duration_s, seed=f.seed,
+      kv_budget_tokens=f.kv_budget_tokens, block_size=f.block_size, max_len=f.max_len,
+      mode=mode, clock_fn=clock_fn, headroom=f.max_seqs_headroom,
+      max_seqs_cap=f.max_seqs_cap, preemption_mode=f.preemption_mode,
+      progress=lambda total, desc: common.progress(total=total, desc=desc))
 
 
 def plot(curves: Dict, slo: float, path, title: str):
@@ -167,8 +108,8 @@ def plot_fig14(fig14: Dict, path):
 # Flag defaults; `config(**overrides)` builds the same settings without absl (demo, tests).
 DEFAULTS = dict(workload="sharegpt", rates=["2", "4", "8", "16"], duration_s=20.0,
                 systems=list(serving_sweep.SYSTEMS), seed=0, kv_budget_tokens=2048,
-                block_size=16, max_len=serving.ENGINE_MAX_LEN, slo_factor=3.0, clock="wall",
-                step_s=0.01, swap_s_per_token=arrivals.OPT13B_SWAP_S_PER_TOKEN,
+                block_size=16, max_len=TINY.max_len, slo_factor=3.0, clock="wall",
+                step_s=0.01, swap_s_per_token=clocks.OPT13B_SWAP_S_PER_TOKEN,
                 preemption_mode="auto", max_seqs_headroom=1.5, max_seqs_cap=64, fig14=False,
                 fig14_rates=[], fig14_duration_s=0.0)
 
@@ -227,7 +168,7 @@ def run(f) -> Dict:
   rates = sorted(float(r) for r in f.rates)
   start = time.time()
   main_sweep = sweep(f, f.systems, rates, f.duration_s, {})
-  result = slo_and_rates(main_sweep["systems"], f.slo_factor)
+  result = latency.slo_and_rates(main_sweep["systems"], f.slo_factor)
   result.update(
       slo_rule=f"slo_factor ({f.slo_factor:g}) x the largest normalized latency of any "
                f"system at the lowest swept rate ({rates[0]:g} req/s, the unloaded latency)",
@@ -237,15 +178,15 @@ def run(f) -> Dict:
              f"per token swapped out or in" if f.clock == "step" else
              "wall: perf_counter, requests added while the engine steps"),
       paper=PAPER)
-  result["paged_rate_ratio"] = ratios(result["max_rate_at_slo"])
+  result["paged_rate_ratio"] = latency.rate_ratios(result["max_rate_at_slo"])
   if f.fig14:
     fr = sorted(float(r) for r in (f.fig14_rates or f.rates))
     fd = f.fig14_duration_s or f.duration_s
     sec = {}
-    for mode, kw in FIG14_MODES.items():
+    for mode, kw in serving_sweep.FIG14_MODES.items():
       s = sweep(f, ["paged", "orca_oracle"], fr, fd, kw)
-      sec[mode] = dict(slo_and_rates(s["systems"], f.slo_factor), mode=kw, **s)
-      sec[mode]["paged_rate_ratio"] = ratios(sec[mode]["max_rate_at_slo"])
+      sec[mode] = dict(latency.slo_and_rates(s["systems"], f.slo_factor), mode=kw, **s)
+      sec[mode]["paged_rate_ratio"] = latency.rate_ratios(sec[mode]["max_rate_at_slo"])
     result["fig14"] = sec
   result["seconds"] = time.time() - start
   result["flags"] = {k: getattr(f, k) for k in DEFAULTS}

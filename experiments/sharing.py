@@ -22,7 +22,10 @@ import time
 from typing import Dict, Sequence
 
 from experiments import common
+from paged_jax.bench import engines
 from paged_jax.bench import serving
+from paged_jax.bench import workloads
+from paged_jax.bench.scale import TINY
 
 MODES = ("parallel", "beam")
 # Paper Fig. 15 ranges over widths 2-6, as fractions.
@@ -43,21 +46,21 @@ def sampling_params(mode: str, width: int, request):
 
 def run(workload_names: Sequence[str] = ("sharegpt", "alpaca"), *,
         widths: Sequence[int] = (2, 4, 6), num_requests: int = 12, block_size: int = 16,
-        kv_budget_tokens: int = 2048, max_seqs: int = 64, max_len: int = serving.ENGINE_MAX_LEN,
+        kv_budget_tokens: int = 2048, max_seqs: int = 64, max_len: int = TINY.max_len,
         seed: int = 0, attention_backend: str = "auto", show_progress=None) -> Dict:
   """List of rows {workload, mode, width, savings, tokens_per_s, ...} (width 1 = baseline)."""
   for w in widths:
-    if not 1 <= w <= serving.MAX_BEAM_WIDTH:
-      raise ValueError(f"widths must be in [1, {serving.MAX_BEAM_WIDTH}], got {w}")
+    if not 1 <= w <= TINY.max_beam_width:
+      raise ValueError(f"widths must be in [1, {TINY.max_beam_width}], got {w}")
   rows = []
   for name in workload_names:
-    requests = serving.scaled_requests(name, num_requests, seed=seed, max_len=max_len)
+    requests = workloads.scaled_requests(name, num_requests, seed=seed, max_len=max_len)
     settings = [("greedy", 1)] + [(m, w) for m in MODES for w in widths]
     for mode, width in settings:
-      engine = serving.make_engine(block_size=block_size, kv_budget_tokens=kv_budget_tokens,
+      engine = engines.make_engine(block_size=block_size, kv_budget_tokens=kv_budget_tokens,
                                    max_seqs=max_seqs, max_len=max_len,
                                    attention_backend=attention_backend)
-      params_fn = (serving.greedy if mode == "greedy"
+      params_fn = (engines.greedy if mode == "greedy"
                    else (lambda r, m=mode, w=width: sampling_params(m, w, r)))
       bar = common.progress(total=num_requests, desc=f"{name} {mode} {width}",
                             disable=None if show_progress is None else not show_progress)

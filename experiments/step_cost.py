@@ -30,7 +30,7 @@ from typing import Dict, Sequence
 import numpy as np
 
 from experiments import common
-from paged_jax.bench import serving
+from paged_jax.bench import engines
 from paged_jax.config import check_int
 
 
@@ -66,7 +66,7 @@ def run(max_seqs: Sequence[int] = (4, 128), live: Sequence[int] = (1, 2, 4, 8, 1
   if max(live) > biggest:
     raise ValueError(f"live must be <= the largest max_seqs ({biggest}), got {max(live)}")
   budget = 16 * -(-(biggest * (16 + long)) // 16)        # every live sequence fits
-  engines = {ms: serving.make_engine(block_size=16, kv_budget_tokens=max(budget, 256),
+  engines = {ms: engines.make_engine(block_size=16, kv_budget_tokens=max(budget, 256),
                                      max_seqs=ms) for ms in sorted(set(max_seqs))}
   configs = [("padding", ms, 1) for ms in sorted(engines)]
   configs += [("per_row", biggest, n) for n in sorted(set(live)) if n > 1]

@@ -46,7 +46,10 @@ import time
 from typing import Dict, Sequence
 
 from experiments import common
+from paged_jax.bench import engines
 from paged_jax.bench import serving
+from paged_jax.bench import workloads
+from paged_jax.bench.scale import TINY
 
 PAPER_SPEEDUP = "2-4x (vLLM vs Orca/FasterTransformer at equal latency, Fig. 12)"
 CONFIGS = ("orca_max", "paged")
@@ -54,7 +57,7 @@ CONFIGS = ("orca_max", "paged")
 
 def run(workload_names: Sequence[str] = ("sharegpt", "alpaca"), *, num_requests: int = 48,
         kv_budget_tokens: int = 2048, block_size: int = 16,
-        max_len: int = serving.ENGINE_MAX_LEN, max_seqs: int = 32, seed: int = 0,
+        max_len: int = TINY.max_len, max_seqs: int = 32, seed: int = 0,
         attention_backend: str = "auto", repeats: int = 1, show_progress=None) -> Dict:
   """{workload: {"paged": serve-result, "orca_max": serve-result, "speedup_*": ratios}}.
 
@@ -65,12 +68,12 @@ def run(workload_names: Sequence[str] = ("sharegpt", "alpaca"), *, num_requests:
     raise ValueError(f"kv_budget_tokens must be >= max_len={max_len}, got {kv_budget_tokens}")
   results = {}
   for name in workload_names:
-    requests = serving.scaled_requests(name, num_requests, seed=seed, max_len=max_len)
+    requests = workloads.scaled_requests(name, num_requests, seed=seed, max_len=max_len)
     row = {}
     for rep in range(repeats):
       for config in CONFIGS:
         seqs = min(max_seqs, kv_budget_tokens // max_len) if config == "orca_max" else max_seqs
-        engine = serving.make_engine(block_size=block_size, kv_budget_tokens=kv_budget_tokens,
+        engine = engines.make_engine(block_size=block_size, kv_budget_tokens=kv_budget_tokens,
                                      max_seqs=seqs, max_len=max_len,
                                      attention_backend=attention_backend)
         bar = common.progress(total=num_requests, desc=f"{name} {config} #{rep}",
@@ -216,7 +219,7 @@ def _define_flags():
   flags.DEFINE_integer("kv_budget_tokens", 2048, "KV pool in token slots (both configs)",
                        lower_bound=1)
   flags.DEFINE_integer("block_size", 16, "paged block size", lower_bound=1)
-  flags.DEFINE_integer("max_len", serving.ENGINE_MAX_LEN, "context limit = Orca reservation",
+  flags.DEFINE_integer("max_len", TINY.max_len, "context limit = Orca reservation",
                        lower_bound=2)
   flags.DEFINE_integer("max_seqs", 32, "paged sequence slots (Orca: kv_budget // max_len)",
                        lower_bound=1)

@@ -12,9 +12,10 @@ import pytest
 
 from experiments import block_size_sweep
 from experiments import demo
-from paged_jax.bench import serving
 from experiments import sharing
 from experiments import throughput
+from paged_jax.bench import engines
+from paged_jax.bench import serving
 from paged_jax.bench import workloads
 
 ENGINE_KW = dict(block_size=16, kv_budget_tokens=1024, max_seqs=16)   # 4 samples of 256 fit
@@ -24,35 +25,9 @@ def test_experiment_modules_define_no_global_flags():
   from absl import flags
   before = set(flags.FLAGS)
   import importlib
-  for name in ("block_size_sweep", "sharing", "throughput", "preemption", "demo", "serving"):
+  for name in ("block_size_sweep", "sharing", "throughput", "preemption", "demo"):
     importlib.reload(importlib.import_module(f"experiments.{name}"))
   assert set(flags.FLAGS) == before
-
-
-@pytest.mark.parametrize("dataset", ["sharegpt", "alpaca"])
-def test_scaled_requests_means_and_clipping(dataset):
-  seed = int(np.random.default_rng(101).integers(1 << 30))
-  reqs = serving.scaled_requests(dataset, 4000, seed=seed, max_len=256)
-  scale = serving.STREAM_SCALE[dataset]
-  spec = workloads.DATASETS[dataset]
-  prompts = np.array([r.prompt_len for r in reqs])
-  outputs = np.array([r.output_len for r in reqs])
-  assert prompts.min() >= 1 and outputs.min() >= 1 and (prompts + outputs).max() <= 256
-  # Calibrated on common random numbers; a fresh 4000-draw sample is within ~10%.
-  assert abs(prompts.mean() / (spec.prompt.mean / scale) - 1) < 0.12
-  assert abs(outputs.mean() / (spec.output.mean / scale) - 1) < 0.12
-  ids = np.concatenate([r.prompt_token_ids for r in reqs])
-  assert ids.min() >= 0 and ids.max() < 256
-  again = serving.scaled_requests(dataset, 4000, seed=seed, max_len=256)
-  assert all(np.array_equal(a.prompt_token_ids, b.prompt_token_ids)
-             and a.output_len == b.output_len for a, b in zip(reqs, again))
-
-
-def test_scaled_requests_rejects_bad_arguments():
-  with pytest.raises(ValueError, match="dataset"):
-    serving.scaled_requests("wiki", 3)
-  with pytest.raises(ValueError, match="scale"):
-    serving.scaled_requests("alpaca", 3, scale=0.5)
 
 
 def test_block_table_stats_against_counting():
@@ -164,7 +139,7 @@ def test_sharing_saves_blocks_and_more_with_wider_n(sharing_rows):
 
 
 def test_sharing_generates_every_sample(sharing_rows):
-  reqs = serving.scaled_requests("sharegpt", 2, seed=sharing_rows[0]["seed"])
+  reqs = workloads.scaled_requests("sharegpt", 2, seed=sharing_rows[0]["seed"])
   rows = {(r["mode"], r["width"]): r for r in sharing_rows}
   total = sum(r.output_len for r in reqs)
   assert rows[("greedy", 1)]["generated_tokens"] == total
@@ -173,12 +148,12 @@ def test_sharing_generates_every_sample(sharing_rows):
 
 def test_serve_generates_the_stream_lengths_and_matches_generate():
   from paged_jax.engine import SamplingParams
-  reqs = serving.scaled_requests("alpaca", 3, seed=int(np.random.default_rng(107).integers(1000)))
-  res = serving.serve(serving.make_engine(**ENGINE_KW), reqs, keep_outputs=True)
+  reqs = workloads.scaled_requests("alpaca", 3, seed=int(np.random.default_rng(107).integers(1000)))
+  res = serving.serve(engines.make_engine(**ENGINE_KW), reqs, keep_outputs=True)
   assert [len(o[0]) for o in res["outputs"]] == [r.output_len for r in reqs]
   assert res["generated_tokens"] == sum(r.output_len for r in reqs)
   assert 0 < res["mean_latency_s"] <= res["seconds"] + 1e-9
-  direct = serving.make_engine(**ENGINE_KW).generate(
+  direct = engines.make_engine(**ENGINE_KW).generate(
       [list(map(int, r.prompt_token_ids)) for r in reqs],
       [SamplingParams(max_tokens=r.output_len, temperature=0.0) for r in reqs])
   assert [o.outputs for o in direct] == res["outputs"]
@@ -186,9 +161,9 @@ def test_serve_generates_the_stream_lengths_and_matches_generate():
 
 def test_make_engine_validates_budget():
   with pytest.raises(ValueError, match="multiple of block_size"):
-    serving.make_engine(block_size=16, kv_budget_tokens=520)
+    engines.make_engine(block_size=16, kv_budget_tokens=520)
   with pytest.raises(ValueError, match="max_len"):
-    serving.make_engine(block_size=16, kv_budget_tokens=128)
+    engines.make_engine(block_size=16, kv_budget_tokens=128)
 
 
 def test_demo_summary_rows_from_real_results(sweep_rows, sharing_rows):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from paged_jax.bench import serving
+from paged_jax.bench import arrivals
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CURVE_KEYS = ("rates", "normalized_latency_s_per_token", "ttft_p50_s", "ttft_p99_s",
@@ -39,7 +39,7 @@ def test_tiny_run_writes_the_contract_json(tmp_path):
     for k in CURVE_KEYS:
       assert len(c[k]) == len(rates), (name, k)
     # Every accepted request finished: one latency per arrival of the seeded stream.
-    assert c["requests"] == [serving.arrival_times(r, duration, seed).size for r in rates]
+    assert c["requests"] == [arrivals.arrival_times(r, duration, seed).size for r in rates]
     assert res["max_rate_at_slo"][name] in [0.0] + rates
   # Orca(Max) with 512 slots and max_len 256 runs at most 2 requests at once.
   assert max(res["systems"]["orca_max"]["max_running"]) <= 2
@@ -69,11 +69,11 @@ def test_bad_flags_end_with_one_line(flag, message, tmp_path):
 
 @pytest.mark.slow
 def test_sharegpt_real_stream_for_the_benchmark():
-  from experiments import serving_benchmark
-  from paged_jax.bench import workloads
-  if workloads.sharegpt_real_available():
-    pytest.skip(workloads.sharegpt_real_available())
-  reqs = serving_benchmark.stream("sharegpt-real", 4.0, 5.0, 0, 256, 40)
-  times = serving.arrival_times(4.0, 5.0, 0)
+  from paged_jax.bench import sharegpt_trace
+  from paged_jax.bench import sweep
+  if sharegpt_trace.available():
+    pytest.skip(sharegpt_trace.available())
+  reqs = sweep.rate_stream("sharegpt-real", 4.0, 5.0, 0, 256, 40)
+  times = arrivals.arrival_times(4.0, 5.0, 0)
   assert [r.arrival_time for r in reqs] == list(times)
   assert all(r.total_len <= 256 and max(r.prompt_token_ids) < 256 for r in reqs)
