@@ -18,6 +18,7 @@ from paged_jax.bench import recorder
 from paged_jax.bench import serving
 from paged_jax.bench import workloads
 from paged_jax.bench.baselines import gate as gate_lib
+from paged_jax.engine.report import StepReport
 
 
 # ---- arrivals ----------------------------------------------------------------------------
@@ -195,8 +196,8 @@ class FakeEngine:
   added); at most `max_running` run, the rest wait FCFS. Has EngineLike's surface."""
 
   def __init__(self, max_running):
-    self.max_running, self.waiting, self.added = max_running, [], []
-    self.scheduler = types.SimpleNamespace(running=[])
+    self.max_running, self.waiting, self.running, self.added = max_running, [], [], []
+    self.last_step = StepReport()
     self.cache_config = types.SimpleNamespace(block_size=16)
     self.stats, self.timing = {"steps": 0}, {}
     self.num_preemptions = self.num_swaps = 0
@@ -208,24 +209,30 @@ class FakeEngine:
     return request_id
 
   def has_unfinished(self):
-    return bool(self.waiting or self.scheduler.running)
+    return bool(self.waiting or self.running)
 
   def flush(self):
     pass
 
-  def step(self):
-    run = self.scheduler.running
+  def step(self, swapped_blocks=0):
+    run = self.running
     while self.waiting and len(run) < self.max_running:
       run.append(self.waiting.pop(0))
     self.peak = max(self.peak, len(run))
     self.stats["steps"] += 1
-    done = []
+    done, first = [], []
     for g in list(run):
       g.seqs[0].num_generated += 1
+      if g.seqs[0].num_generated == 1:
+        first.append(g.request_id)
       g.left -= 1
       if g.left == 0:
         run.remove(g)
         done.append(_Out(g.request_id))
+    self.last_step = StepReport(first_token_ids=tuple(first),
+                                finished_ids=tuple(o.request_id for o in done),
+                                num_running_groups=len(run), num_running_seqs=len(run),
+                                swapped_blocks=swapped_blocks)
     return done
 
 
@@ -270,18 +277,19 @@ def test_serve_online_through_orca_gate_respects_reservations():
 
 
 class SwappingEngine(FakeEngine):
-  """FakeEngine whose every third step swaps `blocks` blocks (as Engine.stats counts)."""
+  """FakeEngine whose every third step swaps `blocks` blocks (as Engine.stats and
+  Engine.last_step count them)."""
 
   def __init__(self, max_running, blocks):
     super().__init__(max_running)
     self.blocks, self.steps = blocks, 0
     self.stats["swapped_blocks"] = 0
 
-  def step(self):
+  def step(self, swapped_blocks=0):
     self.steps += 1
-    if self.steps % 3 == 0:
-      self.stats["swapped_blocks"] += self.blocks
-    return super().step()
+    moved = self.blocks if self.steps % 3 == 0 else 0
+    self.stats["swapped_blocks"] += moved
+    return super().step(swapped_blocks=moved)
 
 
 def test_step_clock_charges_swapped_tokens():

@@ -119,6 +119,10 @@ def test_after_warm_up_a_mixed_run_neither_traces_nor_compiles(monkeypatch):
     except (ImportError, AttributeError, ValueError):
       pass
   assert res["summary"]["requests"] == len(reqs)
+  # First tokens from the engine's own step reports: after arrival, no later than finish.
+  assert np.all(res["first_token"] > res["arrival"])
+  assert np.all(res["first_token"] <= res["finish"])
+  assert np.any(res["first_token"] < res["finish"])
   assert sum(step_lib.TRACE_COUNT.values()) == traces
   assert compiles == []
   # The run really was mixed: both widths, prefills beside decodes and decode-only

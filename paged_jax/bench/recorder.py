@@ -12,7 +12,6 @@ engine) keep their books here, so a step is timed, counted and timestamped one w
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, Dict, List, Mapping, Protocol, Tuple, runtime_checkable
 
@@ -32,16 +31,16 @@ class EngineLike(Protocol):
     timing: wall seconds since the engine was made: "step_s" (inside `step()`) and
       "device_s" (its jitted calls until their outputs were on the host).
     num_preemptions: preemptions so far; num_swaps: those done by swapping.
-    scheduler: its scheduler; `scheduler.running` (groups with `request_id` and `seqs`,
-      each seq with `num_generated`) is how TTFT is read until the engine reports each
-      step's first tokens itself.
+    last_step: what the last `step()` did (`paged_jax.engine.report.StepReport`): the
+      loops read `first_token_ids`, `num_running_groups`, `num_running_seqs` and
+      `swapped_blocks`; a clock may read the rest (the step's work).
   """
   cache_config: Any
   stats: Mapping[str, int]
   timing: Mapping[str, float]
   num_preemptions: int
   num_swaps: int
-  scheduler: Any
+  last_step: Any
 
   def add_request(self, prompt, params=None, request_id=None) -> Any:
     """Queues a request; returns its id."""
@@ -54,29 +53,6 @@ class EngineLike(Protocol):
 
   def flush(self) -> None:
     """Applies pending frees now."""
-
-
-@dataclasses.dataclass(frozen=True)
-class StepProgress:
-  """Who is running after a step.
-
-  Attributes:
-    started_ids: running requests that have generated a token (their first token's
-      time is the first step that lists them).
-    num_running: requests running.
-    num_running_seqs: sequences running (each sample or beam counted).
-  """
-  started_ids: Tuple[Any, ...]
-  num_running: int
-  num_running_seqs: int
-
-
-def step_progress(engine: EngineLike) -> StepProgress:
-  """The running requests after `engine`'s last step, read from its scheduler."""
-  groups = engine.scheduler.running
-  return StepProgress(
-      tuple(g.request_id for g in groups if any(q.num_generated > 0 for q in g.seqs)),
-      len(groups), sum(len(g.seqs) for g in groups))
 
 
 COUNTERS = ("steps", "generated_tokens", "device_steps", "computed_tokens", "bucket_tokens",
@@ -105,7 +81,6 @@ class LoopRecorder:
       raise TypeError(f"clock must follow the Clock protocol, got {type(clock).__name__}")
     self.engine, self.clock, self._progress = engine, clock, progress
     self._base = self._counters()
-    self._swapped = self._base["swapped_blocks"]
     self.first_token: Dict[Any, float] = {}
     self.finish: Dict[Any, float] = {}
     self.loop_steps = 0
@@ -124,16 +99,16 @@ class LoopRecorder:
     """One engine step: advances the clock by it, timestamps first tokens and finished
     outputs at the clock's time after it; returns the finished outputs."""
     done = self.engine.step()
-    swapped = self.engine.stats.get("swapped_blocks", 0)
-    moved, self._swapped = swapped - self._swapped, swapped   # out and in, whole blocks
-    self.clock.stepped(StepSample(moved * self.engine.cache_config.block_size))
+    report = self.engine.last_step
+    swapped = report.swapped_blocks * self.engine.cache_config.block_size   # out and in
+    self.clock.stepped(StepSample(swapped, report=report))
     t = self.clock.now()
     self.loop_steps += 1
-    live = step_progress(self.engine)
-    for acc, n in ((self._running, live.num_running), (self._seqs, live.num_running_seqs)):
+    for acc, n in ((self._running, report.num_running_groups),
+                   (self._seqs, report.num_running_seqs)):
       acc[0] += n
       acc[1] = max(acc[1], n)
-    for rid in live.started_ids:
+    for rid in report.first_token_ids:
       self.first_token.setdefault(rid, t)
     for out in done:
       self.first_token.setdefault(out.request_id, t)   # finished in its first token's step
