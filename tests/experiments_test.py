@@ -5,7 +5,6 @@ jitted step compiles once per process; the two-shape throughput test is marked s
 """
 
 import json
-import math
 
 import numpy as np
 import pytest
@@ -30,28 +29,13 @@ def test_experiment_modules_define_no_global_flags():
   assert set(flags.FLAGS) == before
 
 
-def test_block_table_stats_against_counting():
-  rng = np.random.default_rng(102)
-  reqs = workloads.alpaca(50, seed=int(rng.integers(1 << 30)), max_len=512)
-  for bs in (1, 4, 16, 256):
-    stats = block_size_sweep.block_table_stats(reqs, bs, 512)
-    blocks = []
-    for r in reqs:
-      n, held = r.total_len, 0
-      while held * bs < n:   # grow one block at a time, as the block manager does
-        held += 1
-      blocks.append(held)
-    assert stats["mean_blocks_per_seq"] == pytest.approx(np.mean(blocks))
-    assert stats["block_table_width"] == math.ceil(512 / bs)
-
-
 @pytest.fixture(scope="module")
 def sweep_rows():
-  return block_size_sweep.run(
-      ("alpaca",), block_sizes=(2, 16, 64), num_requests={"alpaca": 200},
+  return block_size_sweep.run(block_size_sweep.Config(
+      workloads=("alpaca",), block_sizes=(2, 16, 64), num_requests={"alpaca": 200},
       kv_budget_tokens=1024, max_len=256, engine_block_sizes=(), attn_batch=2,
-      attn_context=128, attn_repeats=1, prefix_block_sizes=(16,), prefix_num_requests=8, seed=int(np.random.default_rng(103).integers(1000)),
-      show_progress=False)
+      attn_context=128, attn_repeats=1, prefix_block_sizes=(16,), prefix_num_requests=8,
+      seed=int(np.random.default_rng(103).integers(1000))), show_progress=False)
 
 
 def test_sweep_has_a_row_per_block_size_with_valid_fractions(sweep_rows, tmp_path):
@@ -81,34 +65,11 @@ def test_sweep_bigger_blocks_waste_more_and_hold_fewer_requests(sweep_rows):
 
 def test_sweep_rejects_bad_block_sizes():
   with pytest.raises(ValueError, match="block_size must be a power of two"):
-    block_size_sweep.run(("alpaca",), block_sizes=(3,), engine_block_sizes=())
-  with pytest.raises(ValueError, match="not in block_sizes"):
-    block_size_sweep.run(("alpaca",), block_sizes=(16,), engine_block_sizes=(32,))
-
-
-def _python_prefix_hits(prompts, block_size):
-  """Plain-Python prefix cache: hit tokens per prompt, run in order, nothing evicted."""
-  registered, hits = set(), []
-  for p in prompts:
-    p = tuple(int(t) for t in p)
-    k = 0
-    while k < (len(p) - 1) // block_size and p[:(k + 1) * block_size] in registered:
-      k += 1
-    hits.append(k * block_size)
-    registered.update(p[:m * block_size] for m in range(1, len(p) // block_size + 1))
-  return hits
-
-
-@pytest.mark.parametrize("block_size", [1, 8, 32])
-def test_prefix_hit_rate_matches_a_python_prefix_model(block_size):
-  seed = int(np.random.default_rng(104).integers(1000))
-  reqs = workloads.alpaca(10, seed=seed, max_len=128, vocab_size=3)   # tiny vocab: deep matches
-  rate = block_size_sweep.prefix_hit_rate(reqs, block_size, prefix_len=40, max_len=128, seed=seed)
-  prefix = np.random.default_rng([seed, 11]).integers(0, 1 << 15, 40, dtype=np.int32)
-  prompts = [np.concatenate([prefix, r.prompt_token_ids]) for r in reqs]
-  expected = sum(_python_prefix_hits(prompts, block_size)) / sum(len(p) for p in prompts)
-  assert rate == pytest.approx(expected)
-  assert rate > 0
+    block_size_sweep.Config(block_sizes=(3,), engine_block_sizes=())
+  with pytest.raises(ValueError, match="--engine_block_sizes \\[32\\] are not in --block_sizes"):
+    block_size_sweep.Config(block_sizes=(16,), engine_block_sizes=(32,))
+  with pytest.raises(ValueError, match="--num_requests\\[alpaca\\] must be an int >= 1"):
+    block_size_sweep.Config(num_requests={"alpaca": 0})
 
 
 def test_best_block_sizes_picks_the_fastest_and_the_tolerance_band():
@@ -125,8 +86,9 @@ def test_best_block_sizes_picks_the_fastest_and_the_tolerance_band():
 
 @pytest.fixture(scope="module")
 def sharing_rows():
-  return sharing.run(("sharegpt",), widths=(2, 4), num_requests=2, show_progress=False,
-                     seed=int(np.random.default_rng(106).integers(1000)), **ENGINE_KW)
+  return sharing.run(sharing.Config(workloads=("sharegpt",), widths=(2, 4), num_requests=2,
+                                    seed=int(np.random.default_rng(106).integers(1000)),
+                                    **ENGINE_KW), show_progress=False)
 
 
 def test_sharing_saves_blocks_and_more_with_wider_n(sharing_rows):
@@ -176,39 +138,11 @@ def test_demo_summary_rows_from_real_results(sweep_rows, sharing_rows):
 
 @pytest.mark.slow
 def test_throughput_paged_beats_contiguous_reservation_with_same_tokens():
-  res = throughput.run(("sharegpt",), num_requests=12, kv_budget_tokens=512, max_seqs=16,
+  res = throughput.run(throughput.Config(workloads=("sharegpt",), num_requests=12,
+                                         kv_budget_tokens=512, max_seqs=16),
                        show_progress=False)["sharegpt"]
   assert res["outputs_identical"]
   assert res["paged"]["generated_tokens"] == res["orca_max"]["generated_tokens"]
   assert res["orca_max"]["max_running_seqs"] <= 512 // 256 == res["orca_max"]["max_seqs"]
   assert res["paged"]["max_running_seqs"] > res["orca_max"]["max_running_seqs"]
   assert res["speedup_tokens_per_step"] > 1.0
-
-
-def test_step_cost_fit_recovers_a_known_cost_model():
-  # Device seconds built from a known per-call and per-token cost: the fit must give
-  # them back, and its predicted wall / step ratio must be the one those costs imply.
-  a, b = 0.6e-3, 20e-6
-  def run_(steps, tokens, computed, generated):
-    return {"device_steps": steps, "steps": steps, "bucket_tokens": tokens,
-            "computed_tokens": computed, "device_s": a * steps + b * tokens, "host_s": 0.1,
-            "tokens_per_step": generated / steps}
-  results = {}
-  for name, (o, p) in {"sharegpt": ((587, 9024, 5998), (298, 10360, 7220)),
-                       "alpaca": ((379, 5312, 3487), (231, 5032, 3487))}.items():
-    row = {"orca_max": run_(*o, 3882), "paged": run_(*p, 3882)}
-    row["speedup_tokens_per_step"] = (row["paged"]["tokens_per_step"]
-                                      / row["orca_max"]["tokens_per_step"])
-    results[name] = row
-  fit = throughput.step_cost_fit(results)
-  s = fit["sharegpt"]
-  assert s["ms_per_step"] == pytest.approx(0.6) and s["us_per_bucket_token"] == pytest.approx(20)
-  o, p = results["sharegpt"]["orca_max"], results["sharegpt"]["paged"]
-  wall = (o["device_s"] + 0.1) / (p["device_s"] + 0.1)
-  assert s["predicted_wall_over_step"] == pytest.approx(wall / (587 / 298))
-  assert s["recomputed_tokens"] == 7220 - 5998
-  assert s["predicted_wall_over_step_without_recompute"] > s["predicted_wall_over_step"]
-  assert s["fixed_share"]["orca_max"] == pytest.approx(a * 587 / o["device_s"])
-  for name, row in results.items():
-    row["step_cost_fit"], row["wall_over_step_ratio"] = fit[name], 0.7
-  assert [r[0] for r in throughput.fit_rows(results)] == ["sharegpt", "alpaca"]
