@@ -43,6 +43,7 @@ def test_step_cost_fit_recovers_a_known_cost_model():
   assert step_costs.step_cost_fit({"sharegpt": results["sharegpt"]}) is None   # 2 runs < 3
 
 
+@pytest.mark.slow
 def test_time_per_preemption_times_both_ways():
   # Both readings are real times of work that ran: a recompute that was never timed reads
   # 0 (Engine.generate drives the engine without step(), so its step timer stays 0).
