@@ -24,28 +24,32 @@ reason printed and recorded in the Triton JSON ("skipped"); asked for alone, it 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import time
+from typing import Tuple
 
-from absl import flags
 import jax
 
 from experiments import common
+from experiments import configs
 
 BACKENDS = ("triton", "mosaic_gpu")
 COPY_BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                           "gpu_check_h200", "kernel_bench.json")
 
 
-def _define_flags():
-  flags.DEFINE_string("out", "results/gpu_compile_report", "output directory")
-  flags.DEFINE_enum("cases", "default", ["default", "full"],
-                    "default: the ~16 representative Triton configs; full: the slow test "
-                    "grid (Mosaic GPU has one list either way)")
-  flags.DEFINE_string("only", "", "substring filter on case names (empty: all)")
-  flags.DEFINE_list("backends", list(BACKENDS), f"which kernels: any of {BACKENDS}")
+@dataclasses.dataclass(frozen=True)
+class Config(configs.ExperimentConfig):
+  """Flags of experiments.gpu_compile_report."""
+  out: str = configs.flag("results/gpu_compile_report", "output directory")
+  cases: str = configs.flag("default", "default: the ~16 representative Triton configs; full: "
+                            "the slow test grid (Mosaic GPU has one list either way)",
+                            choices=("default", "full"))
+  only: str = configs.flag("", "substring filter on case names (empty: all)")
+  backends: Tuple[str, ...] = configs.flag(BACKENDS, f"which kernels: any of {BACKENDS}")
 
 
 def _row_cells(row):
@@ -182,4 +186,4 @@ def main(flag_values, out):
 
 
 if __name__ == "__main__":
-  common.run_app(main, _define_flags)
+  common.run_app(main, Config)
