@@ -20,7 +20,7 @@ from pallas_kernels import reference
 from pallas_kernels import tpu
 from pallas_kernels.tpu import jax_baselines
 from ragged_batches import _test_seed, make_batch, mixed_seqs
-from tpu_support import (INTERPRET, assert_close, clean, decode_batch,
+from tpu_support import (COMPILED, INTERPRET, assert_close, clean, decode_batch,
                          jax_kernels_interpreted, run_checked)
 
 _ragged_ref = jax.jit(reference.ragged_paged_attention_reference,
@@ -106,7 +106,23 @@ def test_ragged_matches_jax_rpa_reference():
   assert_close(ours[:live], theirs, jnp.float32)
 
 
+@pytest.mark.skipif(not COMPILED, reason="JAX's RPA kernel runs only on a TPU (it does not "
+                    "run in the interpreter): experiments/tpu_check.sh")
+def test_ragged_matches_jax_rpa_kernel_on_tpu():
+  rng = np.random.default_rng(_test_seed())
+  seqs = [(1, 37), (20, 20), (5, 40), (1, 1), (0, 9), (33, 70)]
+  args, _, rows = make_batch(rng, seqs=seqs, num_kv_heads=8, group=4, head_dim=128,
+                             block_size=16, q_dtype=jnp.bfloat16, dead_seqs=0)
+  args, _ = clean(args, {})
+  sem = dict(soft_cap=30.0, sliding_window=24)
+  ours = run_checked(tpu.ragged_paged_attention, *args, **sem, interpret=INTERPRET)
+  theirs = jax.block_until_ready(jax_baselines.jax_ragged(
+      *args, **sem, num_kv_pages_per_block=2, num_queries_per_block=16))
+  assert_close(ours, theirs, jnp.bfloat16, rows)
+
+
 @pytest.mark.slow
+@pytest.mark.skipif(COMPILED, reason="about the interpreter")
 @pytest.mark.xfail(strict=True, reason="JAX's RPA kernel reads through ref.reshape views, "
                    "which pltpu's interpreter cannot (jax 0.10.2 / 0.11.2); an XPASS means "
                    "it now can: compare against the kernel itself")

@@ -232,6 +232,13 @@ def _kernel(tables_ref, meta_ref, prog_ref, chain_ref, q_ref, k_hbm, v_hbm, *res
   lax.fori_loop(prog_ref[prog], prog_ref[prog + 1], pair_body, 0)
 
 
+def in_hbm(x):
+  """`x` pinned to HBM for the kernel. Without the constraint XLA may copy a whole operand
+  that fits into VMEM before the call (seen: all the scale rows of a small int8 pool,
+  every call), whatever the kernel's BlockSpec says."""
+  return pltpu.with_memory_space_constraint(x, pltpu.HBM)
+
+
 def paged_attention_call(q4, k_pages, v_pages, k_scales, v_scales, tables, wl: W.WorkList,
                          *, cfg: KernelConfig, row_blocks: int, vmem_limit_bytes=None,
                          interpret=False, name="tpu_paged_attention"):
@@ -252,7 +259,7 @@ def paged_attention_call(q4, k_pages, v_pages, k_scales, v_scales, tables, wl: W
   page_dtype = k_pages.dtype
   grid = (num_kv_heads // ht, nq // row_blocks)
   block = pl.BlockSpec((row_blocks, ht, rows, head_dim), lambda h, g, *_: (g, h, 0, 0))
-  hbm = pl.BlockSpec(memory_space=pl.ANY)
+  hbm = pl.BlockSpec(memory_space=pltpu.HBM)
   pt = cfg.pages_per_tile
   scratch = [pltpu.VMEM((2, ht, pt, cfg.block_size, head_dim), page_dtype),
              pltpu.VMEM((2, ht, pt, cfg.block_size, head_dim), page_dtype)]
@@ -261,6 +268,7 @@ def paged_attention_call(q4, k_pages, v_pages, k_scales, v_scales, tables, wl: W
   if cfg.quantized:
     scratch += [pltpu.VMEM((2, ht, nrows, S.LANES), jnp.float32)] * 2
     operands += [k_scales, v_scales]
+  operands = operands[:1] + [in_hbm(x) for x in operands[1:]]
   scratch += [pltpu.SemaphoreType.DMA((2,)),
               pltpu.VMEM((ht, rows, 128), jnp.float32),
               pltpu.VMEM((ht, rows, 128), jnp.float32),

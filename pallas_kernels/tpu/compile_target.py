@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import re
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -32,6 +33,8 @@ import numpy as np
 CHIPS = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "v5p": "v5p:2x2x1", "v4": "v4:2x2x1"}
 # Peak HBM bandwidth, bytes/s (public spec sheets: v5e 819 GB/s, v6e 1,640 GB/s).
 HBM_BYTES_PER_S = {"v5e": 819e9, "v6e": 1640e9, "v5p": 2765e9, "v4": 1228e9}
+# HBM capacity per chip (spec sheets): a pool that does not fit cannot compile.
+HBM_BYTES = {"v5e": 16 * 2**30, "v6e": 32 * 2**30, "v5p": 95 * 2**30, "v4": 32 * 2**30}
 # Mosaic's default scoped VMEM limit when a kernel sets none (Pallas TPU docs: 16 MiB
 # before v6, 32 MiB on v6e); a kernel compiled with a limit carries it in its HLO.
 DEFAULT_SCOPED_VMEM_BYTES = {"v5e": 16 * 2**20, "v6e": 32 * 2**20, "v5p": 16 * 2**20,
@@ -54,6 +57,9 @@ def unavailable_reason() -> Optional[str]:
 def tpu_devices(chip: str = "v5e") -> Tuple[Any, ...]:
   """The compile-only devices of a small `chip` topology (never run on)."""
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  # libtpu takes a machine-wide lock file unless told otherwise: without this, a second
+  # process (a pytest-xdist worker, a report beside a test run) finds no TPU compiler.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   if chip not in CHIPS:
     raise ValueError(f"chip={chip!r} must be one of {sorted(CHIPS)}")
   return tuple(topologies.get_topology_desc(CHIPS[chip], "tpu").devices)
@@ -187,8 +193,11 @@ def parse_module(text: str) -> Tuple[List[Kernel], List[Buffer]]:
     if m["op"] in _SKIP_OPS:
       continue
     space = re.search(r"S\((\d+)\)", m["layout"] or "")
-    buffers.append(Buffer(m["name"], m["op"], m["type"],
-                          _array_bytes(m["type"], _aliased_outputs(line)),
+    if m["op"].endswith("-start"):    # (destination, source, context): count the first
+      nbytes = _array_bytes(_ARRAY.search(m["type"])[0]) if _ARRAY.search(m["type"]) else 0
+    else:
+      nbytes = _array_bytes(m["type"], _aliased_outputs(line))
+    buffers.append(Buffer(m["name"], m["op"], m["type"], nbytes,
                           int(space[1]) if space else 0))
   return kernels, buffers
 

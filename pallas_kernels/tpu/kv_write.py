@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
+from pallas_kernels.tpu import attention_kernel
 from pallas_kernels.tpu import scales as S
 
 GROUP_ROWS = 8
@@ -206,7 +207,7 @@ def write_kv(k_pages, v_pages, k_new, v_new, slots, k_scales=None, v_scales=None
   if block_size % GROUP_ROWS:
     raise ValueError(f"block_size={block_size} must be a multiple of {GROUP_ROWS}")
   runs = _runs(slots.astype(jnp.int32), num_blocks * block_size)
-  hbm = pl.BlockSpec(memory_space=pl.ANY)
+  hbm = pl.BlockSpec(memory_space=pltpu.HBM)
   dtype = k_pages.dtype
   scratch = [pltpu.VMEM((2, 2, num_kv_heads, GROUP_ROWS, head_dim), dtype),
              pltpu.VMEM((2, 2, GROUP_ROWS, num_kv_heads, head_dim), k_new.dtype)]
@@ -219,6 +220,7 @@ def write_kv(k_pages, v_pages, k_new, v_new, slots, k_scales=None, v_scales=None
   scratch.append(pltpu.SemaphoreType.DMA((2, 2)))
   if quant:
     scratch.append(pltpu.SemaphoreType.DMA(()))
+  operands = [attention_kernel.in_hbm(x) for x in operands]
   first = len(runs) + 2                         # operand index of k_pages (after k/v_new)
   aliases = {first + i: i for i in range(len(out_shape))}
   from pallas_kernels.tpu.paged_attention import interpret_params  # pylint: disable=g-import-not-at-top
