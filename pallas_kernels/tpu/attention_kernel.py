@@ -288,3 +288,25 @@ def paged_attention_call(q4, k_pages, v_pages, k_scales, v_scales, tables, wl: W
       out_shape=jax.ShapeDtypeStruct(q4.shape, q4.dtype),
       interpret=interpret, name=name)
   return call(tables, wl.meta, wl.prog_pairs, wl.chain, *operands)
+
+
+def attend(q4, k_pages, v_pages, block_tables, wl: W.WorkList, k_scales, v_scales, *,
+           decode: bool, tune, sm_scale, soft_cap, sliding_window, row_blocks: int,
+           interpret, name: str):
+  """The entries' common tail: the static config from the tuning, scales as scale rows,
+  the flattened block table, then the kernel. Shapes as `paged_attention_call`;
+  block_tables i32[S, P]; scales f32[Hkv, NB, bs] or scale rows."""
+  _, num_blocks, block_size, _ = k_pages.shape
+  cfg = KernelConfig(
+      decode=decode, heads_per_tile=tune.heads_per_tile, group=q4.shape[2] // (
+          1 if decode else tune.q_per_tile), kv_per_tile=tune.kv_per_tile,
+      block_size=block_size, pages_per_seq=block_tables.shape[1], num_blocks=num_blocks,
+      num_pairs=wl.num_pairs, sm_scale=sm_scale, soft_cap=soft_cap,
+      sliding_window=sliding_window, quantized=k_scales is not None)
+  if k_scales is not None:
+    k_scales = S.as_rows(k_scales, num_blocks, block_size)
+    v_scales = S.as_rows(v_scales, num_blocks, block_size)
+  return paged_attention_call(
+      q4, k_pages, v_pages, k_scales, v_scales, block_tables.astype(jnp.int32).reshape(-1),
+      wl, cfg=cfg, row_blocks=row_blocks, vmem_limit_bytes=tune.vmem_limit_bytes,
+      interpret=interpret, name=name)

@@ -20,7 +20,6 @@ import jax.numpy as jnp
 
 from pallas_kernels.tpu import attention_kernel
 from pallas_kernels.tpu import checks
-from pallas_kernels.tpu import scales
 from pallas_kernels.tpu import tuning
 from pallas_kernels.tpu import work
 
@@ -38,7 +37,7 @@ def interpret_params(interpret):
 def _decode(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, *, sm_scale,
             soft_cap, sliding_window, tune: tuning.TpuTuning, interpret):
   batch, num_q_heads, head_dim = q.shape
-  num_kv_heads, num_blocks, block_size, _ = k_pages.shape
+  num_kv_heads, _, block_size, _ = k_pages.shape
   pages_per_seq = block_tables.shape[1]
   group = num_q_heads // num_kv_heads
   tb = min(tune.seqs_per_tile, batch)
@@ -52,17 +51,9 @@ def _decode(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, *, s
   wl = work.decode_work(lengths, seqs_per_tile=tb, kv_per_tile=tune.kv_per_tile,
                         block_size=block_size, pages_per_seq=pages_per_seq,
                         sliding_window=sliding_window)
-  cfg = attention_kernel.KernelConfig(
-      decode=True, heads_per_tile=tune.heads_per_tile, group=group,
-      kv_per_tile=tune.kv_per_tile, block_size=block_size, pages_per_seq=pages_per_seq,
-      num_blocks=num_blocks, num_pairs=wl.num_pairs, sm_scale=sm_scale, soft_cap=soft_cap,
-      sliding_window=sliding_window, quantized=k_scales is not None)
-  if k_scales is not None:
-    k_scales = scales.as_rows(k_scales, num_blocks, block_size)
-    v_scales = scales.as_rows(v_scales, num_blocks, block_size)
-  out = attention_kernel.paged_attention_call(
-      q4, k_pages, v_pages, k_scales, v_scales, block_tables.astype(jnp.int32).reshape(-1),
-      wl, cfg=cfg, row_blocks=tb, vmem_limit_bytes=tune.vmem_limit_bytes,
+  out = attention_kernel.attend(
+      q4, k_pages, v_pages, block_tables, wl, k_scales, v_scales, decode=True, tune=tune,
+      sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, row_blocks=tb,
       interpret=interpret, name="tpu_paged_decode")
   return out[:batch].reshape(batch, num_q_heads, head_dim)
 
