@@ -1,8 +1,9 @@
 r"""What libtpu's compiler makes of the TPU kernels, for a v5e / v6e that is not here.
 
-    /work/venvs/tpu/bin/python -m experiments.tpu_compile_report \
-        --out=experiments/results/tpu_compile_report           # 4 configs, ~2 min
-    python -m experiments.tpu_compile_report --cases=full --out=DIR   # 100 configs
+    /work/venvs/tpu/bin/python -m experiments.tpu_compile_report --cases=report \
+        --out=experiments/results/tpu_compile_report --compilation_cache=none   # 24 configs
+    python -m experiments.tpu_compile_report --out=DIR      # the tests' 4 default configs
+    python -m experiments.tpu_compile_report --cases=full --out=DIR   # the 100-config grid
 
 Compiles each configuration (pallas_kernels/tpu/compile_configs.py) for a compile-only TPU
 (pallas_kernels/tpu/compile_target.py) three times: our kernel; JAX's own ragged paged
@@ -40,8 +41,9 @@ REASONS = {
 
 def _define_flags():
   flags.DEFINE_string("out", "results/tpu_compile_report", "output directory")
-  flags.DEFINE_enum("cases", "default", ["default", "full"],
-                    "default: 4 representative configs; full: the 100-config test grid")
+  flags.DEFINE_enum("cases", "default", ["default", "report", "full"],
+                    "default: the tests' 4 configs; report: 24 (each chip x kernel x model x "
+                    "block 16/64, plus int8 / fp8 and 256 x 8K); full: the 100-config grid")
   flags.DEFINE_string("only", "", "substring filter on case names (empty: all)")
   flags.DEFINE_bool("with_jax", True, "also compile JAX's RPA on each shape")
 
@@ -78,7 +80,8 @@ def main(flag_values, out):
   reason = ct.unavailable_reason()
   if reason is not None:
     raise ValueError(reason)
-  cases = cc.default_cases() if flag_values.cases == "default" else cc.full_cases()
+  cases = {"default": cc.default_cases, "report": cc.report_cases,
+           "full": cc.full_cases}[flag_values.cases]()
   cases = [c for c in cases if flag_values.only in c.name]
   if not cases:
     raise ValueError(f"--only={flag_values.only!r} matches no case")

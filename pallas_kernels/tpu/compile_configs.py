@@ -212,6 +212,19 @@ def default_cases() -> List[Case]:
   ]
 
 
+def report_cases() -> List[Case]:
+  """The compile report's 24: chips x kernels x models x block 16 / 64 at 64 sequences of
+  4K (bf16), plus int8 and fp8 pages (Llama, block 16) and 256 x 8K (Llama, block 16)."""
+  out = [Case(kernel, model, chip, "bfloat16", bs, 64, 4096)
+         for chip, kernel, model, bs in itertools.product(("v5e", "v6e"), ("decode", "ragged"),
+                                                         MODELS, (16, 64))]
+  for chip, kernel in itertools.product(("v5e", "v6e"), ("decode", "ragged")):
+    out.append(Case(kernel, "llama8b", chip, "int8" if chip == "v5e" else "float8_e4m3fn",
+                    16, 64, 4096))
+    out.append(Case(kernel, "llama8b", chip, "bfloat16", 16, 256, 8192))
+  return out
+
+
 def fits(case: Case) -> Case:
   """`case` with its sequences halved until the pool takes at most 3/4 of the chip's HBM
   (Gemma-like bf16 at 256 x 8K is 17 GB: more than a v5e holds)."""
