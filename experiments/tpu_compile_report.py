@@ -61,6 +61,14 @@ def _vmem_reason(row):
   return "; ".join(reasons) or "not explained: investigate"
 
 
+def _libtpu_version():
+  from importlib import metadata  # pylint: disable=g-import-not-at-top
+  try:
+    return metadata.version("libtpu")
+  except metadata.PackageNotFoundError:
+    return None
+
+
 def _mib(x):
   return None if x is None else round(x / 2**20, 2)
 
@@ -102,6 +110,7 @@ def main(flag_values, out):
     rows.append(row)
   result = dict(common.run_metadata(flag_values),
                 target={"chips": sorted({c.chip for c in cases}), "jax": jax.__version__,
+                        "libtpu": _libtpu_version(),
                         "hbm_bytes_per_s": ct.HBM_BYTES_PER_S,
                         "default_scoped_vmem_bytes": ct.DEFAULT_SCOPED_VMEM_BYTES,
                         "jax_rpa_retry_vmem_bytes": cc.JAX_RPA_RETRY_VMEM_BYTES},
