@@ -71,8 +71,8 @@ def test_bucketed_outputs_equal_the_largest_bucket_and_the_oracle(monkeypatch, d
   got = run(engine, reqs)
   assert engine.num_preemptions > 0                       # the traffic really preempted
   # Several buckets, decode-only ones among them, none at the largest width.
-  assert len({b[:3] for b in used}) >= 3 and any(b[3] for b in used)
-  assert min(b[1] for b in used) < MAX_SEQS and min(b[2] for b in used) < ORACLE_LEN // 4
+  assert len({b[:3] for b in used}) >= 3 and any(b.decode_only for b in used)
+  assert min(b.rows for b in used) < MAX_SEQS and min(b.width for b in used) < ORACLE_LEN // 4
   monkeypatch.undo()
   full = make_engine(shape_buckets=False, decode_steps_per_sync=decode_steps)
   assert got == run(full, reqs)

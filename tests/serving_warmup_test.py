@@ -121,8 +121,8 @@ def test_after_warm_up_a_mixed_run_neither_traces_nor_compiles(monkeypatch):
   assert compiles == []
   # The run really was mixed: both widths, prefills beside decodes and decode-only
   # steps, most of the set.
-  assert {b[2] for b in used} == {4, 8} and {b[3] for b in used} == {True, False}
-  assert {b[4] for b in used} == {True, False}    # greedy-only steps and sampling ones
+  assert {b.width for b in used} == {4, 8} and {b.decode_only for b in used} == {True, False}
+  assert {b.all_greedy for b in used} == {True, False}   # greedy-only steps and sampling ones
   assert len(set(used)) >= 5, sorted(set(used))
 
 

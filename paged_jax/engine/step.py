@@ -287,8 +287,9 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
                       prefix_query_blocks=jnp.zeros((), _I32), sole_blocks=sole_blocks(b),
                       cow_copies=copies, finished=done)
     # 8-9. registration of newly full blocks (masked when not ok), then the finished
-    # sequences' frees: with caching their full blocks stay cached, evictable.
-    done_slots = jnp.where(done, lax.iota(_I32, s_max), -1)
+    # sequences' frees: with caching their full blocks stay cached, evictable. Finished
+    # slots are sampled slots, at most R: the free runs on R lanes (S pads them).
+    done_slots = _lanes(done, rows)
     if ps is None:
       b, _ = bm.free(b, done_slots)
       out = out.replace(num_free=b.num_free, available=b.num_free, sole_blocks=sole_blocks(b))
