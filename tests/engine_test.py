@@ -17,6 +17,7 @@ import pytest
 from paged_jax.config import INVALID, ModelConfig
 from paged_jax.engine import Engine, SamplingParams
 from paged_jax.engine import step as step_lib
+from paged_jax.engine import swap as swap_lib
 from paged_jax.models import dense, llama
 
 from engine_oracle import (MC, ORACLE_LEN, PARAMS, VOCAB, dense_greedy, dense_logprobs, greedy,
@@ -244,7 +245,7 @@ def test_generate_cli_on_saved_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
-def test_preempted_parallel_sampling_and_beam_groups_restore_exactly(mode):
+def test_preempted_parallel_sampling_and_beam_groups_restore_exactly(monkeypatch, mode):
   # Two long greedy requests hold 8 of the 12 blocks; the sampling group (n=3) and the
   # beam group (width 3) behind them get preempted. Recompute: prompt once on the
   # leader, re-forked, then each sample's own tokens. Swap / auto: the group's blocks
@@ -255,13 +256,13 @@ def test_preempted_parallel_sampling_and_beam_groups_restore_exactly(mode):
   kw = dict(max_tokens=20, temperature=0.8, top_k=30)
   engine = make_engine(preemption_mode=mode)
   group_swaps = []
-  swap_outs = engine._swap_outs
+  copy_out = swap_lib.copy_out
 
-  def spy(batch):
+  def spy(state, batch, stats):
     group_swaps.extend(len(g.seqs) for g, _ in batch.swap_out if len(g.seqs) > 1)
-    swap_outs(batch)
+    copy_out(state, batch, stats)
 
-  engine._swap_outs = spy
+  monkeypatch.setattr(swap_lib, "copy_out", spy)
   outs = engine.generate(
       long_prompts + [sample_prompt, beam_prompt],
       [greedy(40), greedy(40), SamplingParams(n=3, seed=3, **kw),

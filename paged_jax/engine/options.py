@@ -21,6 +21,13 @@ MAX_OPTION = 2**20   # bound on the integer options (tokens per step, decode ste
 MAX_PROBE = 1024     # `prefix_cache.init`'s bound
 
 
+def check_preemption_mode(value: Any) -> None:
+  """The one check of a preemption mode (EngineOptions and Scheduler call it)."""
+  if value not in PREEMPTION_MODES:
+    raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
+                     f"got {value!r}")
+
+
 def _need_int(name: str, value: Any, lo: int, hi: int) -> None:
   if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
     raise ValueError(f"{name} must be an int in [{lo}, {hi}], got {value!r}")
@@ -64,9 +71,7 @@ class EngineOptions:
     for name in ("max_num_batched_tokens", "decode_steps_per_sync", "max_beam_width"):
       _need_int(name, getattr(self, name), 1, MAX_OPTION)
     _need_int("max_probe", self.max_probe, 1, MAX_PROBE)
-    if self.preemption_mode not in PREEMPTION_MODES:
-      raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
-                       f"got {self.preemption_mode!r}")
+    check_preemption_mode(self.preemption_mode)
     if not isinstance(self.attention_backend, str):
       raise ValueError(f"attention_backend must be a backend name, got "
                        f"{self.attention_backend!r}")

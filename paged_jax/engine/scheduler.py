@@ -38,7 +38,7 @@ import numpy as np
 
 from paged_jax.engine import beam
 from paged_jax.engine import block_needs
-from paged_jax.engine.options import PREEMPTION_MODES
+from paged_jax.engine.options import check_preemption_mode
 from paged_jax.engine.params import RequestOutput
 from paged_jax.engine.planning import Planner
 from paged_jax.engine.sequence import (FIXED, Batch, Chunk, DeviceCounts, Group, GroupStatus,
@@ -92,9 +92,7 @@ class Scheduler(Planner):
   num_swaps: int = 0
 
   def __post_init__(self):
-    if self.preemption_mode not in PREEMPTION_MODES:
-      raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
-                       f"got {self.preemption_mode!r}")
+    check_preemption_mode(self.preemption_mode)
     self._seq_ids = itertools.count(1 << 40)   # beam hypotheses made by update
 
   # ---- queues and slots -----------------------------------------------------------------
