@@ -24,7 +24,7 @@ import pytest
 import distributed_fixtures as fx
 from paged_jax import kv_cache
 from paged_jax.distributed import TensorParallelDecoder, make_mesh, make_tp_engine
-from paged_jax.engine import Engine, SamplingParams, compiled
+from paged_jax.engine import Engine, SamplingParams, release_compiled
 from paged_jax.models.decoder import DecoderForCausalLM
 
 MIN_DEVICES = 4
@@ -50,7 +50,7 @@ def _release_compiled_code():
   """Each test compiles a new model's steps: drop them after it, so the process stays far
   from Linux's per-process memory-map limit (see tests/conftest.py)."""
   yield
-  compiled.release_compiled()
+  release_compiled()
 
 
 @functools.lru_cache(maxsize=None)

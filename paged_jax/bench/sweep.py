@@ -195,7 +195,7 @@ def sweep_systems(systems: Sequence[str], rates: Sequence[float], *, workload: s
     headroom, max_seqs_cap: `system_sizes`' (sized on the highest rate's stream).
     progress: (total, desc) -> a context manager with `update(n)` (a tqdm bar), per point.
   """
-  from paged_jax.engine import compiled  # pylint: disable=g-import-not-at-top
+  from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
   mode = mode or {}
   rates = list(rates)
   num_total = max(arrivals.arrival_times(r, duration_s, seed).size for r in rates)
@@ -215,5 +215,5 @@ def sweep_systems(systems: Sequence[str], rates: Sequence[float], *, workload: s
                                 params_fn=sampling(mode), clock=clock_fn(), progress=b,
                                 preemption_mode=preemption_mode))
     curves[system] = curve(rates, points)
-    compiled.release_compiled()   # the next system's engine has other shapes
+    release_compiled()   # the next system's engine has other shapes
   return {"systems": curves, "sizes": sizes}
