@@ -103,6 +103,7 @@ def test_at_the_bound_with_caching_n2_beam_and_sampling_all_finish_exactly():
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("seed", [1, 2])
 @pytest.mark.parametrize("caching", [False, True])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
