@@ -94,7 +94,7 @@ def test_decode_matches_reference(group, head_dim, block_size, q_dtype, page_dty
   assert err <= TOL[q_dtype], f"seed={seed}: rel err {err:.3g} > {TOL[q_dtype]}"
 
 
-@pytest.mark.parametrize("tile_tokens", [1, 3, 8])
+@pytest.mark.parametrize("tile_tokens", [pytest.param(1, marks=pytest.mark.slow), 3, 8])
 def test_query_tiles_match_python_model(tile_tokens):
   rng = np.random.default_rng(_test_seed())
   for _ in range(20):
@@ -132,7 +132,7 @@ def test_dispatch_agrees(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("decode_steps", [1, 3])
+@pytest.mark.parametrize("decode_steps", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_engine_on_cpu_backends_equals_dense_oracle(decode_steps, backend):
   """Greedy outputs through the engine on each CPU backend (chunked prefill, mixed and
   decode-only steps, preemption at a tight pool) equal the dense oracle's."""
