@@ -8,7 +8,7 @@ registered block-aligned prefixes (a tuple of token ids per prefix).
 import time
 from typing import Callable, NamedTuple
 
-from absl.testing import absltest
+from absl.testing import absltest, parameterized
 import chex
 import jax
 import jax.numpy as jnp
@@ -292,6 +292,12 @@ def _reset_returns_unheld_blocks_and_keeps_held_ones(ops: Ops):
   assert int(d.blocks.num_free) == NB
 
 
+_LONG_CASES = (_prefix_shorter_than_one_block_never_hits, _last_prompt_token_is_always_recomputed,
+               _eviction_order_lru_then_tail_first_and_free_blocks_first,
+               _ring_overflow_evicts_oldest_and_never_loses_an_evictable_block,
+               _reset_returns_unheld_blocks_and_keeps_held_ones)
+
+
 class PrefixCacheOpsTest(chex.TestCase):
   """Deterministic cases, jitted and run eagerly (op by op) against the same expectations."""
 
@@ -394,24 +400,9 @@ class PrefixCacheOpsTest(chex.TestCase):
   # Longer op sequences: jitted here, eagerly in PrefixCacheOpsEagerTest (slow). Eagerly,
   # each attach / register traces and compiles its lax loop again (~0.3 / 0.8 s of CPU).
   @chex.variants(with_jit=True)
-  def test_prefix_shorter_than_one_block_never_hits(self):
-    _prefix_shorter_than_one_block_never_hits(Ops.under(self.variant))
-
-  @chex.variants(with_jit=True)
-  def test_last_prompt_token_is_always_recomputed(self):
-    _last_prompt_token_is_always_recomputed(Ops.under(self.variant))
-
-  @chex.variants(with_jit=True)
-  def test_eviction_order_lru_then_tail_first_and_free_blocks_first(self):
-    _eviction_order_lru_then_tail_first_and_free_blocks_first(Ops.under(self.variant))
-
-  @chex.variants(with_jit=True)
-  def test_ring_overflow_evicts_oldest_and_never_loses_an_evictable_block(self):
-    _ring_overflow_evicts_oldest_and_never_loses_an_evictable_block(Ops.under(self.variant))
-
-  @chex.variants(with_jit=True)
-  def test_reset_returns_unheld_blocks_and_keeps_held_ones(self):
-    _reset_returns_unheld_blocks_and_keeps_held_ones(Ops.under(self.variant))
+  @parameterized.named_parameters((case.__name__[1:], case) for case in _LONG_CASES)
+  def test_long_case(self, case):
+    case(Ops.under(self.variant))
 
 
 @pytest.mark.slow
@@ -419,24 +410,9 @@ class PrefixCacheOpsEagerTest(chex.TestCase):
   """The longer cases of PrefixCacheOpsTest, run eagerly (op by op)."""
 
   @chex.variants(without_jit=True)
-  def test_prefix_shorter_than_one_block_never_hits(self):
-    _prefix_shorter_than_one_block_never_hits(Ops.under(self.variant))
-
-  @chex.variants(without_jit=True)
-  def test_last_prompt_token_is_always_recomputed(self):
-    _last_prompt_token_is_always_recomputed(Ops.under(self.variant))
-
-  @chex.variants(without_jit=True)
-  def test_eviction_order_lru_then_tail_first_and_free_blocks_first(self):
-    _eviction_order_lru_then_tail_first_and_free_blocks_first(Ops.under(self.variant))
-
-  @chex.variants(without_jit=True)
-  def test_ring_overflow_evicts_oldest_and_never_loses_an_evictable_block(self):
-    _ring_overflow_evicts_oldest_and_never_loses_an_evictable_block(Ops.under(self.variant))
-
-  @chex.variants(without_jit=True)
-  def test_reset_returns_unheld_blocks_and_keeps_held_ones(self):
-    _reset_returns_unheld_blocks_and_keeps_held_ones(Ops.under(self.variant))
+  @parameterized.named_parameters((case.__name__[1:], case) for case in _LONG_CASES)
+  def test_long_case(self, case):
+    case(Ops.under(self.variant))
 
 
 def _time_lookup(num_blocks, prompt_blocks=32, reps=20):
