@@ -1,7 +1,8 @@
 """pytest hooks (imported by conftest.py): where the suite's time goes, printed at its end.
 
 Every test report carries `cpu_s`, the CPU seconds (all threads: XLA compiles on several)
-its worker process spent in that phase. CPU time hardly depends on how loaded the shared
+its worker process and the child processes it waited for (a subprocess pytest, a notebook
+kernel) spent in that phase. CPU time hardly depends on how loaded the shared
 machine is; wall time does. At the end of a run, one table per file (slowest first):
 
   files by wall time (tests: N, wall W s, load average L at the start, L' at the end)
@@ -17,6 +18,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import resource
 import time
 
 import pytest
@@ -32,6 +34,12 @@ def _loadavg() -> float:
     return float("nan")
 
 
+def _cpu_s() -> float:
+  """CPU seconds of this process (all threads) and of its waited-for children."""
+  children = resource.getrusage(resource.RUSAGE_CHILDREN)
+  return time.process_time() + children.ru_utime + children.ru_stime
+
+
 def pytest_sessionstart(session):
   del session
   _START.update(wall=time.perf_counter(), load=_loadavg())
@@ -39,14 +47,14 @@ def pytest_sessionstart(session):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-  item.stash[_LAST_CPU] = time.process_time()
+  item.stash[_LAST_CPU] = _cpu_s()
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
   del call
   outcome = yield
-  now = time.process_time()
+  now = _cpu_s()
   report = outcome.get_result()
   report.cpu_s = now - item.stash.get(_LAST_CPU, now)
   item.stash[_LAST_CPU] = now
