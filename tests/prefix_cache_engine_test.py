@@ -45,6 +45,7 @@ def outputs(results):
   return [r.outputs for r in results]
 
 
+@pytest.mark.slow
 @settings(max_examples=4, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), prefix_len=st.integers(0, 30),
        mode=st.sampled_from(pc.HASH_MODES))
