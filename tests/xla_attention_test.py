@@ -29,7 +29,7 @@ NO_CPU = cpu_attention.unavailable_reason()
 # Backend "cpu" (no tile knobs) and "xla" at several query-tile sizes.
 IMPLS = [pytest.param("cpu", None, marks=pytest.mark.skipif(NO_CPU is not None,
                                                              reason=str(NO_CPU))),
-         ("xla", 1), ("xla", 16)]
+         pytest.param("xla", 1, marks=pytest.mark.slow), ("xla", 16)]
 BACKENDS = ["cpu", "xla"]   # tests taking these skip "cpu" themselves when it is missing
 decode_ref = jax.jit(paged_attention_reference, static_argnames=_STATIC)
 
