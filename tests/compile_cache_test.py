@@ -46,6 +46,7 @@ def _run(cache_dir):
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_second_process_loads_the_steps_and_generates_the_same(tmp_path):
   first = _run(tmp_path / "xla")
   assert first["misses"] >= 1 and first["hits"] == 0

@@ -12,6 +12,9 @@ except ImportError:  # pragma: no cover
 
 
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
+# Per-file wall and CPU seconds at the end of every run (tests/suite_timing.py).
+from suite_timing import (pytest_runtest_makereport, pytest_runtest_setup,  # pylint: disable=g-import-not-at-top,wrong-import-position,unused-import
+                          pytest_sessionstart, pytest_terminal_summary)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -28,3 +31,11 @@ def _release_compiled_code():
   yield
   from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
   release_compiled()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+  """An `exhaustive` test is also `slow` (pytest.ini): it never runs in the default tier."""
+  for item in items:
+    if item.get_closest_marker("exhaustive") and not item.get_closest_marker("slow"):
+      item.add_marker(pytest.mark.slow)

@@ -94,6 +94,7 @@ def params_fn(r):
   return SamplingParams(max_tokens=r.output_len, temperature=0.0)
 
 
+@pytest.mark.slow
 def test_after_warm_up_a_mixed_run_neither_traces_nor_compiles(monkeypatch):
   cc = MC.cache_config(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_seqs=MAX_SEQS,
                        max_blocks_per_seq=MAX_LEN // BLOCK)
@@ -187,6 +188,7 @@ def test_release_compiled_forgets_what_was_compiled():
   assert calls == [4, 4]
 
 
+@pytest.mark.slow
 def test_serve_replay_warm_up_compiles_exactly_the_timed_runs_shapes():
   # All requests at t = 0: the schedule is deterministic, so an untimed run of the same
   # requests on a fresh copy compiles every shape the timed run meets. A geometry no
