@@ -117,7 +117,8 @@ class ExecutableBudget:
     self._pending: Optional[tuple] = None   # (key, maps when it was made)
     self._stats = collections.Counter()
     self._last_maps: Optional[int] = None    # the last reading of the map count
-    self._warned = False
+    self._warned = False    # logged: nothing left to release
+    self._hinted = False    # logged: the persistent cache is off
     self.configure(max_maps=max_maps, reserve_maps=reserve_maps, max_live=max_live)
 
   def configure(self, *, max_maps: Optional[int] = None, reserve_maps: Optional[int] = None,
@@ -177,6 +178,10 @@ class ExecutableBudget:
       self._stats["released"] += released
       log.info("paged_jax executables: released %d least recently used (%d live, %s of %s "
                "memory maps)", released, len(self._live), maps, self.max_maps)
+      if not self._hinted and not jax.config.jax_compilation_cache_dir:
+        self._hinted = True
+        log.info("paged_jax executables: a released shape compiles again when it comes "
+                 "back; paged_jax.compile_cache.enable() loads it from disk instead")
     if maps is not None:
       self._last_maps = maps
       self._stats["peak_maps"] = max(self._stats["peak_maps"], maps)
