@@ -35,8 +35,7 @@ from paged_jax.bench import latency
 from paged_jax.bench import serving
 from paged_jax.bench import sweep as serving_sweep
 from paged_jax.bench import workloads
-from paged_jax.engine import compiled
-from paged_jax.engine.scheduler import PREEMPTION_MODES
+from paged_jax.engine import PREEMPTION_MODES, release_compiled
 
 PAPER = "vLLM sustains 2-4x Orca's request rate at the same latency (Fig. 12, OPT on A100)"
 FIG14_MODES = {"n2": dict(n=2), "n4": dict(n=4), "beam4": dict(beam_width=4)}
@@ -110,7 +109,7 @@ def sweep(f, systems: Sequence[str], rates: Sequence[float], duration_s: float,
             max_len=f.max_len, sizes=sizes[system], params_fn=params_fn(mode),
             clock=clock_fn(), progress=bar, preemption_mode=f.preemption_mode))
     curves[system] = serving_sweep.curve(rates, points)
-    compiled.release_compiled()   # the next system's engine has other shapes
+    release_compiled()   # the next system's engine has other shapes
   return {"systems": curves, "sizes": sizes}
 
 

@@ -1,0 +1,124 @@
+"""What one engine step did: `StepReport`, read from `Engine.last_step` after `step()`.
+
+For harnesses (time to first token without reading the scheduler) and for a device-time
+model (the work of each chunk and row the step computed):
+
+    engine.step()
+    r = engine.last_step
+    r.first_token_ids, r.finished_ids     # request ids
+    r.prefill_chunks, r.decode_rows       # ((new tokens, context tokens attended), ...)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from paged_jax.engine.buckets import Bucket
+from paged_jax.engine.sequence import Batch, Group, GroupStatus
+
+Work = Tuple[Tuple[int, int], ...]   # ((new tokens, context tokens attended), ...)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+  """One `Engine.step()`: its plan, what the device did, and what came out.
+
+  Attributes:
+    ok: the step's reservations succeeded (False: nothing ran; the engine preempted
+      the newest group and re-plans).
+    bucket: the compiled shape the step ran on (None when nothing was dispatched).
+    dispatches: jitted step calls this `step()` made: 1; 2 when finished requests'
+      blocks were freed by a frees-only call at its end; 0 when nothing ran.
+    first_token_ids: request ids whose first generated token came out in this step.
+    finished_ids: request ids whose output `step()` returns (finished in this step).
+    preempted_ids: request ids preempted while planning this step (or after it failed).
+    num_running_groups / num_running_seqs: requests / sequences running after the step.
+    swapped_blocks: KV blocks copied to host and back in this step (out + in).
+    prefill_chunks: per prefill chunk (prompt or recomputation), (new tokens, tokens in
+      its context after the chunk: what its attention reads).
+    decode_rows: the same per decode row (one new, generated token each).
+    prefix_hit_tokens: prompt tokens attached from the prefix cache in this step.
+    cow_copies: copy-on-write block copies (first forward and decode loop).
+    decode_loop_rows: live rows of each decode-loop iteration after the first forward
+      (length `decode_steps_per_sync - 1` when the step ran: the loop has a fixed trip
+      count; iterations with 0 live rows run on padding).
+    generated_tokens: tokens appended to sequences (every sample and beam).
+  """
+  ok: bool = True
+  bucket: Optional[Bucket] = None
+  dispatches: int = 0
+  first_token_ids: Tuple[Any, ...] = ()
+  finished_ids: Tuple[Any, ...] = ()
+  preempted_ids: Tuple[Any, ...] = ()
+  num_running_groups: int = 0
+  num_running_seqs: int = 0
+  swapped_blocks: int = 0
+  prefill_chunks: Work = ()
+  decode_rows: Work = ()
+  prefix_hit_tokens: int = 0
+  cow_copies: int = 0
+  decode_loop_rows: Tuple[int, ...] = ()
+  generated_tokens: int = 0
+
+  @property
+  def preempted(self) -> int:
+    """Groups preempted in this step."""
+    return len(self.preempted_ids)
+
+  @property
+  def decode_loop_iterations(self) -> int:
+    """Decode-loop iterations the device ran after the first forward."""
+    return len(self.decode_loop_rows)
+
+
+def chunk_work(batch: Batch) -> Tuple[Work, Work]:
+  """(prefill_chunks, decode_rows) of a planned batch, before its outputs are applied.
+
+  A decode row feeds one generated token (`num_computed >= prompt_len`); everything
+  else (prompt chunks, recomputation of generated tokens) is prefill."""
+  prefill, decode = [], []
+  for ch in batch.chunks:
+    q = ch.seq
+    work = (ch.num_tokens, q.num_computed + ch.num_tokens)
+    (decode if ch.num_tokens == 1 and q.num_computed >= q.prompt_len else prefill).append(work)
+  return tuple(prefill), tuple(decode)
+
+
+def _started(group: Group) -> bool:
+  return any(q.num_generated for q in group.seqs) or bool(group.finished)
+
+
+@dataclasses.dataclass
+class Before:
+  """What a report needs from before `Scheduler.update` applies a step."""
+  running: List[Group]
+  not_started: set
+  prefill_chunks: Work
+  decode_rows: Work
+
+  @classmethod
+  def of(cls, batch: Batch, scheduler) -> "Before":
+    prefill, decode = chunk_work(batch)
+    return cls(list(scheduler.running),
+               {g.request_id for g in scheduler.running if not _started(g)}, prefill, decode)
+
+  def parts(self, batch: Batch, outputs, finished, bucket: Bucket) -> Dict[str, Any]:
+    """The StepReport fields of the step once `update` applied `outputs`."""
+    done = [o.request_id for o in finished]
+    preempted = batch.preempted + [g for g in self.running
+                                   if g.status in (GroupStatus.WAITING, GroupStatus.SWAPPED)]
+    ok = bool(outputs.ok)
+    return dict(
+        ok=ok, bucket=bucket, finished_ids=tuple(done),
+        first_token_ids=tuple(g.request_id for g in self.running if g.request_id in
+                              self.not_started and (g.request_id in done or _started(g))),
+        preempted_ids=tuple(g.request_id for g in preempted),
+        prefill_chunks=self.prefill_chunks if ok else (),
+        decode_rows=self.decode_rows if ok else (),
+        prefix_hit_tokens=sum(q.num_computed for q in batch.attaches) if ok else 0,
+        cow_copies=int(outputs.cow_copies),
+        decode_loop_rows=tuple(int(v) for v in np.asarray(outputs.valid)[1:].sum(axis=1))
+        if ok else ())
