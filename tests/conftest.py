@@ -26,7 +26,8 @@ def _release_compiled_code():
   (one ragged-kernel module alone leaves ~5,000 maps) reached Linux's per-process limit
   (vm.max_map_count, 65,530), and LLVM aborted mid-compile: CI's "Fatal Python error:
   Aborted" in whichever test compiled next. Module-level jitted helpers recompile in the
-  next module that uses them; nothing else changes.
+  next module that uses them; nothing else changes. (The engine's steps are bounded by
+  `paged_jax.executables` anyway; the kernels' and helpers' jits are not.)
   """
   yield
   from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
