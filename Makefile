@@ -56,7 +56,7 @@ install: $(VENV)/.installed
 demo: $(VENV)/.installed
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m experiments.demo --out=results
 
-# The tables of README.md / BENCHMARKS.md between <!-- results:NAME --> markers, rendered
+# The tables of README.md, BENCHMARKS.md and docs/ between <!-- results:NAME --> markers, rendered
 # from the committed JSON under experiments/results/ (tools/render_results.py --list).
 results: $(VENV)/.installed
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) tools/render_results.py
