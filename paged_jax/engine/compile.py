@@ -19,7 +19,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import jax
 
-from paged_jax.config import CacheConfig, ModelConfig
+from paged_jax.config import CacheConfig, ModelConfig, sliding_blocks_per_seq
 from paged_jax.engine.buckets import Bucket, StepBuckets, step_buckets
 from paged_jax.engine.inputs import empty_inputs, input_shapes, lookup_len
 from paged_jax.engine.options import EngineOptions
@@ -115,6 +115,30 @@ def check_configs(model_config, cache_config) -> None:
     if getattr(cache_config, name) != getattr(model_config, name):
       raise ValueError(f"cache_config.{name}={getattr(cache_config, name)} does not match "
                        f"the model's {name}={getattr(model_config, name)}")
+  if cache_config.hybrid and (cache_config.sliding_layers != model_config.sliding_layers or
+                              cache_config.sliding_window != model_config.sliding_window):
+    raise ValueError(f"cache_config.sliding_layers={list(cache_config.sliding_layers)} / "
+                     f"sliding_window={cache_config.sliding_window} must be the model's "
+                     f"{list(model_config.sliding_layers)} / {model_config.sliding_window} "
+                     f"(ModelConfig.cache_config(hybrid_kv=True) sets them)")
+
+
+def check_hybrid(cache_config: CacheConfig, options: EngineOptions) -> None:
+  """One-line ValueError unless hybrid KV's sliding pool can never run short for these
+  options (the host plans with the main pool only) and preemption recomputes (swapping
+  copies the main pool only)."""
+  if not cache_config.hybrid:
+    return
+  if options.preemption_mode != "recompute":
+    raise ValueError(f"preemption_mode must be 'recompute' with hybrid KV (sliding_layers), "
+                     f"got {options.preemption_mode!r}")
+  tokens = options.max_num_batched_tokens + options.decode_steps_per_sync - 1
+  need = cache_config.max_seqs * sliding_blocks_per_seq(
+      cache_config.sliding_window, cache_config.block_size, tokens)
+  if cache_config.num_sliding_blocks < need:
+    raise ValueError(f"num_sliding_blocks must be >= {need} (max_seqs * "
+                     f"sliding_blocks_per_seq(...) for {tokens} tokens per step), got "
+                     f"{cache_config.num_sliding_blocks}")
 
 
 def step_key(model_config: ModelConfig, cache_config: CacheConfig,
@@ -128,7 +152,8 @@ def step_key(model_config: ModelConfig, cache_config: CacheConfig,
                                           cache_config.block_size, options.decode_steps_per_sync)
                if cache_config.enable_prefix_caching else 0)
   return (model_config, options.attention_backend, options.decode_steps_per_sync, candidates,
-          max_evict, options.model_apply)
+          max_evict, options.model_apply, cache_config.sliding_window or 0,
+          cache_config.sliding_layers)
 
 
 def engine_step(model_config: ModelConfig, cache_config: CacheConfig,
@@ -137,11 +162,13 @@ def engine_step(model_config: ModelConfig, cache_config: CacheConfig,
   `step_key`; one of its own with a custom `model_apply`) and its shape buckets."""
   from paged_jax.models.llama import LlamaForCausalLM  # pylint: disable=g-import-not-at-top
   check_configs(model_config, cache_config)
+  check_hybrid(cache_config, options)
   key = step_key(model_config, cache_config, options)
-  _, _, steps, candidates, max_evict, model_apply = key
+  _, _, steps, candidates, max_evict, model_apply, window, sliding_layers = key
   buckets = step_buckets(cache_config, options.max_num_batched_tokens, steps,
                          options.shape_buckets)
-  kw = dict(num_decode_steps=steps, num_candidates=candidates, max_evict=max_evict)
+  kw = dict(num_decode_steps=steps, num_candidates=candidates, max_evict=max_evict,
+            sliding_window=window, sliding_layers=sliding_layers)
   if model_apply is not None:  # e.g. the tensor-parallel forward (paged_jax.distributed)
     name = getattr(model_apply, "__qualname__", "custom").replace(".", "_")
     return CompiledStep(make_step(model_apply, name=name, **kw)), buckets
