@@ -67,6 +67,17 @@ def sliding_blocks_per_seq(sliding_window: int, block_size: int, tokens_per_step
   return cdiv(sliding_window - 1 + tokens_per_step, block_size) + 1
 
 
+def sliding_pool_blocks(sliding_window: int, block_size: int, max_seqs: int,
+                        max_num_batched_tokens: int, decode_steps_per_sync: int = 1) -> int:
+  """Blocks a hybrid-KV sliding pool needs so it can never run short: sequence s holds at
+  most cdiv(W - 1, bs) + 1 + cdiv(n_s, bs) blocks (`sliding_blocks_per_seq`, n_s the
+  tokens it adds in a step), and a step adds at most `max_num_batched_tokens` tokens plus
+  `decode_steps_per_sync - 1` per sequence in all, so the pool needs
+  max_seqs * (cdiv(W - 1, bs) + 2) + (those tokens) // bs (each cdiv rounds up by < 1)."""
+  tokens = max_num_batched_tokens + max_seqs * (decode_steps_per_sync - 1)
+  return max_seqs * (cdiv(sliding_window - 1, block_size) + 2) + tokens // block_size
+
+
 def check_block_size(block_size: Any) -> None:
   """ValueError unless `block_size` is a power of two in [1, 1024] (tokens per KV block)."""
   check_int("block_size", block_size, 1, 1024)
@@ -99,7 +110,7 @@ class CacheConfig:
     sliding_window: tokens a sliding layer's query sees (itself included), >= 1; set
       iff `sliding_layers` is.
     num_sliding_blocks: blocks of the sliding pool (hybrid KV only; the engine needs
-      `max_seqs * sliding_blocks_per_seq(...)` so that pool never runs short).
+      `sliding_pool_blocks(...)` so that pool never runs short).
   """
 
   block_size: int = 16
@@ -456,14 +467,14 @@ class ModelConfig:
     """Indices of the sliding-window layers (empty when every layer is full)."""
     return tuple(i for i in range(self.num_layers) if self.layer_sliding_window(i) is not None)
 
-  def cache_config(self, *, hybrid_kv: bool = False, tokens_per_step: int = 256,
-                   **kwargs) -> CacheConfig:
+  def cache_config(self, *, hybrid_kv: bool = False, max_num_batched_tokens: int = 256,
+                   decode_steps_per_sync: int = 1, **kwargs) -> CacheConfig:
     """A CacheConfig whose layer/head shapes match this model. K/V pages have the model's
     dtype unless `dtype` is passed ("auto", the default, means the model's; "int8" /
     "float8_e4m3fn" quantize). `hybrid_kv=True` gives the sliding-window layers a pool of
     their own (`CacheConfig.sliding_layers`), sized unless `num_sliding_blocks` is passed
-    for `max_seqs` sequences of an engine adding at most `tokens_per_step` tokens per
-    sequence per step (`max_num_batched_tokens + decode_steps_per_sync - 1`)."""
+    for an engine with these `max_num_batched_tokens` and `decode_steps_per_sync`
+    (`sliding_pool_blocks`; the engine checks it)."""
     dtype = kwargs.pop("dtype", "auto")
     if not isinstance(hybrid_kv, bool):
       raise TypeError(f"hybrid_kv must be a bool, got {type(hybrid_kv).__name__}")
@@ -472,10 +483,12 @@ class ModelConfig:
       if not layers or len(layers) == self.num_layers:
         raise ValueError(f"hybrid_kv needs both sliding-window and full-attention layers; "
                          f"this model has {len(layers)} sliding of {self.num_layers}")
-      check_int("tokens_per_step", tokens_per_step, 1)
+      check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+      check_int("decode_steps_per_sync", decode_steps_per_sync, 1)
       probe = CacheConfig(**{k: v for k, v in kwargs.items() if k != "num_sliding_blocks"})
-      kwargs.setdefault("num_sliding_blocks", probe.max_seqs * sliding_blocks_per_seq(
-          self.sliding_window, probe.block_size, tokens_per_step))
+      kwargs.setdefault("num_sliding_blocks", sliding_pool_blocks(
+          self.sliding_window, probe.block_size, probe.max_seqs, max_num_batched_tokens,
+          decode_steps_per_sync))
       kwargs.update(sliding_layers=layers, sliding_window=self.sliding_window)
     return CacheConfig(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
                        head_dim=self.head_dim, dtype=self.dtype if dtype == "auto" else dtype,

@@ -10,7 +10,8 @@ import pytest
 
 from paged_jax import block_manager as bm
 from paged_jax import block_window
-from paged_jax.config import CacheConfig, OK, cdiv, sliding_blocks_per_seq
+from paged_jax.config import (CacheConfig, OK, cdiv, sliding_blocks_per_seq,
+                             sliding_pool_blocks)
 from paged_jax.testing import BlockModel
 
 from block_manager_support import assert_matches_model, j_allocate, j_append, j_fork, j_free
@@ -106,3 +107,27 @@ def test_a_sequence_never_holds_more_than_the_bound(window, bs, step):
     peak = max(peak, int(block_window.held_blocks(state)[0]))
   assert peak <= bound
   assert peak >= bound - 1
+
+
+@pytest.mark.parametrize("window,bs,slots,budget,steps", [(6, 4, 4, 8, 1), (33, 8, 5, 24, 3)])
+def test_the_pool_sized_by_sliding_pool_blocks_never_runs_short(window, bs, slots, budget,
+                                                                steps):
+  """Every slot grows; each step splits at most `budget` tokens among the slots (one gets
+  a big chunk, others decode) plus `steps - 1` each: the pool never runs out, and the
+  total held right after the reservations comes within a few blocks of the bound."""
+  pool = sliding_pool_blocks(window, bs, slots, budget, steps)
+  cfg = CacheConfig(block_size=bs, num_blocks=pool, max_seqs=slots, max_blocks_per_seq=200)
+  rng = np.random.default_rng(slots)
+  state = bm.init(cfg)
+  state, st = j_allocate(state, jnp.arange(slots, dtype=jnp.int32), jnp.int32(1))
+  peak = 0
+  for _ in range(40):
+    counts = np.ones(slots, np.int64)                 # budget tokens in all, then the
+    counts[rng.integers(0, slots)] = budget - (slots - 1)   # decode loop's steps - 1 each
+    counts += steps - 1
+    state, st, _ = j_append(state, jnp.ones((slots,), bool), jnp.asarray(counts, jnp.int32))
+    assert (np.asarray(st) == OK).all()
+    peak = max(peak, pool - int(state.num_free))
+    state = j_release(state, window)
+  assert peak <= pool
+  assert peak >= pool - slots - 2

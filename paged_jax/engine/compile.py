@@ -19,7 +19,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import jax
 
-from paged_jax.config import CacheConfig, ModelConfig, sliding_blocks_per_seq
+from paged_jax.config import CacheConfig, ModelConfig, sliding_pool_blocks
 from paged_jax.engine.buckets import Bucket, StepBuckets, step_buckets
 from paged_jax.engine.inputs import empty_inputs, input_shapes, lookup_len
 from paged_jax.engine.options import EngineOptions
@@ -132,13 +132,13 @@ def check_hybrid(cache_config: CacheConfig, options: EngineOptions) -> None:
   if options.preemption_mode != "recompute":
     raise ValueError(f"preemption_mode must be 'recompute' with hybrid KV (sliding_layers), "
                      f"got {options.preemption_mode!r}")
-  tokens = options.max_num_batched_tokens + options.decode_steps_per_sync - 1
-  need = cache_config.max_seqs * sliding_blocks_per_seq(
-      cache_config.sliding_window, cache_config.block_size, tokens)
-  if cache_config.num_sliding_blocks < need:
-    raise ValueError(f"num_sliding_blocks must be >= {need} (max_seqs * "
-                     f"sliding_blocks_per_seq(...) for {tokens} tokens per step), got "
-                     f"{cache_config.num_sliding_blocks}")
+  c = cache_config
+  need = sliding_pool_blocks(c.sliding_window, c.block_size, c.max_seqs,
+                             options.max_num_batched_tokens, options.decode_steps_per_sync)
+  if c.num_sliding_blocks < need:
+    raise ValueError(f"num_sliding_blocks must be >= {need} (config.sliding_pool_blocks for "
+                     f"these max_seqs, max_num_batched_tokens, decode_steps_per_sync), got "
+                     f"{c.num_sliding_blocks}")
 
 
 def step_key(model_config: ModelConfig, cache_config: CacheConfig,
