@@ -131,3 +131,74 @@ def test_bad_options_are_one_line_errors(make, match):
   with pytest.raises(ValueError, match=match) as e:
     make()
   assert "\n" not in str(e.value)
+
+
+def test_one_dispatch_and_one_host_sync_per_step(monkeypatch):
+  engine = _engine(True)
+  for p in PROMPTS:
+    engine.add_request(p, SamplingParams(max_tokens=6, temperature=0.0))
+  calls = {"dispatch": 0, "sync": 0}
+  inner, real_get = engine._step, jax.device_get   # pylint: disable=protected-access
+
+  def counted(*a, **kw):
+    calls["dispatch"] += 1
+    return inner(*a, **kw)
+
+  def counted_get(x):
+    calls["sync"] += 1
+    return real_get(x)
+
+  engine._step = counted   # pylint: disable=protected-access
+  monkeypatch.setattr(jax, "device_get", counted_get)
+  steps = 0
+  with jax.transfer_guard_device_to_host("disallow"):   # no hidden (implicit) syncs
+    while engine.has_unfinished():
+      engine.step()
+      steps += 1
+      assert calls["dispatch"] == calls["sync"] == steps
+
+
+@pytest.mark.parametrize("point,k", [("dispatch", 3), ("wait", 7), ("dispatch", 11)])
+def test_an_interrupted_step_changes_no_output_and_leaks_no_block(monkeypatch, point, k):
+  """KeyboardInterrupt before the k-th dispatch, or while the host waits for its outputs:
+  the engine keeps serving, the outputs equal an uninterrupted run, both pools end empty."""
+  params = SamplingParams(max_tokens=10, temperature=0.0)
+  want, _ = _run(_engine(True), params)
+  engine = _engine(True)
+  ids = [engine.add_request(p, params) for p in PROMPTS]
+  count = {"n": 0}
+
+  def wrap(fn):
+    def wrapped(*a, **kw):
+      count["n"] += 1
+      if count["n"] == k:
+        raise KeyboardInterrupt
+      return fn(*a, **kw)
+    return wrapped
+
+  outs = {}
+  with monkeypatch.context() as m:
+    if point == "dispatch":
+      engine._step = wrap(engine._step)   # pylint: disable=protected-access
+    else:
+      m.setattr(jax, "device_get", wrap(jax.device_get))
+    with pytest.raises(KeyboardInterrupt):
+      while engine.has_unfinished():
+        outs.update({o.request_id: o.outputs for o in engine.step()})
+  while engine.has_unfinished():
+    outs.update({o.request_id: o.outputs for o in engine.step()})
+  assert [outs[i] for i in ids] == want
+  sb = engine.state.sliding_blocks
+  assert int(sb.num_free) == sb.num_blocks
+  assert engine.num_free == engine.cache_config.num_blocks
+
+
+def test_step_for_compile_lowers_the_hybrid_step():
+  from paged_jax.engine import step_for_compile   # pylint: disable=g-import-not-at-top
+  cc = GEMMA.cache_config(hybrid_kv=True, max_num_batched_tokens=BUDGET, block_size=BS,
+                          num_blocks=32, max_seqs=MAX_SEQS, max_blocks_per_seq=16)
+  fn, args = step_for_compile(GEMMA, cc, max_num_batched_tokens=BUDGET,
+                              attention_backend="reference")
+  leaves = jax.tree_util.tree_leaves(args)
+  assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+  assert "func" in fn.trace(*args).lower().as_text()
