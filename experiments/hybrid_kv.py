@@ -55,7 +55,7 @@ class Config(configs.ExperimentConfig):
   sliding_per_full: int = configs.flag(5, "sliding-window layers per full-attention layer "
                                        "(Gemma-3: 5, Gemma-2: 1)", lower=1)
   block_size: int = configs.flag(16, "tokens per KV block", lower=1, upper=1024)
-  base_requests: int = configs.flag(2, "sequences the KV memory holds with hybrid KV off",
+  base_requests: int = configs.flag(4, "sequences the KV memory holds with hybrid KV off",
                                     lower=1)
   max_num_batched_tokens: int = configs.flag(512, "engine token budget per step", lower=1)
   out: str = configs.flag("results/hybrid_kv", "output directory")

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from distributed_fixtures import random_params
+from engine_oracle import run_counting_dispatches_and_syncs
 from paged_jax import block_window
 from paged_jax.config import CacheConfig, ModelConfig
 from paged_jax.engine import Engine, SamplingParams
@@ -34,12 +35,12 @@ PROMPTS = [[int(t) for t in rng.integers(1, 64, size=n)] for n in (3, 29, 11, 17
 _DENSE = jax.jit(lambda p, t: dense.forward(p, GEMMA, t))
 
 
-def _engine(hybrid, num_blocks=96, steps=1, **kw):
+def _engine(hybrid, num_blocks=96, steps=1, backend="cpu", **kw):
   cc = GEMMA.cache_config(hybrid_kv=hybrid, max_num_batched_tokens=BUDGET,
                           decode_steps_per_sync=steps, block_size=BS, num_blocks=num_blocks,
                           max_seqs=MAX_SEQS, max_blocks_per_seq=16)
   # One shape bucket: each engine compiles one step (cheap tests).
-  return Engine(GEMMA, PARAMS, cc, max_num_batched_tokens=BUDGET, attention_backend="cpu",
+  return Engine(GEMMA, PARAMS, cc, max_num_batched_tokens=BUDGET, attention_backend=backend,
                 decode_steps_per_sync=steps, shape_buckets=False, **kw)
 
 
@@ -55,6 +56,7 @@ def _run(engine, params):
     if st.sliding_blocks is not None:
       held = st.sliding_blocks.num_blocks - int(st.sliding_blocks.num_free)
       peak["sliding"] = max(peak["sliding"], held)
+      assert engine.metrics()["num_free_sliding_blocks"] == int(st.sliding_blocks.num_free)
       np.testing.assert_array_equal(st.sliding_blocks.seq_lens, st.blocks.seq_lens)
   return [outs[i] for i in ids], peak
 
@@ -68,10 +70,12 @@ def _dense_greedy(prompt, n):
   return ids[len(prompt):]
 
 
-def test_greedy_on_equals_off_equals_dense_and_the_sliding_pool_gives_back():
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("reference", marks=pytest.mark.slow),
+                                     pytest.param("xla", marks=pytest.mark.slow)])
+def test_greedy_on_equals_off_equals_dense_and_the_sliding_pool_gives_back(backend):
   params = SamplingParams(max_tokens=24, temperature=0.0)
-  off, peak_off = _run(_engine(False), params)
-  engine = _engine(True)
+  off, peak_off = _run(_engine(False, backend=backend), params)
+  engine = _engine(True, backend=backend)
   on, peak_on = _run(engine, params)
   assert on == off
   for p, o in zip(PROMPTS, on):
@@ -83,6 +87,8 @@ def test_greedy_on_equals_off_equals_dense_and_the_sliding_pool_gives_back():
   sb = engine.state.sliding_blocks
   assert int(sb.num_free) == sb.num_blocks                # every block back
   assert engine.num_free == engine.cache_config.num_blocks
+  m = engine.metrics()
+  assert m["num_free_sliding_blocks"] == m["num_sliding_blocks"] == sb.num_blocks
 
 
 @pytest.mark.slow
@@ -137,25 +143,7 @@ def test_one_dispatch_and_one_host_sync_per_step(monkeypatch):
   engine = _engine(True)
   for p in PROMPTS:
     engine.add_request(p, SamplingParams(max_tokens=6, temperature=0.0))
-  calls = {"dispatch": 0, "sync": 0}
-  inner, real_get = engine._step, jax.device_get   # pylint: disable=protected-access
-
-  def counted(*a, **kw):
-    calls["dispatch"] += 1
-    return inner(*a, **kw)
-
-  def counted_get(x):
-    calls["sync"] += 1
-    return real_get(x)
-
-  engine._step = counted   # pylint: disable=protected-access
-  monkeypatch.setattr(jax, "device_get", counted_get)
-  steps = 0
-  with jax.transfer_guard_device_to_host("disallow"):   # no hidden (implicit) syncs
-    while engine.has_unfinished():
-      engine.step()
-      steps += 1
-      assert calls["dispatch"] == calls["sync"] == steps
+  run_counting_dispatches_and_syncs(engine, monkeypatch)
 
 
 @pytest.mark.parametrize("point,k", [("dispatch", 3), ("wait", 7), ("dispatch", 11)])
