@@ -134,8 +134,9 @@ def one_context(f: Config, context: int) -> Dict:
   analytic_off, analytic_on = n_layers * per_seq, n_full * per_seq + n_sliding * kept
   layer_blocks = lambda r: n_full * r["full_blocks"] + n_sliding * r["sliding_blocks"]
   return {
-      "context": context, "prompt_tokens": prompt, "gen_tokens": gen, "kv_bytes_off": off_cc.kv_cache_bytes,
-      "kv_bytes_on": on_cc.kv_cache_bytes, "num_sliding_blocks": pool,
+      "context": context, "prompt_tokens": prompt, "gen_tokens": gen,
+      "kv_bytes_off": off_cc.kv_cache_bytes, "kv_bytes_on": on_cc.kv_cache_bytes,
+      "num_sliding_blocks": pool,
       "off": off, "on": on,
       "layer_blocks_per_seq_off": layer_blocks(off), "layer_blocks_per_seq_on": layer_blocks(on),
       "analytic_layer_blocks_per_seq_off": analytic_off,

@@ -190,3 +190,22 @@ def test_step_for_compile_lowers_the_hybrid_step():
   leaves = jax.tree_util.tree_leaves(args)
   assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
   assert "func" in fn.trace(*args).lower().as_text()
+
+
+@pytest.mark.parametrize("family,block_size", [
+    ("gemma2", 1), pytest.param("gemma2", 4, marks=pytest.mark.slow),
+    ("gemma3_text", 4), pytest.param("gemma3_text", 1, marks=pytest.mark.slow)])
+def test_generate_with_hybrid_kv_prints_transformers_tokens(family, block_size):
+  """`experiments.generate --hybrid_kv` on the committed transformers fixtures (window 8,
+  32 tokens: every sequence outgrows its window) prints transformers' greedy tokens."""
+  import json  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  from experiments import generate  # pylint: disable=g-import-not-at-top
+  directory = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hf_golden",
+                           family)
+  with open(os.path.join(directory, "golden.json")) as f:
+    golden = json.load(f)
+  ids = ";".join(",".join(str(t) for t in p) for p in golden["prompts"])
+  result = generate.run(checkpoint=directory, prompt_ids=ids, max_tokens=golden["max_tokens"],
+                        block_size=block_size, hybrid_kv=True)
+  assert result == {"outputs": golden["outputs"]}

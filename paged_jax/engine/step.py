@@ -138,6 +138,20 @@ def _forward(apply_fn, params, tokens, positions, pg, spg, meta, sliding_layers)
   return logits, pages.full, pages.sliding
 
 
+def _reserve(b: bm.BlockState, inp: StepInputs, alloc_lane, num_tokens: int):
+  """One pool's reservations: allocations on the R lanes `alloc_lane` (slots, S = none),
+  then appends. Returns (state, status i32[S] (OK where nothing was asked), cow i32[S, 2])."""
+  s_max = b.max_seqs
+  alloc, grow = inp.alloc_tokens > 0, inp.append_tokens > 0
+  b, st_lane = bm.allocate(
+      b, jnp.where(alloc_lane < s_max, alloc_lane, -1),
+      jnp.maximum(inp.alloc_tokens[jnp.clip(alloc_lane, 0, s_max - 1)], 1),
+      max_num_tokens=num_tokens)
+  st_alloc = jnp.full((s_max,), INVALID, _I32).at[alloc_lane].set(st_lane, mode="drop")
+  b, st_append, cow = bm.append(b, grow, inp.append_tokens, max_new_tokens=num_tokens)
+  return b, jnp.where(alloc, st_alloc, jnp.where(grow, st_append, OK)), cow
+
+
 def _select(pred, on_true, on_false):
   """Elementwise pytree select by a scalar predicate (for the small BlockState)."""
   return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
@@ -239,23 +253,10 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     alloc = inp.alloc_tokens > 0
     grow = inp.append_tokens > 0
     alloc_lane = _lanes(alloc, rows)
-    b, st_lane = bm.allocate(
-        b, jnp.where(alloc_lane < s_max, alloc_lane, -1),
-        jnp.maximum(inp.alloc_tokens[jnp.clip(alloc_lane, 0, s_max - 1)], 1),
-        max_num_tokens=num_tokens)
-    st_alloc = jnp.full((s_max,), INVALID, _I32).at[alloc_lane].set(st_lane, mode="drop")
-    b, st_append, cow = bm.append(b, grow, inp.append_tokens, max_new_tokens=num_tokens)
-    status = jnp.where(alloc, st_alloc, jnp.where(grow, st_append, OK))
+    b, status, cow = _reserve(b, inp, alloc_lane, num_tokens)
     cow_s = None
     if sb is not None:   # the same reservations in the sliding pool
-      sb, st_lane_s = bm.allocate(
-          sb, jnp.where(alloc_lane < s_max, alloc_lane, -1),
-          jnp.maximum(inp.alloc_tokens[jnp.clip(alloc_lane, 0, s_max - 1)], 1),
-          max_num_tokens=num_tokens)
-      st_alloc_s = jnp.full((s_max,), INVALID, _I32).at[alloc_lane].set(st_lane_s, mode="drop")
-      sb, st_append_s, cow_s = bm.append(sb, grow, inp.append_tokens,
-                                         max_new_tokens=num_tokens)
-      st_s = jnp.where(alloc, st_alloc_s, jnp.where(grow, st_append_s, OK))
+      sb, st_s, cow_s = _reserve(sb, inp, alloc_lane, num_tokens)
       status = jnp.where(status == OK, st_s, status)
     status = jnp.where((alloc | grow) & (jnp.sum(alloc | grow) > rows), INVALID, status)
     ok = jnp.all(status == OK)
