@@ -8,7 +8,8 @@ from experiments import hybrid_kv
 
 
 def test_toy_run_matches_the_analytic_counts():
-  f = hybrid_kv.Config(contexts=(256,), window=32, block_size=8, max_num_batched_tokens=32)
+  f = hybrid_kv.Config(contexts=(128,), window=16, block_size=4, max_num_batched_tokens=16,
+                       base_requests=2)
   (row,) = hybrid_kv.run(f)["rows"]
   assert row["kv_bytes_on"] <= row["kv_bytes_off"]
   assert row["off"]["batched"] == f.base_requests            # the pool's capacity, reached
