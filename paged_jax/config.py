@@ -251,6 +251,8 @@ class CacheConfig:
     memory; falls back to an error on devices that report no memory stats) must
     be given. `max_model_len` defaults to the model's max positions. `dtype` is the
     page dtype; "auto" (default) is the model's, and the pool's bytes are counted in it.
+    With `hybrid_kv=True` (passed on to `ModelConfig.cache_config`) the sliding pool's
+    bytes come off the budget first; the full-attention layers' pool gets the rest.
     """
     if (kv_budget_bytes is None) == (gpu_memory_utilization is None):
       raise ValueError("give exactly one of kv_budget_bytes or gpu_memory_utilization")
@@ -271,7 +273,10 @@ class CacheConfig:
     probe = model.cache_config(block_size=block_size, num_blocks=1, max_seqs=max_seqs,
                                max_blocks_per_seq=max(1, cdiv(max_model_len, block_size)),
                                dtype=dtype, **kwargs)
-    num_blocks = int(kv_budget_bytes) // (probe.kv_bytes_per_token * block_size)
+    per_layer_block = probe.kv_bytes_per_token // probe.num_layers * block_size
+    # Hybrid KV: the sliding pool (sized for max_seqs) first, the rest to the full layers.
+    sliding = per_layer_block * len(probe.sliding_layers) * probe.num_sliding_blocks
+    num_blocks = (int(kv_budget_bytes) - sliding) // (per_layer_block * len(probe.full_layers))
     if num_blocks < 1:
       raise ValueError(
           f"kv_budget_bytes={kv_budget_bytes} holds no block of {block_size} tokens "

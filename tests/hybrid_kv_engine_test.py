@@ -209,3 +209,16 @@ def test_generate_with_hybrid_kv_prints_transformers_tokens(family, block_size):
   result = generate.run(checkpoint=directory, prompt_ids=ids, max_tokens=golden["max_tokens"],
                         block_size=block_size, hybrid_kv=True)
   assert result == {"outputs": golden["outputs"]}
+
+
+def test_from_memory_budget_takes_the_sliding_pool_off_the_budget():
+  budget = 1 << 20
+  kw = dict(block_size=BS, kv_budget_bytes=budget, max_seqs=MAX_SEQS)
+  on = CacheConfig.from_memory_budget(GEMMA, hybrid_kv=True, max_num_batched_tokens=BUDGET,
+                                      **kw)
+  off = CacheConfig.from_memory_budget(GEMMA, **kw)
+  per_layer_block = on.kv_bytes_per_token // GEMMA.num_layers * BS
+  assert on.hybrid and on.sliding_layers == (0, 2) and on.full_layers == (1,)
+  assert budget - per_layer_block < on.kv_cache_bytes <= budget   # one full block short at most
+  assert budget - 3 * per_layer_block < off.kv_cache_bytes <= budget
+  assert on.num_blocks > 2 * off.num_blocks     # the full layers' pool: 1 layer, not 3
