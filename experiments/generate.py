@@ -58,6 +58,8 @@ class Config(configs.ExperimentConfig):
   preemption_mode: str = configs.flag("recompute", "preemption", choices=PREEMPTION_MODES)
   attention_backend: str = configs.flag("auto", "auto|reference|pallas|pallas_interpret")
   dtype: str = configs.flag("float32", "parameter / KV dtype")
+  hybrid_kv: bool = configs.flag(False, "sliding-window layers give back blocks that slid out "
+                                 "of the window (needs sliding and full layers; recompute)")
 
   def check(self) -> None:
     # Checks that need no model, so a bad value fails in a blink.
@@ -122,7 +124,8 @@ def run(config: Optional[Config] = None, **fields) -> dict:
   longest = max(len(p) for p in prompts) + max_tokens
   blocks_per_seq = cdiv(min(longest, model_config.max_position_embeddings), block_size)
   cache_config = model_config.cache_config(
-      block_size=block_size,
+      hybrid_kv=c.hybrid_kv, max_num_batched_tokens=c.max_num_batched_tokens,
+      decode_steps_per_sync=c.decode_steps_per_sync, block_size=block_size,
       num_blocks=c.num_blocks or max(1, sum(seqs * cdiv(len(p) + max_tokens, block_size)
                                           for p in prompts)),
       max_seqs=c.max_seqs or min(256, seqs * len(prompts)),

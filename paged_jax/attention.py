@@ -30,6 +30,8 @@ runs the decode kernel (`paged_attention`) instead of the ragged one.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import flax
 import jax
 import jax.numpy as jnp
@@ -57,6 +59,8 @@ class AttentionMetadata:
       every live sequence has exactly one new query (cu_q_lens[i + 1] - cu_q_lens[i] is 1,
       or 0 for a dead row), so attention runs the decode kernel; a sequence with more
       rows would get zeros. False (default): the ragged kernel, any mix.
+    sliding: hybrid KV only: the metadata of the sliding-window layers' pool (its own
+      slot_mapping and block_tables; the same lengths), else None.
   """
   slot_mapping: jax.Array
   block_tables: jax.Array
@@ -65,6 +69,7 @@ class AttentionMetadata:
   num_seqs: jax.Array
   logits_indices: jax.Array
   decode_only: bool = flax.struct.field(pytree_node=False, default=False)
+  sliding: Optional["AttentionMetadata"] = None
 
 
 def resolve_backend(backend: str, where=None) -> str:

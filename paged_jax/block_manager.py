@@ -317,7 +317,7 @@ def free(state: BlockState, slot):
   Cost: O(n * max_blocks_per_seq) scatters and gathers, no sort: blocks shared
   by several freed slots are deduplicated through their ref_count entries.
   """
-  s_max, p, nb = state.max_seqs, state.max_blocks_per_seq, state.num_blocks
+  s_max, p = state.max_seqs, state.max_blocks_per_seq
   check_state(state)
   slot = int_arg(slot, "slot")
   shape = slot.shape
@@ -326,6 +326,21 @@ def free(state: BlockState, slot):
   live = (slots >= 0) & (slots < s_max) & state.active[sc]
   ok = block_rounds.first_of_slot(slots, live, s_max)
   held = jnp.where(ok[:, None], state.block_tables[sc], -1).reshape(-1)  # (request, column) order
+  rows = jnp.where(ok, sc, s_max)
+  state = release_references(state, held)
+  state = state.replace(
+      block_tables=state.block_tables.at[rows].set(jnp.full((p,), -1, _I32), mode="drop"),
+      seq_lens=state.seq_lens.at[rows].set(0, mode="drop"),
+      active=state.active.at[rows].set(False, mode="drop"))
+  return state, jnp.where(ok, OK, INVALID).reshape(shape).astype(_I32)
+
+
+def release_references(state: BlockState, held) -> BlockState:
+  """Drops one reference per entry of `held` (i32[n] block ids, -1 = none; a block may
+  appear several times); blocks reaching 0 are pushed on the free stack once, in the order
+  of their last occurrence, as one-at-a-time release would. Leaves the tables alone (the
+  caller clears the entries it released). Cost: O(n) scatters and gathers, no sort."""
+  nb = state.num_blocks
   keys = block_rounds.drop_neg(held, nb)
   gather_at = jnp.clip(held, 0, nb - 1)
   pos = lax.iota(_I32, held.shape[0])
@@ -337,18 +352,11 @@ def free(state: BlockState, slot):
   ref_count = ref_count.at[zero_keys].max(pos + 1, mode="drop")
   pushed = zero & (ref_count[gather_at] == pos + 1)
   ref_count = ref_count.at[jnp.where(pushed, held, nb)].set(0, mode="drop")  # one per block
-  # Push in order of each block's last occurrence, as one-at-a-time release would.
   rank = jnp.cumsum(pushed.astype(_I32)) - 1
   push_at = jnp.where(pushed, state.num_free + rank, nb)
-  rows = jnp.where(ok, sc, s_max)
-  state = state.replace(
-      ref_count=ref_count,
-      free_stack=state.free_stack.at[push_at].set(held, mode="drop"),
-      num_free=state.num_free + jnp.sum(pushed.astype(_I32)),
-      block_tables=state.block_tables.at[rows].set(jnp.full((p,), -1, _I32), mode="drop"),
-      seq_lens=state.seq_lens.at[rows].set(0, mode="drop"),
-      active=state.active.at[rows].set(False, mode="drop"))
-  return state, jnp.where(ok, OK, INVALID).reshape(shape).astype(_I32)
+  return state.replace(ref_count=ref_count,
+                       free_stack=state.free_stack.at[push_at].set(held, mode="drop"),
+                       num_free=state.num_free + jnp.sum(pushed.astype(_I32)))
 
 
 def fork(state: BlockState, src_slot, dst_slot):

@@ -58,6 +58,26 @@ def check_int(name: str, value: Any, lo: int, hi: Optional[int] = None) -> None:
     raise ValueError(f"{name} must be {rng}, got {value}")
 
 
+def sliding_blocks_per_seq(sliding_window: int, block_size: int, tokens_per_step: int) -> int:
+  """Most blocks one sequence holds in a hybrid-KV sliding pool: after a step it keeps
+  the blocks of its last `sliding_window - 1` tokens (what its next query can still see),
+  and a step adds at most `tokens_per_step` tokens before the out-of-window blocks go
+  back: cdiv(sliding_window - 1 + tokens_per_step, block_size) + 1 (a window rarely
+  starts on a block boundary)."""
+  return cdiv(sliding_window - 1 + tokens_per_step, block_size) + 1
+
+
+def sliding_pool_blocks(sliding_window: int, block_size: int, max_seqs: int,
+                        max_num_batched_tokens: int, decode_steps_per_sync: int = 1) -> int:
+  """Blocks a hybrid-KV sliding pool needs so it can never run short: sequence s holds at
+  most cdiv(W - 1, bs) + 1 + cdiv(n_s, bs) blocks (`sliding_blocks_per_seq`, n_s the
+  tokens it adds in a step), and a step adds at most `max_num_batched_tokens` tokens plus
+  `decode_steps_per_sync - 1` per sequence in all, so the pool needs
+  max_seqs * (cdiv(W - 1, bs) + 2) + (those tokens) // bs (each cdiv rounds up by < 1)."""
+  tokens = max_num_batched_tokens + max_seqs * (decode_steps_per_sync - 1)
+  return max_seqs * (cdiv(sliding_window - 1, block_size) + 2) + tokens // block_size
+
+
 def check_block_size(block_size: Any) -> None:
   """ValueError unless `block_size` is a power of two in [1, 1024] (tokens per KV block)."""
   check_int("block_size", block_size, 1, 1024)
@@ -82,6 +102,15 @@ class CacheConfig:
       (int8/fp8 pages carry per-token scales).
     enable_prefix_caching: keep hashes and token ids of full blocks so later
       requests can reuse them.
+    sliding_layers: hybrid KV (off when empty): the sliding-window layers whose K/V live
+      in a second pool of `num_sliding_blocks` blocks with its own block table, from
+      which each sequence's blocks that slid out of its window return to that pool
+      every step (`paged_jax.block_window`); the other layers keep every block in the
+      main pool of `num_blocks`. Sorted layer indices; at least one layer stays full.
+    sliding_window: tokens a sliding layer's query sees (itself included), >= 1; set
+      iff `sliding_layers` is.
+    num_sliding_blocks: blocks of the sliding pool (hybrid KV only; the engine needs
+      `sliding_pool_blocks(...)` so that pool never runs short).
   """
 
   block_size: int = 16
@@ -93,6 +122,9 @@ class CacheConfig:
   head_dim: int = 64
   dtype: str = "float32"
   enable_prefix_caching: bool = False
+  sliding_layers: Tuple[int, ...] = ()
+  sliding_window: Optional[int] = None
+  num_sliding_blocks: int = 0
 
   def __post_init__(self):
     check_block_size(self.block_size)
@@ -112,6 +144,33 @@ class CacheConfig:
     if self.max_seq_len > 2**30:
       raise ValueError(
           f"max_blocks_per_seq * block_size must be <= 2**30, got {self.max_seq_len}")
+    self._check_hybrid()
+
+  def _check_hybrid(self):
+    """Hybrid KV fields: all set or all off (one-line errors naming the field)."""
+    layers = tuple(self.sliding_layers)
+    object.__setattr__(self, "sliding_layers", layers)   # hashable even when given a list
+    if not layers:
+      if self.sliding_window is not None or self.num_sliding_blocks:
+        raise ValueError("sliding_window and num_sliding_blocks need sliding_layers "
+                         "(hybrid KV); got sliding_layers=()")
+      return
+    if (any(isinstance(i, bool) or not isinstance(i, (int, np.integer)) for i in layers)
+        or list(layers) != sorted(set(layers)) or layers[0] < 0
+        or layers[-1] >= self.num_layers or len(layers) == self.num_layers):
+      raise ValueError(f"sliding_layers must be sorted distinct layer indices in "
+                       f"[0, {self.num_layers}) leaving at least one full-attention layer, "
+                       f"got {list(layers)}")
+    if self.sliding_window is None:
+      raise ValueError("sliding_window must be set (>= 1) when sliding_layers is")
+    check_int("sliding_window", self.sliding_window, 1)
+    check_int("num_sliding_blocks", self.num_sliding_blocks, 1, 2**31 - 1)
+    if self.num_sliding_blocks * self.block_size > 2**31 - 1:
+      raise ValueError(f"num_sliding_blocks * block_size must be <= 2**31 - 1, got "
+                       f"{self.num_sliding_blocks} * {self.block_size}")
+    if self.enable_prefix_caching:
+      raise ValueError("sliding_layers (hybrid KV) cannot be combined with "
+                       "enable_prefix_caching=True yet")
 
   @property
   def max_seq_len(self) -> int:
@@ -138,7 +197,32 @@ class CacheConfig:
 
   @property
   def kv_cache_bytes(self) -> int:
-    return self.kv_bytes_per_token * self.num_slots
+    """Bytes of every K/V page (both pools with hybrid KV; scales included)."""
+    per_layer_token = self.kv_bytes_per_token // self.num_layers
+    full = (self.num_layers - len(self.sliding_layers)) * self.num_slots
+    return per_layer_token * (full + len(self.sliding_layers) * self.num_sliding_blocks
+                              * self.block_size)
+
+  @property
+  def hybrid(self) -> bool:
+    """Hybrid KV is on: `sliding_layers` have a pool of their own."""
+    return bool(self.sliding_layers)
+
+  @property
+  def full_layers(self) -> Tuple[int, ...]:
+    """Layers whose K/V live in the main pool (every layer without hybrid KV)."""
+    return tuple(i for i in range(self.num_layers) if i not in self.sliding_layers)
+
+  def sliding_pool(self) -> "CacheConfig":
+    """The sliding pool's shapes as a plain CacheConfig (its layers, its blocks)."""
+    return dataclasses.replace(self, num_layers=len(self.sliding_layers),
+                               num_blocks=self.num_sliding_blocks, sliding_layers=(),
+                               sliding_window=None, num_sliding_blocks=0)
+
+  def full_pool(self) -> "CacheConfig":
+    """The main pool's shapes as a plain CacheConfig (the full-attention layers)."""
+    return dataclasses.replace(self, num_layers=len(self.full_layers), sliding_layers=(),
+                               sliding_window=None, num_sliding_blocks=0)
 
   def blocks_for(self, num_tokens: int) -> int:
     """Blocks needed to hold `num_tokens` tokens."""
@@ -167,6 +251,8 @@ class CacheConfig:
     memory; falls back to an error on devices that report no memory stats) must
     be given. `max_model_len` defaults to the model's max positions. `dtype` is the
     page dtype; "auto" (default) is the model's, and the pool's bytes are counted in it.
+    With `hybrid_kv=True` (passed on to `ModelConfig.cache_config`) the sliding pool's
+    bytes come off the budget first; the full-attention layers' pool gets the rest.
     """
     if (kv_budget_bytes is None) == (gpu_memory_utilization is None):
       raise ValueError("give exactly one of kv_budget_bytes or gpu_memory_utilization")
@@ -187,7 +273,10 @@ class CacheConfig:
     probe = model.cache_config(block_size=block_size, num_blocks=1, max_seqs=max_seqs,
                                max_blocks_per_seq=max(1, cdiv(max_model_len, block_size)),
                                dtype=dtype, **kwargs)
-    num_blocks = int(kv_budget_bytes) // (probe.kv_bytes_per_token * block_size)
+    per_layer_block = probe.kv_bytes_per_token // probe.num_layers * block_size
+    # Hybrid KV: the sliding pool (sized for max_seqs) first, the rest to the full layers.
+    sliding = per_layer_block * len(probe.sliding_layers) * probe.num_sliding_blocks
+    num_blocks = (int(kv_budget_bytes) - sliding) // (per_layer_block * len(probe.full_layers))
     if num_blocks < 1:
       raise ValueError(
           f"kv_budget_bytes={kv_budget_bytes} holds no block of {block_size} tokens "
@@ -378,11 +467,34 @@ class ModelConfig:
                        + ", ".join(f"{k}={getattr(self, k)!r}" for k in lost))
     return hf
 
-  def cache_config(self, **kwargs) -> CacheConfig:
+  @property
+  def sliding_layers(self) -> Tuple[int, ...]:
+    """Indices of the sliding-window layers (empty when every layer is full)."""
+    return tuple(i for i in range(self.num_layers) if self.layer_sliding_window(i) is not None)
+
+  def cache_config(self, *, hybrid_kv: bool = False, max_num_batched_tokens: int = 256,
+                   decode_steps_per_sync: int = 1, **kwargs) -> CacheConfig:
     """A CacheConfig whose layer/head shapes match this model. K/V pages have the model's
     dtype unless `dtype` is passed ("auto", the default, means the model's; "int8" /
-    "float8_e4m3fn" quantize)."""
+    "float8_e4m3fn" quantize). `hybrid_kv=True` gives the sliding-window layers a pool of
+    their own (`CacheConfig.sliding_layers`), sized unless `num_sliding_blocks` is passed
+    for an engine with these `max_num_batched_tokens` and `decode_steps_per_sync`
+    (`sliding_pool_blocks`; the engine checks it)."""
     dtype = kwargs.pop("dtype", "auto")
+    if not isinstance(hybrid_kv, bool):
+      raise TypeError(f"hybrid_kv must be a bool, got {type(hybrid_kv).__name__}")
+    if hybrid_kv:
+      layers = self.sliding_layers
+      if not layers or len(layers) == self.num_layers:
+        raise ValueError(f"hybrid_kv needs both sliding-window and full-attention layers; "
+                         f"this model has {len(layers)} sliding of {self.num_layers}")
+      check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+      check_int("decode_steps_per_sync", decode_steps_per_sync, 1)
+      probe = CacheConfig(**{k: v for k, v in kwargs.items() if k != "num_sliding_blocks"})
+      kwargs.setdefault("num_sliding_blocks", sliding_pool_blocks(
+          self.sliding_window, probe.block_size, probe.max_seqs, max_num_batched_tokens,
+          decode_steps_per_sync))
+      kwargs.update(sliding_layers=layers, sliding_window=self.sliding_window)
     return CacheConfig(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
                        head_dim=self.head_dim, dtype=self.dtype if dtype == "auto" else dtype,
                        **kwargs)

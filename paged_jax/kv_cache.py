@@ -98,11 +98,39 @@ class KVPages:
     return self.k_scale is not None
 
 
+@flax.struct.dataclass
+class HybridPages:
+  """K/V pages of a hybrid-KV cache (`CacheConfig.sliding_layers`): two pools, each with
+  its own block ids (`paged_jax.block_window`). The model takes it where it takes KVPages.
+
+  Attributes:
+    full: KVPages of the full-attention layers, in layer order
+      ([num_full_layers, Hkv, num_blocks, bs, D]).
+    sliding: KVPages of the sliding-window layers ([num_sliding_layers, Hkv,
+      num_sliding_blocks, bs, D]).
+    sliding_layers: static, the model layer held at each index of `sliding`.
+  """
+  full: KVPages
+  sliding: KVPages
+  sliding_layers: Tuple[int, ...] = flax.struct.field(pytree_node=False)
+
+  def locate(self, layer: int) -> Tuple[bool, int]:
+    """(in the sliding pool?, index within its pool) of model layer `layer`."""
+    if layer in self.sliding_layers:
+      return True, self.sliding_layers.index(layer)
+    return False, layer - sum(1 for i in self.sliding_layers if i < layer)
+
+  @property
+  def num_layers(self) -> int:
+    return self.full.num_layers + self.sliding.num_layers
+
+
 def init(cache_config: CacheConfig) -> KVPages:
-  """Zero-filled pages shaped by `cache_config` (scales too, when quantized)."""
+  """Zero-filled pages shaped by `cache_config` (scales too, when quantized). With hybrid
+  KV: the main pool's, i.e. the full-attention layers' (`init_sliding` the others')."""
   if not isinstance(cache_config, CacheConfig):
     raise TypeError(f"cache_config must be a CacheConfig, got {type(cache_config).__name__}")
-  c = cache_config
+  c = cache_config.full_pool() if cache_config.hybrid else cache_config
   shape = (c.num_kv_heads, c.num_blocks, c.block_size, c.head_dim)
   dtype = jnp.dtype(c.dtype)
   stack = lambda shp, dt: LayerStack(tuple(jnp.zeros(shp, dt) for _ in range(c.num_layers)))
@@ -112,6 +140,13 @@ def init(cache_config: CacheConfig) -> KVPages:
     v_scale = stack(shape[:-1], jnp.float32)
   return KVPages(k=stack(shape, dtype), v=stack(shape, dtype), k_scale=k_scale,
                  v_scale=v_scale)
+
+
+def init_sliding(cache_config: CacheConfig) -> KVPages:
+  """Zero-filled pages of the sliding-window layers' pool (hybrid KV only)."""
+  if not cache_config.hybrid:
+    raise ValueError("init_sliding needs a hybrid-KV CacheConfig (sliding_layers set)")
+  return init(cache_config.sliding_pool())
 
 
 def quantize(x: jax.Array, dtype) -> Tuple[jax.Array, jax.Array]:

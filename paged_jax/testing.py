@@ -6,7 +6,8 @@ order, the way a host allocator would do it. The free list is a Python list used
 as a stack (pop from the end), so the model predicts the exact block ids the
 batched JAX ops must hand out. Tests compare the JAX state with it after every
 op (tests/block_manager_test.py); it is library code so benchmarks and notebooks
-can use the same oracle.
+can use the same oracle. Hybrid KV's sliding pool (`paged_jax.block_window`) is the same
+model plus `release_out_of_window`; a released table entry is -1.
 """
 
 from __future__ import annotations
@@ -97,13 +98,29 @@ class BlockModel:
       if not self._slot_ok(s) or not self.active[s]:
         status.append(INVALID)
         continue
-      for b in self.tables[s]:
-        self.ref[b] -= 1
-        if self.ref[b] == 0:
-          self.stack.append(b)
+      self._drop(self.tables[s])
       self.tables[s], self.lens[s], self.active[s] = [], 0, False
       status.append(OK)
     return status
+
+  def _drop(self, blocks) -> None:
+    for b in blocks:
+      if b < 0:   # released by release_out_of_window
+        continue
+      self.ref[b] -= 1
+      if self.ref[b] == 0:
+        self.stack.append(b)
+
+  def release_out_of_window(self, window: int) -> None:
+    """Hybrid KV: slot by slot, the blocks no later query of the slot can see (logical
+    blocks before (len - window + 1) // block_size) drop a reference; entries become -1."""
+    for s in range(self.max_seqs):
+      if not self.active[s]:
+        continue
+      keep = max(self.lens[s] - window + 1, 0) // self.block_size
+      for c in range(min(keep, len(self.tables[s]))):
+        self._drop([self.tables[s][c]])
+        self.tables[s][c] = -1
 
   def fork(self, srcs, dsts) -> list:
     status = []
@@ -114,7 +131,8 @@ class BlockModel:
         continue
       self.tables[d] = list(self.tables[s])
       for b in self.tables[d]:
-        self.ref[b] += 1
+        if b >= 0:
+          self.ref[b] += 1
       self.lens[d], self.active[d] = self.lens[s], True
       status.append(OK)
     return status
@@ -150,7 +168,8 @@ class BlockModel:
   def token_slots(self, seq_slots, positions) -> list:
     out = []
     for s, p in zip(seq_slots, positions):
-      if not self._slot_ok(s) or not 0 <= p < self.lens[s]:
+      if (not self._slot_ok(s) or not 0 <= p < self.lens[s]
+          or self.tables[s][p // self.block_size] < 0):
         out.append(-1)
       else:
         out.append(self.tables[s][p // self.block_size] * self.block_size + p % self.block_size)

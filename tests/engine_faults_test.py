@@ -4,7 +4,6 @@ bad input (sampling params, prompts, params, batches, ids) rejected before
 anything changes, outputs never lost, abort, metrics, one dispatch and one host
 sync per step, and `step_for_compile`."""
 
-import collections
 import functools
 
 import jax
@@ -16,7 +15,7 @@ from paged_jax.engine import Engine, SamplingParams, step_for_compile
 from paged_jax.engine import engine as engine_mod
 
 from engine_oracle import (MC, PARAMS, VOCAB, dense_greedy, greedy, oracle_engine,
-                           random_prompts)
+                           random_prompts, run_counting_dispatches_and_syncs)
 
 # The cache shape of engine_test.py (its compiled step is reused).
 BLOCK_SIZE, NUM_BLOCKS, MAX_SEQS, BUDGET = 16, 12, 8, 8
@@ -285,27 +284,7 @@ def test_one_dispatch_and_one_host_sync_per_step(monkeypatch, caching):
   prefix = prompts_of(7, 1, lo=40, hi=40)[0]
   for i in range(6):
     engine.add_request(prefix + [i], greedy(5))
-  calls = collections.Counter()
-  inner = engine._step   # pylint: disable=protected-access
-
-  def counted(*a, **kw):
-    calls["dispatch"] += 1
-    return inner(*a, **kw)
-
-  real_get = jax.device_get
-
-  def counted_get(x):
-    calls["sync"] += 1
-    return real_get(x)
-
-  engine._step = counted   # pylint: disable=protected-access
-  monkeypatch.setattr(jax, "device_get", counted_get)
-  steps = 0
-  with jax.transfer_guard_device_to_host("disallow"):   # no hidden (implicit) syncs
-    while engine.has_unfinished():
-      engine.step()
-      steps += 1
-      assert calls["dispatch"] == calls["sync"] == steps
+  run_counting_dispatches_and_syncs(engine, monkeypatch)
   m = engine.metrics()
   assert m["num_preemptions"] == 0
   if caching:

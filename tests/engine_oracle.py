@@ -71,6 +71,30 @@ def random_prompts(seed, count, lo=1, hi=24, prefix=()):
           for _ in range(count)]
 
 
+def run_counting_dispatches_and_syncs(engine, monkeypatch):
+  """Steps `engine` to the end under a device-to-host transfer guard (no hidden syncs),
+  asserting one jitted dispatch and one `jax.device_get` per step."""
+  calls = {"dispatch": 0, "sync": 0}
+  inner, real_get = engine._step, jax.device_get   # pylint: disable=protected-access
+
+  def counted(*a, **kw):
+    calls["dispatch"] += 1
+    return inner(*a, **kw)
+
+  def counted_get(x):
+    calls["sync"] += 1
+    return real_get(x)
+
+  engine._step = counted   # pylint: disable=protected-access
+  monkeypatch.setattr(jax, "device_get", counted_get)
+  steps = 0
+  with jax.transfer_guard_device_to_host("disallow"):
+    while engine.has_unfinished():
+      engine.step()
+      steps += 1
+      assert calls["dispatch"] == calls["sync"] == steps
+
+
 def greedy(max_tokens, **kw):
   return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
 

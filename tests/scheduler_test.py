@@ -71,7 +71,8 @@ def run_step(sched, dev, log, report_sole=True):
   out = types.SimpleNamespace(
       ok=True, tokens=np.zeros((1, s), np.int32), valid=np.zeros((1, s), bool),
       finished=np.zeros((s,), bool), hit_tokens=np.zeros((s,), np.int32),
-      loop_out_of_blocks=False, prefix_hit_blocks=0, prefix_query_blocks=0, num_evictable=0)
+      loop_out_of_blocks=False, prefix_hit_blocks=0, prefix_query_blocks=0, num_evictable=0,
+      sliding_free=0)
   for ch in batch.chunks:
     if ch.samples:
       q = ch.seq

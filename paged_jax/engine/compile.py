@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 import jax
 
 from paged_jax import executables
-from paged_jax.config import CacheConfig, ModelConfig
+from paged_jax.config import CacheConfig, ModelConfig, sliding_pool_blocks
 from paged_jax.engine.buckets import Bucket, StepBuckets, step_buckets
 from paged_jax.engine.inputs import empty_inputs, input_shapes, lookup_len
 from paged_jax.engine.options import EngineOptions
@@ -168,6 +168,30 @@ def check_configs(model_config, cache_config) -> None:
     if getattr(cache_config, name) != getattr(model_config, name):
       raise ValueError(f"cache_config.{name}={getattr(cache_config, name)} does not match "
                        f"the model's {name}={getattr(model_config, name)}")
+  if cache_config.hybrid and (cache_config.sliding_layers != model_config.sliding_layers or
+                              cache_config.sliding_window != model_config.sliding_window):
+    raise ValueError(f"cache_config.sliding_layers={list(cache_config.sliding_layers)} / "
+                     f"sliding_window={cache_config.sliding_window} must be the model's "
+                     f"{list(model_config.sliding_layers)} / {model_config.sliding_window} "
+                     f"(ModelConfig.cache_config(hybrid_kv=True) sets them)")
+
+
+def check_hybrid(cache_config: CacheConfig, options: EngineOptions) -> None:
+  """One-line ValueError unless hybrid KV's sliding pool can never run short for these
+  options (the host plans with the main pool only) and preemption recomputes (swapping
+  copies the main pool only)."""
+  if not cache_config.hybrid:
+    return
+  if options.preemption_mode != "recompute":
+    raise ValueError(f"preemption_mode must be 'recompute' with hybrid KV (sliding_layers), "
+                     f"got {options.preemption_mode!r}")
+  c = cache_config
+  need = sliding_pool_blocks(c.sliding_window, c.block_size, c.max_seqs,
+                             options.max_num_batched_tokens, options.decode_steps_per_sync)
+  if c.num_sliding_blocks < need:
+    raise ValueError(f"num_sliding_blocks must be >= {need} (config.sliding_pool_blocks for "
+                     f"these max_seqs, max_num_batched_tokens, decode_steps_per_sync), got "
+                     f"{c.num_sliding_blocks}")
 
 
 def step_key(model_config: ModelConfig, cache_config: CacheConfig,
@@ -181,7 +205,8 @@ def step_key(model_config: ModelConfig, cache_config: CacheConfig,
                                           cache_config.block_size, options.decode_steps_per_sync)
                if cache_config.enable_prefix_caching else 0)
   return (model_config, options.attention_backend, options.decode_steps_per_sync, candidates,
-          max_evict, options.model_apply)
+          max_evict, options.model_apply, cache_config.sliding_window or 0,
+          cache_config.sliding_layers)
 
 
 def engine_step(model_config: ModelConfig, cache_config: CacheConfig,
@@ -190,11 +215,13 @@ def engine_step(model_config: ModelConfig, cache_config: CacheConfig,
   `step_key`; one of its own with a custom `model_apply`) and its shape buckets."""
   from paged_jax.models.llama import LlamaForCausalLM  # pylint: disable=g-import-not-at-top
   check_configs(model_config, cache_config)
+  check_hybrid(cache_config, options)
   key = step_key(model_config, cache_config, options)
-  _, _, steps, candidates, max_evict, model_apply = key
+  _, _, steps, candidates, max_evict, model_apply, window, sliding_layers = key
   buckets = step_buckets(cache_config, options.max_num_batched_tokens, steps,
                          options.shape_buckets)
-  kw = dict(num_decode_steps=steps, num_candidates=candidates, max_evict=max_evict)
+  kw = dict(num_decode_steps=steps, num_candidates=candidates, max_evict=max_evict,
+            sliding_window=window, sliding_layers=sliding_layers)
   make = lambda apply, **more: CompiledStep(make_step(apply, jit=False, **more, **kw),
                                             make_step(apply, **more, **kw))
   if model_apply is not None:  # e.g. the tensor-parallel forward (paged_jax.distributed)

@@ -97,7 +97,7 @@ class Engine:
         block_size=cache_config.block_size, max_seqs=max_seqs, max_num_batched_tokens=budget,
         preemption_mode=options.preemption_mode, prefix_caching=self.prefix_caching,
         lookup_budget=self._lookup_len, lookahead=options.decode_steps_per_sync - 1,
-        counts=DeviceCounts.empty_pool(nb, max_seqs))
+        counts=DeviceCounts.empty_pool(nb, max_seqs, cache_config.num_sliding_blocks))
     self._outbox: Dict[Any, RequestOutput] = {}    # finished, not yet returned
     # (batch, outputs, t0, bucket, report?): dispatched, outputs not yet applied
     self._in_flight = None
@@ -377,7 +377,9 @@ class Engine:
                                 if c.prefix_query_blocks else 0.0),
             "prefix_hit_tokens": self.stats["prefix_hit_tokens"],
             "prefill_tokens": self.stats["prefill_tokens"],
-            "steps": self.stats["steps"], "generated_tokens": self.stats["generated_tokens"]}
+            "steps": self.stats["steps"], "generated_tokens": self.stats["generated_tokens"],
+            **({"num_sliding_blocks": self.cache_config.num_sliding_blocks,
+                "num_free_sliding_blocks": c.sliding_free} if self.cache_config.hybrid else {})}
 
   def prefix_stats(self) -> Dict[str, float]:
     """Prefix-cache counters read from the device (one sync): hit / query blocks,

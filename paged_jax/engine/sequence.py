@@ -135,6 +135,8 @@ class DeviceCounts:
     prefix_hit_blocks / prefix_query_blocks: running totals of the prefix cache.
     sole_blocks: i32[max_seqs], blocks only that slot references (what freeing it
       alone makes available).
+    sliding_free: free blocks of the hybrid-KV sliding pool (0 without hybrid KV; not
+      planned with: that pool is sized never to run short).
   """
   num_free: int
   available: int
@@ -142,10 +144,13 @@ class DeviceCounts:
   prefix_hit_blocks: int = 0
   prefix_query_blocks: int = 0
   sole_blocks: Any = None
+  sliding_free: int = 0
 
   @classmethod
-  def empty_pool(cls, num_blocks: int, max_seqs: int) -> "DeviceCounts":
-    return cls(num_blocks, num_blocks, sole_blocks=np.zeros((max_seqs,), np.int32))
+  def empty_pool(cls, num_blocks: int, max_seqs: int,
+                 num_sliding_blocks: int = 0) -> "DeviceCounts":
+    return cls(num_blocks, num_blocks, sole_blocks=np.zeros((max_seqs,), np.int32),
+               sliding_free=num_sliding_blocks)
 
   @classmethod
   def of(cls, outputs) -> "DeviceCounts":

@@ -27,18 +27,30 @@ class EngineState:
     blocks: the BlockState (block tables, ref counts, free stack).
     pages: the KVPages.
     prefix: the prefix cache's `PrefixStepState` (None without prefix caching).
+    sliding_blocks: hybrid KV only (`CacheConfig.sliding_layers`, else None): the
+      sliding-window layers' BlockState (same slots and lengths as `blocks`, blocks out
+      of the window released; `paged_jax.block_window`).
+    sliding_pages: hybrid KV only: the sliding-window layers' KVPages (`pages` then holds
+      the full-attention layers').
   """
   blocks: bm.BlockState
   pages: kv_cache.KVPages
   prefix: Any = None
+  sliding_blocks: Any = None
+  sliding_pages: Any = None
 
 
 def init_state(cache_config, **prefix_kwargs) -> EngineState:
-  """An empty EngineState (prefix state iff `cache_config.enable_prefix_caching`)."""
+  """An empty EngineState (prefix state iff `cache_config.enable_prefix_caching`; the
+  sliding pool iff hybrid KV)."""
   prefix = (prefix_step.init(cache_config, **prefix_kwargs)
             if cache_config.enable_prefix_caching else None)
+  sliding_blocks = sliding_pages = None
+  if cache_config.hybrid:
+    sliding_blocks = bm.init(cache_config.sliding_pool())
+    sliding_pages = kv_cache.init_sliding(cache_config)
   return EngineState(blocks=bm.init(cache_config), pages=kv_cache.init(cache_config),
-                     prefix=prefix)
+                     prefix=prefix, sliding_blocks=sliding_blocks, sliding_pages=sliding_pages)
 
 
 @flax.struct.dataclass
@@ -105,7 +117,8 @@ class StepOutputs:
   cache's own reference): what freeing the slot alone makes available;
   cow_copies i32[]: copy-on-write block copies the step made (decode loop included);
   finished bool[S]: `multi_step` slots whose sequence finished (stop id, max_tokens) in
-  this step, which the step freed (effect 9)."""
+  this step, which the step freed (effect 9); sliding_free i32[]: free blocks of the
+  hybrid-KV sliding pool after the step (0 without hybrid KV)."""
   ok: jax.Array
   status: jax.Array
   tokens: jax.Array
@@ -122,6 +135,7 @@ class StepOutputs:
   sole_blocks: jax.Array
   cow_copies: jax.Array
   finished: jax.Array
+  sliding_free: jax.Array
 
 
 def check_inputs(inp: StepInputs, max_seqs: int) -> None:

@@ -26,7 +26,8 @@ and `sequence.Batch`, scheduler.py and docs/architecture.md point here.
      `multi_step` set that have not finished (stop id / max_tokens): append one
      token each (if a block runs out the remaining iterations do nothing, state
      kept), forward, sample.
-  8. with prefix caching: record the step's tokens, register newly full blocks
+  8. with prefix caching: record the step's tokens, register newly full blocks;
+     with hybrid KV: release the sliding pool's blocks out of every window
   9. free the `multi_step` slots that finished in 5-7 (stop id / max_tokens:
      `finished`), so the counts returned (and `Engine.metrics()`) are exact without
      another dispatch; beams finish by a host decision and are freed by step 1
@@ -38,6 +39,14 @@ attention and sampling cost what is live, not what S and P allow; so do forks,
 allocations and copy-on-write copies, which run on R lanes (every reserving or forked
 slot is a row). Frees, appends' planning and the outputs stay slot-wide. The step
 traces once per bucket; `TRACE_COUNT` counts traces for the no-retracing tests.
+
+Hybrid KV (`CacheConfig.sliding_layers`): the sliding-window layers' pool has its own
+BlockState (`state.sliding_blocks`) that takes every free, fork, reservation and decode-loop
+append the main one does (same slots, same lengths; a reservation fails if either pool's
+does, and then neither changes), its own copy-on-write pairs and metadata
+(`AttentionMetadata.sliding`), and at the end of the step gives back the blocks that slid
+out of every window (`block_window.release_out_of_window`). The host plans with the main
+pool's counts only: the engine sizes the sliding pool so it cannot run short.
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from paged_jax import block_manager as bm
+from paged_jax import block_window
 from paged_jax import kv_cache
 from paged_jax.attention import AttentionMetadata
 from paged_jax.config import INVALID, OK
@@ -104,6 +114,44 @@ def build_metadata(blocks: bm.BlockState, row_slot, row_q_len, token_row, positi
       logits_indices=jnp.maximum(cu[1:] - 1, 0))
 
 
+def _metadata(b, sb, row_slot, row_q_len, token_row, positions, width, decode_only):
+  """The step's AttentionMetadata; with hybrid KV (`sb`, the sliding pool's BlockState)
+  its `sliding` part reads that pool's tables (released entries as block 0)."""
+  meta = build_metadata(b, row_slot, row_q_len, token_row, positions,
+                        width).replace(decode_only=decode_only)
+  if sb is None:
+    return meta
+  sm = build_metadata(sb, row_slot, row_q_len, token_row, positions, width)
+  sm = sm.replace(block_tables=block_window.attention_tables(sm.block_tables),
+                  decode_only=decode_only)
+  return meta.replace(sliding=sm)
+
+
+def _forward(apply_fn, params, tokens, positions, pg, spg, meta, sliding_layers):
+  """(logits, main pages, sliding pages) of one forward; with hybrid KV the model gets
+  both pools as one `kv_cache.HybridPages`."""
+  if spg is None:
+    logits, pg = apply_fn(params, tokens, positions, pg, meta)
+    return logits, pg, None
+  pages = kv_cache.HybridPages(full=pg, sliding=spg, sliding_layers=sliding_layers)
+  logits, pages = apply_fn(params, tokens, positions, pages, meta)
+  return logits, pages.full, pages.sliding
+
+
+def _reserve(b: bm.BlockState, inp: StepInputs, alloc_lane, num_tokens: int):
+  """One pool's reservations: allocations on the R lanes `alloc_lane` (slots, S = none),
+  then appends. Returns (state, status i32[S] (OK where nothing was asked), cow i32[S, 2])."""
+  s_max = b.max_seqs
+  alloc, grow = inp.alloc_tokens > 0, inp.append_tokens > 0
+  b, st_lane = bm.allocate(
+      b, jnp.where(alloc_lane < s_max, alloc_lane, -1),
+      jnp.maximum(inp.alloc_tokens[jnp.clip(alloc_lane, 0, s_max - 1)], 1),
+      max_num_tokens=num_tokens)
+  st_alloc = jnp.full((s_max,), INVALID, _I32).at[alloc_lane].set(st_lane, mode="drop")
+  b, st_append, cow = bm.append(b, grow, inp.append_tokens, max_new_tokens=num_tokens)
+  return b, jnp.where(alloc, st_alloc, jnp.where(grow, st_append, OK)), cow
+
+
 def _select(pred, on_true, on_false):
   """Elementwise pytree select by a scalar predicate (for the small BlockState)."""
   return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
@@ -145,7 +193,8 @@ def _sample_lanes(logits, lane_slot, inp: StepInputs, index_offset=0, all_greedy
 
 
 def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candidates: int,
-              name: str = "engine_step", max_evict: int = 0, jit: bool = True):
+              name: str = "engine_step", max_evict: int = 0, jit: bool = True,
+              sliding_window: int = 0, sliding_layers: tuple = ()):
   """Builds the jitted step.
 
   Args:
@@ -156,6 +205,8 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     max_evict: static bound on blocks evicted per step (prefix caching;
       `prefix_cache.step.max_new_blocks`).
     jit: False returns the plain function (for `jax.eval_shape` / tracing).
+    sliding_window, sliding_layers: hybrid KV (`CacheConfig`'s fields; used iff
+      `state.sliding_blocks` is set).
 
   Returns:
     step(params, state: EngineState, inputs: StepInputs, *, width=None,
@@ -172,6 +223,7 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
            all_greedy=False):
     TRACE_COUNT[name] += 1
     blocks, pages, ps = state.blocks, state.pages, state.prefix
+    sb, spg = state.sliding_blocks, state.sliding_pages
     s_max = blocks.max_seqs
     check_inputs(inp, s_max)
     rows = inp.row_slot.shape[0]          # R: row bucket (live rows and sampled slots)
@@ -189,6 +241,10 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
       ps, b = prefix_step.evict_for(ps, b, inp, num_decode_steps=num_decode_steps,
                                     max_evict=max_evict)
     blocks = b
+    if sb is not None:
+      sb, _ = bm.free(sb, inp.free_slots)
+      sb, _ = bm.fork(sb, inp.fork_src, inp.fork_dst)
+    sliding_before = sb
     # 3. reservations. Every reserving slot is one of the step's rows, so allocations
     # run on R lanes and the copy-on-write pairs fit R lanes; a plan with more
     # reserving slots than R is refused whole (INVALID), never cut short. A chunk
@@ -197,13 +253,11 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     alloc = inp.alloc_tokens > 0
     grow = inp.append_tokens > 0
     alloc_lane = _lanes(alloc, rows)
-    b, st_lane = bm.allocate(
-        b, jnp.where(alloc_lane < s_max, alloc_lane, -1),
-        jnp.maximum(inp.alloc_tokens[jnp.clip(alloc_lane, 0, s_max - 1)], 1),
-        max_num_tokens=num_tokens)
-    st_alloc = jnp.full((s_max,), INVALID, _I32).at[alloc_lane].set(st_lane, mode="drop")
-    b, st_append, cow = bm.append(b, grow, inp.append_tokens, max_new_tokens=num_tokens)
-    status = jnp.where(alloc, st_alloc, jnp.where(grow, st_append, OK))
+    b, status, cow = _reserve(b, inp, alloc_lane, num_tokens)
+    cow_s = None
+    if sb is not None:   # the same reservations in the sliding pool
+      sb, st_s, cow_s = _reserve(sb, inp, alloc_lane, num_tokens)
+      status = jnp.where(status == OK, st_s, status)
     status = jnp.where((alloc | grow) & (jnp.sum(alloc | grow) > rows), INVALID, status)
     ok = jnp.all(status == OK)
 
@@ -213,14 +267,18 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     # the old (small) BlockState is selected, no row attends, no K/V is written.
     b = _select(ok, b, blocks)
     cow = jnp.where(ok, cow, -1)
+    if sb is not None:
+      sb = _select(ok, sb, sliding_before)
+      spg = kv_cache.copy_blocks(spg, _cow_lanes(jnp.where(ok, cow_s, -1), rows))
     row_slot = jnp.where(ok, inp.row_slot, -1)
     token_row = jnp.where(ok, inp.token_row, -1)
     k_steps = num_decode_steps
 
     pg = kv_cache.copy_blocks(pages, _cow_lanes(cow, rows))
-    meta = build_metadata(b, row_slot, inp.row_q_len, token_row, inp.positions,
-                          width).replace(decode_only=decode_only)
-    logits, pg = apply_fn(params, inp.tokens, inp.positions, pg, meta)   # [R rows, V]
+    meta = _metadata(b, sb, row_slot, inp.row_q_len, token_row, inp.positions, width,
+                     decode_only)
+    logits, pg, spg = _forward(apply_fn, params, inp.tokens, inp.positions, pg, spg, meta,
+                               sliding_layers)                           # [R rows, V]
     sampled = (inp.sample_row >= 0) & ok
     # Sampling runs on R lanes (the sampled slots), not on all S slots.
     lane_slot = _lanes(inp.sample_row >= 0, rows)
@@ -234,6 +292,8 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
                                                                                mode="drop")
     topi = jnp.zeros((s_max, num_candidates), _I32).at[lane_slot].set(lane_i, mode="drop")
     b, _ = bm.fork(b, jnp.where(ok, inp.post_fork_src, -1), inp.post_fork_dst)
+    if sb is not None:
+      sb, _ = bm.fork(sb, jnp.where(ok, inp.post_fork_src, -1), inp.post_fork_dst)
     out_tokens = jnp.zeros((k_steps, s_max), _I32).at[0].set(tok)
     out_valid = jnp.zeros((k_steps, s_max), jnp.bool_).at[0].set(sampled)
     done = sampled & inp.multi_step & _finished(tok, inp.remaining, inp.stop_ids)
@@ -247,13 +307,23 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
       # host every iteration (tests/gpu_compile_model_test.py). Iterations after every
       # slot finished run on no live row: nothing is written or sampled.
       def body(i, carry):
-        b_cur, pg_cur, last, cont, out_t, out_v, oob_before, copies, done = carry
+        (b_cur, pg_cur, sb_cur, spg_cur, last, cont, out_t, out_v, oob_before, copies,
+         done) = carry
         cont = cont & ~oob_before        # out of blocks once: the loop is over
         b_new, st, cow_i = bm.append(b_cur, cont, 1)
+        sb_new = cow_si = None
+        if sb_cur is not None:
+          sb_new, st_s, cow_si = bm.append(sb_cur, cont, 1)
+          st = jnp.where(st == OK, st_s, st)
         oob = jnp.any(cont & (st != OK))
         live = cont & ~oob               # out of blocks: this iteration does nothing
         b_new = _select(oob, b_cur, b_new)
         cow_i = jnp.where(live[:, None], cow_i, -1)
+        spg2 = spg_cur
+        if sb_cur is not None:
+          sb_new = _select(oob, sb_cur, sb_new)
+          spg2 = kv_cache.copy_blocks(spg_cur, _cow_lanes(
+              jnp.where(live[:, None], cow_si, -1), rows))
         copies = copies + jnp.sum(cow_i[:, 0] >= 0).astype(_I32)
         # Pack the live slots into the first R rows, one token each (live slots are
         # sampled slots, at most R of them).
@@ -264,20 +334,21 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
         positions = jnp.where(row_live, b_new.seq_lens[rs] - 1, 0)
         token_row = jnp.where(row_live, lax.iota(_I32, rows), -1)
         pg2 = kv_cache.copy_blocks(pg_cur, _cow_lanes(cow_i, rows))
-        meta = build_metadata(b_new, row_slot, row_live.astype(_I32), token_row, positions,
-                              width).replace(decode_only=True)
-        logits, pg2 = apply_fn(params, last[rs], positions, pg2, meta)   # [R, V]
+        meta = _metadata(b_new, sb_new, row_slot, row_live.astype(_I32), token_row, positions,
+                         width, True)
+        logits, pg2, spg2 = _forward(apply_fn, params, last[rs], positions, pg2, spg2, meta,
+                                     sliding_layers)                     # [R, V]
         new_rows = _sample_lanes(logits, row_slot, inp, index_offset=i, all_greedy=all_greedy)
         new = last.at[jnp.where(row_live, order, s_max)].set(new_rows, mode="drop")
         new = jnp.where(live, new, last)
         fin = _finished(new, inp.remaining - i, inp.stop_ids)
         out_t = out_t.at[i].set(jnp.where(live, new, out_t[i]))
         out_v = out_v.at[i].set(live)
-        return (b_new, pg2, new, live & ~fin, out_t, out_v, oob_before | oob, copies,
-                done | (live & fin))
+        return (b_new, pg2, sb_new, spg2, new, live & ~fin, out_t, out_v, oob_before | oob,
+                copies, done | (live & fin))
 
-      carry = (b, pg, tok, cont, out_tokens, out_valid, oob, copies, done)
-      b, pg, _, _, out_tokens, out_valid, oob, copies, done = lax.fori_loop(
+      carry = (b, pg, sb, spg, tok, cont, out_tokens, out_valid, oob, copies, done)
+      b, pg, sb, spg, _, _, out_tokens, out_valid, oob, copies, done = lax.fori_loop(
           1, k_steps, body, carry)
 
     out = StepOutputs(ok=ok, status=status, tokens=out_tokens, valid=out_valid,
@@ -285,11 +356,15 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
                       loop_out_of_blocks=oob, available=b.num_free, hit_tokens=hits,
                       num_evictable=jnp.zeros((), _I32), prefix_hit_blocks=jnp.zeros((), _I32),
                       prefix_query_blocks=jnp.zeros((), _I32), sole_blocks=sole_blocks(b),
-                      cow_copies=copies, finished=done)
+                      cow_copies=copies, finished=done, sliding_free=jnp.zeros((), _I32))
     # 8-9. registration of newly full blocks (masked when not ok), then the finished
     # sequences' frees: with caching their full blocks stay cached, evictable. Finished
     # slots are sampled slots, at most R: the free runs on R lanes (S pads them).
     done_slots = _lanes(done, rows)
+    if sb is not None:
+      sb = block_window.release_out_of_window(sb, sliding_window)
+      sb, _ = bm.free(sb, done_slots)
+      out = out.replace(sliding_free=sb.num_free)
     if ps is None:
       b, _ = bm.free(b, done_slots)
       out = out.replace(num_free=b.num_free, available=b.num_free, sole_blocks=sole_blocks(b))
@@ -301,7 +376,8 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
                         num_evictable=evictable, prefix_hit_blocks=ps.cache.hit_blocks,
                         prefix_query_blocks=ps.cache.query_blocks,
                         sole_blocks=sole_blocks(b, ps.cache.cached))
-    return EngineState(blocks=b, pages=pg, prefix=ps), out
+    return EngineState(blocks=b, pages=pg, prefix=ps, sliding_blocks=sb,
+                       sliding_pages=spg), out
 
   if not jit:
     return step

@@ -155,14 +155,22 @@ class DecoderAttention(nn.Module):
     c = self.config
     q, k, v = self._heads(x)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    kv_pages = kv_cache.write(kv_pages, self.layer_index, k, v, meta.slot_mapping)
-    k_pages, v_pages, k_scales, v_scales = kv_cache.layer(kv_pages, self.layer_index)
+    # Hybrid KV: this layer's pool (full or sliding), its index there and its metadata.
+    pages, index, sliding = kv_pages, self.layer_index, False
+    if isinstance(kv_pages, kv_cache.HybridPages):
+      sliding, index = kv_pages.locate(self.layer_index)
+      pages = kv_pages.sliding if sliding else kv_pages.full
+      meta = meta.sliding if sliding else meta
+    pages = kv_cache.write(pages, index, k, v, meta.slot_mapping)
+    k_pages, v_pages, k_scales, v_scales = kv_cache.layer(pages, index)
     # The ragged kernel, or the decode kernel when the step is `meta.decode_only`.
     out = attention.attention_from_metadata(q, k_pages, v_pages, meta, k_scales=k_scales,
                                             v_scales=v_scales, backend=self.attention_backend,
                                             **self.attention_kwargs())
     out = out.astype(x.dtype).reshape(x.shape[0], c.num_heads * c.head_dim)
-    return self.o_proj(out), kv_pages
+    if isinstance(kv_pages, kv_cache.HybridPages):
+      pages = kv_pages.replace(**{"sliding" if sliding else "full": pages})
+    return self.o_proj(out), pages
 
 
 class DecoderMLP(nn.Module):
@@ -317,6 +325,17 @@ def _check_step_shapes(c: ModelConfig, tokens, positions, kv_pages, meta) -> Non
       raise ValueError(f"{name} must have shape [T] = [{t}] like tokens, got {list(x.shape)}")
   if meta.logits_indices.ndim != 1:
     raise ValueError(f"meta.logits_indices must be [S], got {list(meta.logits_indices.shape)}")
+  if isinstance(kv_pages, kv_cache.HybridPages):
+    if kv_pages.sliding_layers != c.sliding_layers or meta.sliding is None:
+      raise ValueError(f"kv_pages.sliding_layers must be the model's sliding-window layers "
+                       f"{list(c.sliding_layers)} (with meta.sliding set), got "
+                       f"{list(kv_pages.sliding_layers)}")
+    for pool in (kv_pages.full, kv_pages.sliding):
+      if tuple(pool.k.shape[1:2]) != (c.num_kv_heads,) or pool.k.shape[-1] != c.head_dim:
+        raise ValueError(f"kv_pages pools must be [layers, num_kv_heads={c.num_kv_heads}, "
+                         f"num_blocks, block_size, head_dim={c.head_dim}], got "
+                         f"{list(pool.k.shape)}")
+    return
   want = (c.num_layers, c.num_kv_heads)
   if tuple(kv_pages.k.shape[:2]) != want or kv_pages.k.shape[-1] != c.head_dim:
     raise ValueError(
