@@ -155,7 +155,9 @@ class DecoderAttention(nn.Module):
     c = self.config
     q, k, v = self._heads(x)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    kv_pages = kv_cache.write(kv_pages, self.layer_index, k, v, meta.slot_mapping)
+    # On the TPU kernels the write is the in-place TPU kernel too (kv_cache.write).
+    kv_pages = kv_cache.write(kv_pages, self.layer_index, k, v, meta.slot_mapping,
+                              backend=self.attention_backend)
     k_pages, v_pages, k_scales, v_scales = kv_cache.layer(kv_pages, self.layer_index)
     # The ragged kernel, or the decode kernel when the step is `meta.decode_only`.
     out = attention.attention_from_metadata(q, k_pages, v_pages, meta, k_scales=k_scales,
