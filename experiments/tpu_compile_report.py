@@ -23,12 +23,13 @@ Needs libtpu (requirements-compile.txt); without it the run ends with a one-line
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
-from absl import flags
 import jax
 
 from experiments import common
+from experiments import configs
 
 # Why our VMEM can exceed JAX's at the same tiles (filled in per row by _vmem_reason).
 REASONS = {
@@ -39,13 +40,15 @@ REASONS = {
 }
 
 
-def _define_flags():
-  flags.DEFINE_string("out", "results/tpu_compile_report", "output directory")
-  flags.DEFINE_enum("cases", "default", ["default", "report", "full"],
-                    "default: the tests' 4 configs; report: 24 (each chip x kernel x model x "
-                    "block 16/64, plus int8 / fp8 and 256 x 8K); full: the 100-config grid")
-  flags.DEFINE_string("only", "", "substring filter on case names (empty: all)")
-  flags.DEFINE_bool("with_jax", True, "also compile JAX's RPA on each shape")
+@dataclasses.dataclass(frozen=True)
+class Config(configs.ExperimentConfig):
+  """Flags of experiments.tpu_compile_report."""
+  out: str = configs.flag("results/tpu_compile_report", "output directory")
+  cases: str = configs.flag("default", "default: the tests' 4 configs; report: 24 (each chip x "
+                            "kernel x model x block 16/64, plus int8 / fp8 and 256 x 8K); "
+                            "full: the 100-config grid", choices=("default", "report", "full"))
+  only: str = configs.flag("", "substring filter on case names (empty: all)")
+  with_jax: bool = configs.flag(True, "also compile JAX's RPA on each shape")
 
 
 def _vmem_reason(row):
@@ -82,22 +85,22 @@ def _cells(row):
           round(row["pool_bytes"] / 2**30, 2), round(row["modelled_time_us"], 1)]
 
 
-def main(flag_values, out):
+def main(config, out):
   from pallas_kernels.tpu import compile_configs as cc  # pylint: disable=g-import-not-at-top
   from pallas_kernels.tpu import compile_target as ct  # pylint: disable=g-import-not-at-top
   reason = ct.unavailable_reason()
   if reason is not None:
     raise ValueError(reason)
   cases = {"default": cc.default_cases, "report": cc.report_cases,
-           "full": cc.full_cases}[flag_values.cases]()
-  cases = [c for c in cases if flag_values.only in c.name]
+           "full": cc.full_cases}[config.cases]()
+  cases = [c for c in cases if config.only in c.name]
   if not cases:
-    raise ValueError(f"--only={flag_values.only!r} matches no case")
+    raise ValueError(f"--only={config.only!r} matches no case")
   rows, failures = [], []
   for case in common.progress(cases, desc="compiles"):
     t0 = time.perf_counter()
     try:
-      row = cc.measure(case, with_jax=flag_values.with_jax)
+      row = cc.measure(case, with_jax=config.with_jax)
     except Exception as e:  # pylint: disable=broad-except
       failures.append({"case": case.name, "error": common.one_line(e)[:500]})
       print(f"FAILED {case.name}: {failures[-1]['error']}")
@@ -108,7 +111,7 @@ def main(flag_values, out):
                                          if matched else None)
     row["vmem_reason"] = _vmem_reason(row)
     rows.append(row)
-  result = dict(common.run_metadata(flag_values),
+  result = dict(common.run_metadata(config),
                 target={"chips": sorted({c.chip for c in cases}), "jax": jax.__version__,
                         "libtpu": _libtpu_version(),
                         "hbm_bytes_per_s": ct.HBM_BYTES_PER_S,
@@ -130,4 +133,4 @@ def main(flag_values, out):
 
 
 if __name__ == "__main__":
-  common.run_app(main, _define_flags)
+  common.run_app(main, Config)

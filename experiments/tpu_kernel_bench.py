@@ -22,28 +22,34 @@ from __future__ import annotations
 
 import functools
 
-from absl import flags
+import dataclasses
+from typing import Tuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from experiments import common
+from experiments import configs
 
 MODELS = {"llama8b": (32, 8, 128), "gemma": (16, 8, 256)}
 CHIPS = {"TPU v5 lite": "v5e", "TPU v6 lite": "v6e", "TPU v5p": "v5p", "TPU v5": "v5p",
          "TPU v4": "v4"}
 
 
-def _define_flags():
-  flags.DEFINE_string("out", "results/tpu_kernel_bench", "output directory")
-  flags.DEFINE_bool("dry_run", False, "CPU: TPU interpreter, tiny sizes, 1 repeat")
-  flags.DEFINE_list("scenarios", ["decode", "mixed"], "decode and/or mixed")
-  flags.DEFINE_enum("model", "llama8b", list(MODELS), "head shapes")
-  flags.DEFINE_list("batch", ["8", "64", "256"], "decode batch sizes")
-  flags.DEFINE_integer("context", 4096, "tokens per sequence (decode) / prefix (mixed)")
-  flags.DEFINE_list("block_size", ["16", "64"], "tokens per page")
-  flags.DEFINE_integer("repeats", 20, "timed rounds")
-  flags.DEFINE_integer("calls", 5, "calls per round")
+@dataclasses.dataclass(frozen=True)
+class Config(configs.ExperimentConfig):
+  """Flags of experiments.tpu_kernel_bench."""
+  out: str = configs.flag("results/tpu_kernel_bench", "output directory")
+  dry_run: bool = configs.flag(False, "CPU: TPU interpreter, tiny sizes, 1 repeat")
+  scenarios: Tuple[str, ...] = configs.flag(("decode", "mixed"), "decode and/or mixed",
+                                            choices=("decode", "mixed"))
+  model: str = configs.flag("llama8b", "head shapes", choices=tuple(MODELS))
+  batch: Tuple[int, ...] = configs.flag((8, 64, 256), "decode batch sizes", lower=1)
+  context: int = configs.flag(4096, "tokens per sequence (decode) / prefix (mixed)", lower=1)
+  block_size: Tuple[int, ...] = configs.flag((16, 64), "tokens per page", lower=1)
+  repeats: int = configs.flag(20, "timed rounds", lower=1)
+  calls: int = configs.flag(5, "calls per round", lower=1)
 
 
 def _chip():
@@ -91,15 +97,15 @@ def _methods(x, *, decode, interpret, chip):
   return out
 
 
-def _run(name, x, *, decode, flag_values, chip, peak):
+def _run(name, x, *, decode, config, chip, peak):
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
-  interpret = pltpu.InterpretParams() if flag_values.dry_run else False
+  interpret = pltpu.InterpretParams() if config.dry_run else False
   methods = _methods(x, decode=decode, interpret=interpret, chip=chip)
-  if flag_values.dry_run:
+  if config.dry_run:
     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
       times = common.time_interleaved(methods, 1, 1)
   else:
-    times = common.time_interleaved(methods, flag_values.repeats, flag_values.calls)
+    times = common.time_interleaved(methods, config.repeats, config.calls)
   _, k, _, _, kv_lens, _, _ = x
   per_token = k.shape[0] * 2 * k.shape[3] * k.dtype.itemsize
   kv_bytes = int(np.sum(np.asarray(kv_lens))) * per_token
@@ -125,42 +131,39 @@ def _run(name, x, *, decode, flag_values, chip, peak):
   return rows
 
 
-def main(flag_values, out):
+def main(config, out):
   from pallas_kernels.tpu import compile_target as ct  # pylint: disable=g-import-not-at-top
-  unknown = set(flag_values.scenarios) - {"decode", "mixed"}
-  if unknown:
-    raise ValueError(f"--scenarios: unknown {sorted(unknown)} (decode, mixed)")
   chip, kind = _chip()
-  if not flag_values.dry_run and chip is None:
+  if not config.dry_run and chip is None:
     raise ValueError(f"no TPU here (device kind {kind!r}): run with --dry_run on CPU")
   peak = ct.HBM_BYTES_PER_S.get(chip) if chip else None
-  hq, hkv, d = MODELS[flag_values.model]
-  batches = [int(b) for b in flag_values.batch]
-  block_sizes = [int(b) for b in flag_values.block_size]
-  context = flag_values.context
-  if flag_values.dry_run:
+  hq, hkv, d = MODELS[config.model]
+  batches = list(config.batch)
+  block_sizes = list(config.block_size)
+  context = config.context
+  if config.dry_run:
     hq, hkv, batches, block_sizes, context = 8, 2, [3], [16], 40
   rng = np.random.default_rng(0)
   rows = []
-  todo = [(s, bs, b) for s in flag_values.scenarios for bs in block_sizes
+  todo = [(s, bs, b) for s in config.scenarios for bs in block_sizes
           for b in (batches if s == "decode" else [0])]
   for scenario, bs, batch in common.progress(todo, desc="scenarios"):
     if scenario == "decode":
       seqs, tokens = [(1, context)] * batch, batch
       name = f"decode:B{batch}:ctx{context}:bs{bs}"
     else:
-      chunk, n_dec = (48, 64) if not flag_values.dry_run else (5, 2)
+      chunk, n_dec = (48, 64) if not config.dry_run else (5, 2)
       seqs = [(chunk, context + chunk)] * 4 + [(1, context)] * n_dec
-      tokens = 256 if not flag_values.dry_run else 4 * chunk + n_dec
+      tokens = 256 if not config.dry_run else 4 * chunk + n_dec
       name = f"mixed:4x{chunk}+{n_dec}dec:ctx{context}:bs{bs}"
     x = _inputs(rng, seqs=seqs, hq=hq, hkv=hkv, d=d, bs=bs,
                 context=max(kl for _, kl in seqs), tokens=tokens)
-    rows += _run(name, x, decode=scenario == "decode", flag_values=flag_values, chip=chip,
+    rows += _run(name, x, decode=scenario == "decode", config=config, chip=chip,
                  peak=peak)
-  result = dict(common.run_metadata(flag_values), device_kind=kind, chip=chip,
+  result = dict(common.run_metadata(config), device_kind=kind, chip=chip,
                 hbm_peak_bytes_per_s=peak, rows=rows,
                 note="dry run: interpreted on CPU, timings meaningless"
-                if flag_values.dry_run else None)
+                if config.dry_run else None)
   path = common.write_json(out / "tpu_kernel_bench.json", result)
   print(common.table([[r["scenario"], r["method"], r.get("us"), r.get("kv_GBps"),
                        r.get("pct_hbm_peak"), r.get("speedup_vs_jax_rpa"),
@@ -171,4 +174,4 @@ def main(flag_values, out):
 
 
 if __name__ == "__main__":
-  common.run_app(main, _define_flags)
+  common.run_app(main, Config)

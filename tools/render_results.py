@@ -1,6 +1,7 @@
-r"""Renders the results tables of README.md / BENCHMARKS.md from the committed JSON.
+r"""Renders the results tables of the docs (README.md, BENCHMARKS.md, docs/**/*.md) from
+the committed JSON.
 
-    python tools/render_results.py            # rewrite README.md and BENCHMARKS.md in place
+    python tools/render_results.py            # rewrite every doc in DOCS in place
     python tools/render_results.py --check    # exit 1 (naming the files) if any would change
     python tools/render_results.py --list     # the section names and the JSON each reads
     make results                              # the first form
@@ -23,6 +24,7 @@ missing result file or an unclosed marker is an error naming the file.
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import re
 import sys
@@ -35,7 +37,9 @@ import render_gpu as gpu
 from render_common import RESULTS, ROOT, load, with_files
 from render_index import index
 
-DOCS = ("README.md", "BENCHMARKS.md")
+# The Markdown files rendered (patterns relative to the repository root): a table may sit in
+# any of them, so a note under docs/ that shows a result renders it like BENCHMARKS does.
+DOCS = ("README.md", "BENCHMARKS.md", "docs/**/*.md")
 MARKER = re.compile(r"<!-- results:(?P<name>[a-z0-9_]+) -->\n(?P<body>.*?)"
                     r"<!-- /results:(?P=name) -->", re.S)
 OPEN = re.compile(r"<!-- results:([a-z0-9_]+) -->")
@@ -80,6 +84,16 @@ SECTIONS: Dict[str, Tuple[object, Callable]] = {
     "mosaic_gpu_compile_report": ("gpu_compile_report/mosaic_gpu_compile_report.json",
                                   gpu.mosaic_compile),
 }
+
+
+def doc_paths(root: str = ROOT) -> List[str]:
+  """The files DOCS names under `root`, each once, in DOCS order."""
+  out: List[str] = []
+  for pattern in DOCS:
+    for path in sorted(glob.glob(os.path.join(root, pattern), recursive=True)):
+      if path not in out:
+        out.append(path)
+  return out
 
 
 def render_section(name: str, results_dir: str = RESULTS) -> str:
@@ -153,7 +167,7 @@ def main(argv=None) -> int:
       print(f"{name}\t{source if isinstance(source, str) else 'several files'}")
     return 0
   sys.path.insert(0, ROOT)   # `experiments` importable when run as a script
-  files = args.files or [os.path.join(ROOT, d) for d in DOCS]
+  files = args.files or doc_paths()
   try:
     changed = render_files(files, check=args.check, results_dir=args.results)
   except (ValueError, FileNotFoundError) as e:
