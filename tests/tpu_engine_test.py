@@ -137,7 +137,7 @@ def test_engine_step_compiles_for_tpu_without_pool_sized_temporaries(chip, tp):
 
 
 BUFFER_ASSIGNMENT = """\
-allocation 1: size 268435456, parameter 27, shape |bf16[8,8192,16,128]| at ShapeIndex {}, maybe-live-out:
+allocation 1: size 268435456, parameter 27, shape |bf16[8,8192,16,128]| at ShapeIndex {}:
  value: <6795 state_pages_k_0_.1 @0> (size=268435456,offset=0): bf16[8,8192,16,128]{3,2,1,0}
 allocation 632: size 23740928, preallocated-temp:
  value: <6849 fusion.37 @0> (size=7340032,offset=6078464): bf16[256,14336]{1,0:T(8,128)(2,1)}

@@ -120,7 +120,8 @@ def measure(case: StepCase, *, decode_only: bool = False,
   and returns its row: memory figures (bytes, per chip), the Mosaic kernels in the module
   (names and VMEM), and the largest HBM temporary (`largest_temp_*`: one value of XLA's
   HBM temporary arena; `temp_bytes` is the whole arena, values of disjoint lifetimes
-  sharing it) and, for reference, the largest value XLA stages in VMEM. `keep_report`: the CompileReport too, under "report" (not JSON)."""
+  sharing it) and, for reference, the largest value XLA stages in VMEM. `keep_report`:
+  the CompileReport too, under "report" (not JSON)."""
   from pallas_kernels.tpu import compile_target  # pylint: disable=g-import-not-at-top
   fn, args = step_and_args(case)
   t0 = time.perf_counter()
