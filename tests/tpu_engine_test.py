@@ -147,9 +147,9 @@ allocation 633: size 117440512, color 1, preallocated-temp:
 """
 
 
-def test_temp_values_reads_the_temporary_arenas_by_memory_space():
+def test_temp_arena_values_reads_the_temporary_arenas_by_memory_space():
   """Parameters are not temporaries; each arena's values carry its color; largest first."""
-  values = ct.temp_values(BUFFER_ASSIGNMENT)
+  values = ct.temp_arena_values(BUFFER_ASSIGNMENT)
   assert [(v.name, v.nbytes, v.memory_space) for v in values] == [
       ("slice.458", 29360128, 1), ("fusion.37", 7340032, 0),
       ("copy_bitcast_fusion.1", 4194304, 0)]

@@ -214,7 +214,7 @@ _VALUE = re.compile(r"^\s*value: <\d+ (?P<name>\S+) @\d+> \(size=(?P<size>\d+),"
                     r"offset=\d+\): (?P<shape>\S+)")
 
 
-def temp_values(buffer_assignment: str) -> List[Buffer]:
+def temp_arena_values(buffer_assignment: str) -> List[Buffer]:
   """The values of the temporary arenas (`preallocated-temp` allocations) in XLA's
   buffer-assignment dump, largest first; `memory_space` is the arena's memory color (0
   HBM, 1 VMEM, ...)."""
@@ -251,4 +251,4 @@ def compile_report(jitted, *args, chip: str = "v5e", as_default: bool = True,
   mem = compiled.memory_analysis()
   return CompileReport(tuple(kernels), tuple(buffers), int(mem.temp_size_in_bytes),
                        int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes),
-                       int(mem.alias_size_in_bytes), tuple(temp_values(assignment)))
+                       int(mem.alias_size_in_bytes), tuple(temp_arena_values(assignment)))
