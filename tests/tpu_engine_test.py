@@ -153,3 +153,24 @@ def test_temp_arena_values_reads_the_temporary_arenas_by_memory_space():
   assert [(v.name, v.nbytes, v.memory_space) for v in values] == [
       ("slice.458", 29360128, 1), ("fusion.37", 7340032, 0),
       ("copy_bitcast_fusion.1", 4194304, 0)]
+
+
+@NO_LIBTPU
+def test_int8_kernels_lower_for_a_compile_only_tpu_without_a_tpu_default_device():
+  """The args' sharding alone names the chip (as in step_for_compile): no kernel may ask
+  for the default device's chip while lowering (jnp's floor // did: scales.first_row)."""
+  from pallas_kernels import tpu  # pylint: disable=g-import-not-at-top
+  dev = ct.tpu_devices("v5e")[0]
+  assert jax.config.jax_default_device is None or jax.config.jax_default_device != dev
+  at = lambda shape, dtype: ct.abstract(shape, dtype, dev)
+  k = at((2, 64, 16, 128), jnp.int8)
+  rows = at((2, 8, 128), jnp.float32)
+  new, slots = at((32, 2, 128), jnp.bfloat16), at((32,), jnp.int32)
+  jax.jit(tpu.write_kv).trace(k, k, new, new, slots, rows, rows).lower()
+  tables, lens = at((4, 8), jnp.int32), at((4,), jnp.int32)
+  ragged = lambda *a: tpu.ragged_paged_attention(*a[:7], k_scales=a[7], v_scales=a[8])
+  jax.jit(ragged).trace(at((32, 4, 128), jnp.bfloat16), k, k, tables, lens,
+                        at((5,), jnp.int32), at((1,), jnp.int32), rows, rows).lower()
+  decode = lambda *a: tpu.paged_attention(*a[:5], k_scales=a[5], v_scales=a[6])
+  jax.jit(decode).trace(at((4, 4, 128), jnp.bfloat16), k, k, tables, lens, rows,
+                        rows).lower()

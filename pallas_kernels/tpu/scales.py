@@ -54,7 +54,7 @@ def as_rows(scales, num_blocks: int, block_size: int):
 
 def first_row(page, block_size: int):
   """Row of `page`'s first scale."""
-  return page * block_size // LANES
+  return lax.div(page * block_size, LANES)
 
 
 def lane_vector(rows, pages, block_size: int, ybuf):
