@@ -22,6 +22,7 @@ a table. Needs libtpu (requirements-compile.txt): without it, a one-line error.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Tuple
 
 import jax
@@ -54,6 +55,10 @@ def cases(config: Config) -> list:
   return chosen
 
 
+HEADERS = ["case", "attention", "pool MiB/chip", "temp MiB", "largest temp MiB",
+           "% of pool", "largest temp", "aliased MiB", "VMEM MiB", "compile s"]
+
+
 def _mib(x):
   return None if x is None else round(x / 2**20, 2)
 
@@ -61,7 +66,13 @@ def _mib(x):
 def _cells(row):
   return [row["case"], row["attention"], _mib(row["pool_bytes"]), _mib(row["temp_bytes"]),
           _mib(row["largest_temp_bytes"]), f"{100 * row['largest_temp_over_pool']:.2f}",
-          _mib(row["alias_bytes"]), _mib(row["max_vmem_bytes"]), row["compile_s"]]
+          re.sub(r"\{[^{}]*\}", "", row["largest_temp"] or ""), _mib(row["alias_bytes"]),
+          _mib(row["max_vmem_bytes"]), row["compile_s"]]
+
+
+def summary_rows(result) -> list:
+  """The table's rows from a written result (tools/render_results.py)."""
+  return [_cells(r) for r in result["rows"]]
 
 
 def main(config, out):
@@ -86,10 +97,7 @@ def main(config, out):
                         "libtpu": metadata.version("libtpu"), "layers": tsc.LAYERS},
                 rows=rows, failures=failures)
   path = common.write_json(out / "tpu_engine_compile.json", result)
-  print(common.table([_cells(r) for r in rows],
-                     headers=["case", "attention", "pool MiB/chip", "temp MiB",
-                              "largest temp MiB", "% of pool", "aliased MiB", "VMEM MiB",
-                              "compile s"]))
+  print(common.table([_cells(r) for r in rows], headers=HEADERS))
   bad = [r["case"] for r in rows if not r["under_1pct_of_pool"] and r["attention"]
          == "pallas:tpu"]
   print(f"{len(rows)} compiled, {len(failures)} failed, {len(bad)} TPU-kernel steps with a "
