@@ -56,7 +56,9 @@ class Config(configs.ExperimentConfig):
   max_num_batched_tokens: int = configs.flag(256, "per-step token budget", lower=1)
   decode_steps_per_sync: int = configs.flag(1, "decode steps per host sync", lower=1)
   preemption_mode: str = configs.flag("recompute", "preemption", choices=PREEMPTION_MODES)
-  attention_backend: str = configs.flag("auto", "auto|reference|pallas|pallas_interpret")
+  attention_backend: str = configs.flag(
+      "auto", "a paged_jax.attention spelling: auto|reference|xla|cpu|pallas|"
+      "pallas_interpret, or pallas[_interpret]:triton|mosaic_gpu|tpu")
   dtype: str = configs.flag("float32", "parameter / KV dtype")
   hybrid_kv: bool = configs.flag(False, "sliding-window layers give back blocks that slid out "
                                  "of the window (needs sliding and full layers; recompute)")

@@ -15,9 +15,13 @@ Backends (`BACKENDS`, the spellings the engine's `attention_backend` takes):
                       forms: the kernel family forced (pallas_kernels/triton/,
                       mosaic_gpu/, tpu/).
   "auto"              by the device the step runs or is compiled on (the abstract mesh's
-                      device, jax's default device, or `where=` in `resolve_backend`):
-                      "pallas" on a GPU, "pallas:tpu" on a TPU, else "cpu" (or "xla"
-                      where the custom calls cannot be built).
+                      device, jax's default device, or `where=` in `resolve_backend` /
+                      `resolve_step_backend`, which `engine.step_for_compile` passes its
+                      sharding to): "pallas" on a GPU, "pallas:tpu" on a TPU, else "cpu"
+                      (or "xla" where the custom calls cannot be built).
+
+On the TPU kernels the step's K/V write is the in-place TPU kernel too
+(`kv_cache.write(..., backend=)`): XLA's TPU scatter would copy the layer pool.
 
 Every backend checks shapes and dtypes before anything is traced (one-line ValueError
 naming the argument, its shape and the expected one: pallas_kernels/checks.py).
@@ -37,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import backends
+from pallas_kernels import checks
 
 BACKENDS = backends.BACKENDS
 
@@ -78,6 +83,26 @@ def resolve_backend(backend: str, where=None) -> str:
   device), as a spelling; any other spelling is returned as is. ValueError on an unknown
   name."""
   return backends.resolve_implementation(backend, where).spelling
+
+
+def resolve_step_backend(backend: str, *, num_q_heads: int, num_kv_heads: int,
+                         head_dim: int, block_size: int, q_dtype, page_dtype,
+                         quantized: bool, where=None) -> str:
+  """The concrete spelling `backend` stands for in a step of this model on the device
+  `where` (a Device or Sharding the step is compiled for; None: the target device of
+  `pallas_kernels.targets`): "auto" and a family-"auto" "pallas" are decided now, by that
+  device and these shapes, as each call would decide (a GPU: "pallas:mosaic_gpu" or
+  "pallas:triton"; a TPU: "pallas:tpu"; a CPU: "cpu" or "xla"). A step built with the
+  result picks the same kernels wherever it is traced (`engine.step_for_compile`).
+  """
+  key = backends.resolve_implementation(backend, where)
+  if key.implementation == "pallas" and key.family == "auto":
+    shapes = checks.AttentionShapes(
+        rows=1, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        num_blocks=1, block_size=block_size, num_seqs=1, pages_per_seq=1,
+        q_dtype=jnp.dtype(q_dtype), page_dtype=jnp.dtype(page_dtype), quantized=quantized)
+    key, _ = backends.resolve(key, "ragged", shapes, (), where)
+  return key.spelling
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, backend: str = "auto",

@@ -40,6 +40,7 @@ import numpy as np
 
 from paged_jax.config import CacheConfig
 from paged_jax.layer_stack import LayerStack
+from pallas_kernels import backends
 
 _QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
 
@@ -214,7 +215,7 @@ def _check_layer(pages: KVPages, layer) -> int:
 
 
 def write(pages: KVPages, layer, k_new: jax.Array, v_new: jax.Array,
-          slot_mapping: jax.Array) -> KVPages:
+          slot_mapping: jax.Array, *, backend: Optional[str] = None) -> KVPages:
   """Writes new tokens' K/V into their cache slots of one layer.
 
   Args:
@@ -225,6 +226,11 @@ def write(pages: KVPages, layer, k_new: jax.Array, v_new: jax.Array,
     slot_mapping: i32[T] flat slot of each token (`block * block_size + offset`);
       slot < 0 marks padding, which is not written. Two tokens must not share a
       slot (which one would win is unspecified).
+    backend: the attention backend of the step (a `paged_jax.attention` spelling), or
+      None. Where it runs the TPU kernels ("pallas:tpu", "pallas_interpret:tpu", or
+      "auto" / "pallas" on a TPU) the write is the TPU kernel `pallas_kernels.tpu.write_kv`
+      (in place; XLA's TPU scatter transposes and copies the whole layer pool); anywhere
+      else, and for None, XLA's scatter.
   Returns:
     The updated pages (casts to the page dtype; quantizes int8 / fp8 pages and
     stores their scales). Only layer `layer`'s arrays change, by a scatter of the T
@@ -241,6 +247,9 @@ def write(pages: KVPages, layer, k_new: jax.Array, v_new: jax.Array,
       raise ValueError(f"{name} must have shape [T, num_kv_heads, head_dim] = {list(want)}, "
                        f"got {list(x.shape)}")
   chex.assert_type([k_new, v_new], float, custom_message="k_new, v_new (float K/V to write)")
+  tpu = None if backend is None else backends.tpu_key(backend)
+  if tpu is not None:
+    return _write_tpu(pages, layer, k_new, v_new, slot_mapping, interpret=tpu.interpret)
   num_slots = pages.num_blocks * pages.block_size
   # Padding (and anything out of the pool) goes to an out-of-bounds index: dropped.
   slots = jnp.where(slot_mapping >= 0, slot_mapping, num_slots).astype(jnp.int32)
@@ -262,6 +271,26 @@ def write(pages: KVPages, layer, k_new: jax.Array, v_new: jax.Array,
   k, k_scale = put(pages.k, pages.k_scale, k_new)
   v, v_scale = put(pages.v, pages.v_scale, v_new)
   return KVPages(k=k, v=v, k_scale=k_scale, v_scale=v_scale)
+
+
+def _write_tpu(pages: KVPages, index: int, k_new, v_new, slot_mapping, *, interpret):
+  """`write` by the TPU kernel: the layer's pages (and scales) updated where they are."""
+  from pallas_kernels import tpu  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.tpu import scales as tpu_scales  # pylint: disable=g-import-not-at-top
+  k, v, ks, vs = layer(pages, index)
+  nb, bs = pages.num_blocks, pages.block_size
+  if ks is not None:   # the kernel keeps scales as compact 128-lane rows (tpu/scales.py)
+    ks, vs = (tpu_scales.as_rows(s, nb, bs) for s in (ks, vs))
+  out = tpu.write_kv(k, v, k_new, v_new, slot_mapping.astype(jnp.int32), ks, vs,
+                     interpret=interpret)
+  new = KVPages(k=_replace_layer(pages.k, index, out[0]),
+                v=_replace_layer(pages.v, index, out[1]), k_scale=pages.k_scale,
+                v_scale=pages.v_scale)
+  if ks is None:
+    return new
+  back = lambda rows: rows.reshape(rows.shape[0], -1)[:, :nb * bs].reshape(-1, nb, bs)
+  return new.replace(k_scale=_replace_layer(pages.k_scale, index, back(out[2])),
+                     v_scale=_replace_layer(pages.v_scale, index, back(out[3])))
 
 
 def _replace_layer(stack: LayerStack, layer: int, x) -> LayerStack:

@@ -23,8 +23,9 @@ of compute capability 9.x, Mosaic GPU when `mosaic_gpu.pipeline.supported_reason
 accepts the shape and no Triton-only knob was passed (int8 / fp8 pages: only when asked
 for), else Triton; on a TPU "tpu"; anywhere else (a CPU: interpret mode) Triton, so
 "pallas_interpret" runs the Triton interpreter on every jax. Each distinct choice is
-logged once at INFO. The "tpu" entries name `pallas_kernels.tpu` (its kernels land
-there); until then a call on them says so in one line.
+logged once at INFO. The "tpu" entries are `pallas_kernels.tpu`'s kernels (Mosaic TPU;
+"pallas_interpret:tpu" runs them in the TPU interpreter on any backend); `tpu_key` says
+whether a spelling runs them on the target device (the K/V write picks its kernel by it).
 """
 
 from __future__ import annotations
@@ -98,9 +99,10 @@ _FAMILY_KERNELS = {
                           f"{_PK}.mosaic_gpu.ragged_paged_attention:ragged_paged_attention",
                           ("num_splits", "tile_kv", "num_stages"),
                           ("q_per_tile", "num_splits", "tile_kv", "num_stages")),
-    # The TPU kernels plug in here (module paths and their TuningConfig fields).
     "tpu": Kernels(f"{_PK}.tpu.paged_attention:paged_attention",
-                   f"{_PK}.tpu.ragged_paged_attention:ragged_paged_attention"),
+                   f"{_PK}.tpu.ragged_paged_attention:ragged_paged_attention",
+                   ("kv_per_tile", "seqs_per_tile", "heads_per_tile", "vmem_limit_bytes"),
+                   ("kv_per_tile", "q_per_tile", "heads_per_tile", "vmem_limit_bytes")),
 }
 TABLE: Dict[Backend, Kernels] = {
     Backend("reference"): Kernels(f"{_PK}.reference:paged_attention_reference",
@@ -145,6 +147,18 @@ def resolve_implementation(backend, where=None) -> Backend:
   if kind == "tpu":
     return Backend("pallas", "tpu")
   return Backend(_cpu_implementation())
+
+
+def tpu_key(backend, where=None) -> Optional[Backend]:
+  """("pallas", "tpu", interpret) when `backend` runs the TPU kernels on the target device
+  (a ":tpu" spelling, or "auto" / "pallas" / "pallas_interpret" deciding on a TPU), else
+  None. The family needs no shapes there, so the K/V write can ask before any call."""
+  key = resolve_implementation(backend, where)
+  if key.implementation != "pallas":
+    return None
+  if key.family == "auto" and targets.platform(targets.target_device(where)) == "tpu":
+    key = key._replace(family="tpu")
+  return key if key.family == "tpu" else None
 
 
 def _choose_family(op: str, shapes: checks.AttentionShapes, tuning, where) -> Tuple[str, str]:
@@ -246,7 +260,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None
   Arguments and result as `triton/paged_attention.py` (and `reference.py`);
   `tuning`: the chosen kernel's keyword-only knobs (its `TuningConfig`: Triton
   tile_tokens, num_splits, num_warps, num_stages; Mosaic GPU num_splits, tile_kv,
-  num_stages). backend: "auto" (module docstring), "triton", "mosaic_gpu" or "tpu"
+  num_stages; TPU kv_per_tile, seqs_per_tile, heads_per_tile, vmem_limit_bytes).
+  backend: "auto" (module docstring), "triton", "mosaic_gpu" or "tpu"
   (`gpu_backend=` is its older name). interpret: the family's interpreter on a CPU.
   """
   return attend("decode", _pallas_backend(backend, gpu_backend, interpret),
@@ -264,7 +279,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens
   Arguments and result as `triton/ragged_paged_attention.py` (and `reference.py`);
   `tuning`: the chosen kernel's knobs (Triton q_per_tile, short_q_per_tile, kv_per_tile,
   kv_splits, num_warps, num_stages; Mosaic GPU q_per_tile, num_splits, tile_kv,
-  num_stages). backend / gpu_backend / interpret as `paged_attention`.
+  num_stages; TPU kv_per_tile, q_per_tile, heads_per_tile, vmem_limit_bytes).
+  backend / gpu_backend / interpret as `paged_attention`.
   """
   return attend("ragged", _pallas_backend(backend, gpu_backend, interpret),
                 (q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs),

@@ -7,7 +7,9 @@ run); the Mosaic kernels themselves are tested in mosaic_*_test.py.
 
 import dataclasses
 import importlib
+import inspect
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -94,27 +96,32 @@ def test_spellings_parse_and_round_trip():
 
 
 def test_table_knobs_are_the_kernels_tuning_configs():
-  """Each table entry's knob names are the fields of its op's TuningConfig."""
+  """Each table entry's knob names are the fields of its op's TuningConfig (TPU: the
+  entry's keyword-only arguments besides the semantic ones and `interpret`)."""
   for key, kernels in backends.TABLE.items():
-    if key.family in (None, "tpu"):
+    if key.family is None:
       continue
     for op in ("decode", "ragged"):
-      module = importlib.import_module(getattr(kernels, op).partition(":")[0])
-      fields = {f.name for f in dataclasses.fields(module.TuningConfig)}
+      module_name, _, fn_name = getattr(kernels, op).partition(":")
+      module = importlib.import_module(module_name)
+      if key.family == "tpu":
+        params = inspect.signature(getattr(module, fn_name)).parameters.values()
+        fields = {p.name for p in params if p.kind == p.KEYWORD_ONLY} - set(
+            backends.SEMANTIC_KWARGS) - {"interpret"}
+      else:
+        fields = {f.name for f in dataclasses.fields(module.TuningConfig)}
       assert set(kernels.knobs(op)) == fields, (key, op)
 
 
-def test_tpu_entries_say_they_are_not_here_yet():
-  q = jnp.zeros((1, 4, 64), jnp.bfloat16)
-  pages = jnp.zeros((2, 4, 16, 64), jnp.bfloat16)
-  args = (q, pages, pages, jnp.zeros((1, 4), jnp.int32), jnp.ones((1,), jnp.int32))
-  try:
-    importlib.import_module("pallas_kernels.tpu.paged_attention")
-    pytest.skip("the TPU kernels are here")
-  except ImportError:
-    pass
-  with pytest.raises(NotImplementedError, match="pallas_kernels.tpu"):
-    pallas_kernels.paged_attention(*args, backend="tpu", interpret=True)
+def test_tpu_key_says_which_spellings_run_the_tpu_kernels():
+  """The K/V write asks `tpu_key` before any call: ":tpu" spellings always, "auto" and a
+  family-"auto" "pallas" only where the target device is a TPU (here: the CPU)."""
+  cpu = jax.devices("cpu")[0]
+  assert backends.tpu_key("pallas:tpu") == backends.Backend("pallas", "tpu", False)
+  assert backends.tpu_key("pallas_interpret:tpu") == backends.Backend("pallas", "tpu", True)
+  for spelling in ("auto", "pallas", "pallas_interpret", "pallas:triton", "reference",
+                   "xla", "cpu", "pallas_interpret:mosaic_gpu"):
+    assert backends.tpu_key(spelling, where=cpu) is None, spelling
 
 
 def test_bad_gpu_backend_is_one_line_value_error():

@@ -169,12 +169,26 @@ def _engine_step_compile():
   if step_for_compile is None:
     pytest.skip("paged_jax.engine.step_for_compile is not there yet")
   sharding = jax.sharding.SingleDeviceSharding(ct.sm90_device())
+  # "auto" on this CPU host: the sharding's H200 must pick the Pallas GPU kernels.
   fn, args = step_for_compile(LLAMA8B_2L, CACHE_4G, sharding=sharding,
                               max_num_batched_tokens=64, decode_steps_per_sync=DECODE_STEPS,
-                              attention_backend="pallas")
+                              attention_backend="auto")
   pool = 2 * LLAMA8B_2L.num_layers * layer_pool_bytes(CACHE_4G)
   assert pool >= 4 * 2**30
   return pool_copy_findings(fn, args, CACHE_4G, pool_bytes_donated=pool, keep_hlo=True)
+
+
+def test_auto_attention_is_decided_by_the_h200_sharding_not_the_host():
+  """step_for_compile(sharding=<H200>) with "auto" (or family-"auto" "pallas") builds the
+  step on the Mosaic GPU kernels: the host (a CPU) alone would give the jnp path, whose
+  gathered K/V took 413.6 MB of temporaries in this compile (issue 27)."""
+  from paged_jax.engine import compile as engine_compile  # pylint: disable=g-import-not-at-top
+  h200 = jax.sharding.SingleDeviceSharding(ct.sm90_device())
+  for spelling in ("auto", "pallas"):
+    assert engine_compile.step_backend(spelling, LLAMA8B_2L, CACHE_4G,
+                                       h200) == "pallas:mosaic_gpu"
+  host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+  assert engine_compile.step_backend("auto", LLAMA8B_2L, CACHE_4G, host) in ("cpu", "xla")
 
 
 @pytest.mark.slow   # one compile of the whole step: ~20 s of CPU, minutes on a busy host

@@ -62,3 +62,15 @@ def test_compile_report_writes_vmem_beside_jax(tmp_path):
   (row,) = result["rows"]
   assert row["ours"]["vmem_bytes"] > 0 and row["jax_rpa_matched"]["vmem_bytes"] > 0
   assert not result["failures"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(compile_target.unavailable_reason() is not None,
+                    reason=str(compile_target.unavailable_reason()))
+def test_engine_compile_report_writes_its_rows(tmp_path):
+  _run(["experiments.tpu_engine_compile", "--cases=tests", "--chips=v5e", "--only=tp4"],
+       tmp_path)
+  result = json.loads((tmp_path / "tpu_engine_compile.json").read_text())
+  (row,) = result["rows"]
+  assert row["attention"] == "pallas:tpu" and row["tp"] == 4
+  assert row["under_1pct_of_pool"] and not result["failures"]

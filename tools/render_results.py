@@ -83,6 +83,10 @@ SECTIONS: Dict[str, Tuple[object, Callable]] = {
     "gpu_compile_report": ("gpu_compile_report/gpu_compile_report.json", gpu.gpu_compile),
     "mosaic_gpu_compile_report": ("gpu_compile_report/mosaic_gpu_compile_report.json",
                                   gpu.mosaic_compile),
+    "tpu_engine_compile": ("tpu_engine_compile/tpu_engine_compile.json",
+                           engine.rows_with("tpu_engine_compile")),
+    "tpu_engine_compile_int8": ("tpu_engine_compile/int8/tpu_engine_compile.json",
+                                engine.rows_with("tpu_engine_compile")),
 }
 
 

@@ -3,6 +3,7 @@
   mesh.py           `make_mesh(tp, dp)`, `validate_tp`, `dp_submeshes`: meshes with clear errors
   sharding.py       PartitionSpecs: Megatron-style params, KV pages split by KV head
   tp_forward.py     `TensorParallelDecoder`: the paged decoder (every family) per shard
+  tp_engine.py      `make_tp_engine`; `tp_step_for_compile` (the tp step, deviceless)
   data_parallel.py  `DataParallelEngine`: dp engine replicas behind one router
   multiprocess.py   `jax.distributed.initialize` helpers (CPU gloo collectives, global arrays)
 
@@ -16,5 +17,5 @@ from paged_jax.distributed.sharding import (kv_pages_specs, param_specs, per_dev
 from paged_jax.distributed.tp_forward import (TensorParallelDecoder, TensorParallelLlama,
                                               cache_config_for_device_budget,
                                               local_model_config)
-from paged_jax.distributed.tp_engine import make_tp_engine
+from paged_jax.distributed.tp_engine import make_tp_engine, tp_step_for_compile
 from paged_jax.distributed.data_parallel import DataParallelEngine, Router

@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from paged_jax import block_manager as bm
 from paged_jax.config import CacheConfig, ModelConfig
 from paged_jax.distributed.mesh import validate_tp, tp_size
+from paged_jax.distributed.sharding import kv_pages_specs, named, param_specs
 from paged_jax.distributed.tp_forward import TensorParallelDecoder
 from paged_jax.prefix_cache import step as prefix_step
 
@@ -75,3 +76,29 @@ def make_tp_engine(model_config: ModelConfig, params, cache_config: CacheConfig,
            tp, [d.id for d in mesh.devices.flat], cache_config.num_blocks,
            cache_config.kv_cache_bytes / tp / 2**20)
   return engine
+
+
+def tp_step_for_compile(model_config: ModelConfig, cache_config: CacheConfig, *, mesh: Mesh,
+                        **engine_options):
+  """`engine.step_for_compile` for the tensor-parallel step on `mesh` (a 1-D `tp` mesh,
+  possibly of compile-only devices): (jitted step, ShapeDtypeStruct args placed as
+  `make_tp_engine` places them: params Megatron-style, pages split by KV head, block
+  state and inputs replicated). "auto" attention is decided by the mesh's devices.
+  """
+  from paged_jax.engine import compile as engine_compile  # pylint: disable=g-import-not-at-top
+  from paged_jax.engine.options import EngineOptions  # pylint: disable=g-import-not-at-top
+  from paged_jax.engine.state import EngineState, init_state  # pylint: disable=g-import-not-at-top
+  from paged_jax.engine.weights import param_shapes  # pylint: disable=g-import-not-at-top
+  validate_tp(model_config, tp_size(mesh), cache_config)
+  options = EngineOptions.of(engine_options.pop("options", None), **engine_options)
+  replicated = NamedSharding(mesh, P())
+  backend = engine_compile.step_backend(options.attention_backend, model_config,
+                                        cache_config, replicated)
+  tp_model = TensorParallelDecoder(model_config, mesh, attention_backend=backend)
+  pages = jax.eval_shape(lambda: init_state(cache_config)).pages
+  state = EngineState(blocks=replicated, pages=named(mesh, kv_pages_specs(pages)),
+                      prefix=replicated if cache_config.enable_prefix_caching else None)
+  params = named(mesh, param_specs(param_shapes(model_config)))
+  return engine_compile.step_for_compile(
+      model_config, cache_config, sharding=(params, state, replicated), options=options,
+      attention_backend=backend, model_apply=tp_model.apply)

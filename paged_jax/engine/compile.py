@@ -19,6 +19,7 @@ back, or loads from `paged_jax.compile_cache` when that is on.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -240,21 +241,62 @@ def step_for_compile(model_config: ModelConfig, cache_config: CacheConfig, *, sh
   present: `fn.trace(*args).lower().compile()`. No array is allocated.
 
   Args:
-    sharding: optional `jax.sharding.Sharding` placed on every argument.
+    sharding: optional `jax.sharding.Sharding` placed on every argument, or a pytree of
+      Shardings over a prefix of (params, state, inputs), each placed on the subtree at
+      its place (tensor parallelism: `paged_jax.distributed.tp_step_for_compile`). Its
+      device decides `attention_backend="auto"` (and a family-"auto" "pallas"): the
+      kernels of that device's platform (`attention.resolve_step_backend`), never the
+      host's. Without it "auto" decides when the step is traced, by the target device.
     engine_options: as for `Engine` (EngineOptions' fields, or `options=`); the largest
       bucket is used: T = budget, R = max_seqs, W = max_blocks_per_seq, ragged attention.
   """
   options = EngineOptions.of(engine_options.pop("options", None), **engine_options)
+  target = _first_sharding(sharding)
+  if target is not None and options.model_apply is None:
+    options = dataclasses.replace(options, attention_backend=step_backend(
+        options.attention_backend, model_config, cache_config, target))
   compiled, buckets = engine_step(model_config, cache_config, options)
   params = param_shapes(model_config)
   state = jax.eval_shape(lambda: init_state(cache_config))
   inputs = input_shapes(buckets.tokens[-1], cache_config.max_seqs,
                         lookup_len(cache_config, options.max_num_batched_tokens))
   args = (params, state, inputs)
-  if sharding is not None:
-    args = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), args)
+  if sharding is not None:   # each Sharding placed on the subtree of args at its place
+    put = lambda s, sub: jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), sub)
+    args = jax.tree_util.tree_map(put, sharding, args, is_leaf=_is_sharding)
   return compiled.fn, args
+
+
+def step_backend(backend: str, model_config: ModelConfig, cache_config: CacheConfig,
+                 where) -> str:
+  """The attention spelling `backend` stands for in this model's step on the device of
+  `where` (a Device or Sharding); logged at INFO when it differs."""
+  from paged_jax.attention import resolve_step_backend  # pylint: disable=g-import-not-at-top
+  chosen = resolve_step_backend(
+      backend, num_q_heads=model_config.num_heads, num_kv_heads=model_config.num_kv_heads,
+      head_dim=model_config.head_dim, block_size=cache_config.block_size,
+      q_dtype=model_config.dtype, page_dtype=cache_config.dtype,
+      quantized=cache_config.quantized, where=where)
+  if chosen != backend:
+    log.info("paged_jax engine: attention_backend=%s -> %s for %s", backend, chosen,
+             getattr(_first_device(where), "device_kind", where))
+  return chosen
+
+
+def _is_sharding(x) -> bool:
+  return isinstance(x, jax.sharding.Sharding)
+
+
+def _first_sharding(sharding):
+  """The first Sharding of `sharding` (a Sharding or a pytree of them), or None."""
+  leaves = jax.tree_util.tree_leaves(sharding, is_leaf=_is_sharding)
+  return next((x for x in leaves if _is_sharding(x)), None)
+
+
+def _first_device(where):
+  devices = getattr(where, "device_set", None)
+  return min(devices, key=lambda d: d.id) if devices else where
 
 
 def release_compiled() -> None:

@@ -161,7 +161,9 @@ class DecoderAttention(nn.Module):
       sliding, index = kv_pages.locate(self.layer_index)
       pages = kv_pages.sliding if sliding else kv_pages.full
       meta = meta.sliding if sliding else meta
-    pages = kv_cache.write(pages, index, k, v, meta.slot_mapping)
+    # On the TPU kernels the write is the in-place TPU kernel too (kv_cache.write).
+    pages = kv_cache.write(pages, index, k, v, meta.slot_mapping,
+                           backend=self.attention_backend)
     k_pages, v_pages, k_scales, v_scales = kv_cache.layer(pages, index)
     # The ragged kernel, or the decode kernel when the step is `meta.decode_only`.
     out = attention.attention_from_metadata(q, k_pages, v_pages, meta, k_scales=k_scales,

@@ -21,6 +21,11 @@ Per-token int8/fp8 scales come as compact scale rows (scales.py: one 128-lane ro
 page) and become a lane vector [1, TK]: the K scale multiplies the logits' columns, the V
 scale the probabilities' columns, so quantized K/V tiles go to the MXU as exact bf16/f32
 integers without a per-row rescale.
+
+Integer / and % on traced values are lax.div / lax.rem (truncating: the floor for
+the non-negative operands here). jnp's floor `//` and `%` lower through `sign`, which
+makes Mosaic ask the chip (tpu_info) while lowering: without them the kernels lower
+for a compile-only TPU with no TPU default device (engine.step_for_compile).
 """
 
 from __future__ import annotations
@@ -149,7 +154,7 @@ def _kernel(tables_ref, meta_ref, prog_ref, chain_ref, q_ref, k_hbm, v_hbm, *res
     pos0 = meta(W.POS0, pair)
     if cfg.decode:
       return pos0, None
-    tok = lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // cfg.group
+    tok = lax.div(lax.broadcasted_iota(jnp.int32, (rows, 1), 0), jnp.int32(cfg.group))
     row0 = meta(W.ROW0, pair)
     mine = (tok >= row0) & (tok < row0 + meta(W.NROWS, pair))
     return pos0 + tok - row0, mine

@@ -23,8 +23,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import glob
 import os
 import re
+import tempfile
 from typing import Any, List, Optional, Sequence, Tuple
 
 import jax
@@ -123,6 +125,10 @@ class CompileReport:
     kernels: Mosaic kernels, in module order.
     buffers: every non-parameter, non-bitcast instruction result (see `large_buffers`).
     temp_bytes / argument_bytes / output_bytes / alias_bytes: memory_analysis (HBM).
+    temp_values: with `compile_report(..., temp_values=True)`, every value XLA's buffer
+      assignment puts in a temporary arena (HBM: memory_space 0; VMEM: 1), largest first
+      (an arena holds values of disjoint lifetimes at shared offsets, so one value is
+      what "a temporary buffer" means); else ().
   """
   kernels: Tuple[Kernel, ...]
   buffers: Tuple[Buffer, ...]
@@ -130,6 +136,7 @@ class CompileReport:
   argument_bytes: int
   output_bytes: int
   alias_bytes: int
+  temp_values: Tuple[Buffer, ...] = ()
 
   @property
   def max_vmem_bytes(self) -> int:
@@ -202,13 +209,46 @@ def parse_module(text: str) -> Tuple[List[Kernel], List[Buffer]]:
   return kernels, buffers
 
 
-def compile_report(jitted, *args, chip: str = "v5e", **kwargs) -> CompileReport:
+_ALLOCATION = re.compile(r"^allocation \d+: size \d+(?P<attrs>.*):\s*$")
+_VALUE = re.compile(r"^\s*value: <\d+ (?P<name>\S+) @\d+> \(size=(?P<size>\d+),"
+                    r"offset=\d+\): (?P<shape>\S+)")
+
+
+def temp_arena_values(buffer_assignment: str) -> List[Buffer]:
+  """The values of the temporary arenas (`preallocated-temp` allocations) in XLA's
+  buffer-assignment dump, largest first; `memory_space` is the arena's memory color (0
+  HBM, 1 VMEM, ...)."""
+  values, color = [], None
+  for line in buffer_assignment.splitlines():
+    m = _ALLOCATION.match(line)
+    if m:
+      c = re.search(r"color (\d+)", m["attrs"])
+      color = (int(c[1]) if c else 0) if "preallocated-temp" in m["attrs"] else None
+      continue
+    v = _VALUE.match(line) if color is not None else None
+    if v:
+      values.append(Buffer(v["name"], "temp", v["shape"], int(v["size"]), color))
+  return sorted(values, key=lambda b: -b.nbytes)
+
+
+def compile_report(jitted, *args, chip: str = "v5e", as_default: bool = True,
+                   temp_values: bool = False, **kwargs) -> CompileReport:
   """Lowers and compiles `jitted(*args, **kwargs)` for `chip` (args already placed on one
-  of its devices, e.g. with `place`). Raises whatever Mosaic / XLA raise."""
-  with tpu_target(chip):
-    compiled = jitted.trace(*args, **kwargs).lower().compile()
+  of its devices, e.g. with `place`). `as_default`: with a `chip` device as jax's default
+  device (what Pallas TPU reads the chip from); False compiles as a user on a CPU host
+  would, the args' shardings alone naming the chip. `temp_values`: also read XLA's
+  buffer assignment (dumped to a temporary directory) into `CompileReport.temp_values`.
+  Raises whatever Mosaic / XLA raise."""
+  target = tpu_target(chip) if as_default else contextlib.nullcontext()
+  with target, tempfile.TemporaryDirectory() as dump:
+    options = {"xla_dump_to": dump} if temp_values else None
+    compiled = jitted.trace(*args, **kwargs).lower().compile(compiler_options=options)
+    assignment = "".join(open(f).read() for f in glob.glob(
+        os.path.join(dump, "*after_optimizations-buffer-assignment.txt")))
+  if temp_values and not assignment:
+    raise RuntimeError("the TPU compiler wrote no buffer-assignment dump (xla_dump_to)")
   kernels, buffers = parse_module(compiled.as_text())
   mem = compiled.memory_analysis()
   return CompileReport(tuple(kernels), tuple(buffers), int(mem.temp_size_in_bytes),
                        int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes),
-                       int(mem.alias_size_in_bytes))
+                       int(mem.alias_size_in_bytes), tuple(temp_arena_values(assignment)))

@@ -19,6 +19,11 @@ scale row, paid only by quantized pools).
 
   k_pages, v_pages [Hkv, NB, bs, D]; k_new, v_new [T, Hkv, D]; slots i32[T]
   (block * bs + offset, < 0 = padding); scale rows f32[Hkv, ceil(NB * bs / 128), 128].
+
+Integer / and % on traced values are lax.div / lax.rem (truncating: the floor for
+the non-negative operands here). jnp's floor `//` and `%` lower through `sign`, which
+makes Mosaic ask the chip (tpu_info) while lowering: without them the kernels lower
+for a compile-only TPU with no TPU default device (engine.step_for_compile).
 """
 
 from __future__ import annotations
@@ -80,7 +85,7 @@ def _kernel(tok_ref, slot_ref, rstart_ref, rlen_ref, rgrp_ref, sfirst_ref, slast
 
   def group_copies(r, slot, to_hbm):
     grp = rgrp_ref[r]
-    page, row0 = grp // groups_per_page, (grp % groups_per_page) * GROUP_ROWS
+    page, row0 = lax.div(grp, groups_per_page), lax.rem(grp, groups_per_page) * GROUP_ROWS
     out = []
     for kv, hbm in enumerate((k_hbm, v_hbm)):
       src = hbm.at[:, page, pl.ds(pl.multiple_of(row0, GROUP_ROWS), GROUP_ROWS)]
@@ -108,7 +113,7 @@ def _kernel(tok_ref, slot_ref, rstart_ref, rlen_ref, rgrp_ref, sfirst_ref, slast
   wait_reads = functools.partial(reads, method="wait")
 
   def srow_copies(r, to_hbm):
-    row = rgrp_ref[r] * GROUP_ROWS // S.LANES
+    row = lax.div(rgrp_ref[r] * GROUP_ROWS, S.LANES)
     out = []
     for kv, hbm in enumerate((ks_hbm, vs_hbm)):
       src, dst = hbm.at[:, pl.ds(row, 1)], sbuf.at[kv]
@@ -121,7 +126,7 @@ def _kernel(tok_ref, slot_ref, rstart_ref, rlen_ref, rgrp_ref, sfirst_ref, slast
     start_reads(0, 0)
 
   def run_body(r, carry):
-    slot = r % 2
+    slot = lax.rem(r, 2)
 
     @pl.when(r + 1 < num_runs)
     def _prefetch():
@@ -141,7 +146,7 @@ def _kernel(tok_ref, slot_ref, rstart_ref, rlen_ref, rgrp_ref, sfirst_ref, slast
           c.wait()
 
     def put(i, c):
-      row = slot_ref[rstart_ref[r] + i] % GROUP_ROWS
+      row = lax.rem(slot_ref[rstart_ref[r] + i], GROUP_ROWS)
       rows = lax.broadcasted_iota(jnp.int32, (1, GROUP_ROWS, 1), 1)
       for kv in range(2):
         new = tbuf[slot, kv, i].astype(jnp.float32)[:, None, :]          # [HT, 1, D]
@@ -151,7 +156,7 @@ def _kernel(tok_ref, slot_ref, rstart_ref, rlen_ref, rgrp_ref, sfirst_ref, slast
           new = jnp.clip(new / jnp.where(scale > 0, scale, 1.0), -qmax, qmax)
           if jnp.dtype(gbuf.dtype) == jnp.int8:
             new = jnp.round(new)
-          slot_in_row = slot_ref[rstart_ref[r] + i] % S.LANES
+          slot_in_row = lax.rem(slot_ref[rstart_ref[r] + i], S.LANES)
           lane = lax.broadcasted_iota(jnp.int32, (1, 1, S.LANES), 2)
           sbuf[kv] = jnp.where(lane == slot_in_row, scale, sbuf[kv])
         cur = gbuf[slot, kv]
@@ -174,12 +179,12 @@ def _kernel(tok_ref, slot_ref, rstart_ref, rlen_ref, rgrp_ref, sfirst_ref, slast
   # Drain the last one or two group writes.
   @pl.when(num_runs >= 2)
   def _():
-    for c in group_copies(num_runs - 2, num_runs % 2, True):
+    for c in group_copies(num_runs - 2, lax.rem(num_runs, 2), True):
       c.wait()
 
   @pl.when(num_runs >= 1)
   def _():
-    for c in group_copies(num_runs - 1, (num_runs - 1) % 2, True):
+    for c in group_copies(num_runs - 1, lax.rem(num_runs - 1, 2), True):
       c.wait()
 
 

@@ -18,7 +18,7 @@ In the kernel, `lane_vector` turns the PT fetched rows of a K/V tile into the la
 [1, TK] (key j of the tile at lane j) that multiplies the logits' (K) or probabilities'
 (V) columns: per row a lane rotation by one of 128 / seg static amounts (seg = min(bs,
 128)), a mask to the page's segment, then the rows of each 128-lane group summed (strided
-sublane reads) and the groups concatenated.
+sublane reads) and the groups concatenated. (lax.rem, not %: see attention_kernel.py.)
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def as_rows(scales, num_blocks: int, block_size: int):
 
 def first_row(page, block_size: int):
   """Row of `page`'s first scale."""
-  return page * block_size // LANES
+  return lax.div(page * block_size, LANES)
 
 
 def lane_vector(rows, pages, block_size: int, ybuf):
@@ -73,12 +73,12 @@ def lane_vector(rows, pages, block_size: int, ybuf):
   per_group = LANES // seg
   groups = nrows * seg // LANES
   r = lax.broadcasted_iota(jnp.int32, (nrows, 1), 0)
-  tgt = (r * seg) % LANES
+  tgt = lax.rem(r * seg, LANES)
   if seg < LANES:
     off = jnp.zeros((nrows, 1), jnp.int32)
     for i, page in enumerate(pages):
-      off = jnp.where(r == i, (page * block_size) % LANES, off)
-    shift = (tgt - off) % LANES
+      off = jnp.where(r == i, lax.rem(page * block_size, LANES), off)
+    shift = lax.rem(tgt - off + LANES, LANES)
     y = rows
     for k in range(1, per_group):
       y = jnp.where(shift == k * seg, pltpu.roll(rows, k * seg, 1), y)
