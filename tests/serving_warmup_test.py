@@ -30,7 +30,7 @@ def brute_force(buckets: StepBuckets, max_rows: int, max_len: int, lanes: int) -
   budget = buckets.tokens[-1]
   # The width depends on the longest row alone: cross every length's width with the
   # (tokens, rows, decode_only) of every batch.
-  widths = {buckets.pick(1, 1, length, False)[2] for length in range(1, max_len + 1)}
+  widths = {buckets.pick(1, 1, length, False).width for length in range(1, max_len + 1)}
   out = {buckets.pick(0, 0, 0, True)}
   for k in range(1, max_rows + 1):
     for rows in range(k, min(k * lanes, max_rows) + 1):
@@ -38,7 +38,7 @@ def brute_force(buckets: StepBuckets, max_rows: int, max_len: int, lanes: int) -
         out.add(buckets.pick(k, rows, max_len, True))
       for num_tokens in range(k + 1, budget + 1):
         out.add(buckets.pick(num_tokens, rows, max_len, False))
-  return {(t, r, w, d) for (t, r, _, d) in out for w in widths}
+  return {b._replace(width=w) for b in out for w in widths}
 
 
 @pytest.mark.parametrize("max_seqs,budget,width,decode_steps,max_rows,max_len,lanes,enabled", [

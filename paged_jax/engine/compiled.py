@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import jax
 
 from paged_jax.config import CacheConfig, ModelConfig
-from paged_jax.engine.inputs import StepBuckets, empty_inputs, input_shapes
+from paged_jax.engine.inputs import Bucket, StepBuckets, empty_inputs, input_shapes
 from paged_jax.engine.scheduler import PREEMPTION_MODES
 from paged_jax.engine.step import StepInputs, init_state, make_step
 from paged_jax.prefix_cache import step as prefix_step
@@ -169,8 +169,8 @@ def step_for_compile(model_config: ModelConfig, cache_config: CacheConfig, *, sh
 
 
 def reachable_buckets(buckets: StepBuckets, *, max_rows: int, max_len: int,
-                      lanes_per_row: int = 1) -> List[Tuple[int, int, int, bool]]:
-  """The shape buckets (T, R, W, decode_only) a step can land on when at most `max_rows`
+                      lanes_per_row: int = 1) -> List[Bucket]:
+  """The shape buckets (T, R, W, decode_only; all_greedy False) a step can land on when at most `max_rows`
   sequences are live and none is longer than `max_len` tokens (as `StepBuckets.pick`
   would choose them), smallest first.
 
@@ -183,21 +183,21 @@ def reachable_buckets(buckets: StepBuckets, *, max_rows: int, max_len: int,
     raise ValueError(f"max_rows, max_len and lanes_per_row must be >= 1, got "
                      f"{max_rows}, {max_len}, {lanes_per_row}")
   if not buckets.enabled:   # one shape: the largest
-    return [(buckets.tokens[-1], buckets.rows[-1], buckets.widths[-1], False)]
+    return [Bucket(buckets.tokens[-1], buckets.rows[-1], buckets.widths[-1], False)]
   max_rows = min(max_rows, buckets.rows[-1])
-  rows = sorted({buckets.pick(1, k, 1, True)[1] for k in range(1, max_rows + 1)})
-  width_max = buckets.pick(1, 1, max_len, False)[2]
+  rows = sorted({buckets.pick(1, k, 1, True).rows for k in range(1, max_rows + 1)})
+  width_max = buckets.pick(1, 1, max_len, False).width
   out = []
   for w in (w for w in buckets.widths if w <= width_max):
     for r in rows:
-      out.append((r, r, w, True))
+      out.append(Bucket(r, r, w, True))
       fewest_rows = max([b for b in buckets.rows if b < r], default=0) + 1
       for t in (t for t in buckets.tokens if t >= 2):
         # A mixed step has a chunk of >= 2 tokens, so <= T - 1 chunks, each sampling
         # at most lanes_per_row slots.
         if fewest_rows <= min((t - 1) * lanes_per_row, max_rows):
-          out.append((t, r, w, False))
-  return sorted(out, key=lambda b: (b[3], b[0], b[1], b[2]))
+          out.append(Bucket(t, r, w, False))
+  return sorted(out, key=lambda b: (b.decode_only, b.tokens, b.rows, b.width))
 
 
 def release_compiled() -> None:
@@ -227,7 +227,7 @@ def compile_buckets(engine, shapes, *, all_greedy: Sequence[bool] = (False, True
   """
   step_fn, buckets = engine._step, engine._buckets   # pylint: disable=protected-access
   bound = buckets.max_variants if max_shapes is None else max_shapes
-  shapes = list(dict.fromkeys(tuple(s)[:4] + (bool(g),) for s in shapes
+  shapes = list(dict.fromkeys(Bucket(*tuple(s)[:4], bool(g)) for s in shapes
                               for g in dict.fromkeys(all_greedy)))
   if len(shapes) > bound:
     raise ValueError(f"{len(shapes)} shapes to compile, more than the bound {bound}")

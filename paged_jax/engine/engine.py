@@ -32,6 +32,7 @@ import jax
 import numpy as np
 
 from paged_jax.config import CacheConfig, ModelConfig, OK
+from paged_jax.engine import report as report_lib
 from paged_jax.engine import swap
 from paged_jax.engine.inputs import build_inputs
 from paged_jax.engine.params import RequestOutput, SamplingParams
@@ -134,6 +135,8 @@ class Engine:
                         prefix_query_blocks=0)
     # Blocks each slot alone references, as the last step reported (StepOutputs.sole_blocks).
     self._sole_blocks = np.zeros((cache_config.max_seqs,), np.int32)
+    self._last_step = report_lib.StepReport()
+    self._report_base = (0, 0, 0)   # stats the last report was made at
     log.info("paged_jax engine: block_size=%d num_blocks=%d KV capacity=%d tokens "
              "(%.1f MiB %s), max_seqs=%d, max_model_len=%d, budget=%d tokens/step, "
              "decode_steps_per_sync=%d, preemption=%s, prefix_caching=%s",
@@ -236,7 +239,8 @@ class Engine:
     """
     t0 = time.perf_counter()
     try:
-      self._advance()
+      if not self._advance():
+        self._report(None)
     finally:
       self.timing["step_s"] += time.perf_counter() - t0
     outs = list(self._outbox.values())
@@ -279,8 +283,9 @@ class Engine:
         self._swap_ins(batch)
         note_bucket(self._step, bucket, self._buckets)   # logs a shape's first (compiling) call
         t0 = time.perf_counter()
-        self.state, out = self._step(self.params, self.state, inputs, width=bucket[2],
-                                     decode_only=bucket[3], all_greedy=bucket[4])
+        self.state, out = self._step(self.params, self.state, inputs, width=bucket.width,
+                                     decode_only=bucket.decode_only,
+                                     all_greedy=bucket.all_greedy)
       except BaseException:
         if any(getattr(x, "is_deleted", lambda: False)()
                for x in jax.tree_util.tree_leaves(self.state)):
@@ -288,21 +293,36 @@ class Engine:
                              "the engine cannot continue") from None
         snap.restore(self._groups)
         raise
-      self._pending = (batch, out, t0)
-      self._last_all_greedy = bucket[4]
+      self._pending = (batch, out, t0, bucket)
+      self._last_all_greedy = bucket.all_greedy
       self.stats["device_steps"] += 1
-      self.stats["bucket_tokens"] += bucket[0]    # tokens the step's shape computes (padded)
+      self.stats["bucket_tokens"] += bucket.tokens   # tokens the step's shape computes (padded)
 
-  def _finish_pending(self) -> None:
-    """Waits for the pending step's outputs (the one host sync) and applies them."""
+  def _finish_pending(self, report: bool = True) -> None:
+    """Waits for the pending step's outputs (the one host sync) and applies them;
+    `report`: make `last_step` from them (not for a frees-only flush)."""
     if self._pending is None:
       return
-    batch, out, t0 = self._pending
+    batch, out, t0, bucket = self._pending
     out = jax.device_get(out)
     self.timing["device_s"] += time.perf_counter() - t0
     snap = Snapshot(self.scheduler, self._groups)
     try:
+      fresh = report_lib.not_started(self.scheduler.running)
+      prefill, decode = report_lib.chunk_work(batch)
+      running_before = list(self.scheduler.running)
       finished = self._apply(batch, out)
+      victims = [g for g in running_before if g.status == GroupStatus.WAITING
+                 or g.status == GroupStatus.SWAPPED]
+      done = {o.request_id for o in finished}
+      started = [g.request_id for g in running_before if g.request_id in fresh and (
+          g.request_id in done or report_lib.has_started(g))]
+      parts = dict(bucket=bucket, first_token_ids=tuple(started),
+                   finished_ids=tuple(o.request_id for o in finished),
+                   preempted_ids=tuple(g.request_id for g in batch.preempted + victims),
+                   prefill_chunks=prefill, decode_rows=decode,
+                   prefix_hit_tokens=sum(q.num_computed for q in batch.attaches),
+                   **report_lib.device_work(out))
     except BaseException:
       snap.restore(self._groups)
       raise
@@ -310,6 +330,8 @@ class Engine:
       self._pending = None
       for o in finished:
         self._outbox[o.request_id] = o
+      if report:
+        self._report(parts)
 
   def _apply(self, batch: Batch, out) -> List[RequestOutput]:
     ok = bool(out.ok)
@@ -330,6 +352,22 @@ class Engine:
       self.stats["prefix_hit_tokens"] += seq.num_computed
     return self._results.apply(batch, out)
 
+  def _report(self, parts: Optional[Dict[str, Any]]) -> None:
+    """Makes `last_step` from a step's parts (None: nothing ran since the last one)."""
+    sched, base = self.scheduler, self._report_base
+    now = tuple(self.stats[k] for k in ("device_steps", "swapped_blocks", "generated_tokens"))
+    self._last_step = report_lib.StepReport(
+        dispatches=now[0] - base[0], swapped_blocks=now[1] - base[1],
+        generated_tokens=now[2] - base[2],
+        num_running_groups=len(sched.running),
+        num_running_seqs=sum(len(g.seqs) for g in sched.running), **(parts or {}))
+    self._report_base = now
+
+  @property
+  def last_step(self) -> report_lib.StepReport:
+    """What the last `step()` did (a frozen StepReport; see `report.py`)."""
+    return self._last_step
+
   def flush(self) -> None:
     """Applies pending frees now (one step that only frees)."""
     self._finish_pending()
@@ -339,7 +377,7 @@ class Engine:
                             lookup_len=self._lookup_len, vocab_size=self.model_config.vocab_size,
                             idle_all_greedy=self._last_all_greedy)
       self._dispatch(batch, inputs, Snapshot(self.scheduler, self._groups))
-      self._finish_pending()
+      self._finish_pending(report=False)
 
   def fresh_copy(self) -> "Engine":
     """A new engine with this one's model, params and options and a fresh state; it

@@ -9,7 +9,7 @@ block-table width W (columns attention reads) rides along as a jit static argume
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional, Sequence as Seq, Tuple
+from typing import Dict, NamedTuple, Optional, Sequence as Seq, Tuple
 
 import jax
 import numpy as np
@@ -31,6 +31,23 @@ def _geometric(largest: int, smallest: int, factor: int, *,
       out.append(v * 3 // 2)
     v *= factor
   return tuple(out) + (largest,)
+
+
+class Bucket(NamedTuple):
+  """One compiled shape of the step (each distinct Bucket traces and compiles once).
+
+  Attributes:
+    tokens: T, new tokens the step computes (padded; = rows when decode_only).
+    rows: R, attention rows and sampling lanes (chunks, sampled slots, forks).
+    width: W, block-table columns attention reads (the step's static `width=`).
+    decode_only: every row has one new token: the decode kernel runs.
+    all_greedy: every running request is greedy: sampling is an argmax.
+  """
+  tokens: int
+  rows: int
+  width: int
+  decode_only: bool
+  all_greedy: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +92,10 @@ class StepBuckets:
     each with sampling or all-greedy."""
     return (len(self.tokens) + self.enabled) * len(self.rows) * len(self.widths) * 2
 
-  def pick(self, num_tokens: int, num_rows: int, max_len: int, decode_only: bool):
-    """(T, R, W, decode_only) for a step with `num_tokens` new tokens, `num_rows`
-    rows / sampled slots, and `max_len` tokens in its longest row after the step."""
+  def pick(self, num_tokens: int, num_rows: int, max_len: int, decode_only: bool,
+           all_greedy: bool = False) -> Bucket:
+    """The Bucket for a step with `num_tokens` new tokens, `num_rows` rows / sampled
+    slots, and `max_len` tokens in its longest row after the step."""
     up = lambda sizes, n: next((b for b in sizes if b >= n), sizes[-1])
     rows = up(self.rows, num_rows)
     if self.decode_steps > 1:
@@ -85,7 +103,7 @@ class StepBuckets:
     width = up(self.widths, -(-max(max_len, 1) // self.block_size))
     decode_only = decode_only and self.enabled
     tokens = rows if decode_only else up(self.tokens, num_tokens)
-    return tokens, rows, width, decode_only
+    return Bucket(tokens, rows, width, decode_only, bool(all_greedy))
 
 
 def empty_inputs(num_tokens: int, max_seqs: int, lookup_len: int,
@@ -116,8 +134,8 @@ def build_inputs(batch: Batch, running: Seq[Group], *, buckets: StepBuckets, max
                  lookup_len: int, vocab_size: int, idle_all_greedy: bool = True):
   """Fills the step's arrays from the batch (chunks, frees, forks, attaches).
 
-  Returns (StepInputs, bucket (T, R, W, decode_only, all_greedy)); pass the last three
-  to the step as `width=`, `decode_only=`, `all_greedy=`. all_greedy: every running
+  Returns (StepInputs, Bucket); pass its last three fields to the step as `width=`,
+  `decode_only=`, `all_greedy=`. all_greedy: every running
   request has temperature 0; `idle_all_greedy` when none runs (a frees-only step
   samples nothing: the engine passes its previous step's, so no new variant compiles).
   """
@@ -131,8 +149,8 @@ def build_inputs(batch: Batch, running: Seq[Group], *, buckets: StepBuckets, max
   all_greedy = (all(g.params.temperature == 0 for g in running) if running
                 else bool(idle_all_greedy))
   bucket = buckets.pick(batch.num_tokens, max(len(chunks), num_sampled, len(batch.forks)),
-                        max_len, all(ch.num_tokens == 1 for ch in chunks)) + (all_greedy,)
-  a = empty_inputs(bucket[0], max_seqs, lookup_len, num_rows=bucket[1])
+                        max_len, all(ch.num_tokens == 1 for ch in chunks), all_greedy)
+  a = empty_inputs(bucket.tokens, max_seqs, lookup_len, num_rows=bucket.rows)
 
   def sampling_row(seq: Sequence, group: Group, row: int):
     sp, slot = group.params, seq.slot
@@ -173,7 +191,7 @@ def build_inputs(batch: Batch, running: Seq[Group], *, buckets: StepBuckets, max
     a["attach_tokens"][start:start + n] = seq.tokens[:n]
     start += n
   # The row bucket must give every sampled slot a lane (the step samples R lanes).
-  assert np.sum(a["sample_row"] >= 0) <= bucket[1], (np.sum(a["sample_row"] >= 0), bucket)
+  assert np.sum(a["sample_row"] >= 0) <= bucket.rows, (np.sum(a["sample_row"] >= 0), bucket)
   assert not all_greedy or not np.any(a["temperature"] > 0), "a hot row in a greedy step"
   return StepInputs(**a), bucket
 

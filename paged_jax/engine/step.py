@@ -134,7 +134,8 @@ class StepOutputs:
   next plan may use; hit_tokens i32[S] per slot (attached this step); num_evictable i32[];
   prefix_hit_blocks / prefix_query_blocks i32[] (running totals, 0 without caching);
   sole_blocks i32[S]: blocks only that slot references (with caching, besides the
-  cache's own reference): what freeing the slot alone makes available."""
+  cache's own reference): what freeing the slot alone makes available;
+  cow_copies i32[]: copy-on-write block copies the step made (decode loop included)."""
   ok: jax.Array
   status: jax.Array
   tokens: jax.Array
@@ -149,6 +150,7 @@ class StepOutputs:
   prefix_hit_blocks: jax.Array
   prefix_query_blocks: jax.Array
   sole_blocks: jax.Array
+  cow_copies: jax.Array
 
 
 def sole_blocks(blocks: bm.BlockState, cached=None) -> jax.Array:
@@ -322,6 +324,7 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     out_valid = jnp.zeros((k_steps, s_max), jnp.bool_).at[0].set(sampled)
     cont = sampled & inp.multi_step & ~_finished(tok, inp.remaining, inp.stop_ids)
     oob = jnp.zeros((), jnp.bool_)
+    copies = jnp.sum(cow[:, 0] >= 0).astype(_I32)
 
     if k_steps > 1:
       # A fixed trip count (k - 1 iterations, finished / out-of-blocks slots masked):
@@ -329,13 +332,14 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
       # host every iteration (tests/gpu_compile_model_test.py). Iterations after every
       # slot finished run on no live row: nothing is written or sampled.
       def body(i, carry):
-        b_cur, pg_cur, last, cont, out_t, out_v, oob_before = carry
+        b_cur, pg_cur, last, cont, out_t, out_v, oob_before, copies = carry
         cont = cont & ~oob_before        # out of blocks once: the loop is over
         b_new, st, cow_i = bm.append(b_cur, cont, 1)
         oob = jnp.any(cont & (st != OK))
         live = cont & ~oob               # out of blocks: this iteration does nothing
         b_new = _select(oob, b_cur, b_new)
         cow_i = jnp.where(live[:, None], cow_i, -1)
+        copies = copies + jnp.sum(cow_i[:, 0] >= 0).astype(_I32)
         # Pack the live slots into the first R rows, one token each (live slots are
         # sampled slots, at most R of them).
         order = jnp.argsort(~live, stable=True).astype(_I32)[:rows]
@@ -354,16 +358,17 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
         fin = _finished(new, inp.remaining - i, inp.stop_ids)
         out_t = out_t.at[i].set(jnp.where(live, new, out_t[i]))
         out_v = out_v.at[i].set(live)
-        return (b_new, pg2, new, live & ~fin, out_t, out_v, oob_before | oob)
+        return (b_new, pg2, new, live & ~fin, out_t, out_v, oob_before | oob, copies)
 
-      carry = (b, pg, tok, cont, out_tokens, out_valid, oob)
-      b, pg, _, _, out_tokens, out_valid, oob = lax.fori_loop(1, k_steps, body, carry)
+      carry = (b, pg, tok, cont, out_tokens, out_valid, oob, copies)
+      b, pg, _, _, out_tokens, out_valid, oob, copies = lax.fori_loop(1, k_steps, body, carry)
 
     out = StepOutputs(ok=ok, status=status, tokens=out_tokens, valid=out_valid,
                       topk_logprobs=topv, topk_ids=topi, num_free=b.num_free,
                       loop_out_of_blocks=oob, available=b.num_free, hit_tokens=hits,
                       num_evictable=jnp.zeros((), _I32), prefix_hit_blocks=jnp.zeros((), _I32),
-                      prefix_query_blocks=jnp.zeros((), _I32), sole_blocks=sole_blocks(b))
+                      prefix_query_blocks=jnp.zeros((), _I32), sole_blocks=sole_blocks(b),
+                      cow_copies=copies)
     if ps is not None:
       # 8. history and registration of newly full blocks (masked when not ok).
       ps, b, available = prefix_step.after(ps, b, inp, out, max_items=max_evict)
