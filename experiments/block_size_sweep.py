@@ -12,10 +12,10 @@ One row per (workload, block size) in `DIR/block_size_sweep.jsonl`:
     token_utilization, internal_fragmentation, reservation  fractions of the budget
     max_concurrent, mean_concurrent                         requests in memory
     preemptions                                             recompute preemptions
-  block table:
+  block table (`bench.memory.block_table_stats`):
     mean_blocks_per_seq   mean cdiv(prompt + output, block_size) over the stream
     block_table_width     cdiv(max_len, block_size) entries per row
-  attention_ms            one decode attention call (paged_jax.attention, backend
+  attention_ms            one decode attention call (`bench.step_costs.attention_ms`, backend
                           auto: the reference gather on CPU, the Pallas kernel on
                           GPU) for --attn_batch sequences of --attn_context tokens,
                           fastest of --attn_repeats, pages in random order
@@ -24,6 +24,7 @@ One row per (workload, block size) in `DIR/block_size_sweep.jsonl`:
     engine_tokens_per_s, engine_requests_per_s, engine_tokens_per_step
 
   prefix_hit_rate         fraction of prompt tokens served by `paged_jax.prefix_cache`
+                          (`bench.prefix_blocks.prefix_hit_rate`)
                           when the first --prefix_num_requests prompts of the stream
                           share a --prefix_len-token system prompt (whole blocks only;
                           --prefix_block_sizes, default all)
@@ -36,16 +37,21 @@ Also `DIR/block_size_sweep.png` (multi-panel) and `DIR/block_size_sweep_best.jso
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import time
-from typing import Dict, List, Optional, Sequence
-
-import numpy as np
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from experiments import common
+from experiments import configs
+from experiments import provenance
+from paged_jax.bench import engines
+from paged_jax.bench import memory
+from paged_jax.bench import prefix_blocks
 from paged_jax.bench import serving
+from paged_jax.bench import step_costs
 from paged_jax.bench import workloads
-from paged_jax.config import cdiv, check_block_size
+from paged_jax.bench.baselines import simulate
+from paged_jax.config import cdiv
 
 PAPER_BEST = {"sharegpt": (16, 128), "alpaca": (16, 32)}
 DEFAULT_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -54,143 +60,60 @@ DEFAULT_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_NUM_REQUESTS = {"sharegpt": 200, "alpaca": 1000}
 
 
-def block_table_stats(requests: Sequence, block_size: int, max_len: int) -> Dict:
-  """Mean blocks a sequence ends with, and the width of a block-table row."""
-  totals = np.array([r.total_len for r in requests])
-  return {"mean_blocks_per_seq": float(np.mean(cdiv(totals, block_size))),
-          "block_table_width": cdiv(max_len, block_size)}
+@dataclasses.dataclass(frozen=True)
+class Config(configs.ExperimentConfig):
+  """Flags of experiments.block_size_sweep."""
+  workloads: Tuple[str, ...] = configs.flag(("sharegpt", "alpaca"), "streams",
+                                            choices=("sharegpt", "alpaca"))
+  block_sizes: Tuple[int, ...] = configs.flag(DEFAULT_BLOCK_SIZES, "KV block sizes (powers of "
+                                              "two)", lower=1, upper=1024)
+  num_requests: Dict[str, int] = configs.flag(
+      DEFAULT_NUM_REQUESTS, "workload:requests of the memory simulation streams (a workload "
+      "left out keeps its default)", lower=1)
+  kv_budget_tokens: int = configs.flag(8192, "memory simulation KV budget (slots)", lower=1)
+  max_len: int = configs.flag(1024, "context limit of the memory stream", lower=2)
+  engine_block_sizes: Tuple[int, ...] = configs.flag(
+      (4, 16, 64, 256), "block sizes also served by the engine (each compiles once)", lower=1)
+  engine_num_requests: int = configs.flag(32, "requests served by the engine", lower=1)
+  engine_kv_budget_tokens: int = configs.flag(2048, "engine KV pool (slots)", lower=1)
+  attn_batch: int = configs.flag(8, "sequences in the attention timing", lower=1)
+  attn_context: int = configs.flag(512, "tokens per sequence in the attention timing", lower=1)
+  attn_repeats: int = configs.flag(7, "timed attention calls (fastest kept)", lower=1)
+  prefix_block_sizes: Optional[Tuple[int, ...]] = configs.flag(
+      None, "block sizes of the prefix-cache hit rate (default: all of --block_sizes; empty "
+      "string: none)", lower=1)
+  prefix_num_requests: int = configs.flag(32, "prompts in the prefix-cache run", lower=1)
+  prefix_len: int = configs.flag(80, "shared system-prompt tokens (paper 1-shot: 80)", lower=1)
+  seed: int = configs.flag(0, "stream seed")
+  attention_backend: str = configs.flag("auto", "auto|reference|pallas|pallas_interpret")
+  out: str = configs.flag("results/block_size_sweep", "output directory")
+
+  def check(self) -> None:
+    for bs in self.block_sizes + self.engine_block_sizes:
+      if bs & (bs - 1):
+        raise ValueError(f"--block_sizes: block_size must be a power of two, got {bs}")
+      if self.kv_budget_tokens % bs or self.engine_kv_budget_tokens % bs:
+        raise ValueError(f"block size {bs} must divide --kv_budget_tokens="
+                         f"{self.kv_budget_tokens} and --engine_kv_budget_tokens="
+                         f"{self.engine_kv_budget_tokens}")
+    extra = sorted(set(self.engine_block_sizes) - set(self.block_sizes))
+    if extra:
+      raise ValueError(f"--engine_block_sizes {extra} are not in --block_sizes "
+                       f"{list(self.block_sizes)}")
 
 
 def memory_stats(requests: Sequence, block_size: int, kv_budget_tokens: int,
                  max_len: int) -> Dict:
   """Paged memory partition and concurrency at a fixed KV budget (the real block manager)."""
-  from paged_jax.bench.baselines import simulate  # pylint: disable=g-import-not-at-top
   res = simulate.simulate_paged(requests, block_size, kv_budget_tokens, max_len)
   return {k: res[k] for k in ("token_utilization", "reservation", "internal_fragmentation",
                               "max_concurrent", "mean_concurrent", "preemptions")}
 
 
-def attention_ms(block_sizes: Sequence[int], *, batch: int = 8, context: int = 512,
-                 num_q_heads: int = 8, num_kv_heads: int = 2, head_dim: int = 64,
-                 repeats: int = 7, seed: int = 0, backend: str = "auto") -> Dict[int, float]:
-  """{block_size: fastest ms of one jitted decode paged-attention call}.
-
-  Every sequence holds `context` tokens in `context / block_size` pages placed in
-  a random permutation of the pool (fresh random K/V, the same values for every
-  block size; their outputs must agree, else RuntimeError). All block sizes compile first; then the timed calls go round-robin
-  over the block sizes, so load on a shared machine hits them alike.
-  """
-  import jax  # pylint: disable=g-import-not-at-top
-  from paged_jax import attention  # pylint: disable=g-import-not-at-top
-  for bs in block_sizes:
-    if context % bs:
-      raise ValueError(f"attn context {context} must be a multiple of block_size={bs}")
-  rng = np.random.default_rng(seed)
-  k_dense = rng.standard_normal((num_kv_heads, batch * context, head_dim), np.float32)
-  v_dense = rng.standard_normal((num_kv_heads, batch * context, head_dim), np.float32)
-  q = jax.numpy.asarray(rng.standard_normal((batch, num_q_heads, head_dim), np.float32))
-  lengths = jax.numpy.full((batch,), context, jax.numpy.int32)
-  fn = jax.jit(functools.partial(attention.paged_attention, backend=backend))
-  calls, first = {}, None
-  for bs in block_sizes:
-    num_blocks = batch * context // bs
-    perm = rng.permutation(num_blocks)
-    k = k_dense.reshape(num_kv_heads, num_blocks, bs, head_dim)
-    v = v_dense.reshape(num_kv_heads, num_blocks, bs, head_dim)
-    # Logical block j of the pool sits at physical perm[j]: scatter the pages there.
-    k_pages = np.empty_like(k)
-    v_pages = np.empty_like(v)
-    k_pages[:, perm] = k
-    v_pages[:, perm] = v
-    tables = perm.reshape(batch, context // bs).astype(np.int32)
-    args = (q, jax.numpy.asarray(k_pages), jax.numpy.asarray(v_pages),
-            jax.numpy.asarray(tables), lengths)
-    out = np.asarray(fn(*args))
-    if first is None:
-      first = out
-    elif not np.allclose(out, first, rtol=1e-4, atol=1e-4):   # the same logical cache
-      raise RuntimeError(f"paged attention at block_size={bs} disagrees with "
-                         f"block_size={block_sizes[0]}: max diff {np.abs(out - first).max()}")
-    calls[bs] = args
-  times = {bs: [] for bs in block_sizes}
-  for _ in range(repeats):
-    for bs in block_sizes:
-      t0 = time.perf_counter()
-      fn(*calls[bs]).block_until_ready()
-      times[bs].append(time.perf_counter() - t0)
-  # The machine is shared: the fastest call is the stable statistic.
-  return {bs: 1e3 * float(np.min(t)) for bs, t in times.items()}
-
-
-@functools.lru_cache(maxsize=16)
-def _prefix_step(block_size: int):
-  """Jitted: attach a prompt (cached prefix), append the rest, register its full blocks, free."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from paged_jax import block_manager as bm  # pylint: disable=g-import-not-at-top
-  from paged_jax import prefix_cache as pc  # pylint: disable=g-import-not-at-top
-
-  def step(cache, blocks, tokens, length):
-    cache, blocks, hit, st_attach = pc.attach(cache, blocks, 0, tokens, length)
-    mask = jnp.zeros((blocks.max_seqs,), bool).at[0].set(True)
-    blocks, st_append, _ = bm.append(blocks, mask, jnp.zeros((blocks.max_seqs,), jnp.int32)
-                                     .at[0].set(length - hit))
-    p = blocks.max_blocks_per_seq
-    first = hit // block_size
-    item_block = first + jnp.arange(p, dtype=jnp.int32)
-    per_block = tokens[:p * block_size].reshape(p, block_size)
-    item_tokens = per_block[jnp.clip(item_block, 0, p - 1)]
-    cache, blocks = pc.register(cache, blocks, jnp.zeros((p,), jnp.int32), item_block,
-                                item_tokens, length // block_size - first)
-    cache, blocks, st_free = pc.free(cache, blocks, 0)
-    return cache, blocks, hit, jnp.stack([st_attach, st_append[0], jnp.asarray(st_free).reshape(
-        -1)[0]])
-
-  return jax.jit(step, donate_argnums=(0, 1))
-
-
-def prefix_hit_rate(requests: Sequence, block_size: int, *, prefix_len: int = 80,
-                    max_len: int = 1024, seed: int = 0) -> float:
-  """Fraction of prompt tokens served from `paged_jax.prefix_cache` (a shared system prompt).
-
-  Every request's prompt becomes one shared `prefix_len`-token system prompt
-  (the paper's 1-shot prefix is 80 tokens) followed by its own stream prompt;
-  the requests run one after another through the real prefix cache (attach,
-  append, register full blocks, free), with a pool big enough that nothing is
-  evicted. Only whole blocks can hit, and never the prompt's last token.
-  """
-  import jax  # pylint: disable=g-import-not-at-top
-  from paged_jax import block_manager as bm  # pylint: disable=g-import-not-at-top
-  from paged_jax import prefix_cache as pc  # pylint: disable=g-import-not-at-top
-  from paged_jax.config import CacheConfig  # pylint: disable=g-import-not-at-top
-  prefix = np.random.default_rng([seed, 11]).integers(0, 1 << 15, prefix_len, dtype=np.int32)
-  prompts = [np.concatenate([prefix, r.prompt_token_ids]).astype(np.int32) for r in requests]
-  if max(len(p) for p in prompts) > max_len + prefix_len:
-    raise ValueError(f"prompts must be <= max_len={max_len} tokens")
-  # Shapes depend only on (block size, max_len, prefix_len, #requests): one compile
-  # per block size serves every stream.
-  per_seq = cdiv(max_len + prefix_len, block_size)
-  num_blocks = (len(prompts) + 1) * per_seq
-  cfg = CacheConfig(block_size=block_size, num_blocks=num_blocks, max_seqs=1,
-                    max_blocks_per_seq=per_seq)
-  blocks, cache = bm.init(cfg), pc.init(cfg)
-  step = _prefix_step(block_size)
-  hits, statuses = [], []
-  for prompt in prompts:
-    tokens = np.zeros((per_seq * block_size,), np.int32)
-    tokens[:len(prompt)] = prompt
-    cache, blocks, hit, status = step(cache, blocks, tokens, np.int32(len(prompt)))
-    hits.append(hit)
-    statuses.append(status)
-  if np.any(np.asarray(jax.device_get(statuses))):
-    raise RuntimeError("prefix-cache attach/append/free failed in the hit-rate run")
-  return float(np.sum(jax.device_get(hits)) / sum(len(p) for p in prompts))
-
-
 def engine_stats(requests: Sequence, block_size: int, kv_budget_tokens: int,
                  attention_backend: str = "auto") -> Dict:
   """Tiny-model engine throughput at this block size on a scaled stream."""
-  engine = serving.make_engine(block_size=block_size, kv_budget_tokens=kv_budget_tokens,
+  engine = engines.make_engine(block_size=block_size, kv_budget_tokens=kv_budget_tokens,
                                attention_backend=attention_backend)
   res = serving.serve(engine, requests)
   return {"engine_tokens_per_s": res["tokens_per_s"],
@@ -199,53 +122,36 @@ def engine_stats(requests: Sequence, block_size: int, kv_budget_tokens: int,
           "engine_mean_running_seqs": res["mean_running_seqs"]}
 
 
-def run(workload_names: Sequence[str] = ("sharegpt", "alpaca"), *,
-        block_sizes: Sequence[int] = DEFAULT_BLOCK_SIZES,
-        num_requests: Optional[Dict[str, int]] = None,
-        kv_budget_tokens: int = 8192, max_len: int = 1024,
-        engine_block_sizes: Sequence[int] = (4, 16, 64, 256), engine_num_requests: int = 32,
-        engine_kv_budget_tokens: int = 2048, attn_batch: int = 8, attn_context: int = 512,
-        attn_repeats: int = 7, prefix_block_sizes: Optional[Sequence[int]] = None,
-        prefix_num_requests: int = 32, prefix_len: int = 80, seed: int = 0,
-        attention_backend: str = "auto",
-        show_progress: Optional[bool] = None) -> List[Dict]:
-  """The sweep's rows (one dict per (workload, block size)); see the module docstring.
-
-  `num_requests` maps workload -> stream length (default `DEFAULT_NUM_REQUESTS`:
-  enough Alpaca-like requests to saturate the budget too).
-  """
-  num_requests = {**DEFAULT_NUM_REQUESTS, **(num_requests or {})}
-  prefix_block_sizes = block_sizes if prefix_block_sizes is None else prefix_block_sizes
-  for bs in list(block_sizes) + list(engine_block_sizes):
-    check_block_size(bs)
-    if kv_budget_tokens % bs or engine_kv_budget_tokens % bs:
-      raise ValueError(f"block size {bs} must divide kv_budget_tokens={kv_budget_tokens} and "
-                       f"engine_kv_budget_tokens={engine_kv_budget_tokens}")
-  extra = sorted(set(engine_block_sizes) - set(block_sizes))
-  if extra:
-    raise ValueError(f"engine_block_sizes {extra} are not in block_sizes {list(block_sizes)}")
-  attn_sizes = [bs for bs in block_sizes if attn_context % bs == 0]
-  attn = attention_ms(attn_sizes, batch=attn_batch, context=attn_context, repeats=attn_repeats,
-                      seed=seed, backend=attention_backend)
+def run(f: Optional[Config] = None, *, show_progress: Optional[bool] = None) -> List[Dict]:
+  """The sweep's rows (one dict per (workload, block size)) for settings `f` (default:
+  `Config()`); see the module docstring."""
+  f = f or Config()
+  num_requests = {**DEFAULT_NUM_REQUESTS, **f.num_requests}
+  block_sizes = f.block_sizes
+  prefix_block_sizes = block_sizes if f.prefix_block_sizes is None else f.prefix_block_sizes
+  attn_sizes = [bs for bs in block_sizes if f.attn_context % bs == 0]
+  attn = step_costs.attention_ms(attn_sizes, batch=f.attn_batch, context=f.attn_context,
+                                 repeats=f.attn_repeats, seed=f.seed,
+                                 backend=f.attention_backend)
   rows = []
-  bar = common.progress(total=len(workload_names) * len(block_sizes), desc="block sizes",
+  bar = common.progress(total=len(f.workloads) * len(block_sizes), desc="block sizes",
                         disable=None if show_progress is None else not show_progress)
   with bar:
-    for name in workload_names:
-      requests = workloads.synthetic(name, num_requests[name], seed=seed, max_len=max_len)
-      engine_requests = serving.scaled_requests(name, engine_num_requests, seed=seed)
-      prefix_requests = requests[:prefix_num_requests]
+    for name in f.workloads:
+      requests = workloads.synthetic(name, num_requests[name], seed=f.seed, max_len=f.max_len)
+      engine_requests = workloads.scaled_requests(name, f.engine_num_requests, seed=f.seed)
+      prefix_requests = requests[:f.prefix_num_requests]
       for bs in block_sizes:
         row = {"workload": name, "block_size": bs}
-        row.update(memory_stats(requests, bs, kv_budget_tokens, max_len))
-        row.update(block_table_stats(requests, bs, max_len))
+        row.update(memory_stats(requests, bs, f.kv_budget_tokens, f.max_len))
+        row.update(memory.block_table_stats(requests, bs, f.max_len))
         row["attention_ms"] = attn.get(bs)   # the same call for every stream
         if bs in prefix_block_sizes:
-          row["prefix_hit_rate"] = prefix_hit_rate(prefix_requests, bs, prefix_len=prefix_len,
-                                                   max_len=max_len, seed=seed)
-        if bs in engine_block_sizes:
-          row.update(engine_stats(engine_requests, bs, engine_kv_budget_tokens,
-                                  attention_backend))
+          row["prefix_hit_rate"] = prefix_blocks.prefix_hit_rate(
+              prefix_requests, bs, prefix_len=f.prefix_len, max_len=f.max_len, seed=f.seed)
+        if bs in f.engine_block_sizes:
+          row.update(engine_stats(engine_requests, bs, f.engine_kv_budget_tokens,
+                                  f.attention_backend))
         rows.append(row)
         bar.update(1)
   return rows
@@ -349,57 +255,19 @@ def write_jsonl(rows, path):
   return path
 
 
-def _define_flags():
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  flags.DEFINE_list("workloads", ["sharegpt", "alpaca"], "streams")
-  flags.DEFINE_list("block_sizes", [str(b) for b in DEFAULT_BLOCK_SIZES], "powers of two")
-  flags.DEFINE_list("num_requests", [f"{k}:{v}" for k, v in DEFAULT_NUM_REQUESTS.items()],
-                    "workload:requests of the memory simulation streams")
-  flags.DEFINE_integer("kv_budget_tokens", 8192, "memory simulation KV budget (slots)",
-                       lower_bound=1)
-  flags.DEFINE_integer("max_len", 1024, "context limit of the memory stream", lower_bound=2)
-  flags.DEFINE_list("engine_block_sizes", ["4", "16", "64", "256"],
-                    "block sizes also served by the engine (each compiles once)")
-  flags.DEFINE_integer("engine_num_requests", 32, "requests served by the engine", lower_bound=1)
-  flags.DEFINE_integer("engine_kv_budget_tokens", 2048, "engine KV pool (slots)", lower_bound=1)
-  flags.DEFINE_integer("attn_batch", 8, "sequences in the attention timing", lower_bound=1)
-  flags.DEFINE_integer("attn_context", 512, "tokens per sequence in the attention timing",
-                       lower_bound=1)
-  flags.DEFINE_integer("attn_repeats", 7, "timed attention calls (fastest kept)", lower_bound=1)
-  flags.DEFINE_list("prefix_block_sizes", None, "block sizes of the prefix-cache hit rate "
-                    "(default: all of --block_sizes; empty string: none)")
-  flags.DEFINE_integer("prefix_num_requests", 32, "prompts in the prefix-cache run",
-                       lower_bound=1)
-  flags.DEFINE_integer("prefix_len", 80, "shared system-prompt tokens (paper 1-shot: 80)",
-                       lower_bound=1)
-  flags.DEFINE_integer("seed", 0, "stream seed")
-  flags.DEFINE_string("attention_backend", "auto", "auto|reference|pallas|pallas_interpret")
-  flags.DEFINE_string("out", "results/block_size_sweep", "output directory")
-
-
-def main(f, out):
-  """Runs with parsed flags `f` and writes under the output directory `out`."""
+def main(f: Config, out):
+  """Runs with settings `f` and writes under the output directory `out`."""
   start = time.time()
-  rows = run(f.workloads, block_sizes=[int(b) for b in f.block_sizes],
-             num_requests={k: int(v) for k, v in (x.split(":") for x in f.num_requests)},
-             kv_budget_tokens=f.kv_budget_tokens, max_len=f.max_len,
-             engine_block_sizes=[int(b) for b in f.engine_block_sizes],
-             engine_num_requests=f.engine_num_requests,
-             engine_kv_budget_tokens=f.engine_kv_budget_tokens, attn_batch=f.attn_batch,
-             attn_context=f.attn_context, attn_repeats=f.attn_repeats,
-             prefix_block_sizes=(None if f.prefix_block_sizes is None
-                                 else [int(b) for b in f.prefix_block_sizes if b]),
-             prefix_num_requests=f.prefix_num_requests, prefix_len=f.prefix_len, seed=f.seed,
-             attention_backend=f.attention_backend)
+  rows = run(f)
   best = best_block_sizes(rows)
   write_jsonl(rows, out / "block_size_sweep.jsonl")
   common.write_json(out / "block_size_sweep_best.json", {
       "best": best, "seconds": time.time() - start,
-      **common.run_metadata(f, ("workloads", "block_sizes", "num_requests",
-                                        "kv_budget_tokens", "max_len", "engine_block_sizes",
-                                        "engine_num_requests", "engine_kv_budget_tokens",
-                                        "attn_batch", "attn_context", "prefix_block_sizes",
-                                        "prefix_num_requests", "prefix_len", "seed"))})
+      **provenance.run_metadata(f, ("workloads", "block_sizes", "num_requests",
+                                    "kv_budget_tokens", "max_len", "engine_block_sizes",
+                                    "engine_num_requests", "engine_kv_budget_tokens",
+                                    "attn_batch", "attn_context", "prefix_block_sizes",
+                                    "prefix_num_requests", "prefix_len", "seed"))})
   png = plot(rows, out / "block_size_sweep.png", best)
   print(common.table(summary_rows(rows), HEADERS))
   for name, b in best.items():
@@ -409,4 +277,4 @@ def main(f, out):
 
 
 if __name__ == "__main__":
-  common.run_app(main, _define_flags)
+  common.run_app(main, Config)

@@ -14,12 +14,13 @@ whole run takes about 10 minutes on 2 CPU cores (see README "What is synthetic")
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from typing import Dict, List, Optional
 
 from experiments import block_size_sweep
 from experiments import common
+from experiments import configs
+from experiments import provenance
 from experiments import sharing
 from experiments import throughput
 
@@ -107,18 +108,17 @@ def summary_rows(results: Dict) -> List[List[str]]:
 
 
 def _prefix_caching(out, num_requests: int):
-  """Shared-prefix speed-up via `experiments.prefix_caching`.
-
-  Uses its public `few_shot_requests(n, shots, seed)` and `compare(name, prefix,
-  requests, **engine_kw)` (caching off vs on, same engine and budget, outputs
-  checked identical) for the paper's 1-shot (80-token) and 5-shot (341-token)
-  prefixes. Returns {"rows": [...], "summary_rows": [[what, ours, paper]]}.
+  """Shared-prefix speed-up: `experiments.prefix_caching.compare` (caching off vs on, same
+  engine and budget, outputs checked identical) on `bench.prefix_serving`'s few-shot
+  requests for the paper's 1-shot (80-token) and 5-shot (341-token) prefixes.
+  Returns {"rows": [...], "summary_rows": [[what, ours, paper]]}.
   """
   from experiments import prefix_caching as module  # pylint: disable=g-import-not-at-top
+  from paged_jax.bench import prefix_serving  # pylint: disable=g-import-not-at-top
   engine_kw = dict(block_size=16, kv_budget_tokens=4096, max_seqs=64, max_len=1024, budget=256)
   rows, summary = [], []
   for shots in (1, 5):
-    prefix, requests = module.few_shot_requests(num_requests, shots, 0)
+    prefix, requests = prefix_serving.few_shot_requests(num_requests, shots, 0)
     row = module.compare(f"{shots}-shot", prefix, requests, **engine_kw)
     rows.append(row)
     paper = module.PAPER_SPEEDUP.get(f"{shots}-shot")
@@ -139,9 +139,9 @@ def _serving_benchmark(out) -> Dict:
   2 CPU cores), is `experiments.serving_benchmark --clock=wall`."""
   from experiments import serving_benchmark as sb  # pylint: disable=g-import-not-at-top
   res = {}
-  for clock, rates in (("step", ["4", "8", "12", "16", "24"]),):
-    f = sb.config(rates=rates, duration_s=4.0, clock=clock,
-                  systems=["paged", "orca_max", "orca_oracle"])
+  for clock, rates in (("step", (4.0, 8.0, 12.0, 16.0, 24.0)),):
+    f = sb.Config(rates=rates, duration_s=4.0, clock=clock,
+                  systems=("paged", "orca_max", "orca_oracle"))
     r = sb.run(f)
     common.write_json(out / "serving_benchmark" / f"{clock}_clock" / "serving_benchmark.json", r)
     print(common.table(sb.summary_rows(r), sb.HEADERS))
@@ -152,7 +152,6 @@ def _serving_benchmark(out) -> Dict:
 def run_all(out, sizes: DemoSizes = DemoSizes(), show_progress=None) -> Dict:
   """Runs every experiment; writes per-experiment files; returns their results + seconds."""
   from experiments import memory_waste  # pylint: disable=g-import-not-at-top
-  from paged_jax.bench import workloads  # pylint: disable=g-import-not-at-top
   from paged_jax.engine import compiled  # pylint: disable=g-import-not-at-top
   results, seconds = {}, {}
 
@@ -165,8 +164,9 @@ def run_all(out, sizes: DemoSizes = DemoSizes(), show_progress=None) -> Dict:
     return time.time()
 
   t = stage("memory waste (paged vs Orca, ShareGPT-like)")
-  reqs = workloads.synthetic("sharegpt", sizes.memory_requests, seed=0)
-  mw = memory_waste.run(reqs, block_size=16, kv_budget_tokens=14336, show_progress=show_progress)
+  mw = memory_waste.run(memory_waste.Config(workload="sharegpt", num_requests=sizes.memory_requests,
+                                            block_size=16, kv_budget_tokens=14336),
+                        show_progress=show_progress)
   common.write_json(out / "memory_waste" / "memory_waste.json", mw)
   memory_waste.plot(mw, out / "memory_waste" / "memory_waste.png",
                     f"ShareGPT-like, {sizes.memory_requests} requests, KV budget 14336 tokens, "
@@ -175,10 +175,11 @@ def run_all(out, sizes: DemoSizes = DemoSizes(), show_progress=None) -> Dict:
   results["memory_waste"], seconds["memory_waste"] = mw, time.time() - t
 
   t = stage("block-size sweep")
-  rows = block_size_sweep.run(num_requests=sizes.sweep_requests,
-                              engine_block_sizes=sizes.sweep_engine_block_sizes,
-                              engine_num_requests=sizes.sweep_engine_requests,
-                              show_progress=show_progress)
+  sweep_config = block_size_sweep.Config(
+      engine_block_sizes=sizes.sweep_engine_block_sizes,
+      engine_num_requests=sizes.sweep_engine_requests,
+      **({} if sizes.sweep_requests is None else {"num_requests": sizes.sweep_requests}))
+  rows = block_size_sweep.run(sweep_config, show_progress=show_progress)
   block_size_sweep.write_jsonl(rows, out / "block_size_sweep" / "block_size_sweep.jsonl")
   best = block_size_sweep.best_block_sizes(rows)
   common.write_json(out / "block_size_sweep" / "block_size_sweep_best.json", best)
@@ -187,7 +188,8 @@ def run_all(out, sizes: DemoSizes = DemoSizes(), show_progress=None) -> Dict:
   results["block_size_sweep"], seconds["block_size_sweep"] = rows, time.time() - t
 
   t = stage("throughput (paged vs contiguous Orca(Max), equal KV budget)")
-  tp = throughput.run(num_requests=sizes.throughput_requests, show_progress=show_progress)
+  tp = throughput.run(throughput.Config(num_requests=sizes.throughput_requests),
+                      show_progress=show_progress)
   common.write_json(out / "throughput" / "throughput.json",
                     {"results": tp, "paper": throughput.PAPER_SPEEDUP})
   throughput.plot(tp, out / "throughput" / "throughput.png")
@@ -205,7 +207,8 @@ def run_all(out, sizes: DemoSizes = DemoSizes(), show_progress=None) -> Dict:
   seconds["prefix_caching"] = time.time() - t
 
   t = stage("sharing (parallel sampling, beam search)")
-  sh = sharing.run(widths=sizes.sharing_widths, num_requests=sizes.sharing_requests,
+  sh = sharing.run(sharing.Config(widths=sizes.sharing_widths,
+                                  num_requests=sizes.sharing_requests),
                    show_progress=show_progress)
   common.write_json(out / "sharing" / "sharing.json", {"rows": sh})
   sharing.plot(sh, out / "sharing" / "sharing.png")
@@ -215,17 +218,15 @@ def run_all(out, sizes: DemoSizes = DemoSizes(), show_progress=None) -> Dict:
   return results
 
 
-def _define_flags():
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  flags.DEFINE_string("out", "results", "output directory")
+@dataclasses.dataclass(frozen=True)
+class Config(configs.ExperimentConfig):
+  """Flags of experiments.demo."""
+  out: str = configs.flag("results", "output directory")
 
 
-def main(argv):
-  from absl import flags  # pylint: disable=g-import-not-at-top
+def main(f: Config, out):
+  """Runs every experiment into `out`, then the closing table (the `common.run_app` main)."""
   import jax  # pylint: disable=g-import-not-at-top
-  if len(argv) > 1:
-    sys.exit(f"unexpected arguments {argv[1:]}")
-  out = common.out_dir(flags.FLAGS.out)
   start = time.time()
   results = run_all(out)
   total = time.time() - start
@@ -235,12 +236,11 @@ def main(argv):
   common.write_json(out / "summary.json", {
       "rows": rows, "seconds": results["seconds"], "total_seconds": total,
       "machine_line": machine, "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-      **common.run_metadata(flags.FLAGS, ["out"])})
+      **provenance.run_metadata(f)})
   (out / "summary.md").write_text(f"{table}\n\n{machine}; {total:.0f} s in all\n")
   print(f"\n== summary ({total:.0f} s; {machine})")
   print(table)
 
 
 if __name__ == "__main__":
-  # One runner for every experiment: one-line errors for bad flags and bad values.
-  common.run_app(lambda flag_values, out: main([sys.argv[0]]), _define_flags)
+  common.run_app(main, Config)

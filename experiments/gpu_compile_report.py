@@ -5,7 +5,7 @@ r"""What XLA's GPU compiler makes of every kernel configuration, for an H200 tha
         --out=experiments/results/gpu_compile_report          # Mosaic GPU: jax >= 0.11.2
     python -m experiments.gpu_compile_report --cases=full --out=DIR     # the slow Triton grid
 
-Compiles each case for a compile-only sm_90 device (pallas_kernels/compile_target.py: XLA's
+Compiles each case for a compile-only sm_90 device (pallas_kernels/deviceless/target.py: XLA's
 own Triton -> PTX -> SASS or Mosaic MLIR -> PTX -> SASS pipeline on this CPU host) and
 records per kernel launch: grid, threads / warps, pipeline stages, shared memory, registers,
 spill bytes, occupancy (resident threads per SM over 2048), resident blocks and wave
@@ -16,36 +16,40 @@ results/gpu_check_h200/kernel_bench.json has it). Nothing runs: achieved bandwid
 GPU (experiments/gpu_check.sh). Spills are reported, not fatal (the tests fail on them).
 
 Each backend writes its own JSON, with the flags, versions and machine of its own run:
-  triton:     DIR/gpu_compile_report.json        (pallas_kernels/compile_configs.py)
-  mosaic_gpu: DIR/mosaic_gpu_compile_report.json (pallas_kernels/mosaic_compile_configs.py)
+  triton:     DIR/gpu_compile_report.json        (pallas_kernels/deviceless/triton_configs.py)
+  mosaic_gpu: DIR/mosaic_gpu_compile_report.json (pallas_kernels/deviceless/mosaic_configs.py)
 The Mosaic GPU kernels need jax >= 0.11.2: under jax 0.10.2 that part is skipped with the
 reason printed and recorded in the Triton JSON ("skipped"); asked for alone, it is an error.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import time
+from typing import Tuple
 
-from absl import flags
 import jax
 
 from experiments import common
+from experiments import configs
 
 BACKENDS = ("triton", "mosaic_gpu")
 COPY_BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                           "gpu_check_h200", "kernel_bench.json")
 
 
-def _define_flags():
-  flags.DEFINE_string("out", "results/gpu_compile_report", "output directory")
-  flags.DEFINE_enum("cases", "default", ["default", "full"],
-                    "default: the ~16 representative Triton configs; full: the slow test "
-                    "grid (Mosaic GPU has one list either way)")
-  flags.DEFINE_string("only", "", "substring filter on case names (empty: all)")
-  flags.DEFINE_list("backends", list(BACKENDS), f"which kernels: any of {BACKENDS}")
+@dataclasses.dataclass(frozen=True)
+class Config(configs.ExperimentConfig):
+  """Flags of experiments.gpu_compile_report."""
+  out: str = configs.flag("results/gpu_compile_report", "output directory")
+  cases: str = configs.flag("default", "default: the ~16 representative Triton configs; full: "
+                            "the slow test grid (Mosaic GPU has one list either way)",
+                            choices=("default", "full"))
+  only: str = configs.flag("", "substring filter on case names (empty: all)")
+  backends: Tuple[str, ...] = configs.flag(BACKENDS, f"which kernels: any of {BACKENDS}")
 
 
 def _row_cells(row):
@@ -83,8 +87,9 @@ def _target(compile_target, **extra):
 
 
 def _triton(flag_values, out, skipped):
-  from pallas_kernels import compile_configs  # pylint: disable=g-import-not-at-top
-  from pallas_kernels import compile_target  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.deviceless import triton_configs as compile_configs
+  from pallas_kernels.deviceless import target as compile_target
   cases = (compile_configs.default_cases() if flag_values.cases == "default"
            else compile_configs.full_cases())
   cases = [c for c in cases if flag_values.only in c.name]
@@ -120,8 +125,9 @@ def _ptxas_version(path):
 
 
 def _mosaic(flag_values, out):
-  from pallas_kernels import compile_target  # pylint: disable=g-import-not-at-top
-  from pallas_kernels import mosaic_compile_configs as mcc  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.deviceless import target as compile_target
+  from pallas_kernels.deviceless import mosaic_configs as mcc
   copy_bps, copy_source = _measured_copy()
   cases = [c for c in mcc.default_cases() if flag_values.only in c.name]
   rows, failures = _compile_all(
@@ -157,8 +163,9 @@ def _mosaic(flag_values, out):
 
 
 def main(flag_values, out):
-  from pallas_kernels import compile_target  # pylint: disable=g-import-not-at-top
-  from pallas_kernels import mosaic_compile_configs as mcc  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.deviceless import target as compile_target
+  from pallas_kernels.deviceless import mosaic_configs as mcc
   backends = list(flag_values.backends)
   unknown = sorted(set(backends) - set(BACKENDS))
   if unknown or not backends:
@@ -179,4 +186,4 @@ def main(flag_values, out):
 
 
 if __name__ == "__main__":
-  common.run_app(main, _define_flags)
+  common.run_app(main, Config)

@@ -8,7 +8,7 @@ on the paged cache, i.e. gather pages through a randomly permuted block table th
 vs `contiguous_decode_attention` on a contiguous cache of the same content; the ratio is
 the price of paging for the reference path.
 
-On GPU: the Pallas paged kernel (pallas_kernels.paged_attention, gpu_backend "auto": Mosaic
+On GPU: the Pallas paged kernel (pallas_kernels.paged_attention, backend "auto": Mosaic
 GPU on Hopper where it applies; the Triton kernel is also timed pinned, kernel_triton_paged,
 column triton/ours) against, in the same run and on the same shapes,
   kernel_contiguous  the same kernel with an identity block table (pages in order): the
@@ -31,42 +31,44 @@ Writes DIR/kernel_bench.json and prints a table.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import sys
 import itertools
 import math
 import platform
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
-from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from experiments import common
+from experiments import configs
 import pallas_kernels
 from pallas_kernels import reference
 
-FLAGS = flags.FLAGS
-
-
-def _define_flags():
-  """Defines this script's flags on absl's global FLAGS (only when run as a script)."""
-  flags.DEFINE_string("out", "results/kernel_bench", "output directory")
-  flags.DEFINE_list("batch", None, "batch sizes (default: CPU 1,8; GPU 1,8,64,256)")
-  flags.DEFINE_list("context", None, "tokens per sequence (default: CPU 512,2048; "
-                    "GPU 512,4096,32768)")
-  flags.DEFINE_list("block_size", ["16", "128"], "KV-cache block sizes")
-  flags.DEFINE_integer("num_q_heads", 32, "query heads")
-  flags.DEFINE_integer("num_kv_heads", 8, "KV heads")
-  flags.DEFINE_integer("head_dim", 128, "features per head")
-  flags.DEFINE_string("dtype", None, "q / page dtype (default: CPU float32, GPU bfloat16)")
-  flags.DEFINE_integer("repeats", None, "timing samples per method (default CPU 5, GPU 10)")
-  flags.DEFINE_integer("calls_per_sample", None, "calls per sample (default CPU 1, GPU 5)")
-  flags.DEFINE_float("max_gib", 100.0, "device memory budget (GiB): configurations whose "
-                     "contiguous copies would exceed it time the paged methods only")
-  flags.DEFINE_integer("seed", 0, "PRNG seed")
+@dataclasses.dataclass(frozen=True)
+class Config(configs.ExperimentConfig):
+  """Flags of experiments.kernel_bench."""
+  out: str = configs.flag("results/kernel_bench", "output directory")
+  batch: Optional[Tuple[int, ...]] = configs.flag(None, "batch sizes (default: CPU 1,8; GPU "
+                                                  "1,8,64,256)", lower=1)
+  context: Optional[Tuple[int, ...]] = configs.flag(None, "tokens per sequence (default: CPU "
+                                                    "512,2048; GPU 512,4096,32768)", lower=1)
+  block_size: Tuple[int, ...] = configs.flag((16, 128), "KV-cache block sizes", lower=1)
+  num_q_heads: int = configs.flag(32, "query heads", lower=1)
+  num_kv_heads: int = configs.flag(8, "KV heads", lower=1)
+  head_dim: int = configs.flag(128, "features per head", lower=1)
+  dtype: Optional[str] = configs.flag(None, "q / page dtype (default: CPU float32, GPU bfloat16)")
+  repeats: Optional[int] = configs.flag(None, "timing samples per method (default CPU 5, GPU 10)",
+                                        lower=1)
+  calls_per_sample: Optional[int] = configs.flag(None, "calls per sample (default CPU 1, GPU 5)",
+                                                 lower=1)
+  max_gib: float = configs.flag(100.0, "device memory budget (GiB): configurations whose "
+                                "contiguous copies would exceed it time the paged methods only",
+                                lower=0.0, lower_open=True)
+  seed: int = configs.flag(0, "PRNG seed")
 
 
 def _ints(values, default):
@@ -220,17 +222,17 @@ def correctness_check(on_gpu: bool) -> float:
   return float(jnp.linalg.norm(diff) / jnp.linalg.norm(want.astype(jnp.float32)))
 
 
-def main(argv):
-  del argv
+def main(f: Config, out):
+  """Runs with settings `f` into `out` (the `common.run_app` main)."""
   on_gpu = jax.default_backend() == "gpu"
-  batches = _ints(FLAGS.batch, [1, 8, 64, 256] if on_gpu else [1, 8])
-  contexts = _ints(FLAGS.context, [512, 4096, 32768] if on_gpu else [512, 2048])
-  block_sizes = _ints(FLAGS.block_size, [16, 128])
-  dtype = jnp.dtype(FLAGS.dtype or ("bfloat16" if on_gpu else "float32"))
-  repeats = FLAGS.repeats or (10 if on_gpu else 5)
-  calls = FLAGS.calls_per_sample or (5 if on_gpu else 1)
-  hq, hkv, d = FLAGS.num_q_heads, FLAGS.num_kv_heads, FLAGS.head_dim
-  out_dir = common.out_dir(FLAGS.out)
+  batches = _ints(f.batch, [1, 8, 64, 256] if on_gpu else [1, 8])
+  contexts = _ints(f.context, [512, 4096, 32768] if on_gpu else [512, 2048])
+  block_sizes = _ints(f.block_size, [16, 128])
+  dtype = jnp.dtype(f.dtype or ("bfloat16" if on_gpu else "float32"))
+  repeats = f.repeats or (10 if on_gpu else 5)
+  calls = f.calls_per_sample or (5 if on_gpu else 1)
+  hq, hkv, d = f.num_q_heads, f.num_kv_heads, f.head_dim
+  out_dir = out
 
   meta = {"backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
           "jax": jax.__version__, "python": platform.python_version(),
@@ -243,17 +245,17 @@ def main(argv):
     meta["copy_bandwidth_GBps"] = common.copy_bandwidth(repeats, calls) / 1e9
   results: List[dict] = []
   configs = list(itertools.product(batches, contexts, block_sizes))
-  key = jax.random.PRNGKey(FLAGS.seed)
+  key = jax.random.PRNGKey(f.seed)
   for batch, context, bs in common.progress(configs, desc="configs"):
     if context % bs:
       continue
     cfg = {"batch": batch, "context": context, "block_size": bs}
     one_copy_gib = 2 * batch * context * hkv * d * dtype.itemsize / 2**30  # K + V once
     # Pages, then (GPU) two contiguous layouts plus a gather temporary.
-    if one_copy_gib > FLAGS.max_gib:
+    if one_copy_gib > f.max_gib:
       results.append({**cfg, "skipped": f"needs ~{one_copy_gib:.0f} GiB > --max_gib"})
       continue
-    cfg["contiguous_baselines"] = (not on_gpu) or 4 * one_copy_gib <= FLAGS.max_gib
+    cfg["contiguous_baselines"] = (not on_gpu) or 4 * one_copy_gib <= f.max_gib
     inputs = make_inputs(jax.random.fold_in(key, len(results)), batch, context, bs, hq, hkv,
                          d, dtype)
     cfg["kv_bytes"] = kv_bytes(inputs[-1], hkv, d, dtype)
@@ -293,4 +295,4 @@ def main(argv):
 
 if __name__ == "__main__":
   # One runner for every experiment: one-line errors for bad flags and bad values.
-  common.run_app(lambda flag_values, out: main([sys.argv[0]]), _define_flags)
+  common.run_app(main, Config)

@@ -28,15 +28,15 @@ A bad flag value ends with one line `error: ...` and exit status 1.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Dict, Optional, Sequence
-
-from absl import flags
+from typing import Dict, Optional
 
 from experiments import common
+from experiments import configs
+from experiments import provenance
 from paged_jax.bench import workloads
 from paged_jax.bench.baselines import simulate
-from paged_jax.config import check_block_size
 from paged_jax.bench.memory import CATEGORIES
 
 ALLOCATORS = ("orca_max", "orca_pow2", "orca_oracle", "paged")
@@ -46,53 +46,48 @@ LABELS = {"orca_max": "Orca (Max)", "orca_pow2": "Orca (Pow2)",
 PAPER_TOKEN_STATES = {"orca_max": 0.204, "orca_pow2": 0.268, "orca_oracle": 0.382,
                       "paged": 0.963}
 
-# A private flag registry: importing this module next to other experiments (which
-# define --seed, --block_size, --out ... on the global absl FLAGS) must not clash.
-FLAGS = flags.FlagValues()
-flags.DEFINE_enum("workload", "sharegpt", ["sharegpt", "alpaca"], "synthetic request stream",
-                  flag_values=FLAGS)
-flags.DEFINE_integer("num_requests", 500, "requests in the stream", lower_bound=1,
-                     flag_values=FLAGS)
-flags.DEFINE_integer("block_size", 16, "tokens per KV block (paged; a power of two)",
-                     flag_values=FLAGS)
-flags.DEFINE_integer("kv_budget_tokens", 14336,
-                     "KV budget in token slots, the same for every allocator (default: "
-                     "about OPT-13B's ~12 GB of KV on one A100-40GB at 800 KB/token)",
-                     lower_bound=1, flag_values=FLAGS)
-flags.DEFINE_integer("max_len", 2048, "context limit (Orca(Max) reservation)", lower_bound=2,
-                     flag_values=FLAGS)
-flags.DEFINE_integer("seed", 0, "workload seed", flag_values=FLAGS)
-flags.DEFINE_float("watermark", 0.01, "fraction of blocks paged admission keeps free",
-                   flag_values=FLAGS)
-flags.DEFINE_string("out", "results/memory_waste", "output directory", flag_values=FLAGS)
 
 
-def parse_flags(argv):
-  """Parses this experiment's flags from `argv` (argv[0] is the program); returns the rest."""
-  FLAGS.unparse_flags()
-  rest = FLAGS(argv)
-  if not flags.FLAGS.is_parsed():   # absl logging reads the global flags
-    flags.FLAGS(argv[:1], known_only=True)
-  return rest
+@dataclasses.dataclass(frozen=True)
+class Config(configs.ExperimentConfig):
+  """Flags of experiments.memory_waste."""
+  workload: str = configs.flag("sharegpt", "synthetic request stream",
+                               choices=("sharegpt", "alpaca"))
+  num_requests: int = configs.flag(500, "requests in the stream", lower=1)
+  block_size: int = configs.flag(16, "tokens per KV block (paged; a power of two)", lower=1,
+                                 upper=1024)
+  kv_budget_tokens: int = configs.flag(
+      14336, "KV budget in token slots, the same for every allocator (default: about "
+      "OPT-13B's ~12 GB of KV on one A100-40GB at 800 KB/token)", lower=1)
+  max_len: int = configs.flag(2048, "context limit (Orca(Max) reservation)", lower=2)
+  seed: int = configs.flag(0, "workload seed")
+  watermark: float = configs.flag(0.01, "fraction of blocks paged admission keeps free",
+                                  lower=0.0, upper=1.0, upper_open=True)
+  out: str = configs.flag("results/memory_waste", "output directory")
+
+  def check(self) -> None:
+    """ValueError naming the flag for values the simulation cannot take."""
+    if self.block_size & (self.block_size - 1):
+      raise ValueError(f"--block_size must be a power of two in [1, 1024], got {self.block_size}")
+    if self.kv_budget_tokens % self.block_size:
+      raise ValueError(f"--kv_budget_tokens must be a multiple of --block_size="
+                       f"{self.block_size}, got {self.kv_budget_tokens}")
+    if self.kv_budget_tokens < self.max_len:
+      raise ValueError(f"--kv_budget_tokens must be >= --max_len={self.max_len}, got "
+                       f"{self.kv_budget_tokens}")
 
 
-def run(requests: Sequence, *, block_size: int, kv_budget_tokens: int, max_len: int = 2048,
-        watermark: float = 0.01, max_seqs: Optional[int] = None,
-        show_progress: Optional[bool] = None) -> Dict[str, Dict]:
-  """The four allocators' memory summaries for one request stream (the JSON's content)."""
-  results = {}
-  for name in ALLOCATORS:
-    bar = common.progress(total=len(requests), desc=name,
-                          disable=None if show_progress is None else not show_progress)
-    with bar:
-      if name == "paged":
-        res = simulate.simulate_paged(requests, block_size, kv_budget_tokens, max_len,
-                                      watermark=watermark, max_seqs=max_seqs, progress=bar)
-      else:
-        res = simulate.simulate_orca(requests, name[len("orca_"):], kv_budget_tokens,
-                                     max_len, progress=bar)
-    results[name] = res
-  return results
+def run(f: Optional[Config] = None, *, show_progress: Optional[bool] = None
+        ) -> Dict[str, Dict]:
+  """The four allocators' memory summaries for the stream of settings `f` (default
+  `Config()`): the JSON's content, {allocator: summary}."""
+  f = f or Config()
+  requests = workloads.synthetic(f.workload, f.num_requests, seed=f.seed, max_len=f.max_len)
+  bar = lambda name: common.progress(total=len(requests), desc=name,
+                                     disable=None if show_progress is None else not show_progress)
+  return simulate.simulate_allocators(requests, ALLOCATORS, block_size=f.block_size,
+                                      kv_budget_tokens=f.kv_budget_tokens, max_len=f.max_len,
+                                      watermark=f.watermark, progress=bar)
 
 
 def summary_table(results: Dict[str, Dict]) -> str:
@@ -138,30 +133,13 @@ def plot(results: Dict[str, Dict], path, title: str):
   return common.save_png(fig, path)
 
 
-def check_flags(f) -> None:
-  """ValueError naming the flag for values the simulation cannot take."""
-  check_block_size(f.block_size)
-  if f.kv_budget_tokens % f.block_size:
-    raise ValueError(f"--kv_budget_tokens must be a multiple of --block_size="
-                     f"{f.block_size}, got {f.kv_budget_tokens}")
-  if f.kv_budget_tokens < f.max_len:
-    raise ValueError(f"--kv_budget_tokens must be >= --max_len={f.max_len}, got "
-                     f"{f.kv_budget_tokens}")
-  if not 0.0 <= f.watermark < 1.0:
-    raise ValueError(f"--watermark must be in [0, 1), got {f.watermark}")
-
-
-def main(f, out):
-  """Runs the experiment with parsed flags `f` (this module's FLAGS) into directory `out`."""
-  check_flags(f)
-  requests = workloads.synthetic(f.workload, f.num_requests, seed=f.seed,
-                                 max_len=f.max_len)
+def main(f: Config, out):
+  """Runs the experiment with settings `f` into directory `out` (the `common.run_app` main)."""
   start = time.time()
-  results = run(requests, block_size=f.block_size, kv_budget_tokens=f.kv_budget_tokens,
-                max_len=f.max_len, watermark=f.watermark)
+  results = run(f)
   seconds = time.time() - start
   common.write_json(out / "memory_waste.json", results)
-  meta = common.run_metadata(f)
+  meta = provenance.run_metadata(f)
   meta.update(seconds=round(seconds, 2), paper_token_states=PAPER_TOKEN_STATES,
               partition=list(CATEGORIES))
   common.write_json(out / "memory_waste_meta.json", meta)
@@ -179,4 +157,4 @@ def main(f, out):
 
 
 if __name__ == "__main__":
-  common.run_app(main, lambda: None, flag_values=FLAGS)
+  common.run_app(main, Config)

@@ -5,7 +5,8 @@ r"""Recompute vs swap preemption by block size (paper Sec. 7.3, Fig. 19).
 
 Two measurements per block size, side by side in one run, on the shipped tiny model:
 
-  (a) time per preemption (Fig. 19a): one sequence of --seq_len tokens. swap =
+  (a) time per preemption (Fig. 19a; `bench.step_costs.time_per_preemption`): one
+      sequence of --seq_len tokens. swap =
       `engine.swap.swap_out` (its blocks to host memory) + free + `swap_in`
       (fresh blocks, pages scattered back); recompute = one engine prefill step
       of the same --seq_len tokens (what a recomputed sequence pays on return).
@@ -22,94 +23,49 @@ swap is a gather + device_get. Writes `DIR/preemption.json` and `DIR/preemption.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Dict, Sequence
-
-import numpy as np
+from typing import Optional, Tuple
 
 from experiments import common
+from experiments import configs
+from experiments import provenance
+from paged_jax.bench import engines
 from paged_jax.bench import serving
+from paged_jax.bench import step_costs
+from paged_jax.bench import workloads
+from paged_jax.bench.scale import TINY
 
 MODES = ("recompute", "swap")
 
 
-def _warm_swaps(engine, slot: int = 0) -> None:
-  """Compiles swap_out / swap_in for every power-of-two block count they may pad to."""
-  from paged_jax import block_manager as bm  # pylint: disable=g-import-not-at-top
-  from paged_jax.engine import swap  # pylint: disable=g-import-not-at-top
-  c = engine.cache_config
-  width = 1
-  while True:
-    tokens = min(width, c.max_blocks_per_seq) * c.block_size
-    blocks, _ = bm.allocate(engine.state.blocks, slot, tokens)
-    state = engine.state.replace(blocks=blocks)
-    saved = swap.swap_out(state, slot, tokens)
-    blocks, _ = bm.free(state.blocks, slot)
-    state, _ = swap.swap_in(state.replace(blocks=blocks), slot, saved)
-    blocks, _ = bm.free(state.blocks, slot)
-    engine.state = state.replace(blocks=blocks)
-    if width >= c.max_blocks_per_seq:
-      break
-    width *= 2
+@dataclasses.dataclass(frozen=True)
+class Config(configs.ExperimentConfig):
+  """Flags of experiments.preemption."""
+  block_sizes: Tuple[int, ...] = configs.flag((8, 16, 32, 64), "block sizes", lower=1)
+  num_requests: int = configs.flag(24, "requests of the end-to-end stream", lower=1)
+  kv_budget_tokens: int = configs.flag(512, "KV pool (slots): small, to force preemption",
+                                       lower=1)
+  seq_len: int = configs.flag(200, "tokens of the preempted sequence in (a)", lower=1)
+  repeats: int = configs.flag(5, "timed repeats in (a) (fastest kept)", lower=1)
+  seed: int = configs.flag(0, "stream seed")
+  out: str = configs.flag("results/preemption", "output directory")
 
 
-def time_per_preemption(block_size: int, *, seq_len: int = 256, repeats: int = 5,
-                        kv_budget_tokens: int = 512, seed: int = 0) -> Dict:
-  """{"swap_out_ms", "swap_in_ms", "swap_ms", "recompute_ms"} for one seq_len-token sequence."""
-  import jax  # pylint: disable=g-import-not-at-top
-  from paged_jax import block_manager as bm  # pylint: disable=g-import-not-at-top
-  from paged_jax.engine import SamplingParams, swap  # pylint: disable=g-import-not-at-top
-  engine = serving.make_engine(block_size=block_size, kv_budget_tokens=kv_budget_tokens)
-  if seq_len > engine.max_model_len - 1:
-    raise ValueError(f"seq_len must be < {engine.max_model_len}, got {seq_len}")
-  _warm_swaps(engine)   # the recompute timing below keeps the fastest of `repeats` runs
-  slot = 0
-  outs, ins = [], []
-  for _ in range(repeats):
-    blocks, status = bm.allocate(engine.state.blocks, slot, seq_len)
-    if int(status) != 0:
-      raise RuntimeError(f"allocate failed with status {int(status)}")
-    state = engine.state.replace(blocks=blocks)
-    jax.block_until_ready(state)
-    t0 = time.perf_counter()
-    saved = swap.swap_out(state, slot, seq_len)
-    t1 = time.perf_counter()
-    blocks, _ = bm.free(state.blocks, slot)
-    state = state.replace(blocks=jax.block_until_ready(blocks))
-    t2 = time.perf_counter()
-    state, status = swap.swap_in(state, slot, saved)
-    jax.block_until_ready(state)
-    t3 = time.perf_counter()
-    blocks, _ = bm.free(state.blocks, slot)
-    engine.state = state.replace(blocks=blocks)
-    outs.append(t1 - t0)
-    ins.append(t3 - t2)
-  prompt = list(np.random.default_rng(seed).integers(0, 256, seq_len))
-  recompute = []
-  for _ in range(repeats):
-    engine.timing.clear()
-    engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
-    recompute.append(engine.timing["step_s"])   # one prefill step (+ the free)
-  ms = lambda xs: 1e3 * float(np.min(xs))
-  return {"swap_out_ms": ms(outs), "swap_in_ms": ms(ins),
-          "swap_ms": ms(np.array(outs) + np.array(ins)), "recompute_ms": ms(recompute),
-          "swap_bytes": int(saved.nbytes)}
-
-
-def run(block_sizes: Sequence[int] = (8, 16, 32, 64), *, num_requests: int = 24,
-        kv_budget_tokens: int = 512, seq_len: int = 200, repeats: int = 5, seed: int = 0,
-        show_progress=None) -> list:
+def run(f: Optional[Config] = None, *, show_progress=None) -> list:
   """One row per block size: (a) time per preemption, (b) end-to-end per mode."""
-  requests = serving.scaled_requests("sharegpt", num_requests, seed=seed)
-  seq_len = min(seq_len, serving.ENGINE_MAX_LEN - 1)
+  f = f or Config()
+  requests = workloads.scaled_requests("sharegpt", f.num_requests, seed=f.seed)
+  seq_len = min(f.seq_len, TINY.max_len - 1)
   rows = []
-  for bs in common.progress(block_sizes, desc="block sizes",
+  for bs in common.progress(f.block_sizes, desc="block sizes",
                             disable=None if show_progress is None else not show_progress):
     row = {"block_size": bs}
-    row.update(time_per_preemption(bs, seq_len=seq_len, repeats=repeats,
-                                   kv_budget_tokens=kv_budget_tokens, seed=seed))
+    row.update(step_costs.time_per_preemption(bs, seq_len=seq_len, repeats=f.repeats,
+                                              kv_budget_tokens=f.kv_budget_tokens,
+                                              seed=f.seed))
     for mode in MODES:
-      engine = serving.make_engine(block_size=bs, kv_budget_tokens=kv_budget_tokens,
+      engine = engines.make_engine(block_size=bs, kv_budget_tokens=f.kv_budget_tokens,
                                    preemption_mode=mode)
       res = serving.serve(engine, requests)
       for key in ("mean_latency_s", "p90_latency_s", "tokens_per_s", "preemptions", "swaps",
@@ -152,32 +108,18 @@ def plot(rows, path, seq_len: int):
   return common.save_png(fig, path)
 
 
-def _define_flags():
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  flags.DEFINE_list("block_sizes", ["8", "16", "32", "64"], "block sizes")
-  flags.DEFINE_integer("num_requests", 24, "requests of the end-to-end stream", lower_bound=1)
-  flags.DEFINE_integer("kv_budget_tokens", 512, "KV pool (slots): small, to force preemption",
-                       lower_bound=1)
-  flags.DEFINE_integer("seq_len", 200, "tokens of the preempted sequence in (a)", lower_bound=1)
-  flags.DEFINE_integer("repeats", 5, "timed repeats in (a) (fastest kept)", lower_bound=1)
-  flags.DEFINE_integer("seed", 0, "stream seed")
-  flags.DEFINE_string("out", "results/preemption", "output directory")
-
-
-def main(f, out):
-  """Runs with parsed flags `f` and writes under the output directory `out`."""
+def main(f: Config, out):
+  """Runs with settings `f` and writes under the output directory `out`."""
   start = time.time()
-  rows = run([int(b) for b in f.block_sizes], num_requests=f.num_requests,
-             kv_budget_tokens=f.kv_budget_tokens, seq_len=f.seq_len, repeats=f.repeats,
-             seed=f.seed)
+  rows = run(f)
   common.write_json(out / "preemption.json", {
       "rows": rows, "seconds": time.time() - start,
-      **common.run_metadata(f, ("block_sizes", "num_requests", "kv_budget_tokens",
-                                        "seq_len", "repeats", "seed"))})
+      **provenance.run_metadata(f, ("block_sizes", "num_requests", "kv_budget_tokens",
+                                    "seq_len", "repeats", "seed"))})
   png = plot(rows, out / "preemption.png", f.seq_len)
   print(common.table(summary_rows(rows), HEADERS))
   print(f"wrote {out / 'preemption.json'}, {png}")
 
 
 if __name__ == "__main__":
-  common.run_app(main, _define_flags)
+  common.run_app(main, Config)

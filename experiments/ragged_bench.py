@@ -23,45 +23,46 @@ sequences) over that time, also as a fraction of the measured copy bandwidth; at
 TFLOP/s (4 * D * visible query-key pairs * Hq). Timing and copy bandwidth come from
 experiments.common (warm-up, interleaved samples, median), as in kernel_bench. On CPU
 (or --dry_run) sizes shrink and the kernel runs interpreted.
-Flags are defined only when run as a script (_define_flags), so importing this module (the
+Flags are defined only when run as a script (from `Config`), so importing this module (the
 lowering tests read its scenarios) next to other experiments cannot clash on --seed / --out.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import sys
 import platform
 import time
-from typing import List
+from typing import List, Optional, Tuple
 
-from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from experiments import common
+from experiments import configs
 import pallas_kernels
 from pallas_kernels import reference
 
-FLAGS = flags.FLAGS
-
-
-def _define_flags():
-  """Defines this script's flags on absl's global FLAGS (only when run as a script)."""
-  flags.DEFINE_string("out", "results/ragged_bench", "output directory")
-  flags.DEFINE_list("scenarios", None, "subset of scenario names (default: all)")
-  flags.DEFINE_bool("dry_run", False, "tiny sizes, interpreted kernel (checks the script on CPU)")
-  flags.DEFINE_list("block_size", ["16", "128"], "KV-cache block sizes")
-  flags.DEFINE_integer("num_q_heads", 32, "query heads (GPU)")
-  flags.DEFINE_integer("num_kv_heads", 8, "KV heads (GPU)")
-  flags.DEFINE_integer("head_dim", 128, "features per head (GPU)")
-  flags.DEFINE_string("dtype", None, "q / page dtype (default: GPU bfloat16, CPU float32)")
-  flags.DEFINE_integer("repeats", None, "timing samples per method (default GPU 10, CPU 3)")
-  flags.DEFINE_integer("calls_per_sample", None, "calls per sample (default GPU 5, CPU 1)")
-  flags.DEFINE_integer("seed", 0, "PRNG seed")
-  flags.DEFINE_bool("sweep", True, "also time knob variants (SWEEP) on SWEEP_SCENARIOS at the "
-                    "first block size")
+@dataclasses.dataclass(frozen=True)
+class Config(configs.ExperimentConfig):
+  """Flags of experiments.ragged_bench."""
+  out: str = configs.flag("results/ragged_bench", "output directory")
+  scenarios: Optional[Tuple[str, ...]] = configs.flag(None, "subset of scenario names "
+                                                      "(default: all)")
+  dry_run: bool = configs.flag(False, "tiny sizes, interpreted kernel (checks the script on CPU)")
+  block_size: Tuple[int, ...] = configs.flag((16, 128), "KV-cache block sizes", lower=1)
+  num_q_heads: int = configs.flag(32, "query heads (GPU)", lower=1)
+  num_kv_heads: int = configs.flag(8, "KV heads (GPU)", lower=1)
+  head_dim: int = configs.flag(128, "features per head (GPU)", lower=1)
+  dtype: Optional[str] = configs.flag(None, "q / page dtype (default: GPU bfloat16, CPU float32)")
+  repeats: Optional[int] = configs.flag(None, "timing samples per method (default GPU 10, CPU 3)",
+                                        lower=1)
+  calls_per_sample: Optional[int] = configs.flag(None, "calls per sample (default GPU 5, CPU 1)",
+                                                 lower=1)
+  seed: int = configs.flag(0, "PRNG seed")
+  sweep: bool = configs.flag(True, "also time knob variants (SWEEP) on SWEEP_SCENARIOS at the "
+                             "first block size")
 
 
 # Knob variants timed beside the defaults (to pick defaults from GPU measurements).
@@ -163,9 +164,9 @@ def _variant(knobs, interpret):
   def f(*args):
     kw = dict(knobs)
     if "q_per_tile" in kw:  # one launch: short tiles as large as the prefill tiles
-      from pallas_kernels import ragged_tiling  # pylint: disable=g-import-not-at-top
+      from pallas_kernels.triton import tuning  # pylint: disable=g-import-not-at-top
       group = args[0].shape[1] // args[1].shape[0]
-      kw["q_per_tile"] = kw["short_q_per_tile"] = ragged_tiling.default_q_per_tile(group)[0]
+      kw["q_per_tile"] = kw["short_q_per_tile"] = tuning.default_q_per_tile(group)[0]
     return pallas_kernels.ragged_paged_attention(*args, interpret=interpret, **kw)
   return jax.jit(f)
 
@@ -218,22 +219,22 @@ def bench_scenario(name, seqs, bs, cfg, interpret, repeats, calls, key, sweep=Fa
           "checks": checks, "timings": timings}
 
 
-def main(argv):
-  del argv
-  on_gpu = jax.default_backend() == "gpu" and not FLAGS.dry_run
+def main(f: Config, out):
+  """Runs with settings `f` into `out` (the `common.run_app` main)."""
+  on_gpu = jax.default_backend() == "gpu" and not f.dry_run
   interpret = not on_gpu
   scenarios = GPU_SCENARIOS if on_gpu else CPU_SCENARIOS
-  names = FLAGS.scenarios or list(scenarios)
+  names = f.scenarios or list(scenarios)
   unknown = sorted(set(names) - set(scenarios))
   if unknown:
     raise ValueError(f"--scenarios: unknown {unknown}; choose from {sorted(scenarios)}")
-  heads = (dict(hq=FLAGS.num_q_heads, hkv=FLAGS.num_kv_heads, d=FLAGS.head_dim) if on_gpu
+  heads = (dict(hq=f.num_q_heads, hkv=f.num_kv_heads, d=f.head_dim) if on_gpu
            else dict(hq=4, hkv=2, d=64))
-  dtype = jnp.dtype(FLAGS.dtype or ("bfloat16" if on_gpu else "float32"))
-  block_sizes = [int(b) for b in FLAGS.block_size]
-  repeats = FLAGS.repeats or (10 if on_gpu else 3)
-  calls = FLAGS.calls_per_sample or (5 if on_gpu else 1)
-  out_dir = common.out_dir(FLAGS.out)
+  dtype = jnp.dtype(f.dtype or ("bfloat16" if on_gpu else "float32"))
+  block_sizes = [int(b) for b in f.block_size]
+  repeats = f.repeats or (10 if on_gpu else 3)
+  calls = f.calls_per_sample or (5 if on_gpu else 1)
+  out_dir = out
   cfg = {**heads, "dtype": dtype}
   meta = {"backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
           "jax": jax.__version__, "python": platform.python_version(), "interpret": interpret,
@@ -241,12 +242,12 @@ def main(argv):
           "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
   if on_gpu:
     cfg["copy_GBps"] = meta["copy_bandwidth_GBps"] = common.copy_bandwidth(repeats, calls) / 1e9
-  key = jax.random.PRNGKey(FLAGS.seed)
+  key = jax.random.PRNGKey(f.seed)
   runs = [(n, bs) for n in names for bs in block_sizes]
   results = []
   for i, (name, bs) in enumerate(common.progress(runs, desc="scenarios")):
     try:
-      sweep = FLAGS.sweep and bs == block_sizes[0] and name in SWEEP_SCENARIOS
+      sweep = f.sweep and bs == block_sizes[0] and name in SWEEP_SCENARIOS
       results.append(bench_scenario(name, _expand(scenarios[name]), bs, cfg, interpret,
                                     repeats, calls, jax.random.fold_in(key, i), sweep=sweep))
     except Exception as e:  # pylint: disable=broad-except
@@ -283,4 +284,4 @@ def main(argv):
 
 if __name__ == "__main__":
   # One runner for every experiment: one-line errors for bad flags and bad values.
-  common.run_app(lambda flag_values, out: main([sys.argv[0]]), _define_flags)
+  common.run_app(main, Config)

@@ -33,32 +33,35 @@ Writes DIR/scaling.json and DIR/scaling.png; prints a table.
 from __future__ import annotations
 
 import os
+import dataclasses
 import re
 import sys
-import time
+from typing import Dict, Optional, Tuple
 
-from absl import flags
-
-
-def _define_flags():
-  """Defines this script's flags on absl's global FLAGS (only when run as a script)."""
-  flags.DEFINE_list("tp", ["1", "2", "4", "8"], "tensor-parallel sizes")
-  flags.DEFINE_integer("num_devices", 8, "simulated CPU devices (>= max tp)")
-  flags.DEFINE_float("kv_mib_per_device", 1.0, "KV page budget per device, MiB (measured model)")
-  flags.DEFINE_integer("block_size", 16, "tokens per KV block")
-  flags.DEFINE_enum("workload", "alpaca", ["alpaca", "sharegpt"], "synthetic request stream")
-  flags.DEFINE_integer("num_requests", 96, "requests served per tp")
-  flags.DEFINE_integer("max_len", 256, "context limit of the stream (prompt + output)")
-  flags.DEFINE_integer("max_output", 48, "cap on generated tokens per request")
-  flags.DEFINE_integer("max_seqs", 128, "engine sequence slots (above the block-bound concurrency)")
-  flags.DEFINE_integer("decode_batch", 8, "sequences in the timed decode forward")
-  flags.DEFINE_integer("timing_iters", 30, "timed forward calls per tp (median reported)")
-  flags.DEFINE_bool("serve", True, "serve the stream with the real engine (peak_running)")
-  flags.DEFINE_float("prod_gib_per_device", 16.0, "KV budget per device for the computed rows")
-  flags.DEFINE_string("out", "results/scaling", "output directory")
+from experiments import configs
 
 
-FLAGS = flags.FLAGS
+@dataclasses.dataclass(frozen=True)
+class Config(configs.ExperimentConfig):
+  """Flags of experiments.scaling."""
+  tp: Tuple[int, ...] = configs.flag((1, 2, 4, 8), "tensor-parallel sizes", lower=1)
+  num_devices: int = configs.flag(8, "simulated CPU devices (>= max tp)", lower=1)
+  kv_mib_per_device: float = configs.flag(1.0, "KV page budget per device, MiB (measured "
+                                          "model)", lower=0.0, lower_open=True)
+  block_size: int = configs.flag(16, "tokens per KV block", lower=1)
+  workload: str = configs.flag("alpaca", "synthetic request stream",
+                               choices=("alpaca", "sharegpt"))
+  num_requests: int = configs.flag(96, "requests served per tp", lower=1)
+  max_len: int = configs.flag(256, "context limit of the stream (prompt + output)", lower=2)
+  max_output: int = configs.flag(48, "cap on generated tokens per request", lower=1)
+  max_seqs: int = configs.flag(128, "engine sequence slots (above the block-bound "
+                               "concurrency)", lower=1)
+  decode_batch: int = configs.flag(8, "sequences in the timed decode forward", lower=1)
+  timing_iters: int = configs.flag(30, "timed forward calls per tp (median reported)", lower=1)
+  serve: bool = configs.flag(True, "serve the stream with the real engine (peak_running)")
+  prod_gib_per_device: float = configs.flag(16.0, "KV budget per device for the computed rows",
+                                            lower=0.0, lower_open=True)
+  out: str = configs.flag("results/scaling", "output directory")
 
 
 def _force_devices(argv) -> None:
@@ -79,13 +82,15 @@ if __name__ == "__main__":
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax
-import numpy as np
 
 from experiments import common
+from experiments import provenance
+from paged_jax.bench import timing
+from paged_jax.bench import tp_scaling
 from paged_jax.bench import workloads
-from paged_jax.config import CacheConfig, ModelConfig
-from paged_jax.distributed import (cache_config_for_device_budget,
-                                   make_mesh, make_tp_engine, per_device_bytes)
+from paged_jax.config import ModelConfig
+from paged_jax.distributed import (cache_config_for_device_budget, make_mesh, make_tp_engine,
+                                   per_device_bytes)
 from paged_jax.models import llama
 
 MODEL = ModelConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=2,
@@ -95,112 +100,48 @@ PROD = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                    dtype="bfloat16")
 
 
-def fit_full_length(requests, cache: CacheConfig) -> int:
-  """Requests (in order) whose full-length blocks fit the pool together."""
-  used = 0
-  for i, r in enumerate(requests):
-    used += cache.blocks_for(r.total_len)
-    if used > cache.num_blocks:
-      return i
-  return len(requests)
-
-
-def serve(engine, requests) -> dict:
-  from paged_jax.engine import SamplingParams
-  for r in requests:
-    engine.add_request([int(t) for t in r.prompt_token_ids],
-                       SamplingParams(max_tokens=r.output_len, temperature=0.0))
-  peak, steps, t0 = 0, 0, time.perf_counter()
-  while engine.has_unfinished():
-    engine.step()
-    peak = max(peak, len(engine.scheduler.running))
-    steps += 1
-  engine.flush()
-  return dict(peak_running=peak, engine_steps=steps, preemptions=engine.num_preemptions,
-              generated_tokens=int(engine.stats["generated_tokens"]),
-              serve_seconds=time.perf_counter() - t0)
-
-
-def decode_call(tp_model, params, cache: CacheConfig, batch: int):
-  """A compiled, warmed-up decode forward: `batch` sequences at context 4 blocks, 1 token each.
-
-  Returns a no-argument callable that runs one step and waits for it.
-  """
-  from paged_jax.attention import AttentionMetadata
-  import jax.numpy as jnp
-  ctx = 4 * cache.block_size
-  per_seq = cache.blocks_for(ctx)
-  tables = np.arange(batch * per_seq, dtype=np.int32).reshape(batch, per_seq) % cache.num_blocks
-  slots = tables[:, -1] * cache.block_size + (ctx - 1) % cache.block_size
-  meta = AttentionMetadata(slot_mapping=jnp.asarray(slots), block_tables=jnp.asarray(tables),
-                           kv_lens=jnp.full((batch,), ctx, jnp.int32),
-                           cu_q_lens=jnp.arange(batch + 1, dtype=jnp.int32),
-                           num_seqs=jnp.asarray(batch, jnp.int32),
-                           logits_indices=jnp.arange(batch, dtype=jnp.int32))
-  tokens = jnp.asarray(np.random.default_rng(0).integers(0, MODEL.vocab_size, batch), jnp.int32)
-  positions = jnp.full((batch,), ctx - 1, jnp.int32)
-  step = jax.jit(tp_model.apply, donate_argnums=(3,))
-  state = {"pages": tp_model.init_pages(cache)}
-
-  def run():
-    logits, state["pages"] = step(params, tokens, positions, state["pages"], meta)
-    logits.block_until_ready()
-
-  run()   # compile + warm up
-  return run
-
-
-def prod_rows(tps, gib: float, block_size: int) -> list:
-  rows = []
-  for tp in tps:
-    cache = cache_config_for_device_budget(PROD, tp, int(gib * 2**30), block_size=block_size,
-                                           max_seqs=256, dtype="bfloat16")
-    rows.append(dict(tp=tp, kv_bytes_per_token_per_device=cache.kv_bytes_per_token // tp,
-                     num_blocks=cache.num_blocks, tokens=cache.num_slots,
-                     full_context_seqs=cache.num_slots // PROD.max_position_embeddings))
-  return rows
-
-
-def main(f, out):
-  """Runs with the parsed flags (absl's global FLAGS, read below) into `out`."""
-  del f
-  tps = [int(t) for t in FLAGS.tp]
+def run(f: Optional[Config] = None) -> Dict:
+  """Rows per tp (measured), the production shape's computed rows, and the run's settings,
+  for settings `f` (default `Config()`)."""
+  f = f or Config()
+  tps = list(f.tp)
   if max(tps) > jax.device_count():
     raise ValueError(f"--tp holds {max(tps)} but only {jax.device_count()} devices; raise "
                      "--num_devices")
-  budget = int(FLAGS.kv_mib_per_device * 2**20)
+  budget = int(f.kv_mib_per_device * 2**20)
   params = llama.init_params(MODEL, jax.random.key(0))
-  stream = workloads.synthetic(FLAGS.workload, FLAGS.num_requests, seed=0,
-                               max_len=FLAGS.max_len, vocab_size=MODEL.vocab_size)
+  stream = workloads.synthetic(f.workload, f.num_requests, seed=0,
+                               max_len=f.max_len, vocab_size=MODEL.vocab_size)
   stream = [workloads.Request(r.request_id, r.prompt_token_ids,
-                              min(r.output_len, FLAGS.max_output)) for r in stream]
-  long_stream = workloads.synthetic(FLAGS.workload, 1000, seed=0, max_len=FLAGS.max_len,
+                              min(r.output_len, f.max_output)) for r in stream]
+  long_stream = workloads.synthetic(f.workload, 1000, seed=0, max_len=f.max_len,
                                     vocab_size=MODEL.vocab_size)
   long_stream = [workloads.Request(r.request_id, r.prompt_token_ids,
-                                   min(r.output_len, FLAGS.max_output)) for r in long_stream]
+                                   min(r.output_len, f.max_output)) for r in long_stream]
   base_cache = None
   rows, calls = [], {}
   for tp in common.progress(tps, desc="tp"):
     mesh = make_mesh(tp=tp, devices=jax.devices()[:tp], model_config=MODEL)
-    cache = cache_config_for_device_budget(MODEL, tp, budget, block_size=FLAGS.block_size,
-                                           max_seqs=FLAGS.max_seqs, max_model_len=FLAGS.max_len)
+    cache = cache_config_for_device_budget(MODEL, tp, budget, block_size=f.block_size,
+                                           max_seqs=f.max_seqs, max_model_len=f.max_len)
     base_cache = base_cache or cache
     engine = make_tp_engine(MODEL, params, cache, mesh=mesh, attention_backend="reference",
-                            max_num_batched_tokens=2 * FLAGS.max_seqs)
+                            max_num_batched_tokens=2 * f.max_seqs)
     kv = per_device_bytes(engine.state.pages)
     tp_model = engine.tp_model
     fixed = per_device_bytes(tp_model.init_pages(base_cache))
     row = dict(tp=tp, devices=len(kv), num_blocks=cache.num_blocks, kv_tokens=cache.num_slots,
                kv_bytes_per_device=max(kv.values()), kv_bytes_per_device_min=min(kv.values()),
                kv_bytes_total=sum(kv.values()), fixed_pool_bytes_per_device=max(fixed.values()),
-               fit_full_length=fit_full_length(long_stream, cache))
-    calls[tp] = decode_call(tp_model, engine.params, cache, FLAGS.decode_batch)
-    if FLAGS.serve:
-      row.update(serve(engine, stream))
+               fit_full_length=tp_scaling.fit_full_length(long_stream, cache))
+    calls[tp] = tp_scaling.decode_call(tp_model, engine.params, cache, f.decode_batch,
+                                       MODEL.vocab_size)
+    if f.serve:
+      row.update(tp_scaling.serve(engine, stream))
     rows.append(row)
   # Round-robin over tp so load drifts hit every tp alike; one forward per sample.
-  timings = common.time_interleaved({tp: (run, ()) for tp, run in calls.items()},
-                                    FLAGS.timing_iters, calls=1)
+  timings = timing.time_interleaved({tp: (call, ()) for tp, call in calls.items()},
+                                    f.timing_iters, calls=1)
   failed = {tp: t["error"] for tp, t in timings.items() if "error" in t}
   if failed:
     raise RuntimeError(f"timed decode forward failed: {failed}")
@@ -210,16 +151,23 @@ def main(f, out):
   for r in rows:
     r["step_time_ratio"] = r["step_seconds"] / t1
   result = dict(
-      **common.run_metadata(FLAGS),
+      **provenance.run_metadata(f),
       devices="CPU, simulated devices (XLA host platform) sharing this machine's cores",
-      jax_version=jax.__version__, model=MODEL.__dict__, workload=FLAGS.workload,
-      num_requests=FLAGS.num_requests, max_output=FLAGS.max_output,
-      kv_mib_per_device=FLAGS.kv_mib_per_device, block_size=FLAGS.block_size,
-      rows=rows, production_shape=dict(model=PROD.__dict__, gib_per_device=FLAGS.prod_gib_per_device,
-                                       rows=prod_rows(tps, FLAGS.prod_gib_per_device,
-                                                      FLAGS.block_size)),
+      jax_version=jax.__version__, model=MODEL.__dict__, workload=f.workload,
+      num_requests=f.num_requests, max_output=f.max_output,
+      kv_mib_per_device=f.kv_mib_per_device, block_size=f.block_size,
+      rows=rows, production_shape=dict(
+          model=PROD.__dict__, gib_per_device=f.prod_gib_per_device,
+          rows=tp_scaling.budget_rows(PROD, tps, f.prod_gib_per_device, f.block_size)),
       note=("step_time_ratio: CPU 'devices' share the host's cores, so it does not predict "
             "accelerator speed; memory figures are the result."))
+  return result
+
+
+def main(f: Config, out):
+  """Runs with settings `f` into `out` (the `common.run_app` main)."""
+  result = run(f)
+  rows = result["rows"]
   common.write_json(out / "scaling.json", result)
   _plot(rows, out / "scaling.png")
   headers = ["tp", "KV MiB/device", "blocks", "fixed-pool MiB/device", "fit full-length",
@@ -261,4 +209,4 @@ def _plot(rows, path):
 
 
 if __name__ == "__main__":
-  common.run_app(main, _define_flags)
+  common.run_app(main, Config)

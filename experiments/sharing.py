@@ -18,11 +18,17 @@ Paper (OPT-13B, Fig. 15): parallel sampling saves 6.1-9.8% (Alpaca) and
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Dict, Sequence
+from typing import Dict, List, Optional, Tuple
 
 from experiments import common
+from experiments import configs
+from experiments import provenance
+from paged_jax.bench import engines
 from paged_jax.bench import serving
+from paged_jax.bench import workloads
+from paged_jax.bench.scale import TINY
 
 MODES = ("parallel", "beam")
 # Paper Fig. 15 ranges over widths 2-6, as fractions.
@@ -41,31 +47,44 @@ def sampling_params(mode: str, width: int, request):
   raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
 
 
-def run(workload_names: Sequence[str] = ("sharegpt", "alpaca"), *,
-        widths: Sequence[int] = (2, 4, 6), num_requests: int = 12, block_size: int = 16,
-        kv_budget_tokens: int = 2048, max_seqs: int = 64, max_len: int = serving.ENGINE_MAX_LEN,
-        seed: int = 0, attention_backend: str = "auto", show_progress=None) -> Dict:
-  """List of rows {workload, mode, width, savings, tokens_per_s, ...} (width 1 = baseline)."""
-  for w in widths:
-    if not 1 <= w <= serving.MAX_BEAM_WIDTH:
-      raise ValueError(f"widths must be in [1, {serving.MAX_BEAM_WIDTH}], got {w}")
+@dataclasses.dataclass(frozen=True)
+class Config(configs.ExperimentConfig):
+  """Flags of experiments.sharing."""
+  workloads: Tuple[str, ...] = configs.flag(("sharegpt", "alpaca"), "streams to serve",
+                                            choices=("sharegpt", "alpaca"))
+  widths: Tuple[int, ...] = configs.flag((2, 4, 6), "n for parallel sampling and beam widths",
+                                         lower=1, upper=TINY.max_beam_width)
+  num_requests: int = configs.flag(12, "requests per stream", lower=1)
+  block_size: int = configs.flag(16, "tokens per KV block", lower=1)
+  kv_budget_tokens: int = configs.flag(2048, "KV pool in token slots", lower=1)
+  max_seqs: int = configs.flag(64, "sequence slots", lower=1)
+  max_len: int = configs.flag(TINY.max_len, "context limit of the streams", lower=2)
+  seed: int = configs.flag(0, "stream seed")
+  attention_backend: str = configs.flag("auto", "auto|reference|pallas|pallas_interpret")
+  out: str = configs.flag("results/sharing", "output directory")
+
+
+def run(f: Optional[Config] = None, *, show_progress=None) -> List[Dict]:
+  """List of rows {workload, mode, width, savings, tokens_per_s, ...} (width 1 = baseline)
+  for settings `f` (default `Config()`)."""
+  f = f or Config()
   rows = []
-  for name in workload_names:
-    requests = serving.scaled_requests(name, num_requests, seed=seed, max_len=max_len)
-    settings = [("greedy", 1)] + [(m, w) for m in MODES for w in widths]
+  for name in f.workloads:
+    requests = workloads.scaled_requests(name, f.num_requests, seed=f.seed, max_len=f.max_len)
+    settings = [("greedy", 1)] + [(m, w) for m in MODES for w in f.widths]
     for mode, width in settings:
-      engine = serving.make_engine(block_size=block_size, kv_budget_tokens=kv_budget_tokens,
-                                   max_seqs=max_seqs, max_len=max_len,
-                                   attention_backend=attention_backend)
-      params_fn = (serving.greedy if mode == "greedy"
+      engine = engines.make_engine(block_size=f.block_size, kv_budget_tokens=f.kv_budget_tokens,
+                                   max_seqs=f.max_seqs, max_len=f.max_len,
+                                   attention_backend=f.attention_backend)
+      params_fn = (engines.greedy if mode == "greedy"
                    else (lambda r, m=mode, w=width: sampling_params(m, w, r)))
-      bar = common.progress(total=num_requests, desc=f"{name} {mode} {width}",
+      bar = common.progress(total=f.num_requests, desc=f"{name} {mode} {width}",
                             disable=None if show_progress is None else not show_progress)
       with bar:
         res = serving.serve(engine, requests, params_fn, track_sharing=True, progress=bar)
       paper = PAPER_SAVINGS.get((name, mode))
-      rows.append(dict(workload=name, mode=mode, width=width, block_size=block_size, seed=seed,
-                       savings=res["sharing_savings"], paper_savings=paper, **{
+      rows.append(dict(workload=name, mode=mode, width=width, block_size=f.block_size,
+                       seed=f.seed, savings=res["sharing_savings"], paper_savings=paper, **{
                            k: res[k] for k in ("tokens_per_s", "requests_per_s",
                                                "generated_tokens", "seconds", "steps",
                                                "mean_running_seqs", "preemptions")}))
@@ -108,33 +127,18 @@ def plot(rows, path):
   return common.save_png(fig, path)
 
 
-def _define_flags():
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  flags.DEFINE_list("workloads", ["sharegpt", "alpaca"], "streams to serve")
-  flags.DEFINE_list("widths", ["2", "4", "6"], "n for parallel sampling and beam widths (<= 6)")
-  flags.DEFINE_integer("num_requests", 12, "requests per stream", lower_bound=1)
-  flags.DEFINE_integer("block_size", 16, "tokens per KV block", lower_bound=1)
-  flags.DEFINE_integer("kv_budget_tokens", 2048, "KV pool in token slots", lower_bound=1)
-  flags.DEFINE_integer("max_seqs", 64, "sequence slots", lower_bound=1)
-  flags.DEFINE_integer("seed", 0, "stream seed")
-  flags.DEFINE_string("attention_backend", "auto", "auto|reference|pallas|pallas_interpret")
-  flags.DEFINE_string("out", "results/sharing", "output directory")
-
-
-def main(f, out):
-  """Runs with parsed flags `f` and writes under the output directory `out`."""
+def main(f: Config, out):
+  """Runs with settings `f` and writes under the output directory `out`."""
   start = time.time()
-  rows = run(f.workloads, widths=[int(w) for w in f.widths], num_requests=f.num_requests,
-             block_size=f.block_size, kv_budget_tokens=f.kv_budget_tokens, max_seqs=f.max_seqs,
-             seed=f.seed, attention_backend=f.attention_backend)
+  rows = run(f)
   common.write_json(out / "sharing.json", {
       "rows": rows, "seconds": time.time() - start,
-      **common.run_metadata(f, ("workloads", "widths", "num_requests", "block_size",
-                                        "kv_budget_tokens", "max_seqs", "seed"))})
+      **provenance.run_metadata(f, ("workloads", "widths", "num_requests", "block_size",
+                                    "kv_budget_tokens", "max_seqs", "seed"))})
   png = plot(rows, out / "sharing.png")
   print(common.table(summary_rows(rows), HEADERS))
   print(f"wrote {out / 'sharing.json'}, {png}")
 
 
 if __name__ == "__main__":
-  common.run_app(main, _define_flags)
+  common.run_app(main, Config)

@@ -23,59 +23,59 @@ Writes OUT/step_cost.json and prints a table.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
-from typing import Dict, Sequence
-
-import numpy as np
+from typing import Dict, Optional, Tuple
 
 from experiments import common
-from paged_jax.bench import serving
-from paged_jax.config import check_int
+from experiments import configs
+from experiments import provenance
+from paged_jax.bench import engines
+from paged_jax.bench import step_costs
 
 
-def _decode_step_s(engine, num_live: int, short: int, long: int, seed: int) -> Dict[str, float]:
-  """Seconds per decode step with `num_live` sequences: (long run - short run) / steps."""
-  from paged_jax.engine import SamplingParams  # pylint: disable=g-import-not-at-top
-  rng = np.random.default_rng(seed)
-  prompts = [rng.integers(0, 256, 16).tolist() for _ in range(num_live)]
-  out = {}
-  for n in (short, long):
-    engine.timing.clear()
-    steps0 = engine.stats["steps"]
-    t0 = time.perf_counter()
-    engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0))
-    out[n] = (time.perf_counter() - t0, engine.timing["device_s"], engine.stats["steps"] - steps0)
-  steps = out[long][2] - out[short][2]
-  return {"step_s": (out[long][0] - out[short][0]) / steps,
-          "device_s": (out[long][1] - out[short][1]) / steps, "steps": steps}
+@dataclasses.dataclass(frozen=True)
+class Config(configs.ExperimentConfig):
+  """Flags of experiments.step_cost."""
+  max_seqs: Tuple[int, ...] = configs.flag((4, 128), "engine row capacities (one live sequence "
+                                           "each)", lower=1)
+  live: Tuple[int, ...] = configs.flag((1, 2, 4, 8, 16, 32, 64), "live sequences on the largest "
+                                       "max_seqs engine", lower=1)
+  short: int = configs.flag(8, "tokens of the short run", lower=2)
+  long: int = configs.flag(40, "tokens of the long run", lower=3, upper=200)
+  repeats: int = configs.flag(5, "interleaved repetitions (medians)", lower=1)
+  seed: int = configs.flag(0, "prompt seed")
+  out: str = configs.flag("results/step_cost", "output directory")
+
+  def check(self) -> None:
+    for name in ("max_seqs", "live"):
+      if not getattr(self, name):
+        raise ValueError(f"--{name} must list at least one value")
+    if self.long <= self.short:
+      raise ValueError(f"--long must be > --short={self.short}, got {self.long}")
+    if max(self.live) > max(self.max_seqs):
+      raise ValueError(f"--live must be <= the largest --max_seqs ({max(self.max_seqs)}), "
+                       f"got {max(self.live)}")
 
 
-def run(max_seqs: Sequence[int] = (4, 128), live: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), *,
-        short: int = 8, long: int = 40, repeats: int = 5, seed: int = 0) -> Dict:
-  """Decode seconds per step per configuration (see module doc)."""
-  for name, vals, lo in (("max_seqs", max_seqs, 1), ("live", live, 1)):
-    if not vals:
-      raise ValueError(f"{name} must list at least one value")
-    for v in vals:
-      check_int(name, v, lo)
-  check_int("short", short, 2)
-  check_int("long", long, short + 1, 200)
-  check_int("repeats", repeats, 1)
+def run(f: Optional[Config] = None) -> Dict:
+  """Decode seconds per step per configuration (see module doc) for settings `f`."""
+  f = f or Config()
+  max_seqs, live, short, long, repeats, seed = (f.max_seqs, f.live, f.short, f.long, f.repeats,
+                                                f.seed)
   biggest = max(max_seqs)
-  if max(live) > biggest:
-    raise ValueError(f"live must be <= the largest max_seqs ({biggest}), got {max(live)}")
   budget = 16 * -(-(biggest * (16 + long)) // 16)        # every live sequence fits
-  engines = {ms: serving.make_engine(block_size=16, kv_budget_tokens=max(budget, 256),
-                                     max_seqs=ms) for ms in sorted(set(max_seqs))}
-  configs = [("padding", ms, 1) for ms in sorted(engines)]
-  configs += [("per_row", biggest, n) for n in sorted(set(live)) if n > 1]
-  for _, ms, n in configs:              # compile every shape the timed runs use
-    _decode_step_s(engines[ms], n, short, long, seed)
-  samples = {c: [] for c in configs}
+  pool = {ms: engines.make_engine(block_size=16, kv_budget_tokens=max(budget, 256), max_seqs=ms)
+          for ms in sorted(set(max_seqs))}
+  readings = [("padding", ms, 1) for ms in sorted(pool)]
+  readings += [("per_row", biggest, n) for n in sorted(set(live)) if n > 1]
+  for _, ms, n in readings:             # compile every shape the timed runs use
+    step_costs.decode_step_seconds(pool[ms], n, short, long, seed)
+  samples = {c: [] for c in readings}
   for _ in range(repeats):              # interleaved: load hits every config alike
-    for c in configs:
-      samples[c].append(_decode_step_s(engines[c[1]], c[2], short, long, seed))
+    for c in readings:
+      samples[c].append(step_costs.decode_step_seconds(pool[c[1]], c[2], short, long, seed))
   rows = []
   for (kind, ms, n), xs in samples.items():
     rows.append({"reading": kind, "max_seqs": ms, "live": n,
@@ -102,29 +102,15 @@ def summary_rows(result: Dict):
           for r in result["rows"]]
 
 
-def _define_flags():
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  flags.DEFINE_list("max_seqs", ["4", "128"], "engine row capacities (one live sequence each)")
-  flags.DEFINE_list("live", ["1", "2", "4", "8", "16", "32", "64"],
-                    "live sequences on the largest max_seqs engine")
-  flags.DEFINE_integer("short", 8, "tokens of the short run")
-  flags.DEFINE_integer("long", 40, "tokens of the long run")
-  flags.DEFINE_integer("repeats", 5, "interleaved repetitions (medians)")
-  flags.DEFINE_integer("seed", 0, "prompt seed")
-  flags.DEFINE_string("out", "results/step_cost", "output directory")
-
-
-def main(f, out):
-  """Runs with the parsed flags `f` into directory `out` (the `common.run_app` main)."""
+def main(f: Config, out):
+  """Runs with settings `f` into directory `out` (the `common.run_app` main)."""
   t0 = time.perf_counter()
-  result = run([int(x) for x in f["max_seqs"].value], [int(x) for x in f["live"].value],
-               short=f["short"].value, long=f["long"].value, repeats=f["repeats"].value,
-               seed=f["seed"].value)
+  result = run(f)
   result["seconds"] = time.perf_counter() - t0
-  result.update(common.run_metadata(f))
+  result.update(provenance.run_metadata(f))
   print(common.table(summary_rows(result), HEADERS))
   print(f"one live sequence, max_seqs {result['rows'][0]['max_seqs']} -> "
-        f"{max(int(x) for x in f['max_seqs'].value)}: {result['padding_ratio']:.2f}x "
+        f"{max(f.max_seqs)}: {result['padding_ratio']:.2f}x "
         f"(target <= 1.5x)")
   if "ms_per_extra_row" in result:
     print(f"each extra live row adds {result['ms_per_extra_row']:.3f} ms to a decode step")
@@ -133,4 +119,4 @@ def main(f, out):
 
 
 if __name__ == "__main__":
-  common.run_app(main, _define_flags)
+  common.run_app(main, Config)

@@ -32,47 +32,75 @@ the machine's speed and load); `DIR/throughput.json`, `DIR/throughput.png`.
 Reading the ratios: each step runs on the smallest shape bucket that holds what
 is live (rows, new tokens, block-table width); the shapes a run meets are compiled
 before its timing by an untimed replay of the same requests on a fresh engine of the
-same shapes (`serving.serve`, warmup="replay"). On a GPU a decode step is
+same shapes (`bench.serving.serve`, warmup="replay"). On a GPU a decode step is
 memory-bandwidth bound, so throughput follows tokens per step; on the CPU reference
 path a step's cost still grows with its live rows and width, so the wall-clock ratio
 can sit below the tokens-per-step ratio; `wall_over_step_ratio` is their quotient
-(target >= 0.8) and each config's `device_s` / `host_s` say where the time went.
+(target >= 0.8) and each config's `device_s` / `host_s` say where the time went
+(`step_cost_fit`: `bench.step_costs.step_cost_fit`).
 The paper reports 2-4x throughput at equal latency (Figure 12, OPT on A100).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Dict, Sequence
+from typing import Dict, Optional, Tuple
 
 from experiments import common
+from experiments import configs
+from experiments import provenance
+from paged_jax.bench import engines
 from paged_jax.bench import serving
+from paged_jax.bench import step_costs
+from paged_jax.bench import workloads
+from paged_jax.bench.scale import TINY
 
 PAPER_SPEEDUP = "2-4x (vLLM vs Orca/FasterTransformer at equal latency, Fig. 12)"
 CONFIGS = ("orca_max", "paged")
 
 
-def run(workload_names: Sequence[str] = ("sharegpt", "alpaca"), *, num_requests: int = 48,
-        kv_budget_tokens: int = 2048, block_size: int = 16,
-        max_len: int = serving.ENGINE_MAX_LEN, max_seqs: int = 32, seed: int = 0,
-        attention_backend: str = "auto", repeats: int = 1, show_progress=None) -> Dict:
-  """{workload: {"paged": serve-result, "orca_max": serve-result, "speedup_*": ratios}}.
+@dataclasses.dataclass(frozen=True)
+class Config(configs.ExperimentConfig):
+  """Flags of experiments.throughput."""
+  workloads: Tuple[str, ...] = configs.flag(("sharegpt", "alpaca"), "streams to serve",
+                                            choices=("sharegpt", "alpaca"))
+  num_requests: int = configs.flag(48, "requests per stream", lower=1)
+  kv_budget_tokens: int = configs.flag(2048, "KV pool in token slots (both configs)", lower=1)
+  block_size: int = configs.flag(16, "paged block size", lower=1)
+  max_len: int = configs.flag(TINY.max_len, "context limit = Orca reservation", lower=2)
+  max_seqs: int = configs.flag(32, "paged sequence slots (Orca: kv_budget // max_len)", lower=1)
+  seed: int = configs.flag(0, "stream seed")
+  attention_backend: str = configs.flag("auto", "auto|reference|pallas|pallas_interpret")
+  repeats: int = configs.flag(1, "alternating runs per config; the fastest is kept", lower=1)
+  out: str = configs.flag("results/throughput", "output directory")
+
+  def check(self) -> None:
+    if self.kv_budget_tokens < self.max_len:
+      raise ValueError(f"--kv_budget_tokens must be >= --max_len={self.max_len}, got "
+                       f"{self.kv_budget_tokens}")
+
+
+def run(f: Optional[Config] = None, *, show_progress=None) -> Dict:
+  """{workload: {"paged": serve-result, "orca_max": serve-result, "speedup_*": ratios}} for
+  settings `f` (default `Config()`).
 
   With `repeats` > 1 the two configurations alternate and each keeps its fastest
   run (the machine is shared; alternation exposes both to the same load).
   """
-  if kv_budget_tokens < max_len:
-    raise ValueError(f"kv_budget_tokens must be >= max_len={max_len}, got {kv_budget_tokens}")
+  f = f or Config()
+  num_requests, kv_budget_tokens, block_size, max_len, max_seqs, seed = (
+      f.num_requests, f.kv_budget_tokens, f.block_size, f.max_len, f.max_seqs, f.seed)
   results = {}
-  for name in workload_names:
-    requests = serving.scaled_requests(name, num_requests, seed=seed, max_len=max_len)
+  for name in f.workloads:
+    requests = workloads.scaled_requests(name, num_requests, seed=seed, max_len=max_len)
     row = {}
-    for rep in range(repeats):
+    for rep in range(f.repeats):
       for config in CONFIGS:
         seqs = min(max_seqs, kv_budget_tokens // max_len) if config == "orca_max" else max_seqs
-        engine = serving.make_engine(block_size=block_size, kv_budget_tokens=kv_budget_tokens,
+        engine = engines.make_engine(block_size=block_size, kv_budget_tokens=kv_budget_tokens,
                                      max_seqs=seqs, max_len=max_len,
-                                     attention_backend=attention_backend)
+                                     attention_backend=f.attention_backend)
         bar = common.progress(total=num_requests, desc=f"{name} {config} #{rep}",
                               disable=None if show_progress is None else not show_progress)
         with bar:
@@ -94,49 +122,11 @@ def run(workload_names: Sequence[str] = ("sharegpt", "alpaca"), *, num_requests:
     row["concurrency_ratio"] = (row["paged"]["mean_running_seqs"]
                                 / row["orca_max"]["mean_running_seqs"])
     results[name] = row
-  results_fit = step_cost_fit(results)
+  results_fit = step_costs.step_cost_fit(results)
   if results_fit is not None:
     for name, row in results.items():
       row["step_cost_fit"] = results_fit[name]
   return results
-
-
-def step_cost_fit(results: Dict):
-  """Where the wall / step gap comes from, measured: a least-squares fit of every run's
-  device seconds to `a * device_steps + b * bucket_tokens` (a fixed cost per jitted call
-  and a cost per token its shape computes, padding included), over all workloads and
-  configurations of the run. A GPU decode step is memory-bound (b ~ 0: wall / step -> 1);
-  on this CPU the tokens' matmuls make b large, so twice the rows cost up to twice the
-  time. Per workload: the fit's a, b, each config's fixed share a * steps / device_s, the
-  wall / step ratio the fit predicts, and the one it gives without recomputation (paged's
-  bucket tokens scaled by Orca(Max)'s computed tokens over its own). None with fewer
-  points than unknowns."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  runs = [row[c] for row in results.values() for c in CONFIGS]
-  if len(runs) < 3 or any("bucket_tokens" not in r for r in runs):
-    return None
-  x = np.array([[r["device_steps"], r["bucket_tokens"]] for r in runs], float)
-  y = np.array([r["device_s"] for r in runs], float)
-  (a, b), *_ = np.linalg.lstsq(x, y, rcond=None)
-  cost = lambda steps, tokens: a * steps + b * tokens
-  out = {}
-  for name, row in results.items():
-    p, o = row["paged"], row["orca_max"]
-    step_ratio = row["speedup_tokens_per_step"]
-    # Wall time follows device time plus host time per step (kept as measured).
-    wall = lambda r, dev: dev + r["host_s"]
-    predicted = (wall(o, cost(o["device_steps"], o["bucket_tokens"]))
-                 / wall(p, cost(p["device_steps"], p["bucket_tokens"])))
-    no_recompute = p["bucket_tokens"] * o["computed_tokens"] / max(p["computed_tokens"], 1)
-    predicted_nr = (wall(o, cost(o["device_steps"], o["bucket_tokens"]))
-                    / wall(p, cost(p["device_steps"], no_recompute)))
-    out[name] = {"ms_per_step": 1e3 * a, "us_per_bucket_token": 1e6 * b,
-                 "fixed_share": {c: a * row[c]["device_steps"] / row[c]["device_s"]
-                                 for c in CONFIGS},
-                 "predicted_wall_over_step": predicted / step_ratio,
-                 "predicted_wall_over_step_without_recompute": predicted_nr / step_ratio,
-                 "recomputed_tokens": p["computed_tokens"] - o["computed_tokens"]}
-  return out
 
 
 def summary_rows(results: Dict):
@@ -209,36 +199,16 @@ def plot(results: Dict, path):
   return common.save_png(fig, path)
 
 
-def _define_flags():
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  flags.DEFINE_list("workloads", ["sharegpt", "alpaca"], "streams to serve")
-  flags.DEFINE_integer("num_requests", 48, "requests per stream", lower_bound=1)
-  flags.DEFINE_integer("kv_budget_tokens", 2048, "KV pool in token slots (both configs)",
-                       lower_bound=1)
-  flags.DEFINE_integer("block_size", 16, "paged block size", lower_bound=1)
-  flags.DEFINE_integer("max_len", serving.ENGINE_MAX_LEN, "context limit = Orca reservation",
-                       lower_bound=2)
-  flags.DEFINE_integer("max_seqs", 32, "paged sequence slots (Orca: kv_budget // max_len)",
-                       lower_bound=1)
-  flags.DEFINE_integer("seed", 0, "stream seed")
-  flags.DEFINE_string("attention_backend", "auto", "auto|reference|pallas|pallas_interpret")
-  flags.DEFINE_integer("repeats", 1, "alternating runs per config; the fastest is kept",
-                       lower_bound=1)
-  flags.DEFINE_string("out", "results/throughput", "output directory")
-
-
-def main(f, out):
-  """Runs with parsed flags `f` and writes under the output directory `out`."""
+def main(f: Config, out):
+  """Runs with settings `f` and writes under the output directory `out`."""
   start = time.time()
-  results = run(f.workloads, num_requests=f.num_requests, kv_budget_tokens=f.kv_budget_tokens,
-                block_size=f.block_size, max_len=f.max_len, max_seqs=f.max_seqs, seed=f.seed,
-                attention_backend=f.attention_backend, repeats=f.repeats)
+  results = run(f)
   common.write_json(out / "throughput.json", {
       "results": results, "paper": PAPER_SPEEDUP, "seconds": time.time() - start,
       "warm_up": "an untimed replay of the same requests on a fresh engine of the same "
                  "shapes before each timed run (serving.serve, warmup='replay'); "
                  "step_traces_in_run counts traces inside the timing",
-      **common.run_metadata(f)})
+      **provenance.run_metadata(f)})
   png = plot(results, out / "throughput.png")
   print(common.table(summary_rows(results), HEADERS))
   if fit_rows(results):
@@ -247,4 +217,4 @@ def main(f, out):
 
 
 if __name__ == "__main__":
-  common.run_app(main, _define_flags)
+  common.run_app(main, Config)

@@ -15,38 +15,39 @@ import dataclasses
 import json
 import os
 
-from absl import flags
 import jax
 
 from experiments import common
+from experiments import configs
+from experiments import provenance
 from paged_jax import tokenizer
 from paged_jax.config import ModelConfig
 from paged_jax.models import dense, hf_checkpoint, llama, train
 
 _DATA = os.path.join(os.path.dirname(__file__), "data", "stories.txt")
 
-FLAGS = flags.FLAGS
-
-
-def _define_flags():
-  """Defines this script's flags on absl's global FLAGS (only when run as a script)."""
-  flags.DEFINE_string("data", _DATA, "UTF-8 text; documents separated by blank lines.")
-  flags.DEFINE_string("out", "paged_jax/assets/tiny_byte_llama", "checkpoint directory")
-  flags.DEFINE_integer("steps", 600, "optimiser steps")
-  flags.DEFINE_integer("batch_size", 32, "windows per step")
-  flags.DEFINE_integer("seq_len", 128, "tokens per window")
-  flags.DEFINE_float("peak_lr", 3e-3, "peak learning rate")
-  flags.DEFINE_integer("warmup_steps", 50, "linear warmup steps")
-  flags.DEFINE_integer("hidden_size", 128, "model width")
-  flags.DEFINE_integer("intermediate_size", 384, "SwiGLU width")
-  flags.DEFINE_integer("num_layers", 4, "decoder layers")
-  flags.DEFINE_integer("num_heads", 4, "query heads")
-  flags.DEFINE_integer("num_kv_heads", 2, "K/V heads")
-  flags.DEFINE_integer("max_position_embeddings", 1024, "context length recorded in config.json")
-  flags.DEFINE_bool("tie_word_embeddings", False, "share embedding and LM head")
-  flags.DEFINE_enum("save_dtype", "float32", ["float32", "bfloat16"], "stored tensor dtype")
-  flags.DEFINE_string("sample_prompt", "Once upon a time", "prompt of the greedy sample")
-  flags.DEFINE_integer("seed", 0, "init and data seed")
+@dataclasses.dataclass(frozen=True)
+class Config(configs.ExperimentConfig):
+  """Flags of experiments.train_tiny."""
+  data: str = configs.flag(_DATA, "UTF-8 text; documents separated by blank lines")
+  out: str = configs.flag("paged_jax/assets/tiny_byte_llama", "checkpoint directory")
+  steps: int = configs.flag(600, "optimiser steps", lower=1)
+  batch_size: int = configs.flag(32, "windows per step", lower=1)
+  seq_len: int = configs.flag(128, "tokens per window", lower=2)
+  peak_lr: float = configs.flag(3e-3, "peak learning rate", lower=0.0, lower_open=True)
+  warmup_steps: int = configs.flag(50, "linear warmup steps", lower=0)
+  hidden_size: int = configs.flag(128, "model width", lower=1)
+  intermediate_size: int = configs.flag(384, "SwiGLU width", lower=1)
+  num_layers: int = configs.flag(4, "decoder layers", lower=1)
+  num_heads: int = configs.flag(4, "query heads", lower=1)
+  num_kv_heads: int = configs.flag(2, "K/V heads", lower=1)
+  max_position_embeddings: int = configs.flag(1024, "context length recorded in config.json",
+                                              lower=1)
+  tie_word_embeddings: bool = configs.flag(False, "share embedding and LM head")
+  save_dtype: str = configs.flag("float32", "stored tensor dtype",
+                                 choices=("float32", "bfloat16"))
+  sample_prompt: str = configs.flag("Once upon a time", "prompt of the greedy sample")
+  seed: int = configs.flag(0, "init and data seed")
 
 
 def load_streams(path: str):
@@ -78,18 +79,17 @@ def plot_curve(history, path: str) -> None:
   plt.close(fig)
 
 
-def main(f, out):
-  """Runs with the parsed flags (absl's global FLAGS, read below) into `out`."""
-  del f
-  config = ModelConfig(vocab_size=tokenizer.VOCAB_SIZE, hidden_size=FLAGS.hidden_size,
-                       intermediate_size=FLAGS.intermediate_size, num_layers=FLAGS.num_layers,
-                       num_heads=FLAGS.num_heads, num_kv_heads=FLAGS.num_kv_heads,
-                       max_position_embeddings=FLAGS.max_position_embeddings,
-                       tie_word_embeddings=FLAGS.tie_word_embeddings, rms_norm_eps=1e-5)
-  tc = train.TrainConfig(steps=FLAGS.steps, batch_size=FLAGS.batch_size, seq_len=FLAGS.seq_len,
-                         peak_lr=FLAGS.peak_lr, warmup_steps=FLAGS.warmup_steps,
-                         seed=FLAGS.seed)
-  train_stream, eval_stream = load_streams(FLAGS.data)
+def main(f: Config, out):
+  """Trains with settings `f`; writes the checkpoint into `out` (the `common.run_app` main)."""
+  config = ModelConfig(vocab_size=tokenizer.VOCAB_SIZE, hidden_size=f.hidden_size,
+                       intermediate_size=f.intermediate_size, num_layers=f.num_layers,
+                       num_heads=f.num_heads, num_kv_heads=f.num_kv_heads,
+                       max_position_embeddings=f.max_position_embeddings,
+                       tie_word_embeddings=f.tie_word_embeddings, rms_norm_eps=1e-5)
+  tc = train.TrainConfig(steps=f.steps, batch_size=f.batch_size, seq_len=f.seq_len,
+                         peak_lr=f.peak_lr, warmup_steps=f.warmup_steps,
+                         seed=f.seed)
+  train_stream, eval_stream = load_streams(f.data)
   print(f"train {len(train_stream)} tokens, held-out {len(eval_stream)} tokens")
   log = lambda r: print(f"step {r['step']:5d}  train {r['train_loss']:.4f}  "
                         f"held-out {r['eval_loss']:.4f}  lr {r['lr']:.2e}  {r['elapsed_s']:.0f}s",
@@ -97,20 +97,20 @@ def main(f, out):
   params, history = train.train(config, train_stream, eval_stream, tc, log=log)
   print(f"{llama.num_params(params)} parameters")
   hf_checkpoint.save_hf_checkpoint(
-      FLAGS.out, config, params, dtype=FLAGS.save_dtype,
+      f.out, config, params, dtype=f.save_dtype,
       extra_config={"bos_token_id": tokenizer.BOS_ID, "eos_token_id": tokenizer.EOS_ID})
-  prompt = tokenizer.encode(FLAGS.sample_prompt)
+  prompt = tokenizer.encode(f.sample_prompt)
   sample = dense.greedy_generate(params, config, prompt, 160, stop_token_ids=(tokenizer.EOS_ID,))
-  text = FLAGS.sample_prompt + tokenizer.decode(sample)
-  with open(os.path.join(FLAGS.out, "loss_curve.json"), "w") as f:
+  text = f.sample_prompt + tokenizer.decode(sample)
+  with open(os.path.join(f.out, "loss_curve.json"), "w") as fh:
     json.dump({"model": config.to_hf_config(), "train": dataclasses.asdict(tc),
                "num_params": llama.num_params(params), "history": history,
                "train_tokens": int(len(train_stream)), "eval_tokens": int(len(eval_stream)),
                "greedy_sample": text, "backend": jax.default_backend(),
-               **common.run_metadata(FLAGS)}, f, indent=1)
-  plot_curve(history, os.path.join(FLAGS.out, "loss_curve.png"))
+               **provenance.run_metadata(f)}, fh, indent=1)
+  plot_curve(history, os.path.join(f.out, "loss_curve.png"))
   print("greedy sample:", text)
 
 
 if __name__ == "__main__":
-  common.run_app(main, _define_flags)
+  common.run_app(main, Config)

@@ -1,21 +1,26 @@
-"""One entry point for paged attention, dispatching to a backend.
+"""One entry point for paged attention; the backend is chosen in ONE table
+(pallas_kernels/backends.py), keyed by (implementation, kernel family, interpret).
 
-Backends:
+Backends (`BACKENDS`, the spellings the engine's `attention_backend` takes):
   "reference"         plain jnp (pallas_kernels/reference.py), the oracle; any platform.
-  "xla"               plain jnp laid out for XLA:CPU (pallas_kernels/xla_attention.py):
+  "xla"               plain jnp laid out for XLA:CPU (pallas_kernels/cpu/xla_attention.py):
                       the same results, K/V gathered once per sequence or query tile.
   "cpu"               XLA:CPU custom calls, the block-table walk fused into an online
-                      softmax (pallas_kernels/cpu_attention.py, C++ built on first use):
+                      softmax (pallas_kernels/cpu/custom_calls.py, C++ built on first use):
                       f32 q and pages; anything else, or no compiler, runs "xla".
-  "pallas"            the Pallas Triton GPU kernels (pallas_kernels/*.py).
+  "pallas"            the Pallas GPU kernels, family chosen per call (Mosaic GPU on sm_90
+                      where supported, else Triton; the choice is logged).
   "pallas_interpret"  the same kernels run by the Pallas interpreter (CPU tests).
-  "auto"              "pallas" when jax.default_backend() == "gpu", else "cpu" (or "xla"
+  "pallas:triton", "pallas:mosaic_gpu", "pallas:tpu", and their "pallas_interpret:"
+                      forms: the kernel family forced (pallas_kernels/triton/,
+                      mosaic_gpu/, tpu/).
+  "auto"              by the device the step runs or is compiled on (the abstract mesh's
+                      device, jax's default device, or `where=` in `resolve_backend`):
+                      "pallas" on a GPU, "pallas:tpu" on a TPU, else "cpu" (or "xla"
                       where the custom calls cannot be built).
-  "pallas:triton", "pallas:mosaic_gpu", "pallas_interpret:triton",
-  "pallas_interpret:mosaic_gpu"
-                      the Pallas backends with the GPU kernel family forced; plain "pallas"
-                      lets pallas_kernels choose (Mosaic GPU on sm_90 where supported, else
-                      Triton; the choice is logged, see pallas_kernels/backends.py).
+
+Every backend checks shapes and dtypes before anything is traced (one-line ValueError
+naming the argument, its shape and the expected one: pallas_kernels/checks.py).
 
 The engine builds one `AttentionMetadata` per step (fixed shapes, so the jitted step
 traces once) and the model calls `attention_from_metadata` with it per layer. A step whose
@@ -29,14 +34,9 @@ import flax
 import jax
 import jax.numpy as jnp
 
-BACKENDS = ("auto", "reference", "xla", "cpu", "pallas", "pallas_interpret", "pallas:triton",
-            "pallas:mosaic_gpu", "pallas_interpret:triton", "pallas_interpret:mosaic_gpu")
+from pallas_kernels import backends
 
-
-def _gpu_backend(backend: str):
-  """"pallas_interpret:mosaic_gpu" -> (interpret, {"gpu_backend": "mosaic_gpu"})."""
-  kind, _, gpu = backend.partition(":")
-  return kind == "pallas_interpret", ({"gpu_backend": gpu} if gpu else {})
+BACKENDS = backends.BACKENDS
 
 
 @flax.struct.dataclass
@@ -67,25 +67,12 @@ class AttentionMetadata:
   decode_only: bool = flax.struct.field(pytree_node=False, default=False)
 
 
-def resolve_backend(backend: str) -> str:
-  """Maps "auto" to a concrete backend; raises ValueError on an unknown name."""
-  if backend not in BACKENDS:
-    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-  if backend == "auto":
-    if jax.default_backend() == "gpu":
-      return "pallas"
-    from pallas_kernels import cpu_attention  # pylint: disable=g-import-not-at-top
-    return "cpu" if cpu_attention.unavailable_reason() is None else "xla"
-  return backend
-
-
-def _cpu_path_module(backend: str):
-  """The module behind a CPU backend, "xla" or "cpu" (same signatures)."""
-  if backend == "cpu":
-    from pallas_kernels import cpu_attention  # pylint: disable=g-import-not-at-top
-    return cpu_attention
-  from pallas_kernels import xla_attention  # pylint: disable=g-import-not-at-top
-  return xla_attention
+def resolve_backend(backend: str, where=None) -> str:
+  """The implementation "auto" stands for on the target device (`where`: a device or
+  sharding the step is compiled for; default: the abstract mesh's or jax's default
+  device), as a spelling; any other spelling is returned as is. ValueError on an unknown
+  name."""
+  return backends.resolve_implementation(backend, where).spelling
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, backend: str = "auto",
@@ -93,23 +80,11 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, backend: str 
   """Decode attention, one query per sequence: q [B, Hq, D] -> [B, Hq, D].
 
   k_pages/v_pages [Hkv, NB, bs, D], block_tables i32[B, P], lengths i32[B]. Keyword
-  arguments (sm_scale, soft_cap, sliding_window, k_scales, v_scales and, for the Pallas
-  backends, tuning knobs) pass through; see pallas_kernels/reference.py for semantics.
+  arguments: sm_scale, soft_cap, sliding_window, k_scales, v_scales (semantics in
+  pallas_kernels/reference.py) and tuning knobs (taken by the Pallas family they belong
+  to, ignored by reference / xla / cpu; an unknown name is a TypeError everywhere).
   """
-  backend = resolve_backend(backend)
-  if backend == "reference":
-    from pallas_kernels import reference  # pylint: disable=g-import-not-at-top
-    kw = _reference_kwargs(kw)
-    return reference.paged_attention_reference(q, k_pages, v_pages, block_tables, lengths,
-                                               **kw)
-  if backend in ("xla", "cpu"):
-    return _cpu_path_module(backend).decode_attention(q, k_pages, v_pages, block_tables,
-                                                       lengths, **_reference_kwargs(kw))
-  import pallas_kernels  # pylint: disable=g-import-not-at-top
-  # The package binds the name to the kernel function (not the submodule of that name).
-  interpret, gpu = _gpu_backend(backend)
-  return pallas_kernels.paged_attention(q, k_pages, v_pages, block_tables, lengths,
-                                        interpret=interpret, **gpu, **kw)
+  return backends.attend("decode", backend, (q, k_pages, v_pages, block_tables, lengths), kw)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
@@ -117,42 +92,11 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens
   """Mixed prefill + decode attention: q [T, Hq, D] -> [T, Hq, D].
 
   Sequence i's new queries are q[cu_q_lens[i]:cu_q_lens[i+1]] at positions
-  kv_lens[i] - q_len_i .. kv_lens[i] - 1, causal; padding rows return zeros.
+  kv_lens[i] - q_len_i .. kv_lens[i] - 1, causal; padding rows return zeros. Keyword
+  arguments as `paged_attention`.
   """
-  backend = resolve_backend(backend)
-  if backend == "reference":
-    from pallas_kernels import reference  # pylint: disable=g-import-not-at-top
-    kw = _reference_kwargs(kw)
-    return reference.ragged_paged_attention_reference(
-        q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, **kw)
-  if backend in ("xla", "cpu"):
-    return _cpu_path_module(backend).ragged_attention(
-        q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
-        **_reference_kwargs(kw))
-  import pallas_kernels  # pylint: disable=g-import-not-at-top
-  kernel = getattr(pallas_kernels, "ragged_paged_attention", None)
-  if kernel is None:
-    raise NotImplementedError(
-        "backend='pallas' for ragged attention needs pallas_kernels/ragged_paged_attention.py")
-  interpret, gpu = _gpu_backend(backend)
-  return kernel(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
-                interpret=interpret, **gpu, **kw)
-
-
-_REFERENCE_KWARGS = ("sm_scale", "soft_cap", "sliding_window", "k_scales", "v_scales")
-# Tuning knobs of the Pallas kernels (decode, ragged): meaningless to the reference.
-_TUNING_KWARGS = ("num_splits", "tile_tokens", "num_warps", "num_stages", "q_per_tile",
-                  "kv_per_tile", "kv_splits")
-
-
-def _reference_kwargs(kw):
-  """Keeps the semantic arguments, drops kernel tuning knobs, rejects anything else (so a
-  misspelled argument fails on CPU too, not only on the GPU backend)."""
-  unknown = sorted(set(kw) - set(_REFERENCE_KWARGS) - set(_TUNING_KWARGS))
-  if unknown:
-    raise TypeError(f"unexpected attention arguments {unknown}; semantic arguments are "
-                    f"{_REFERENCE_KWARGS}, tuning knobs {_TUNING_KWARGS}")
-  return {k: v for k, v in kw.items() if k in _REFERENCE_KWARGS}
+  return backends.attend("ragged", backend, (q, k_pages, v_pages, block_tables, kv_lens,
+                                             cu_q_lens, num_seqs), kw)
 
 
 def attention_from_metadata(q, k_pages, v_pages, meta: AttentionMetadata, *,
@@ -169,9 +113,10 @@ def attention_from_metadata(q, k_pages, v_pages, meta: AttentionMetadata, *,
                                 backend=backend, **kw)
 
 
-# Knobs of the ragged kernel only: a decode-only step drops them (the decode kernel has its
-# own defaults), so one set of model kwargs serves both paths.
-_RAGGED_ONLY_KWARGS = ("q_per_tile", "short_q_per_tile", "kv_per_tile", "kv_splits")
+# Knobs no decode kernel takes (only ragged ones): a decode-only step drops them (the
+# decode kernel has its own defaults), so one set of model kwargs serves both paths.
+_RAGGED_ONLY_KWARGS = tuple(sorted(set(backends.all_knobs("ragged"))
+                                   - set(backends.all_knobs("decode"))))
 
 
 def decode_from_metadata(q, k_pages, v_pages, meta: AttentionMetadata, *,

@@ -10,7 +10,7 @@ model on a quiet 2-core CPU, minutes per serving sweep of ~100 shapes). JAX's pe
 compilation cache stores each XLA executable under a key of its HLO, compile options,
 jax / jaxlib versions and backend, so a later process meeting the same shapes loads
 the executable (~0.6 s a step here) instead of compiling it. Executables that call the
-CPU attention custom calls name their FFI targets, which `pallas_kernels.cpu_attention`
+CPU attention custom calls name their FFI targets, which `pallas_kernels.cpu.custom_calls`
 registers in every process before a step is traced, so a loaded step runs the same code.
 
 This module only points JAX at a directory beside the CPU kernels' cache and lowers the
@@ -28,7 +28,7 @@ from typing import Optional, Union
 import jax
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
-from pallas_kernels.cpu_attention import cache_root
+from pallas_kernels.cpu.custom_calls import cache_root
 
 # A step that compiles faster than this is not worth a file (the block ops' small jits).
 DEFAULT_MIN_COMPILE_TIME_S = 0.5

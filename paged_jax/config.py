@@ -2,8 +2,9 @@
 
 `CacheConfig` fixes every shape of the paged KV cache and of the block manager's
 state, so it can be a static argument of `jax.jit`. `ModelConfig` describes a
-Llama-style decoder; `ModelConfig.from_hf_config` reads a Hugging Face
-`config.json` dictionary.
+decoder of any supported family (Llama, Qwen2/2.5, Qwen3, Mistral, Gemma-2, Gemma-3 text);
+`ModelConfig.from_hf_config` reads a Hugging Face `config.json` dictionary (the per-family
+translation lives in `hf_config.py`).
 
 Errors name the argument and the allowed range, and are raised before any device
 work starts.
@@ -16,6 +17,9 @@ from typing import Any, Mapping, Optional, Tuple
 
 import ml_dtypes
 import numpy as np
+
+from paged_jax import hf_config
+from paged_jax.hf_config import parse_rope_scaling
 
 # Status codes returned per slot by every block-manager / engine op (int32).
 OK = 0
@@ -30,6 +34,8 @@ PAGE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.b
                "float16": np.dtype(np.float16), "int8": np.dtype(np.int8),
                "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn)}
 QUANTIZED_PAGE_DTYPES = ("int8", "float8_e4m3fn")
+# Parameter / activation dtypes of a model (also the K/V page dtype it gets by default).
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class OutOfBlocksError(RuntimeError):
@@ -151,7 +157,7 @@ class CacheConfig:
       gpu_memory_utilization: Optional[float] = None,
       max_seqs: int = 64,
       max_model_len: Optional[int] = None,
-      dtype: str = "float32",
+      dtype: str = "auto",
       **kwargs,
   ) -> "CacheConfig":
     """Sizes the block pool like a serving system.
@@ -159,7 +165,8 @@ class CacheConfig:
     Exactly one of `kv_budget_bytes` (bytes for K/V pages) or
     `gpu_memory_utilization` (fraction in (0, 1] of the first device's free
     memory; falls back to an error on devices that report no memory stats) must
-    be given. `max_model_len` defaults to the model's max positions.
+    be given. `max_model_len` defaults to the model's max positions. `dtype` is the
+    page dtype; "auto" (default) is the model's, and the pool's bytes are counted in it.
     """
     if (kv_budget_bytes is None) == (gpu_memory_utilization is None):
       raise ValueError("give exactly one of kv_budget_bytes or gpu_memory_utilization")
@@ -177,10 +184,9 @@ class CacheConfig:
       kv_budget_bytes = int(free * gpu_memory_utilization)
     check_int("kv_budget_bytes", int(kv_budget_bytes), 1)
     max_model_len = max_model_len or model.max_position_embeddings
-    probe = cls(block_size=block_size, num_blocks=1, max_seqs=max_seqs,
-                max_blocks_per_seq=max(1, cdiv(max_model_len, block_size)),
-                num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
-                head_dim=model.head_dim, dtype=dtype, **kwargs)
+    probe = model.cache_config(block_size=block_size, num_blocks=1, max_seqs=max_seqs,
+                               max_blocks_per_seq=max(1, cdiv(max_model_len, block_size)),
+                               dtype=dtype, **kwargs)
     num_blocks = int(kv_budget_bytes) // (probe.kv_bytes_per_token * block_size)
     if num_blocks < 1:
       raise ValueError(
@@ -191,21 +197,56 @@ class CacheConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """A Llama-style decoder.
+  """A decoder-only transformer: Llama and the families that differ from it by the fields
+  below (Qwen2 / Qwen2.5, Qwen3, Mistral, Gemma-2, Gemma-3 text). The defaults are Llama's;
+  `from_hf_config` sets the rest from a Hugging Face config.json (see `paged_jax.hf_config`).
 
   Attributes:
     vocab_size: tokens in the vocabulary.
     hidden_size: model width.
-    intermediate_size: SwiGLU hidden width.
+    intermediate_size: gated-MLP hidden width.
     num_layers: decoder layers.
     num_heads: query heads.
     num_kv_heads: K/V heads (GQA when < num_heads; must divide num_heads).
     head_dim: features per head (default hidden_size // num_heads).
-    rope_theta: RoPE base.
+    rope_theta: RoPE base (of the full-attention layers).
     rms_norm_eps: RMSNorm epsilon.
     max_position_embeddings: longest supported position.
     tie_word_embeddings: lm_head shares the embedding matrix.
+    rope_scaling: RoPE scaling of the full-attention layers (sorted (key, value) items of HF's
+      `rope_scaling`; None for plain RoPE); see `rope_inv_freq`.
     dtype: activation/parameter dtype name.
+    model_type: the HF family (`hf_config.MODEL_TYPES`); names the config.json written.
+    hidden_act: MLP gate activation: "silu" (SwiGLU), "gelu_pytorch_tanh" (GeGLU, tanh
+      approximation; Gemma), "gelu" (exact erf). HF `hidden_act` / `hidden_activation`.
+    qkv_bias: q/k/v projections carry biases (Qwen2 always; HF `attention_bias` elsewhere).
+    o_proj_bias: o_proj carries a bias (HF `attention_bias`, except Qwen2: never).
+    mlp_bias: gate/up/down projections carry biases (HF Llama `mlp_bias`).
+    qk_norm: RMSNorm over head_dim on each query and key head before RoPE (Qwen3, Gemma-3;
+      params `q_norm`, `k_norm`).
+    rms_norm_unit_offset: every RMSNorm scales by (1 + weight) instead of weight (Gemma).
+    sandwich_norms: Gemma's four norms per layer: x + post_attention_layernorm(attn(
+      input_layernorm(x))), then x + post_feedforward_layernorm(mlp(
+      pre_feedforward_layernorm(x))). False: Llama's pre-norms (input_layernorm,
+      post_attention_layernorm before the MLP).
+    embedding_multiplier: embeddings are multiplied by this, rounded to `dtype` as HF does
+      (Gemma: sqrt(hidden_size); derived from the family, no HF key).
+    query_pre_attn_scalar: attention scores scale by query_pre_attn_scalar ** -0.5 (Gemma);
+      None: head_dim ** -0.5. HF `query_pre_attn_scalar`.
+    attn_logit_softcapping: attention scores become c * tanh(s / c) after scaling (Gemma-2);
+      None: off. HF `attn_logit_softcapping`.
+    final_logit_softcapping: logits become c * tanh(logits / c) (Gemma-2, optionally Gemma-3);
+      None: off. HF `final_logit_softcapping`.
+    sliding_window: tokens a sliding-window layer's query sees (itself included; keys at
+      positions > p - sliding_window). HF `sliding_window` (Qwen: only with
+      `use_sliding_window`).
+    layer_types: per layer "full_attention" or "sliding_attention" (HF `layer_types`, or
+      derived as transformers does: Mistral every layer, Qwen layers >= `max_window_layers`,
+      Gemma-2 alternating from a sliding layer 0, Gemma-3 every `sliding_window_pattern`-th
+      layer full). None: every layer sliding when `sliding_window` is set, else full.
+    sliding_rope_theta: RoPE base of the sliding-window layers, which then use plain RoPE
+      without `rope_scaling` (Gemma-3's local base, HF `rope_local_base_freq` /
+      `rope_parameters.sliding_attention.rope_theta`); None: the same RoPE as full layers.
   """
 
   vocab_size: int = 256
@@ -221,6 +262,21 @@ class ModelConfig:
   tie_word_embeddings: bool = False
   rope_scaling: Optional[Tuple[Tuple[str, Any], ...]] = None
   dtype: str = "float32"
+  model_type: str = "llama"
+  hidden_act: str = "silu"
+  qkv_bias: bool = False
+  o_proj_bias: bool = False
+  mlp_bias: bool = False
+  qk_norm: bool = False
+  rms_norm_unit_offset: bool = False
+  sandwich_norms: bool = False
+  embedding_multiplier: float = 1.0
+  query_pre_attn_scalar: Optional[float] = None
+  attn_logit_softcapping: Optional[float] = None
+  final_logit_softcapping: Optional[float] = None
+  sliding_window: Optional[int] = None
+  layer_types: Optional[Tuple[str, ...]] = None
+  sliding_rope_theta: Optional[float] = None
 
   def __post_init__(self):
     check_int("vocab_size", self.vocab_size, 1)
@@ -243,115 +299,90 @@ class ModelConfig:
     if not self.rope_theta > 0:
       raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
     if isinstance(self.rope_scaling, Mapping):  # accept the HF dict form too
-      object.__setattr__(self, "rope_scaling", _parse_rope_scaling(dict(self.rope_scaling)))
+      object.__setattr__(self, "rope_scaling", parse_rope_scaling(dict(self.rope_scaling)))
     else:
-      _parse_rope_scaling(dict(self.rope_scaling or ()))
+      parse_rope_scaling(dict(self.rope_scaling or ()))
+    self._check_variants()
 
-  def rope_inv_freq(self) -> np.ndarray:
-    """f32[head_dim // 2] RoPE inverse frequencies, with the configured scaling.
+  def _check_variants(self):
+    """Validates the family fields (one-line errors naming the field)."""
+    if self.dtype not in MODEL_DTYPES:
+      raise ValueError(f"dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
+    if self.model_type not in hf_config.MODEL_TYPES:
+      raise ValueError(f"model_type must be one of {hf_config.MODEL_TYPES}, "
+                       f"got {self.model_type!r}")
+    if self.hidden_act not in ("silu", "gelu_pytorch_tanh", "gelu"):
+      raise ValueError("hidden_act must be one of ('silu', 'gelu_pytorch_tanh', 'gelu'), "
+                       f"got {self.hidden_act!r}")
+    for name in ("embedding_multiplier", "query_pre_attn_scalar", "attn_logit_softcapping",
+                 "final_logit_softcapping", "sliding_rope_theta"):
+      value = getattr(self, name)
+      if (value is not None or name == "embedding_multiplier") and not (
+          isinstance(value, (int, float)) and value > 0):
+        raise ValueError(f"{name} must be a number > 0 (or None to disable), got {value!r}")
+    if self.sliding_window is not None:
+      check_int("sliding_window", self.sliding_window, 1)
+    if self.layer_types is not None:
+      types = tuple(self.layer_types)
+      object.__setattr__(self, "layer_types", types)   # hashable even when given a list
+      if len(types) != self.num_layers or not set(types) <= set(hf_config.LAYER_TYPES):
+        raise ValueError(f"layer_types must list num_layers={self.num_layers} of "
+                         f"{hf_config.LAYER_TYPES}, got {list(types)}")
+      if hf_config.SLIDING in types and self.sliding_window is None:
+        raise ValueError("layer_types has sliding_attention layers but sliding_window is None")
 
-    Pairs (i, i + head_dim/2) rotate by `position * inv_freq[i]` (HF rotate_half).
-    "linear" divides every frequency by `factor`; "llama3" (Llama 3.1+) divides the
-    low frequencies by `factor`, keeps the high ones and interpolates in between.
-    """
-    d = self.head_dim
-    inv = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    sc = dict(self.rope_scaling or ())
-    kind = sc.get("rope_type", "default")
-    if kind == "linear":
-      inv = inv / float(sc["factor"])
-    elif kind == "llama3":
-      factor = float(sc["factor"])
-      low, high = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
-      old_len = float(sc.get("original_max_position_embeddings", 8192))
-      wavelen = 2 * np.pi / inv
-      smooth = np.clip((old_len / wavelen - low) / (high - low), 0.0, 1.0)
-      # smooth == 0: long wavelengths (scaled by 1/factor); 1: short ones (kept).
-      inv = (1 - smooth) * inv / factor + smooth * inv
-    return inv.astype(np.float32)
+  def layer_sliding_window(self, layer: int) -> Optional[int]:
+    """Sliding window (tokens) of decoder layer `layer`, or None for full attention."""
+    if self.sliding_window is None:
+      return None
+    if self.layer_types is None or self.layer_types[layer] == hf_config.SLIDING:
+      return self.sliding_window
+    return None
+
+  @property
+  def attention_scale(self) -> Optional[float]:
+    """Softmax scale of the attention scores; None means head_dim ** -0.5."""
+    if self.query_pre_attn_scalar is None:
+      return None
+    return float(self.query_pre_attn_scalar) ** -0.5
+
+  def rope_inv_freq(self, sliding: bool = False) -> np.ndarray:
+    """f32[head_dim // 2] RoPE inverse frequencies, with the configured scaling
+    (`hf_config.rope_inv_freq`); pairs (i, i + head_dim/2) rotate by
+    `position * inv_freq[i]` (HF rotate_half). `sliding=True`: those of sliding-window
+    layers (plain RoPE of base `sliding_rope_theta` when that is set)."""
+    if sliding and self.sliding_rope_theta is not None:
+      return hf_config.rope_inv_freq(self.sliding_rope_theta, self.head_dim, None)
+    return hf_config.rope_inv_freq(self.rope_theta, self.head_dim, self.rope_scaling)
+
+  @property
+  def sliding_rope_differs(self) -> bool:
+    """True when sliding-window layers rotate with other frequencies than full layers."""
+    return self.sliding_rope_theta is not None and any(
+        self.layer_sliding_window(i) is not None for i in range(self.num_layers))
 
   @classmethod
   def from_hf_config(cls, cfg: Mapping[str, Any], dtype: str = "float32") -> "ModelConfig":
-    """Builds from a Hugging Face Llama `config.json` dictionary."""
-    need = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads")
-    missing = [k for k in need if k not in cfg]
-    if missing:
-      raise ValueError(f"config.json lacks required keys {missing}")
-    # transformers v5 writes `rope_parameters` (theta and scaling in one dict); v4 wrote
-    # `rope_theta` and `rope_scaling` at the top level. Read either.
-    rope_params = dict(cfg.get("rope_parameters") or {})
-    rope_theta = rope_params.pop("rope_theta", cfg.get("rope_theta", 10000.0))
-    rope_scaling = _parse_rope_scaling(rope_params or cfg.get("rope_scaling"))
-    heads = int(cfg["num_attention_heads"])
-    return cls(
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=int(cfg["hidden_size"]),
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or 0),
-        rope_theta=float(rope_theta),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        rope_scaling=rope_scaling,
-        dtype=dtype,
-    )
+    """Builds from a Hugging Face `config.json` dictionary of any supported family
+    (`hf_config.MODEL_TYPES`); ValueError naming the key for anything unsupported."""
+    return cls(**hf_config.model_fields(cfg), dtype=dtype)
 
   def to_hf_config(self) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": self.vocab_size,
-        "hidden_size": self.hidden_size,
-        "intermediate_size": self.intermediate_size,
-        "num_hidden_layers": self.num_layers,
-        "num_attention_heads": self.num_heads,
-        "num_key_value_heads": self.num_kv_heads,
-        "head_dim": self.head_dim,
-        "rope_theta": self.rope_theta,
-        "rms_norm_eps": self.rms_norm_eps,
-        "max_position_embeddings": self.max_position_embeddings,
-        "tie_word_embeddings": self.tie_word_embeddings,
-        "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
-        "hidden_act": "silu",
-        "torch_dtype": self.dtype,
-    }
+    """The family's config.json dictionary; ValueError if `model_type`'s config.json cannot
+    express these fields (e.g. qk_norm on a Llama)."""
+    hf = hf_config.config_json(dataclasses.asdict(self))
+    back = dataclasses.asdict(ModelConfig.from_hf_config(hf, dtype=self.dtype))
+    lost = [k for k, v in dataclasses.asdict(self).items() if back[k] != v]
+    if lost:
+      raise ValueError(f"model_type={self.model_type!r} config.json cannot express "
+                       + ", ".join(f"{k}={getattr(self, k)!r}" for k in lost))
+    return hf
 
   def cache_config(self, **kwargs) -> CacheConfig:
-    """A CacheConfig whose layer/head shapes match this model."""
+    """A CacheConfig whose layer/head shapes match this model. K/V pages have the model's
+    dtype unless `dtype` is passed ("auto", the default, means the model's; "int8" /
+    "float8_e4m3fn" quantize)."""
+    dtype = kwargs.pop("dtype", "auto")
     return CacheConfig(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
-                       head_dim=self.head_dim, **kwargs)
-
-
-_ROPE_KEYS = {
-    "default": (),
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-               "original_max_position_embeddings"),
-}
-
-
-def _parse_rope_scaling(rs: Optional[Mapping[str, Any]]):
-  """HF `rope_scaling` dict -> hashable sorted tuple of items (None for plain RoPE)."""
-  if not rs:
-    return None
-  rs = dict(rs)
-  kind = rs.get("rope_type", rs.get("type")) or "default"
-  if kind not in _ROPE_KEYS:
-    raise ValueError(
-        f"rope_scaling rope_type must be one of {sorted(_ROPE_KEYS)}, got {kind!r} ({rs!r})")
-  if kind == "default":
-    return None
-  missing = [k for k in _ROPE_KEYS[kind][:1] if k not in rs]
-  if missing:
-    raise ValueError(f"rope_scaling of type {kind!r} lacks {missing}")
-  if not float(rs["factor"]) >= 1.0:
-    raise ValueError(f"rope_scaling factor must be >= 1, got {rs['factor']}")
-  kept = {k: float(rs[k]) for k in _ROPE_KEYS[kind] if k in rs}
-  kept["rope_type"] = kind
-  return tuple(sorted(kept.items()))
-
-
+                       head_dim=self.head_dim, dtype=self.dtype if dtype == "auto" else dtype,
+                       **kwargs)

@@ -1,172 +1,272 @@
-"""`gpu_backend` dispatch of the public kernels: Triton or Mosaic GPU.
+"""The one backend table: every attention implementation, keyed by (implementation, kernel
+family, interpret), and the one place "auto" is decided.
 
-  paged_attention(..., gpu_backend="auto" | "triton" | "mosaic_gpu", **tuning)
-  ragged_paged_attention(..., gpu_backend=..., **tuning)
+  spelling                        Backend key                     ops in
+  "reference"                     ("reference", None, False)      reference.py (the oracle)
+  "xla"                           ("xla", None, False)            cpu/xla_attention.py
+  "cpu"                           ("cpu", None, False)            cpu/custom_calls.py
+  "pallas:F", "pallas_interpret:F"  ("pallas", F, interpret)      triton/, mosaic_gpu/, tpu/
+    for F in "triton", "mosaic_gpu", "tpu"
+  "pallas", "pallas_interpret"    ("pallas", "auto", interpret)   family chosen per call
+  "auto"                          ("auto", "auto", False)         implementation chosen too
 
-"auto" picks Mosaic GPU when the target is a Hopper GPU (compute capability 9.x: the kernel
-uses wgmma, which sm_100 does not have) AND `mosaic_paged_attention.supported_reason` accepts
-the shape AND no Triton-only tuning knob was passed; otherwise Triton. On a CPU (no GPU
-target) "auto" is Triton, so `interpret=True` with "auto" runs the Triton interpreter on
-every jax; `gpu_backend="mosaic_gpu", interpret=True` runs the Mosaic kernel under GPU
-interpret mode (jax >= 0.11.2). The target is the first device of the default backend, or
-the device kind of an abstract mesh (deviceless compiles, see compile_target.py).
+`paged_jax.attention` takes the spellings (so does the engine's `attention_backend`);
+`pallas_kernels.paged_attention(..., backend=F, interpret=...)` is ("pallas", F, interpret).
+Either way one call to `attend` checks the arguments (checks.py, before anything is
+traced), resolves "auto" and calls the op of TABLE[key] directly: there is no second
+dispatch level.
 
-The ragged (prefill + decode) entry dispatches the same way, to
-mosaic_ragged_paged_attention.py or the Triton ragged kernel.
+"auto" decides by the device the call runs or is compiled on (targets.py), never by the
+host alone. Implementation: a GPU -> "pallas"; a TPU -> "pallas:tpu"; a CPU -> "cpu"
+(the XLA:CPU custom calls) where they build, else "xla". Kernel family: on a CUDA device
+of compute capability 9.x, Mosaic GPU when `mosaic_gpu.pipeline.supported_reason`
+accepts the shape and no Triton-only knob was passed (int8 / fp8 pages: only when asked
+for), else Triton; on a TPU "tpu"; anywhere else (a CPU: interpret mode) Triton, so
+"pallas_interpret" runs the Triton interpreter on every jax. Each distinct choice is
+logged once at INFO. The "tpu" entries name `pallas_kernels.tpu` (its kernels land
+there); until then a call on them says so in one line.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
-import re
-from typing import Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
-import jax
+from pallas_kernels import checks
+from pallas_kernels import targets
 
-from pallas_kernels import mosaic_paged_attention as _mosaic_decode
-from pallas_kernels import mosaic_ragged_paged_attention as _mosaic_ragged
-
-# By module path: the package rebinds these names to the dispatching functions.
-_triton_decode_module = importlib.import_module("pallas_kernels.paged_attention")
-_triton_ragged_module = importlib.import_module("pallas_kernels.ragged_paged_attention")
-
-GPU_BACKENDS = ("auto", "triton", "mosaic_gpu")
+IMPLEMENTATIONS = ("reference", "xla", "cpu", "pallas")
+FAMILIES = ("triton", "mosaic_gpu", "tpu")
+KERNEL_FAMILIES = ("auto",) + FAMILIES        # pallas_kernels.paged_attention(backend=...)
+GPU_BACKENDS = ("auto", "triton", "mosaic_gpu")   # its older keyword, gpu_backend=
+SEMANTIC_KWARGS = ("sm_scale", "soft_cap", "sliding_window", "k_scales", "v_scales")
 _log = logging.getLogger("pallas_kernels")
 _logged = set()
-MOSAIC_DECODE_KNOBS = ("num_splits", "tile_kv", "num_stages")
-MOSAIC_RAGGED_KNOBS = ("q_per_tile", "num_splits", "tile_kv", "num_stages")
-# Hopper device kinds by name, for targets that only carry a kind (abstract devices).
-_SM90_KIND = re.compile(r"\b(GH200|H100|H200|H800|H20)\b")
 
 
-def check_gpu_backend(gpu_backend) -> str:
-  if gpu_backend not in GPU_BACKENDS:
-    raise ValueError(f"gpu_backend must be one of {GPU_BACKENDS}, got {gpu_backend!r}")
-  return gpu_backend
+class Backend(NamedTuple):
+  """A key of the backend table (implementation and family "auto" until resolved)."""
+  implementation: str
+  family: Optional[str] = None
+  interpret: bool = False
+
+  @property
+  def spelling(self) -> str:
+    if self.implementation != "pallas":
+      return self.implementation
+    kind = "pallas_interpret" if self.interpret else "pallas"
+    return kind if self.family == "auto" else f"{kind}:{self.family}"
 
 
-def compute_capability(device=None) -> Optional[Tuple[int, int]]:
-  """(major, minor) of a CUDA device (or of the abstract mesh's device kind), else None."""
-  if device is None:
-    device = _abstract_target() or _default_device()
-  if device is None or getattr(device, "platform", "gpu") not in ("gpu", "cuda"):
-    return None
-  cc = getattr(device, "compute_capability", None)
-  if cc:
-    major, _, minor = str(cc).partition(".")
-    return int(major), int(minor or 0)
-  return (9, 0) if _SM90_KIND.search(getattr(device, "device_kind", "") or "") else None
+SPELLINGS: Dict[str, Backend] = {"auto": Backend("auto", "auto")}
+SPELLINGS.update({name: Backend(name) for name in ("reference", "xla", "cpu")})
+SPELLINGS.update({b.spelling: b for b in (Backend("pallas", f, i)
+                                          for i in (False, True) for f in KERNEL_FAMILIES)})
+BACKENDS = tuple(SPELLINGS)
 
 
-def _default_device():
-  try:
-    return jax.devices()[0]
-  except RuntimeError:  # pragma: no cover - no backend at all
-    return None
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+  """One concrete backend: its decode and ragged ops ("module:function", imported on
+  first use) and the tuning knobs each takes (its TuningConfig's fields)."""
+  decode: str
+  ragged: str
+  decode_knobs: Tuple[str, ...] = ()
+  ragged_knobs: Tuple[str, ...] = ()
+
+  def op(self, name: str):
+    module, _, function = getattr(self, name).partition(":")
+    try:
+      return getattr(importlib.import_module(module), function)
+    except ImportError as e:
+      raise NotImplementedError(f"{module} is not in this tree ({e})") from None
+
+  def knobs(self, name: str) -> Tuple[str, ...]:
+    return self.decode_knobs if name == "decode" else self.ragged_knobs
 
 
-def _abstract_target():
-  get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
-  mesh = get_mesh() if get_mesh is not None else None
-  device = getattr(mesh, "abstract_device", None) if mesh is not None else None
-  return device if getattr(device, "device_kind", None) else None
+_PK = "pallas_kernels"
+_FAMILY_KERNELS = {
+    "triton": Kernels(f"{_PK}.triton.paged_attention:paged_attention",
+                      f"{_PK}.triton.ragged_paged_attention:ragged_paged_attention",
+                      ("tile_tokens", "num_splits", "num_warps", "num_stages"),
+                      ("q_per_tile", "short_q_per_tile", "kv_per_tile", "kv_splits",
+                       "num_warps", "num_stages")),
+    "mosaic_gpu": Kernels(f"{_PK}.mosaic_gpu.paged_attention:paged_attention",
+                          f"{_PK}.mosaic_gpu.ragged_paged_attention:ragged_paged_attention",
+                          ("num_splits", "tile_kv", "num_stages"),
+                          ("q_per_tile", "num_splits", "tile_kv", "num_stages")),
+    # The TPU kernels plug in here (module paths and their TuningConfig fields).
+    "tpu": Kernels(f"{_PK}.tpu.paged_attention:paged_attention",
+                   f"{_PK}.tpu.ragged_paged_attention:ragged_paged_attention"),
+}
+TABLE: Dict[Backend, Kernels] = {
+    Backend("reference"): Kernels(f"{_PK}.reference:paged_attention_reference",
+                                  f"{_PK}.reference:ragged_paged_attention_reference"),
+    Backend("xla"): Kernels(f"{_PK}.cpu.xla_attention:decode_attention",
+                            f"{_PK}.cpu.xla_attention:ragged_attention"),
+    Backend("cpu"): Kernels(f"{_PK}.cpu.custom_calls:decode_attention",
+                            f"{_PK}.cpu.custom_calls:ragged_attention"),
+    **{Backend("pallas", family, interpret): kernels
+       for family, kernels in _FAMILY_KERNELS.items() for interpret in (False, True)},
+}
 
 
-def choose_decode_backend(gpu_backend, *, num_q_heads, num_kv_heads, head_dim, block_size,
-                          q_dtype, page_dtype, quantized=False, tuning=(),
-                          capability="default",
-                          mosaic_knobs=MOSAIC_DECODE_KNOBS) -> Tuple[str, str]:
-  """("triton" | "mosaic_gpu", why) for a decode (or, with the ragged kernel's
-  `mosaic_knobs`, ragged) call. `capability` (major, minor) or None overrides the
-  detected target (tests)."""
-  check_gpu_backend(gpu_backend)
-  if gpu_backend != "auto":
-    return gpu_backend, "requested"
-  cc = compute_capability() if capability == "default" else capability
+def all_knobs(op: Optional[str] = None) -> Tuple[str, ...]:
+  """Every tuning knob some backend's op ("decode", "ragged", or either) takes."""
+  ops = ("decode", "ragged") if op is None else (op,)
+  return tuple(sorted({k for kernels in TABLE.values() for o in ops for k in kernels.knobs(o)}))
+
+
+def parse(backend) -> Backend:
+  """A spelling (or a Backend) -> Backend; one-line ValueError listing the spellings."""
+  if isinstance(backend, Backend):
+    return backend
+  if backend not in SPELLINGS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  return SPELLINGS[backend]
+
+
+def _cpu_implementation() -> str:
+  from pallas_kernels.cpu import custom_calls  # pylint: disable=g-import-not-at-top
+  return "cpu" if custom_calls.unavailable_reason() is None else "xla"
+
+
+def resolve_implementation(backend, where=None) -> Backend:
+  """Implementation "auto" -> by the target device's platform; anything else unchanged."""
+  backend = parse(backend)
+  if backend.implementation != "auto":
+    return backend
+  kind = targets.platform(targets.target_device(where))
+  if kind == "gpu":
+    return Backend("pallas", "auto")
+  if kind == "tpu":
+    return Backend("pallas", "tpu")
+  return Backend(_cpu_implementation())
+
+
+def _choose_family(op: str, shapes: checks.AttentionShapes, tuning, where) -> Tuple[str, str]:
+  device = targets.target_device(where)
+  if targets.platform(device) == "tpu":
+    return "tpu", "TPU target"
+  cc = targets.compute_capability(device)
   if cc is None or cc[0] != 9:
     return "triton", f"target compute capability {cc} is not sm_90"
-  if quantized:  # the Mosaic decode kernel takes them, but only when asked for
-    return "triton", "int8 / fp8 pages (Mosaic GPU: only with gpu_backend='mosaic_gpu')"
-  foreign = sorted(set(tuning) - set(mosaic_knobs))
+  if shapes.quantized:  # the Mosaic kernels take them, but only when asked for
+    return "triton", "int8 / fp8 pages (Mosaic GPU: only with backend='mosaic_gpu')"
+  foreign = sorted(set(tuning) - set(_FAMILY_KERNELS["mosaic_gpu"].knobs(op)))
   if foreign:
     return "triton", f"Triton tuning knobs {foreign} given"
-  why = _mosaic_decode.supported_reason(num_q_heads, num_kv_heads, head_dim, block_size,
-                                        q_dtype, page_dtype)
+  from pallas_kernels.mosaic_gpu import pipeline  # pylint: disable=g-import-not-at-top
+  why = pipeline.supported_reason(shapes.num_q_heads, shapes.num_kv_heads, shapes.head_dim,
+                                  shapes.block_size, shapes.q_dtype, shapes.page_dtype)
   if why is not None:
     return "triton", f"Mosaic kernel does not support {why}"
   return "mosaic_gpu", "sm_90 target and supported shape"
 
 
-def _log_choice(entry, requested, backend, why):
+def resolve(backend, op: str, shapes: checks.AttentionShapes, tuning=(), where=None
+            ) -> Tuple[Backend, str]:
+  """(the concrete table key, why) for one call of `op` ("decode" | "ragged")."""
+  requested = parse(backend)
+  key = resolve_implementation(requested, where)
+  why = "requested" if key == requested else "chosen by the target device's platform"
+  if key.family == "auto":
+    family, why = _choose_family(op, shapes, tuning, where)
+    key = key._replace(family=family)
+  return key, why
+
+
+def _log_choice(op, requested: Backend, key: Backend, why: str) -> None:
   """One INFO line per distinct choice (at trace time: the engine's start-up compile)."""
-  key = (entry, requested, backend, why)
-  if key not in _logged:
-    _logged.add(key)
-    _log.info("pallas_kernels.%s: gpu_backend=%s -> %s (%s)", entry, requested, backend, why)
+  entry = "paged_attention" if op == "decode" else "ragged_paged_attention"
+  line = (entry, requested.spelling, key.spelling, why)
+  if requested != key and line not in _logged:
+    _logged.add(line)
+    _log.info("pallas_kernels.%s: backend=%s -> %s (%s)", *line)
 
 
-def _check_mosaic_knobs(tuning, knobs):
-  foreign = sorted(set(tuning) - set(knobs))
-  if foreign:
-    raise ValueError(f"tuning knobs {foreign} are Triton's; gpu_backend='mosaic_gpu' takes "
-                     f"{knobs}")
+def _split_kwargs(key: Backend, op: str, kw: dict) -> dict:
+  """The keyword arguments `key`'s op gets: the semantic ones, and its own tuning knobs
+  (other backends' knobs are dropped for reference / xla / cpu, refused for Pallas)."""
+  unknown = sorted(set(kw) - set(SEMANTIC_KWARGS) - set(all_knobs()))
+  if unknown:
+    raise TypeError(f"unexpected attention arguments {unknown}; semantic arguments are "
+                    f"{SEMANTIC_KWARGS}, tuning knobs {all_knobs()}")
+  own = TABLE[key].knobs(op)
+  if key.implementation == "pallas":
+    foreign = sorted(k for k in kw if k not in SEMANTIC_KWARGS and k not in own)
+    if foreign:
+      raise ValueError(f"tuning knobs {foreign} are not taken by {key.spelling}'s {op} "
+                       f"kernel; it takes {own}")
+  return {k: v for k, v in kw.items() if k in SEMANTIC_KWARGS or k in own}
+
+
+def attend(op: str, backend, args: tuple, kw: dict, *, where=None):
+  """Runs `op` ("decode": paged_attention's arguments; "ragged": ragged_paged_attention's)
+  on `backend` (a spelling or a Backend): checks, resolves "auto", calls TABLE's op.
+
+  kw: the semantic arguments (SEMANTIC_KWARGS) and tuning knobs. where: the device or
+  sharding the call is compiled for, when the default device is not it (targets.py).
+  """
+  requested = parse(backend)
+  scales = (kw.get("k_scales"), kw.get("v_scales"))
+  shapes = (checks.check_decode if op == "decode" else checks.check_ragged)(*args, *scales)
+  checks.check_semantics(kw.get("sm_scale"), kw.get("soft_cap"), kw.get("sliding_window"),
+                         head_dim=shapes.head_dim)
+  tuning = [k for k in kw if k not in SEMANTIC_KWARGS]
+  key, why = resolve(requested, op, shapes, tuning, where)
+  _log_choice(op, requested, key, why)
+  kwargs = _split_kwargs(key, op, kw)
+  if key.implementation == "pallas":
+    kwargs["interpret"] = key.interpret
+  return TABLE[key].op(op)(*args, **kwargs)
+
+
+def _pallas_backend(backend, gpu_backend, interpret) -> Backend:
+  """pallas_kernels' `backend=` (and the older `gpu_backend=`) -> ("pallas", F, interpret)."""
+  if gpu_backend is not None:
+    if gpu_backend not in GPU_BACKENDS:
+      raise ValueError(f"gpu_backend must be one of {GPU_BACKENDS}, got {gpu_backend!r}")
+    if backend not in ("auto", gpu_backend):
+      raise ValueError(f"backend={backend!r} and gpu_backend={gpu_backend!r} disagree")
+    backend = gpu_backend
+  if backend not in KERNEL_FAMILIES:
+    raise ValueError(f"backend must be one of {KERNEL_FAMILIES}, got {backend!r}")
+  return Backend("pallas", backend, bool(interpret))
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None,
                     soft_cap=None, sliding_window=None, k_scales=None, v_scales=None,
-                    interpret=False, gpu_backend="auto", **tuning):
-  """Decode attention over a paged KV cache on the chosen GPU backend.
+                    interpret=False, backend="auto", gpu_backend=None, **tuning):
+  """Decode attention over a paged KV cache with a Pallas kernel family.
 
-  Arguments and result as `pallas_kernels.paged_attention.paged_attention` (Triton) and
-  `mosaic_paged_attention.paged_attention` (Mosaic GPU); `tuning` holds the chosen
-  kernel's keyword-only knobs (Triton: num_splits, tile_tokens, num_warps, num_stages;
-  Mosaic GPU: num_splits, tile_kv, num_stages).
-  gpu_backend: "auto" (module docstring), "triton" or "mosaic_gpu".
+  Arguments and result as `triton/paged_attention.py` (and `reference.py`);
+  `tuning`: the chosen kernel's keyword-only knobs (its `TuningConfig`: Triton
+  tile_tokens, num_splits, num_warps, num_stages; Mosaic GPU num_splits, tile_kv,
+  num_stages). backend: "auto" (module docstring), "triton", "mosaic_gpu" or "tpu"
+  (`gpu_backend=` is its older name). interpret: the family's interpreter on a CPU.
   """
-  num_kv_heads, _, block_size, _ = k_pages.shape
-  backend, why = choose_decode_backend(
-      gpu_backend, num_q_heads=q.shape[1], num_kv_heads=num_kv_heads, head_dim=q.shape[-1],
-      block_size=block_size, q_dtype=q.dtype, page_dtype=k_pages.dtype,
-      quantized=k_scales is not None or v_scales is not None, tuning=tuning)
-  _log_choice("paged_attention", gpu_backend, backend, why)
-  if backend == "triton":
-    return _triton_decode_module.paged_attention(
-        q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale, soft_cap=soft_cap,
-        sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales,
-        interpret=interpret, **tuning)
-  _check_mosaic_knobs(tuning, MOSAIC_DECODE_KNOBS)
-  return _mosaic_decode.paged_attention(
-      q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale, soft_cap=soft_cap,
-      sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales,
-      interpret=interpret, **tuning)
+  return attend("decode", _pallas_backend(backend, gpu_backend, interpret),
+                (q, k_pages, v_pages, block_tables, lengths),
+                dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+                     k_scales=k_scales, v_scales=v_scales, **tuning))
 
 
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
                            *, sm_scale=None, soft_cap=None, sliding_window=None,
-                           k_scales=None, v_scales=None, interpret=False, gpu_backend="auto",
-                           **tuning):
-  """Mixed prefill + decode attention on the chosen GPU backend.
+                           k_scales=None, v_scales=None, interpret=False, backend="auto",
+                           gpu_backend=None, **tuning):
+  """Mixed prefill + decode attention with a Pallas kernel family.
 
-  Arguments and result as `pallas_kernels.ragged_paged_attention.ragged_paged_attention`
-  (Triton) and `mosaic_ragged_paged_attention.ragged_paged_attention` (Mosaic GPU);
-  `tuning` holds the chosen kernel's knobs (Triton: q_per_tile, short_q_per_tile,
-  kv_per_tile, kv_splits, num_warps, num_stages; Mosaic GPU: q_per_tile, num_splits,
-  tile_kv, num_stages). gpu_backend: "auto" (module docstring), "triton", "mosaic_gpu".
+  Arguments and result as `triton/ragged_paged_attention.py` (and `reference.py`);
+  `tuning`: the chosen kernel's knobs (Triton q_per_tile, short_q_per_tile, kv_per_tile,
+  kv_splits, num_warps, num_stages; Mosaic GPU q_per_tile, num_splits, tile_kv,
+  num_stages). backend / gpu_backend / interpret as `paged_attention`.
   """
-  num_kv_heads, _, block_size, _ = k_pages.shape
-  backend, why = choose_decode_backend(
-      gpu_backend, num_q_heads=q.shape[1], num_kv_heads=num_kv_heads, head_dim=q.shape[-1],
-      block_size=block_size, q_dtype=q.dtype, page_dtype=k_pages.dtype,
-      quantized=k_scales is not None or v_scales is not None, tuning=tuning,
-      mosaic_knobs=MOSAIC_RAGGED_KNOBS)
-  _log_choice("ragged_paged_attention", gpu_backend, backend, why)
-  semantic = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
-  if backend == "triton":
-    return _triton_ragged_module.ragged_paged_attention(
-        q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, k_scales=k_scales,
-        v_scales=v_scales, interpret=interpret, **semantic, **tuning)
-  _check_mosaic_knobs(tuning, MOSAIC_RAGGED_KNOBS)
-  return _mosaic_ragged.ragged_paged_attention(
-      q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs, k_scales=k_scales,
-      v_scales=v_scales, interpret=interpret, **semantic, **tuning)
+  return attend("ragged", _pallas_backend(backend, gpu_backend, interpret),
+                (q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs),
+                dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+                     k_scales=k_scales, v_scales=v_scales, **tuning))

@@ -26,6 +26,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import checks
+
 
 def _check_heads(num_q_heads: int, num_kv_heads: int) -> int:
   if num_kv_heads < 1 or num_q_heads % num_kv_heads:
@@ -33,7 +35,7 @@ def _check_heads(num_q_heads: int, num_kv_heads: int) -> int:
   return num_q_heads // num_kv_heads
 
 
-def _scaled_logits(logits, sm_scale, soft_cap):
+def scaled_logits(logits, sm_scale, soft_cap):
   """f32 logits -> sm_scale, then optional tanh soft cap."""
   logits = logits * sm_scale
   if soft_cap is not None:
@@ -41,7 +43,7 @@ def _scaled_logits(logits, sm_scale, soft_cap):
   return logits
 
 
-def _masked_softmax_weights(logits, visible):
+def masked_softmax_weights(logits, visible):
   """Softmax over the last axis restricted to `visible`; all-invisible rows give zeros."""
   logits = jnp.where(visible, logits, -jnp.inf)
   row_max = jnp.max(logits, axis=-1, keepdims=True)
@@ -82,13 +84,13 @@ def _attend(q, k, v, q_pos, kv_len, sm_scale, soft_cap, sliding_window):
   group = num_q_heads // num_kv_heads
   qg = q.astype(jnp.float32).reshape(n, num_kv_heads, group, head_dim)
   logits = jnp.einsum("nhgd,hld->nhgl", qg, k, precision=jax.lax.Precision.HIGHEST)
-  logits = _scaled_logits(logits, sm_scale, soft_cap)
+  logits = scaled_logits(logits, sm_scale, soft_cap)
   key_pos = jnp.arange(max_len, dtype=jnp.int32)[None, :]
   qp = q_pos[:, None]
   visible = (key_pos < kv_len) & (key_pos <= qp) & (qp >= 0)
   if sliding_window is not None:
     visible &= key_pos > qp - sliding_window
-  weights = _masked_softmax_weights(logits, visible[:, None, None, :])
+  weights = masked_softmax_weights(logits, visible[:, None, None, :])
   # Zero invisible values: 0 * NaN from a stale page would otherwise poison the sum.
   key_ok = (key_pos[0] < kv_len)[None, :, None]
   v = jnp.where(key_ok, v, 0.0)
@@ -112,7 +114,11 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, *, sm_
     lengths: i32[B], tokens of each sequence in the cache (including the current one).
   Returns:
     [B, Hq, D] in q.dtype.
+  Raises:
+    ValueError naming a bad argument (`checks.check_decode`), before any tracing.
   """
+  checks.check_decode(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales)
+  checks.check_semantics(sm_scale, soft_cap, sliding_window, head_dim=q.shape[-1])
   k = gather_pages(k_pages, block_tables, k_scales)  # [B, Hkv, L, D]
   v = gather_pages(v_pages, block_tables, v_scales)
   return contiguous_decode_attention(q, k, v, lengths, sm_scale=sm_scale, soft_cap=soft_cap,
@@ -180,9 +186,13 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lens,
       rows_per_step * Hkv * P * bs * D floats).
   Returns:
     [T, Hq, D] in q.dtype.
+  Raises:
+    ValueError naming a bad argument (`checks.check_ragged`), before any tracing.
   """
-  _check_heads(q.shape[1], k_pages.shape[0])
-  scale = _resolve_scale(sm_scale, q.shape[-1])
+  checks.check_ragged(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, num_seqs,
+                      k_scales, v_scales)
+  scale = checks.check_semantics(sm_scale, soft_cap, sliding_window,
+                                 head_dim=q.shape[-1]).sm_scale
   k = gather_pages(k_pages, block_tables, k_scales)  # [S, Hkv, L, D]
   v = gather_pages(v_pages, block_tables, v_scales)
   kv_lens = kv_lens.astype(jnp.int32)
@@ -219,13 +229,13 @@ def dense_attention(q, k, v, q_positions, kv_lens, *, sm_scale=None, soft_cap=No
   vf = jnp.repeat(v.astype(jnp.float32), group, axis=2)
   logits = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kf,
                       precision=jax.lax.Precision.HIGHEST)
-  logits = _scaled_logits(logits, scale, soft_cap)
+  logits = scaled_logits(logits, scale, soft_cap)
   key_pos = jnp.arange(k.shape[1], dtype=jnp.int32)[None, None, None, :]
   qp = q_positions.astype(jnp.int32)[:, None, :, None]
   visible = (key_pos < kv_lens[:, None, None, None]) & (key_pos <= qp) & (qp >= 0)
   if sliding_window is not None:
     visible &= key_pos > qp - sliding_window
-  weights = _masked_softmax_weights(logits, visible)
+  weights = masked_softmax_weights(logits, visible)
   key_ok = jnp.arange(k.shape[1])[None, :, None, None] < kv_lens[:, None, None, None]
   vf = jnp.where(key_ok, vf, 0.0)
   out = jnp.einsum("bhqk,bkhd->bqhd", weights, vf, precision=jax.lax.Precision.HIGHEST)

@@ -1,11 +1,14 @@
 """Contiguous baselines: first-fit arena and Orca simulation vs slot-level brute force."""
 
 import collections
+import math
 
 import numpy as np
 import pytest
 
 from paged_jax.bench.baselines import ContiguousArena, OrcaAllocator, reservation_tokens
+from paged_jax.bench import memory
+from paged_jax.bench import workloads
 from paged_jax.bench.baselines import simulate
 
 
@@ -187,3 +190,31 @@ def test_sharing_savings_counts_forked_blocks_once():
   assert s["unshared_blocks"] == unshared and s["used_blocks"] == distinct
   assert s["savings"] == pytest.approx(1 - distinct / unshared)
   assert 0 < s["savings"] < 1
+
+
+# ----------------------------------------------------------------------------- block tables
+def test_block_table_stats_against_counting():
+  rng = np.random.default_rng(102)
+  reqs = workloads.alpaca(50, seed=int(rng.integers(1 << 30)), max_len=512)
+  for bs in (1, 4, 16, 256):
+    stats = memory.block_table_stats(reqs, bs, 512)
+    blocks = []
+    for r in reqs:
+      n, held = r.total_len, 0
+      while held * bs < n:   # grow one block at a time, as the block manager does
+        held += 1
+      blocks.append(held)
+    assert stats["mean_blocks_per_seq"] == pytest.approx(np.mean(blocks))
+    assert stats["block_table_width"] == math.ceil(512 / bs)
+
+
+def test_simulate_allocators_is_each_simulation_of_the_stream():
+  reqs = workloads.alpaca(40, seed=7, max_len=128)
+  got = simulate.simulate_allocators(reqs, ("orca_oracle", "paged"), block_size=8,
+                                     kv_budget_tokens=512, max_len=128)
+  assert list(got) == ["orca_oracle", "paged"]
+  assert got["orca_oracle"] == simulate.simulate_orca(reqs, "oracle", 512, 128)
+  assert got["paged"] == simulate.simulate_paged(reqs, 8, 512, 128)
+  with pytest.raises(ValueError, match="allocator must be"):
+    simulate.simulate_allocators(reqs, ("fifo",), block_size=8, kv_budget_tokens=512,
+                                 max_len=128)

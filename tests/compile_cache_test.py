@@ -26,10 +26,10 @@ from jax import monitoring
 events = []
 monitoring.register_event_listener(lambda name, **kw: events.append(name))
 from paged_jax import compile_cache
-from paged_jax.bench import serving
+from paged_jax.bench import engines
 from paged_jax.engine import SamplingParams
 compile_cache.enable(sys.argv[1], min_compile_time_s=0)
-engine = serving.make_engine(block_size=16, kv_budget_tokens=256, max_seqs=4)
+engine = engines.make_engine(block_size=16, kv_budget_tokens=256, max_seqs=4)
 outs = engine.generate([[1, 2, 3, 4, 5], [9, 8, 7]],
                        SamplingParams(max_tokens=6, temperature=0.0))
 print(json.dumps({"outputs": [o.outputs[0] for o in outs],

@@ -62,6 +62,34 @@ def test_from_memory_budget_fills_the_budget_with_whole_blocks():
   assert cfg.max_seq_len >= model.max_position_embeddings
 
 
+@pytest.mark.parametrize("model_dtype, elem", [("float32", 4), ("bfloat16", 2),
+                                               ("float16", 2)])
+def test_kv_pages_follow_the_model_dtype_unless_set(model_dtype, elem):
+  """vLLM's kv_cache_dtype="auto": a bf16 model gets bf16 pages, and the memory-budget
+  sizing counts bytes in that dtype (so twice the blocks of an f32 model's pool)."""
+  model = ModelConfig(num_layers=3, hidden_size=128, num_heads=4, num_kv_heads=2,
+                      dtype=model_dtype)
+  assert model.cache_config().dtype == model_dtype
+  assert model.cache_config(dtype="auto").dtype == model_dtype
+  assert model.cache_config(dtype="int8").dtype == "int8"
+  assert model.cache_config(dtype="float8_e4m3fn").quantized
+  assert model.cache_config().kv_bytes_per_token == 2 * 3 * 2 * 32 * elem
+  budget = 10**6
+  auto = CacheConfig.from_memory_budget(model, block_size=16, kv_budget_bytes=budget)
+  assert auto.dtype == model_dtype
+  assert auto.num_blocks == budget // (2 * 3 * 2 * 32 * elem * 16)
+  f32 = CacheConfig.from_memory_budget(model, block_size=16, kv_budget_bytes=budget,
+                                       dtype="float32")
+  assert f32.dtype == "float32" and auto.num_blocks * elem // 4 == f32.num_blocks
+  int8 = CacheConfig.from_memory_budget(model, block_size=16, kv_budget_bytes=budget,
+                                        dtype="int8")
+  assert int8.num_blocks == budget // ((2 * 3 * 2 * 32 + 2 * 3 * 2 * 4) * 16)
+  with pytest.raises(ValueError, match="dtype must be one of"):
+    model.cache_config(dtype="int4")
+  with pytest.raises(ValueError, match="dtype must be one of"):
+    ModelConfig(dtype="int8")
+
+
 def test_from_memory_budget_errors():
   model = ModelConfig()
   with pytest.raises(ValueError, match="exactly one"):

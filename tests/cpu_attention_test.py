@@ -1,4 +1,4 @@
-"""What is particular to pallas_kernels/cpu_attention (the XLA:CPU custom calls, backend
+"""What is particular to pallas_kernels/cpu/custom_calls.py (the XLA:CPU custom calls, backend
 "cpu"): the f32 path really is the custom call and other dtypes are not; bad semantic
 arguments and a failed build are one-line errors; "auto" picks it on a CPU; the compiled
 engine step hands it the pool in place. Its results against the reference, and the engine
@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import pytest
 
 from paged_jax import attention
-from pallas_kernels import cpu_attention
+from pallas_kernels.cpu import custom_calls
 
 import engine_oracle
 
-pytestmark = pytest.mark.skipif(cpu_attention.unavailable_reason() is not None,
-                                reason=str(cpu_attention.unavailable_reason()))
+pytestmark = pytest.mark.skipif(custom_calls.unavailable_reason() is not None,
+                                reason=str(custom_calls.unavailable_reason()))
 
 
 def test_f32_runs_the_custom_calls_and_other_dtypes_do_not():
@@ -24,12 +24,12 @@ def test_f32_runs_the_custom_calls_and_other_dtypes_do_not():
   tables, lens = jnp.zeros((3, 2), jnp.int32), jnp.ones((3,), jnp.int32)
   cu, n = jnp.arange(4, dtype=jnp.int32), jnp.int32(3)
   hlo = lambda f, *a: jax.jit(f).lower(*a).as_text()
-  assert "paged_jax_cpu_decode" in hlo(cpu_attention.decode_attention, q, pages, pages,
+  assert "paged_jax_cpu_decode" in hlo(custom_calls.decode_attention, q, pages, pages,
                                        tables, lens)
-  assert "paged_jax_cpu_ragged" in hlo(cpu_attention.ragged_attention, q, pages, pages,
+  assert "paged_jax_cpu_ragged" in hlo(custom_calls.ragged_attention, q, pages, pages,
                                        tables, lens, cu, n)
   bf = pages.astype(jnp.bfloat16)
-  assert "paged_jax_cpu" not in hlo(cpu_attention.decode_attention, q.astype(jnp.bfloat16),
+  assert "paged_jax_cpu" not in hlo(custom_calls.decode_attention, q.astype(jnp.bfloat16),
                                     bf, bf, tables, lens)
 
 
@@ -37,16 +37,16 @@ def test_bad_semantic_arguments_are_one_line_errors():
   q = jnp.zeros((1, 2, 8), jnp.float32)
   pages = jnp.zeros((1, 2, 4, 8), jnp.float32)
   args = (q, pages, pages, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32))
-  with pytest.raises(ValueError, match="soft_cap must be > 0"):
-    cpu_attention.decode_attention(*args, soft_cap=0.0)
-  with pytest.raises(ValueError, match="sliding_window must be >= 1"):
-    cpu_attention.decode_attention(*args, sliding_window=0)
+  with pytest.raises(ValueError, match="soft_cap must be a finite number > 0"):
+    custom_calls.decode_attention(*args, soft_cap=0.0)
+  with pytest.raises(ValueError, match="sliding_window must be an int >= 1"):
+    custom_calls.decode_attention(*args, sliding_window=0)
 
 
 def test_a_failed_build_says_why_in_one_line(tmp_path, monkeypatch):
   monkeypatch.setenv("CXX", "false")   # a "compiler" that fails without a word
   with pytest.raises(RuntimeError, match="^false failed: "):
-    cpu_attention._build(tmp_path / "lib.so")   # pylint: disable=protected-access
+    custom_calls._build(tmp_path / "lib.so")   # pylint: disable=protected-access
   assert not list(tmp_path.iterdir())   # no partial library left behind
 
 

@@ -17,9 +17,9 @@ import pytest
 
 from experiments import ragged_bench
 from paged_jax import attention
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention  # Triton kernel
+from pallas_kernels.triton.ragged_paged_attention import ragged_paged_attention  # Triton kernel
 
-from pallas_kernels import compile_target
+from pallas_kernels.deviceless import target as compile_target
 
 import lowering_support
 

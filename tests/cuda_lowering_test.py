@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import pytest
 
 from paged_jax import attention
-from pallas_kernels.paged_attention import paged_attention  # the Triton kernel itself
+from pallas_kernels.triton.paged_attention import paged_attention  # the Triton kernel itself
 
-from pallas_kernels import compile_target
+from pallas_kernels.deviceless import target as compile_target
 
 import lowering_support
 

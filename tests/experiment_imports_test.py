@@ -1,10 +1,10 @@
 """Every experiments/*.py module imports in one process without touching absl's global flags.
 
-Experiment scripts define their command-line flags inside `_define_flags()` (called only
-under `if __name__ == "__main__":`) or on a private `flags.FlagValues()`; defining them at
-import time on the global `flags.FLAGS` makes a second module with the same flag name
-(--out, --seed, --block_size ...) raise `DuplicateFlagError` in notebooks, pytest workers
-and benches that import each other.
+Experiment scripts declare their command-line flags as the fields of a `Config` dataclass;
+`common.run_app(main, Config)` (called only under `if __name__ == "__main__":`) defines them.
+Defining flags at import time on the global `flags.FLAGS` makes a second module with the
+same flag name (--out, --seed, --block_size ...) raise `DuplicateFlagError` in notebooks,
+pytest workers and benches that import each other.
 
 The imports run in a fresh interpreter so that modules already imported by other tests in
 this pytest process cannot hide a definition.
@@ -59,7 +59,8 @@ def test_all_experiments_import_together_without_global_flags():
   defined = {n: r["new_flags"] for n, r in report.items() if r["new_flags"]}
   assert not defined, (
       f"importing these modules defined flags on absl's global FLAGS: {defined}; "
-      "define them in _define_flags() called under `if __name__ == '__main__':`")
+      "declare them as Config fields; common.run_app defines them under "
+      "`if __name__ == '__main__':`")
 
 
 def test_probe_detects_a_global_flag_definition(tmp_path):

@@ -1,87 +1,15 @@
-"""experiments.common: timing helpers against a fake clock (no wall-clock assertions)."""
+"""experiments.common / configs / provenance: a Config's flags, one-line errors, run metadata."""
 import os
 import subprocess
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+import dataclasses
+from typing import Dict, Optional, Tuple
+
 import pytest
 
 from experiments import common
-
-
-class FakeClock:
-  """Stands in for time.perf_counter: time moves only when a timed function says so."""
-
-  def __init__(self):
-    self.now = 0.0
-
-  def __call__(self):
-    return self.now
-
-  def taking(self, seconds):
-    def f(x):
-      self.now += seconds
-      return x
-    return f
-
-
-@pytest.fixture
-def clock():
-  return FakeClock()
-
-
-def test_time_interleaved_medians_are_per_call_durations(clock):
-  x = jnp.asarray(np.random.default_rng(0).normal(size=4), jnp.float32)
-  res = common.time_interleaved({"short": (clock.taking(0.004), (x,)),
-                                 "long": (clock.taking(0.012), (x,))}, repeats=5, calls=2,
-                                clock=clock)
-  for name, seconds in (("short", 0.004), ("long", 0.012)):
-    assert res[name]["samples"] == 5
-    assert res[name]["min_s"] == pytest.approx(seconds)
-    assert res[name]["median_s"] == pytest.approx(seconds)
-
-
-def test_time_interleaved_reports_a_failing_method_and_times_the_rest(clock):
-  calls = []
-
-  def broken(x):
-    calls.append(1)
-    raise ValueError("bad shape")
-
-  x = jnp.ones(3)
-  res = common.time_interleaved({"broken": (broken, (x,)), "ok": (clock.taking(0.001), (x,))},
-                                repeats=3, calls=1, clock=clock)
-  assert res["broken"] == {"error": "ValueError: bad shape"}
-  assert len(calls) == 1   # dropped after its failed warm-up, never timed
-  assert res["ok"]["samples"] == 3 and res["ok"]["median_s"] == pytest.approx(0.001)
-
-
-def test_time_interleaved_calls_per_sample_and_results():
-  # Each sample runs `calls` back-to-back calls: warm-up 2 + repeats * calls in total.
-  count = []
-  f = jax.jit(lambda x: x * 2)
-
-  def counted(x):
-    count.append(1)
-    return f(x)
-
-  common.time_interleaved({"f": (counted, (jnp.ones(8),))}, repeats=4, calls=3)
-  assert len(count) == 2 + 4 * 3
-  t = common.time_call(f, (jnp.ones(8),), repeats=3, calls=1)
-  assert set(t) == {"median_s", "min_s", "samples"} and t["samples"] == 3
-
-
-def test_copy_bandwidth_is_bytes_over_time():
-  ticks = iter(np.arange(0.0, 100.0, 0.25))   # every clock read is 0.25 s after the last
-  nbytes = 1 << 22
-  # One call per sample: 0.25 s for 2 * nbytes moved (read + write).
-  assert common.copy_bandwidth(repeats=3, calls=1, nbytes=nbytes,
-                               clock=lambda: float(next(ticks))) == 2 * nbytes / 0.25
-
-
-if __name__ == "__main__":
-  pytest.main([__file__, "-q"])
+from experiments import configs
+from experiments import provenance
 
 
 def test_run_metadata_names_the_code_it_ran():
@@ -89,7 +17,7 @@ def test_run_metadata_names_the_code_it_ran():
   fv = flags.FlagValues()
   flags.DEFINE_integer("seed", 3, "a seed", flag_values=fv)
   fv(["prog"])
-  meta = common.run_metadata(fv)
+  meta = provenance.run_metadata(fv)
   assert meta["flags"] == {"seed": 3}
   code = meta["code"]
   assert set(code) == {"git_commit", "dirty"}
@@ -116,13 +44,13 @@ def test_code_version_dirty_counts_code_not_results_or_docs(tmp_path):
   git("add", ".")
   if git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "init").returncode:
     pytest.skip("git cannot commit here")
-  assert common.code_version(str(tmp_path))["dirty"] is False
+  assert provenance.code_version(str(tmp_path))["dirty"] is False
   (tmp_path / "README.md").write_text("edited\n")
   (tmp_path / "experiments" / "results" / "r.json").write_text('{"new": 1}\n')
   (tmp_path / "scratch.py").write_text("untracked\n")
-  assert common.code_version(str(tmp_path))["dirty"] is False
+  assert provenance.code_version(str(tmp_path))["dirty"] is False
   (tmp_path / "lib.py").write_text("x = 2\n")
-  assert common.code_version(str(tmp_path)) == {
+  assert provenance.code_version(str(tmp_path)) == {
       "git_commit": git("rev-parse", "HEAD").stdout.strip(), "dirty": True}
 
 
@@ -133,16 +61,93 @@ def test_run_app_records_the_code_read_when_the_run_started(monkeypatch):
   fv = flags.FlagValues()
   seen = {}
 
-  def main(f, out):
-    del f, out
+  def main(config, out):
+    del config, out
     def no_git(*a, **k):
       raise OSError("git vanished")
     monkeypatch.setattr(subprocess, "run", no_git)
-    seen["code"] = common.code_version()
+    seen["code"] = provenance.code_version()
 
-  at_start = common.code_version()
+  at_start = provenance.code_version()
   with pytest.raises(SystemExit) as done:     # absl's app.run exits when main returns
-    common.run_app(main, lambda: flags.DEFINE_integer("seed", 0, "", flag_values=fv),
-                   flag_values=fv, argv=["prog", "--compilation_cache=none"])
+    common.run_app(main, Settings, flag_values=fv, argv=["prog", "--compilation_cache=none"])
   assert not done.value.code
   assert seen["code"] == at_start
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings(configs.ExperimentConfig):
+  """A Config with one field of every kind run_app turns into a flag."""
+  seed: int = configs.flag(0, "a seed")
+  count: int = configs.flag(3, "a count", lower=1, upper=8)
+  rate: float = configs.flag(0.5, "a fraction", lower=0.0, upper=1.0, upper_open=True)
+  mode: str = configs.flag("a", "a mode", choices=("a", "b"))
+  fast: bool = configs.flag(False, "a switch")
+  sizes: Tuple[int, ...] = configs.flag((4, 16), "sizes", lower=1)
+  names: Optional[Tuple[str, ...]] = configs.flag(None, "names", choices=("x", "y"))
+  budget: Dict[str, int] = configs.flag({"x": 2}, "per-name counts", lower=0)
+  label: Optional[str] = configs.flag(None, "a label")
+
+  def check(self):
+    if self.fast and self.count > 4:
+      raise ValueError(f"--fast needs --count <= 4, got {self.count}")
+
+
+def _parsed(argv):
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  fv = flags.FlagValues()
+  configs.define_flags(Settings, fv)
+  fv(["prog", *argv])
+  return configs.from_flags(Settings, fv)
+
+
+def test_flags_round_trip_to_a_config():
+  assert _parsed([]) == Settings()
+  got = _parsed(["--count=8", "--rate=0", "--mode=b", "--fast", "--count=4", "--sizes=1,2",
+                 "--names=y,x", "--budget=x:0,y:5", "--label=hi"])
+  assert got == Settings(count=4, rate=0.0, mode="b", fast=True, sizes=(1, 2),
+                         names=("y", "x"), budget={"x": 0, "y": 5}, label="hi")
+  assert _parsed(["--sizes="]).sizes == ()
+  # Code gets the same normalization as the command line: lists become tuples.
+  assert Settings(sizes=[2, 3]).sizes == (2, 3) and Settings(rate=0).rate == 0.0
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"count": 0}, "--count must be an int in [1, 8], got 0"),
+    ({"count": 2.0}, "--count must be an int in [1, 8], got 2.0"),
+    ({"rate": 1.0}, "--rate must be a finite number in [0, 1), got 1.0"),
+    ({"rate": float("nan")}, "--rate must be a finite number in [0, 1), got nan"),
+    ({"mode": "c"}, "--mode must be one of a, b, got 'c'"),
+    ({"sizes": (4, 0)}, "--sizes must be an int >= 1, got 0"),
+    ({"sizes": "4"}, "--sizes must be a list of an int >= 1"),
+    ({"names": ("z",)}, "--names must be one of x, y, got 'z'"),
+    ({"budget": {"x": -1}}, "--budget[x] must be an int >= 0, got -1"),
+    ({"fast": True, "count": 5}, "--fast needs --count <= 4, got 5"),
+])
+def test_bad_values_name_the_flag_and_the_allowed_range(kw, message):
+  with pytest.raises(ValueError) as e:
+    Settings(**kw)
+  assert str(e.value).startswith(message)
+
+
+def test_bad_list_elements_from_the_command_line():
+  with pytest.raises(ValueError, match="--sizes: 'x' is not an int"):
+    _parsed(["--sizes=4,x"])
+  with pytest.raises(ValueError, match="--budget must be comma-separated key:value pairs"):
+    _parsed(["--budget=x"])
+
+
+def test_help_shows_each_flag_with_its_allowed_values():
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  fv = flags.FlagValues()
+  configs.define_flags(Settings, fv)
+  text = common.short_help("Does a thing.\n\nMore.", fv)
+  assert text.splitlines()[0] == "Does a thing."
+  assert "  --count=3  a count [an int in [1, 8]]" in text
+  assert "  --mode=a  a mode [one of a, b]" in text
+
+
+def test_run_metadata_records_the_config():
+  meta = provenance.run_metadata(Settings(count=5), packages=("numpy",))
+  assert meta["flags"]["count"] == 5 and list(meta["flags"]) == sorted(meta["flags"])
+  assert "numpy" in meta["versions"] and {"machine", "code"} <= set(meta)

@@ -5,16 +5,16 @@ jitted step compiles once per process; the two-shape throughput test is marked s
 """
 
 import json
-import math
 
 import numpy as np
 import pytest
 
 from experiments import block_size_sweep
 from experiments import demo
-from paged_jax.bench import serving
 from experiments import sharing
 from experiments import throughput
+from paged_jax.bench import engines
+from paged_jax.bench import serving
 from paged_jax.bench import workloads
 
 ENGINE_KW = dict(block_size=16, kv_budget_tokens=1024, max_seqs=16)   # 4 samples of 256 fit
@@ -24,59 +24,18 @@ def test_experiment_modules_define_no_global_flags():
   from absl import flags
   before = set(flags.FLAGS)
   import importlib
-  for name in ("block_size_sweep", "sharing", "throughput", "preemption", "demo", "serving"):
+  for name in ("block_size_sweep", "sharing", "throughput", "preemption", "demo"):
     importlib.reload(importlib.import_module(f"experiments.{name}"))
   assert set(flags.FLAGS) == before
 
 
-@pytest.mark.parametrize("dataset", ["sharegpt", "alpaca"])
-def test_scaled_requests_means_and_clipping(dataset):
-  seed = int(np.random.default_rng(101).integers(1 << 30))
-  reqs = serving.scaled_requests(dataset, 4000, seed=seed, max_len=256)
-  scale = serving.STREAM_SCALE[dataset]
-  spec = workloads.DATASETS[dataset]
-  prompts = np.array([r.prompt_len for r in reqs])
-  outputs = np.array([r.output_len for r in reqs])
-  assert prompts.min() >= 1 and outputs.min() >= 1 and (prompts + outputs).max() <= 256
-  # Calibrated on common random numbers; a fresh 4000-draw sample is within ~10%.
-  assert abs(prompts.mean() / (spec.prompt.mean / scale) - 1) < 0.12
-  assert abs(outputs.mean() / (spec.output.mean / scale) - 1) < 0.12
-  ids = np.concatenate([r.prompt_token_ids for r in reqs])
-  assert ids.min() >= 0 and ids.max() < 256
-  again = serving.scaled_requests(dataset, 4000, seed=seed, max_len=256)
-  assert all(np.array_equal(a.prompt_token_ids, b.prompt_token_ids)
-             and a.output_len == b.output_len for a, b in zip(reqs, again))
-
-
-def test_scaled_requests_rejects_bad_arguments():
-  with pytest.raises(ValueError, match="dataset"):
-    serving.scaled_requests("wiki", 3)
-  with pytest.raises(ValueError, match="scale"):
-    serving.scaled_requests("alpaca", 3, scale=0.5)
-
-
-def test_block_table_stats_against_counting():
-  rng = np.random.default_rng(102)
-  reqs = workloads.alpaca(50, seed=int(rng.integers(1 << 30)), max_len=512)
-  for bs in (1, 4, 16, 256):
-    stats = block_size_sweep.block_table_stats(reqs, bs, 512)
-    blocks = []
-    for r in reqs:
-      n, held = r.total_len, 0
-      while held * bs < n:   # grow one block at a time, as the block manager does
-        held += 1
-      blocks.append(held)
-    assert stats["mean_blocks_per_seq"] == pytest.approx(np.mean(blocks))
-    assert stats["block_table_width"] == math.ceil(512 / bs)
-
-
 @pytest.fixture(scope="module")
 def sweep_rows():
-  return block_size_sweep.run(
-      ("alpaca",), block_sizes=(2, 16, 64), num_requests={"alpaca": 200},
+  return block_size_sweep.run(block_size_sweep.Config(
+      workloads=("alpaca",), block_sizes=(2, 16, 64), num_requests={"alpaca": 200},
       kv_budget_tokens=1024, max_len=256, engine_block_sizes=(), attn_batch=2,
-      attn_context=128, attn_repeats=1, prefix_block_sizes=(16,), prefix_num_requests=8, seed=int(np.random.default_rng(103).integers(1000)),
-      show_progress=False)
+      attn_context=128, attn_repeats=1, prefix_block_sizes=(16,), prefix_num_requests=8,
+      seed=int(np.random.default_rng(103).integers(1000))), show_progress=False)
 
 
 def test_sweep_has_a_row_per_block_size_with_valid_fractions(sweep_rows, tmp_path):
@@ -106,34 +65,11 @@ def test_sweep_bigger_blocks_waste_more_and_hold_fewer_requests(sweep_rows):
 
 def test_sweep_rejects_bad_block_sizes():
   with pytest.raises(ValueError, match="block_size must be a power of two"):
-    block_size_sweep.run(("alpaca",), block_sizes=(3,), engine_block_sizes=())
-  with pytest.raises(ValueError, match="not in block_sizes"):
-    block_size_sweep.run(("alpaca",), block_sizes=(16,), engine_block_sizes=(32,))
-
-
-def _python_prefix_hits(prompts, block_size):
-  """Plain-Python prefix cache: hit tokens per prompt, run in order, nothing evicted."""
-  registered, hits = set(), []
-  for p in prompts:
-    p = tuple(int(t) for t in p)
-    k = 0
-    while k < (len(p) - 1) // block_size and p[:(k + 1) * block_size] in registered:
-      k += 1
-    hits.append(k * block_size)
-    registered.update(p[:m * block_size] for m in range(1, len(p) // block_size + 1))
-  return hits
-
-
-@pytest.mark.parametrize("block_size", [1, 8, 32])
-def test_prefix_hit_rate_matches_a_python_prefix_model(block_size):
-  seed = int(np.random.default_rng(104).integers(1000))
-  reqs = workloads.alpaca(10, seed=seed, max_len=128, vocab_size=3)   # tiny vocab: deep matches
-  rate = block_size_sweep.prefix_hit_rate(reqs, block_size, prefix_len=40, max_len=128, seed=seed)
-  prefix = np.random.default_rng([seed, 11]).integers(0, 1 << 15, 40, dtype=np.int32)
-  prompts = [np.concatenate([prefix, r.prompt_token_ids]) for r in reqs]
-  expected = sum(_python_prefix_hits(prompts, block_size)) / sum(len(p) for p in prompts)
-  assert rate == pytest.approx(expected)
-  assert rate > 0
+    block_size_sweep.Config(block_sizes=(3,), engine_block_sizes=())
+  with pytest.raises(ValueError, match="--engine_block_sizes \\[32\\] are not in --block_sizes"):
+    block_size_sweep.Config(block_sizes=(16,), engine_block_sizes=(32,))
+  with pytest.raises(ValueError, match="--num_requests\\[alpaca\\] must be an int >= 1"):
+    block_size_sweep.Config(num_requests={"alpaca": 0})
 
 
 def test_best_block_sizes_picks_the_fastest_and_the_tolerance_band():
@@ -150,8 +86,9 @@ def test_best_block_sizes_picks_the_fastest_and_the_tolerance_band():
 
 @pytest.fixture(scope="module")
 def sharing_rows():
-  return sharing.run(("sharegpt",), widths=(2, 4), num_requests=2, show_progress=False,
-                     seed=int(np.random.default_rng(106).integers(1000)), **ENGINE_KW)
+  return sharing.run(sharing.Config(workloads=("sharegpt",), widths=(2, 4), num_requests=2,
+                                    seed=int(np.random.default_rng(106).integers(1000)),
+                                    **ENGINE_KW), show_progress=False)
 
 
 def test_sharing_saves_blocks_and_more_with_wider_n(sharing_rows):
@@ -164,7 +101,7 @@ def test_sharing_saves_blocks_and_more_with_wider_n(sharing_rows):
 
 
 def test_sharing_generates_every_sample(sharing_rows):
-  reqs = serving.scaled_requests("sharegpt", 2, seed=sharing_rows[0]["seed"])
+  reqs = workloads.scaled_requests("sharegpt", 2, seed=sharing_rows[0]["seed"])
   rows = {(r["mode"], r["width"]): r for r in sharing_rows}
   total = sum(r.output_len for r in reqs)
   assert rows[("greedy", 1)]["generated_tokens"] == total
@@ -173,12 +110,12 @@ def test_sharing_generates_every_sample(sharing_rows):
 
 def test_serve_generates_the_stream_lengths_and_matches_generate():
   from paged_jax.engine import SamplingParams
-  reqs = serving.scaled_requests("alpaca", 3, seed=int(np.random.default_rng(107).integers(1000)))
-  res = serving.serve(serving.make_engine(**ENGINE_KW), reqs, keep_outputs=True)
+  reqs = workloads.scaled_requests("alpaca", 3, seed=int(np.random.default_rng(107).integers(1000)))
+  res = serving.serve(engines.make_engine(**ENGINE_KW), reqs, keep_outputs=True)
   assert [len(o[0]) for o in res["outputs"]] == [r.output_len for r in reqs]
   assert res["generated_tokens"] == sum(r.output_len for r in reqs)
   assert 0 < res["mean_latency_s"] <= res["seconds"] + 1e-9
-  direct = serving.make_engine(**ENGINE_KW).generate(
+  direct = engines.make_engine(**ENGINE_KW).generate(
       [list(map(int, r.prompt_token_ids)) for r in reqs],
       [SamplingParams(max_tokens=r.output_len, temperature=0.0) for r in reqs])
   assert [o.outputs for o in direct] == res["outputs"]
@@ -186,9 +123,9 @@ def test_serve_generates_the_stream_lengths_and_matches_generate():
 
 def test_make_engine_validates_budget():
   with pytest.raises(ValueError, match="multiple of block_size"):
-    serving.make_engine(block_size=16, kv_budget_tokens=520)
+    engines.make_engine(block_size=16, kv_budget_tokens=520)
   with pytest.raises(ValueError, match="max_len"):
-    serving.make_engine(block_size=16, kv_budget_tokens=128)
+    engines.make_engine(block_size=16, kv_budget_tokens=128)
 
 
 def test_demo_summary_rows_from_real_results(sweep_rows, sharing_rows):
@@ -201,39 +138,11 @@ def test_demo_summary_rows_from_real_results(sweep_rows, sharing_rows):
 
 @pytest.mark.slow
 def test_throughput_paged_beats_contiguous_reservation_with_same_tokens():
-  res = throughput.run(("sharegpt",), num_requests=12, kv_budget_tokens=512, max_seqs=16,
+  res = throughput.run(throughput.Config(workloads=("sharegpt",), num_requests=12,
+                                         kv_budget_tokens=512, max_seqs=16),
                        show_progress=False)["sharegpt"]
   assert res["outputs_identical"]
   assert res["paged"]["generated_tokens"] == res["orca_max"]["generated_tokens"]
   assert res["orca_max"]["max_running_seqs"] <= 512 // 256 == res["orca_max"]["max_seqs"]
   assert res["paged"]["max_running_seqs"] > res["orca_max"]["max_running_seqs"]
   assert res["speedup_tokens_per_step"] > 1.0
-
-
-def test_step_cost_fit_recovers_a_known_cost_model():
-  # Device seconds built from a known per-call and per-token cost: the fit must give
-  # them back, and its predicted wall / step ratio must be the one those costs imply.
-  a, b = 0.6e-3, 20e-6
-  def run_(steps, tokens, computed, generated):
-    return {"device_steps": steps, "steps": steps, "bucket_tokens": tokens,
-            "computed_tokens": computed, "device_s": a * steps + b * tokens, "host_s": 0.1,
-            "tokens_per_step": generated / steps}
-  results = {}
-  for name, (o, p) in {"sharegpt": ((587, 9024, 5998), (298, 10360, 7220)),
-                       "alpaca": ((379, 5312, 3487), (231, 5032, 3487))}.items():
-    row = {"orca_max": run_(*o, 3882), "paged": run_(*p, 3882)}
-    row["speedup_tokens_per_step"] = (row["paged"]["tokens_per_step"]
-                                      / row["orca_max"]["tokens_per_step"])
-    results[name] = row
-  fit = throughput.step_cost_fit(results)
-  s = fit["sharegpt"]
-  assert s["ms_per_step"] == pytest.approx(0.6) and s["us_per_bucket_token"] == pytest.approx(20)
-  o, p = results["sharegpt"]["orca_max"], results["sharegpt"]["paged"]
-  wall = (o["device_s"] + 0.1) / (p["device_s"] + 0.1)
-  assert s["predicted_wall_over_step"] == pytest.approx(wall / (587 / 298))
-  assert s["recomputed_tokens"] == 7220 - 5998
-  assert s["predicted_wall_over_step_without_recompute"] > s["predicted_wall_over_step"]
-  assert s["fixed_share"]["orca_max"] == pytest.approx(a * 587 / o["device_s"])
-  for name, row in results.items():
-    row["step_cost_fit"], row["wall_over_step_ratio"] = fit[name], 0.7
-  assert [r[0] for r in throughput.fit_rows(results)] == ["sharegpt", "alpaca"]

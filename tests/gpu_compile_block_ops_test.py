@@ -6,7 +6,7 @@ without a known trip count does the same for its predicate every iteration. Thes
 every engine step (and inside the multi-step decode loop), so their compiled thunk
 sequences must hold no `kConditional` and only known-trip-count loops. With the state
 donated they must also update the O(num_blocks) arrays in place: no temp buffer of pool
-size (`pallas_kernels.compile_target`; nothing is allocated).
+size (`pallas_kernels.deviceless.target`; nothing is allocated).
 """
 
 import glob
@@ -19,7 +19,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from pallas_kernels import compile_target as ct
+from pallas_kernels.deviceless import target as ct
 from paged_jax import block_manager as bm
 from paged_jax.config import CacheConfig
 from paged_jax.engine import sampling

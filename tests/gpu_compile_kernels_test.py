@@ -1,11 +1,11 @@
 """Deviceless sm_90 (H200) compile of the kernel configurations a GPU run can choose.
 
 XLA's own GPU compiler (Triton -> PTX -> SASS, shared-memory planning) runs here for a
-compile-only H200 (pallas_kernels/compile_target.py), with its fail-on-spill option on. Each
+compile-only H200 (pallas_kernels/deviceless/target.py), with its fail-on-spill option on. Each
 case must compile, use no more than the sm_90 shared memory per block (232,448 B), spill
 no registers (ptxas, where a ptxas is found; the compile fails on a spill anyway), and keep
 XLA's temp buffers far below the KV pool (no copy of the cache, split-K partials sized by
-work). The cases (pallas_kernels/compile_configs.py): Llama-3-8B 32/8 x 128, Qwen-like
+work). The cases (pallas_kernels/deviceless/triton_configs.py): Llama-3-8B 32/8 x 128, Qwen-like
 14/2 x 64, Gemma-like 8/4 x 256 with soft cap and sliding window, D 80 / 96; bf16, fp16,
 f32, int8 and fp8 pages; block sizes 8..128 (1, 4, 256 too); the benchmarks' decode
 batches and ragged scenarios and the engine's default step buckets. The default suite
@@ -15,9 +15,9 @@ Skipped, with the reason, where the jax-cuda12 plugin wheels are not installed.
 
 import pytest
 
-from pallas_kernels import compile_configs
-from pallas_kernels import compile_target
-from pallas_kernels import tuning
+from pallas_kernels.deviceless import triton_configs as compile_configs
+from pallas_kernels.deviceless import target as compile_target
+from pallas_kernels.triton import tuning
 
 pytestmark = pytest.mark.skipif(compile_target.unavailable_reason() is not None,
                                 reason=str(compile_target.unavailable_reason()))

@@ -1,6 +1,6 @@
 """The paged Llama forward and the whole engine step, compiled by XLA for a compile-only H200.
 
-What only a GPU compile shows (`pallas_kernels.compile_target`): buffers XLA materialises
+What only a GPU compile shows (`pallas_kernels.deviceless.target`): buffers XLA materialises
 around the kernels. A Pallas kernel cannot read a view into a bigger buffer, so a stacked
 `[num_layers, ...]` pool made XLA copy each layer's whole pool before every attention call
 (measured on the old layout, 2-layer Llama-8B shapes, bf16 pool [2, 8, 16384, 16, 128]:
@@ -26,7 +26,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import compile_target as ct
+from pallas_kernels.deviceless import target as ct
 from paged_jax import kv_cache
 from paged_jax.attention import AttentionMetadata
 from paged_jax.config import ModelConfig

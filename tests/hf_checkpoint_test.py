@@ -209,14 +209,35 @@ def test_config_errors_name_the_file(tmp_path):
   config = _config()
   _write(tmp_path, config, _hf_tensors(tmp_path, config))
   cfg = tmp_path / "config.json"
-  for hf, want in [(dict(config.to_hf_config(), attention_bias=True), "attention_bias=true"),
-                   (dict(config.to_hf_config(), model_type="gpt2"), "'gpt2' is not a Llama"),
-                   (dict(config.to_hf_config(), hidden_act="gelu"), "hidden_act='gelu'"),
-                   (dict(config.to_hf_config(), num_key_value_heads=4), "num_kv_heads"),
-                   ([1, 2], "expected a JSON object")]:
-    cfg.write_text(json.dumps(hf))
+  hf = config.to_hf_config()
+  for bad, want in [(dict(hf, model_type="gpt2"), "model_type='gpt2' is not supported; "
+                      "supported: llama, mistral, qwen2, qwen3, gemma2, gemma3_text"),
+                    (dict(hf, model_type="gemma3"), "text-only checkpoints have model_type "
+                      "'gemma3_text'"),
+                    (dict(hf, hidden_act="relu"), "hidden_act='relu' is not supported"),
+                    (dict(hf, model_type="gemma2", hidden_activation="relu"),
+                     "hidden_activation='relu' is not supported"),
+                    (dict(hf, rope_scaling={"rope_type": "yarn", "factor": 4.0}),
+                     "rope_scaling rope_type must be one of ['default', 'linear', 'llama3'], "
+                     "got 'yarn'"),
+                    (dict(hf, rope_scaling=None, rope_parameters={"rope_type": "dynamic",
+                                                                  "factor": 2.0}),
+                     "rope_parameters rope_type must be one of"),
+                    (dict(hf, model_type="gemma3_text", attn_logit_softcapping=50.0),
+                     "attn_logit_softcapping=50.0 is not supported for gemma3_text"),
+                    (dict(hf, model_type="gemma2", use_bidirectional_attention=True),
+                     "use_bidirectional_attention=true is not supported"),
+                    (dict(hf, quantization_config={"quant_method": "gptq"}),
+                     "quantization_config is not supported"),
+                    (dict(hf, partial_rotary_factor=0.5), "partial_rotary_factor must be 1.0"),
+                    (dict(hf, model_type="qwen2", use_sliding_window=True, sliding_window=4,
+                          layer_types=["full_attention"]), "layer_types must list 2 of"),
+                    (dict(hf, num_key_value_heads=4), "num_kv_heads"),
+                    ([1, 2], "expected a JSON object")]:
+    cfg.write_text(json.dumps(bad))
     msg = _load_error(tmp_path)
     assert msg.startswith(str(cfg) + ": ") and want in msg, msg
+    assert "\n" not in msg
   cfg.write_text('{"vocab_size": 61,\n "hidden_size": }')
   assert _load_error(tmp_path) == f"{cfg}: not valid JSON (Expecting value at line 2 column 17)"
   cfg.write_bytes(b"\xff\xfe{}")

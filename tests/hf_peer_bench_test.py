@@ -1,20 +1,19 @@
-"""experiments/hf_peer_bench: paged_jax vs transformers' continuous batching.
+"""experiments/hf_peer_bench and paged_jax.bench.hf_peer: paged_jax vs transformers'
+continuous batching.
 
-Skips when the benchmark-only extras (torch, transformers; requirements-bench.txt)
-are missing. With them, it is a cross-implementation check of our HF checkpoint
-loading and Llama model: greedy outputs of transformers' own LlamaForCausalLM on
-the same fp32 weights must match paged_jax's token for token.
+The engine-vs-engine cases skip when the benchmark-only extras (torch, transformers;
+requirements-bench.txt) are missing. With them, they are a cross-implementation check of our
+HF checkpoint loading and Llama model: greedy outputs of transformers' own LlamaForCausalLM
+on the same fp32 weights must match paged_jax's token for token.
 """
 
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from experiments import hf_peer_bench  # pylint: disable=g-import-not-at-top
-from paged_jax import tokenizer  # pylint: disable=g-import-not-at-top
-from paged_jax.models import DEFAULT_CHECKPOINT  # pylint: disable=g-import-not-at-top
+from experiments import hf_peer_bench
+from paged_jax import tokenizer
+from paged_jax.bench import hf_peer
+from paged_jax.models import DEFAULT_CHECKPOINT
 
 MAX_NEW = 12
 KW = dict(block_size=8, num_blocks=48, max_seqs=4, max_batch_tokens=64, max_new_tokens=MAX_NEW)
@@ -32,8 +31,10 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def outputs(prompts):
-  pj = hf_peer_bench.PagedJaxRunner(DEFAULT_CHECKPOINT, max_model_len=64, **KW)
-  hf = hf_peer_bench.TransformersRunner(DEFAULT_CHECKPOINT, threads=2, **KW)
+  pytest.importorskip("torch")
+  pytest.importorskip("transformers")
+  pj = hf_peer.PagedJaxRunner(DEFAULT_CHECKPOINT, max_model_len=64, **KW)
+  hf = hf_peer.TransformersRunner(DEFAULT_CHECKPOINT, threads=2, **KW)
   try:
     out = {"paged_jax": pj(prompts), "transformers": hf(prompts),
            "paged_jax_steady": pj.steady(prompts), "transformers_steady": hf.steady(prompts)}
@@ -55,7 +56,7 @@ def test_greedy_outputs_agree_with_transformers(outputs):
   # (float reductions differ, so a late near-tie may flip; early ones must not).
   for a, b in zip(outputs["paged_jax"], outputs["transformers"]):
     assert a[:8] == b[:8], (a, b)
-  agree = hf_peer_bench.agreement(outputs["paged_jax"], outputs["transformers"])
+  agree = hf_peer.agreement(outputs["paged_jax"], outputs["transformers"])
   assert agree["min_common_prefix"] >= 8
 
 
@@ -71,14 +72,14 @@ def test_agreement_counts_common_prefixes():
   b = [x[:c] + [(x[c] + 1) % 258] + x[c + 1:] for x, c in zip(a, cut)]
   b[0] = list(a[0])      # one exact match
   cut[0] = 10
-  got = hf_peer_bench.agreement(a, b)
+  got = hf_peer.agreement(a, b)
   assert got["exact_match_fraction"] == pytest.approx(1 / 5)
   assert got["mean_common_prefix"] == pytest.approx(float(np.mean(cut)))
   assert got["min_common_prefix"] == int(cut.min())
 
 
 def test_bad_sizes_are_rejected_before_work():
-  with pytest.raises(ValueError, match="block_size"):
-    hf_peer_bench.run(block_size=2)
+  with pytest.raises(ValueError, match="--block_size must be an int >= 4"):
+    hf_peer_bench.Config(block_size=2)
   with pytest.raises(ValueError, match="min_prompt_len"):
     hf_peer_bench.story_prompts(4, 50, 10)

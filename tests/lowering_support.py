@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import compile_target
+from pallas_kernels.deviceless import target as compile_target
 
 
 def triton_call():

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from absl import flags
 
+from experiments import configs
 from experiments import memory_waste
 from paged_jax.bench import workloads
 from paged_jax.bench.baselines import simulate
@@ -114,11 +115,7 @@ def test_cli_writes_contract_json_png_and_table(tmp_path, capsys):
   # Saturated Alpaca-like run: 300 requests, 4096 slots (~8 Orca(Max) reservations of 512).
   argv = ["memory_waste", "--workload=alpaca", "--num_requests=300", "--block_size=16",
           "--kv_budget_tokens=4096", "--max_len=512", f"--out={tmp_path}"]
-  memory_waste.parse_flags(argv)
-  try:
-    memory_waste.main(memory_waste.FLAGS, tmp_path)
-  finally:
-    memory_waste.FLAGS.unparse_flags()
+  memory_waste.main(_config(argv), tmp_path)
   results = json.loads((tmp_path / "memory_waste.json").read_text())
   _check_schema(results)
   png = (tmp_path / "memory_waste.png").read_bytes()
@@ -138,37 +135,39 @@ def test_cli_writes_contract_json_png_and_table(tmp_path, capsys):
 @pytest.mark.parametrize("workload", ["sharegpt", "alpaca"])
 def test_paper_scale_run(workload):
   """Paper scale: the contract schema, and paging beats every contiguous reservation."""
-  reqs = workloads.synthetic(workload, 2000, seed=0)
-  results = memory_waste.run(reqs, block_size=16, kv_budget_tokens=14336, show_progress=False)
+  results = memory_waste.run(memory_waste.Config(workload=workload, num_requests=2000),
+                             show_progress=False)
   _check_schema(results)
   u = {name: r["token_utilization"] for name, r in results.items()}
   assert u["paged"] > max(u["orca_max"], u["orca_pow2"], u["orca_oracle"])
 
 
+def _config(argv):
+  """The Config `python -m experiments.memory_waste *argv[1:]` runs with."""
+  fv = flags.FlagValues()
+  configs.define_flags(memory_waste.Config, fv)
+  fv(argv)
+  return configs.from_flags(memory_waste.Config, fv)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--kv_budget_tokens=1000"], "multiple of --block_size"),
-    (["--block_size=7", "--kv_budget_tokens=14336"], "power of two"),
+    (["--block_size=7", "--kv_budget_tokens=14336"], "--block_size must be a power of two"),
     (["--kv_budget_tokens=1024"], "must be >= --max_len"),
-    (["--watermark=1.5"], "--watermark must be in"),
+    (["--watermark=1.5"], "--watermark must be a finite number in [0, 1)"),
+    (["--workload=wiki"], "--workload must be one of sharegpt, alpaca"),
 ])
-def test_bad_flags_raise_value_errors(tmp_path, argv, message):
-  memory_waste.parse_flags(["memory_waste", *argv, f"--out={tmp_path}"])
-  try:
-    with pytest.raises(ValueError, match=message):
-      memory_waste.main(memory_waste.FLAGS, tmp_path)
-  finally:
-    memory_waste.FLAGS.unparse_flags()
-  assert not list(tmp_path.iterdir())   # refused before writing anything
+def test_bad_flags_raise_value_errors(argv, message):
+  with pytest.raises(ValueError) as e:    # refused while the settings are built
+    _config(["memory_waste", *argv])
+  assert message in str(e.value)
 
 
 def test_unknown_flags_are_rejected():
   with pytest.raises(flags.Error):   # unknown flags are rejected, not ignored
-    memory_waste.parse_flags(["memory_waste", "--num_request=5"])
+    _config(["memory_waste", "--num_request=5"])
 
 
-def test_importing_next_to_other_experiments_does_not_clash():
-  """Its flags live in a private registry: --seed/--block_size/--out stay free globally."""
-  for name in ("seed", "block_size", "out", "workload", "num_requests"):
-    assert name not in flags.FLAGS or flags.FLAGS[name].module_name != memory_waste.__name__
+def test_simulation_rejects_a_budget_the_block_size_does_not_divide():
   with pytest.raises(ValueError, match="multiple of block_size"):
     simulate.simulate_paged([(0, 3, 4)], 16, 1000, 64)

@@ -1,4 +1,4 @@
-"""The Mosaic GPU configs of the compile report (pallas_kernels/mosaic_compile_configs.py).
+"""The Mosaic GPU configs of the compile report (pallas_kernels/deviceless/mosaic_configs.py).
 
 Everywhere: the committed report (experiments/results/gpu_compile_report/
 mosaic_gpu_compile_report.json) lists exactly today's configs, compiled with 0 spills and
@@ -14,8 +14,9 @@ import os
 
 import pytest
 
-from pallas_kernels import compile_target
-from pallas_kernels import mosaic_compile_configs as mcc
+from pallas_kernels.deviceless import target as compile_target
+from pallas_kernels import sm90
+from pallas_kernels.deviceless import mosaic_configs as mcc
 
 REPORT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                       "experiments", "results", "gpu_compile_report",
@@ -68,10 +69,10 @@ def test_kv_bytes_model_by_hand():
 
 
 def test_resident_blocks_by_hand():
-  assert mcc.resident_blocks(168, 128, 125952) == 1          # shared memory bound
-  assert mcc.resident_blocks(128, 128, 68608) == 3
-  assert mcc.resident_blocks(255, 128, 1024) == 2            # 8192 registers per warp x 4
-  assert mcc.resident_blocks(32, 128, 0) == 16               # threads bound (2048)
+  assert sm90.resident_blocks(168, 128, 125952) == 1          # shared memory bound
+  assert sm90.resident_blocks(128, 128, 68608) == 3
+  assert sm90.resident_blocks(255, 128, 1024) == 2            # 8192 registers per warp x 4
+  assert sm90.resident_blocks(32, 128, 0) == 16               # threads bound (2048)
 
 
 @pytest.mark.parametrize("case", [

@@ -3,7 +3,7 @@
 `races_found()` reads GPU interpret mode's race-detection state (private jax API, read only:
 the kernels run with `InterpretGPUParams(detect_races=True)`), so a test can fail on a race.
 `mosaic_resources(fn, *abstract_args)` compiles `fn` for the compile-only H200 of
-pallas_kernels/compile_target.py with MOSAIC_GPU_DUMP_TO / MOSAIC_GPU_DUMP_PTXAS set and
+pallas_kernels/deviceless/target.py with MOSAIC_GPU_DUMP_TO / MOSAIC_GPU_DUMP_PTXAS set and
 returns, per Mosaic kernel, its ptxas registers and spill bytes and Mosaic's shared-memory
 scratch bytes.
 """
@@ -27,7 +27,7 @@ class MosaicKernel:
 
 def mosaic_resources(fn, *args):
   """Compiles jax.jit(fn)(*args) deviceless for sm_90a; returns ([MosaicKernel], report)."""
-  from pallas_kernels import mosaic_compile_configs  # pylint: disable=g-import-not-at-top
-  kernels, report = mosaic_compile_configs.compile_with_dump(fn, args)
+  from pallas_kernels.deviceless import mosaic_configs  # pylint: disable=g-import-not-at-top
+  kernels, report = mosaic_configs.compile_with_dump(fn, args)
   return [MosaicKernel(k["kernel"], k["registers"], k["spill_bytes"], k["shared_memory"])
           for k in kernels], report

@@ -20,8 +20,8 @@ import pytest
 from attention_oracle import (check_decode_output, decode_case, decode_oracle, make_cache,
                               rel_err)
 import pallas_kernels
-from pallas_kernels import compile_target
-from pallas_kernels import mosaic_paged_attention as mosaic
+from pallas_kernels.deviceless import target as compile_target
+from pallas_kernels.mosaic_gpu import paged_attention as mosaic
 
 _SKIP = mosaic.interpret_unavailable_reason()
 pytestmark = pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))

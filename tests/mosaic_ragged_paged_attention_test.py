@@ -15,9 +15,9 @@ import pytest
 
 from attention_oracle import make_cache, ragged_oracle, rel_err
 import pallas_kernels
-from pallas_kernels import compile_target
-from pallas_kernels import mosaic_paged_attention as mosaic_decode
-from pallas_kernels import mosaic_ragged_paged_attention as mosaic
+from pallas_kernels.deviceless import target as compile_target
+from pallas_kernels.mosaic_gpu import paged_attention as mosaic_decode
+from pallas_kernels.mosaic_gpu import ragged_paged_attention as mosaic
 
 _SKIP = mosaic_decode.interpret_unavailable_reason()
 pytestmark = pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))

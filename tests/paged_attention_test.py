@@ -11,7 +11,7 @@ Error is ||out - oracle|| / ||oracle||: fp32 <= 1e-5, bf16 / fp16 / int8 / fp8 <
 The default grid is small (CI); the wide grid is marked slow.
 """
 
-import importlib
+import dataclasses
 import itertools
 import math
 
@@ -25,9 +25,8 @@ from attention_oracle import (check_decode_output, decode_case, decode_oracle, m
                               rel_err)
 from paged_jax import attention
 from pallas_kernels import paged_attention, paged_attention_reference
-
-# The package binds `paged_attention` to the function; the module holds the heuristics.
-kernel_module = importlib.import_module("pallas_kernels.paged_attention")
+from pallas_kernels.triton import paged_attention as kernel_module   # the Triton kernel
+from pallas_kernels.triton import tuning
 
 TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
 
@@ -52,7 +51,7 @@ def run_case(seed, *, block_size, group, head_dim, dtype="float32", lengths=None
       num_kv_heads=num_kv_heads, dtype=np_dtype, quant=quant, spare_blocks=5)
   args = [jnp.asarray(x) for x in (q, k, v, tables, np.asarray(lengths, np.int32))]
   scales = {} if ks is None else dict(k_scales=jnp.asarray(ks), v_scales=jnp.asarray(vs))
-  # The Triton kernel itself (the package's paged_attention dispatches by gpu_backend).
+  # The Triton kernel itself (the package's paged_attention dispatches by backend).
   out = kernel_module.paged_attention(*args, interpret=interpret, **scales, **kw)
   out, want = check_decode_output(
       out, q, k, v, ks, vs, tables, lengths, kw,
@@ -194,7 +193,7 @@ def _shapes(b=2, hq=4, hkv=2, d=32, nb=8, bs=8, p=4, dtype=jnp.float32, pdtype=N
     (_shapes(hq=3), {}, "num_kv_heads"),
     (_shapes(pdtype=jnp.bfloat16), {}, "dtype"),
     (_shapes(pdtype=jnp.int8), {}, "k_scales"),
-    (_shapes(dtype=jnp.int32), {}, "q dtype"),
+    (_shapes(dtype=jnp.int32), {}, "q has dtype int32"),
     (_shapes(), dict(num_splits=0), "num_splits"),
     (_shapes(bs=4), dict(tile_tokens=8), "tile_tokens"),
     (_shapes(), dict(tile_tokens=48), "tile_tokens"),
@@ -222,15 +221,22 @@ def test_lengths_shape_checked():
 
 def test_split_heuristic():
   # Small batch, long context: many splits; big batch: one split.
-  assert kernel_module.default_num_splits(1, 8, 2048, 16, 128) >= 16
-  assert kernel_module.default_num_splits(256, 8, 256, 16, 128) == 1
-  assert kernel_module.default_num_splits(1, 1, 1, 256, 128) == 1
-  assert kernel_module.default_tile_tokens(16, 128) == 128
-  assert kernel_module.default_tile_tokens(16, 256) == 64
+  assert tuning.default_num_splits(1, 8, 2048, 16, 128) >= 16
+  assert tuning.default_num_splits(256, 8, 256, 16, 128) == 1
+  assert tuning.default_num_splits(1, 1, 1, 256, 128) == 1
+  assert tuning.decode_defaults(jnp.bfloat16, 128).tile_tokens == 128
+  assert tuning.decode_defaults(jnp.bfloat16, 256).tile_tokens == 64
   # float32 (TF32 x3 on the GPU) halves the tile to stay in shared memory / registers.
-  assert kernel_module.default_tile_tokens(16, 128, jnp.float32) == 64
+  assert tuning.decode_defaults(jnp.float32, 128).tile_tokens == 64
   # B=64 x 8 KV heads: two waves of resident blocks need 2 splits.
-  assert kernel_module.default_num_splits(64, 8, 256, 16, 128) == 2
+  assert tuning.default_num_splits(64, 8, 256, 16, 128) == 2
+  # What the wrapper resolves: the frozen config of one call.
+  shapes = kernel_module.checks.check_decode(*_shapes(b=64, hq=64, hkv=8, d=128, p=256,
+                                                      dtype=jnp.bfloat16))
+  cfg = kernel_module.TuningConfig.resolve(shapes)
+  assert (cfg.tile_tokens, cfg.num_splits, cfg.num_stages) == (128, 2, 3)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    cfg.num_splits = 4
 
 
 @pytest.mark.parametrize("head_dim,group,dtype", [(80, 4, "float32"), (96, 2, "bfloat16"),
@@ -267,7 +273,7 @@ def test_wide_grid(block_size, group, head_dim, dtype):
 
 
 # Compiled Triton kernel on a real GPU (experiments/gpu_check.sh runs these with
-# JAX_PLATFORMS=cuda). fp32 dots run as 3-pass TF32 on the GPU (pallas_kernels/tuning.py:
+# JAX_PLATFORMS=cuda). fp32 dots run as 3-pass TF32 on the GPU (pallas_kernels/triton/tuning.py:
 # ~1e-6 relative error), so the fp32 tolerance holds there too.
 GPU_GRID = [(bs,) + cfg for bs in (8, 16, 32, 64, 128, 256)
             for cfg in ((1, 64, "float32"), (4, 128, "bfloat16"), (8, 64, "bfloat16"))]

@@ -1,5 +1,5 @@
 """experiments.serving_benchmark end to end at tiny sizes (virtual step clock: no wall-clock
-assertion), its JSON contract, and its one-line errors for bad flags."""
+assertion) and its JSON contract. Its one-line errors for bad flags: tests/cli_errors_test."""
 
 import json
 import os
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from paged_jax.bench import serving
+from paged_jax.bench import arrivals
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CURVE_KEYS = ("rates", "normalized_latency_s_per_token", "ttft_p50_s", "ttft_p99_s",
@@ -39,41 +39,27 @@ def test_tiny_run_writes_the_contract_json(tmp_path):
     for k in CURVE_KEYS:
       assert len(c[k]) == len(rates), (name, k)
     # Every accepted request finished: one latency per arrival of the seeded stream.
-    assert c["requests"] == [serving.arrival_times(r, duration, seed).size for r in rates]
+    assert c["requests"] == [arrivals.arrival_times(r, duration, seed).size for r in rates]
     assert res["max_rate_at_slo"][name] in [0.0] + rates
   # Orca(Max) with 512 slots and max_len 256 runs at most 2 requests at once.
   assert max(res["systems"]["orca_max"]["max_running"]) <= 2
   assert res["sizes"]["orca_max"]["max_seqs"] == 2
   for key in ("flags", "versions", "machine", "slo_rule", "sizing_rule", "clock"):
     assert key in res
-  assert res["flags"]["rates"] == ["6", "3"] and res["flags"]["seed"] == seed
+  assert res["flags"]["rates"] == [6.0, 3.0] and res["flags"]["seed"] == seed
   # The step clock does not see compile time: no ahead-of-time warm-up (shapes compile
   # on first use; tests/serving_warmup_test.py covers the wall-clock warm-up).
   for c in res["systems"].values():
     assert c["warm_up_shapes"] == [0, 0] and c["step_traces_in_run"][0] >= 1
 
 
-@pytest.mark.parametrize("flag,message", [
-    ("--rates=0", "--rates must be finite and > 0"),
-    ("--rates=2,-1", "--rates must be finite and > 0"),
-    ("--systems=paged,orca_fifo", "unknown system 'orca_fifo'"),
-    ("--duration_s=0.001", "admits no request"),
-    ("--swap_s_per_token=-1", "--swap_s_per_token must be finite and >= 0"),
-])
-def test_bad_flags_end_with_one_line(flag, message, tmp_path):
-  proc = _run(flag, f"--out={tmp_path}", timeout=120)
-  assert proc.returncode != 0
-  last = proc.stderr.strip().splitlines()[-1]
-  assert last.startswith("error:") and message in last, proc.stderr[-1500:]
-
-
 @pytest.mark.slow
 def test_sharegpt_real_stream_for_the_benchmark():
-  from experiments import serving_benchmark
-  from paged_jax.bench import workloads
-  if workloads.sharegpt_real_available():
-    pytest.skip(workloads.sharegpt_real_available())
-  reqs = serving_benchmark.stream("sharegpt-real", 4.0, 5.0, 0, 256, 40)
-  times = serving.arrival_times(4.0, 5.0, 0)
+  from paged_jax.bench import sharegpt_trace
+  from paged_jax.bench import sweep
+  if sharegpt_trace.available():
+    pytest.skip(sharegpt_trace.available())
+  reqs = sweep.rate_stream("sharegpt-real", 4.0, 5.0, 0, 256, 40)
+  times = arrivals.arrival_times(4.0, 5.0, 0)
   assert [r.arrival_time for r in reqs] == list(times)
   assert all(r.total_len <= 256 and max(r.prompt_token_ids) < 256 for r in reqs)

@@ -1,6 +1,7 @@
 """Online serving pieces against independent references: Poisson arrivals, Orca admission
-gates, latency metrics, and the arrival-driven serve loop on a scripted fake engine (a
-virtual step clock, so no wall-clock assertion)."""
+gates, latency metrics, the clocks, and the arrival-driven serve loop on a scripted fake
+engine that has `recorder.EngineLike`'s surface (a virtual step clock, so no wall-clock
+assertion)."""
 
 import dataclasses
 import math
@@ -10,17 +11,21 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from paged_jax.bench import arrivals
+from paged_jax.bench import clocks
 from paged_jax.bench import latency
+from paged_jax.bench import recorder
 from paged_jax.bench import serving
 from paged_jax.bench import workloads
 from paged_jax.bench.baselines import gate as gate_lib
+from paged_jax.engine.report import StepReport
 
 
 # ---- arrivals ----------------------------------------------------------------------------
 @pytest.mark.parametrize("rate", [0.5, 7.0, 40.0])
 def test_arrivals_are_poisson(rate):
   duration = 4000 / rate                     # ~4000 arrivals
-  t = serving.arrival_times(rate, duration, seed=3)
+  t = arrivals.arrival_times(rate, duration, seed=3)
   assert np.all(np.diff(t) > 0) and t[0] >= 0 and t[-1] < duration
   # Count ~ Poisson(rate * duration): within 4 sd.
   assert abs(t.size - rate * duration) < 4 * math.sqrt(rate * duration)
@@ -33,16 +38,33 @@ def test_arrivals_are_poisson(rate):
 
 
 def test_arrivals_seeded_and_rate_scaled():
-  a = serving.arrival_times(4.0, 50.0, seed=1)
-  np.testing.assert_array_equal(a, serving.arrival_times(4.0, 50.0, seed=1))
-  assert not np.array_equal(a[:10], serving.arrival_times(4.0, 50.0, seed=2)[:10])
+  a = arrivals.arrival_times(4.0, 50.0, seed=1)
+  np.testing.assert_array_equal(a, arrivals.arrival_times(4.0, 50.0, seed=1))
+  assert not np.array_equal(a[:10], arrivals.arrival_times(4.0, 50.0, seed=2)[:10])
   # A faster rate is the same stream compressed: common random numbers across a sweep.
-  np.testing.assert_allclose(serving.arrival_times(8.0, 25.0, seed=1), a / 2)
+  np.testing.assert_allclose(arrivals.arrival_times(8.0, 25.0, seed=1), a / 2)
   for bad in (0.0, -1.0, math.inf, math.nan):
     with pytest.raises(ValueError, match="rate"):
-      serving.arrival_times(bad, 1.0, seed=0)
+      arrivals.arrival_times(bad, 1.0, seed=0)
   with pytest.raises(ValueError, match="duration_s"):
-    serving.arrival_times(1.0, 0.0, seed=0)
+    arrivals.arrival_times(1.0, 0.0, seed=0)
+
+
+def test_arrivals_by_count_are_the_same_stream():
+  # The first n arrivals of a window are the n-arrival stream: one generator, two ways.
+  seed = int(np.random.default_rng(31).integers(1 << 20))
+  window = arrivals.arrival_times(3.0, 40.0, seed=seed)
+  np.testing.assert_array_equal(
+      arrivals.arrival_times(3.0, num_requests=window.size, seed=seed), window)
+  np.testing.assert_array_equal(arrivals.arrival_times(math.inf, num_requests=4, seed=seed),
+                                np.zeros(4))
+  for kw in ({}, {"duration_s": 1.0, "num_requests": 3}):
+    with pytest.raises(ValueError, match="exactly one"):
+      arrivals.arrival_times(1.0, seed=0, **kw)
+  with pytest.raises(ValueError, match="request_rate"):
+    arrivals.arrival_times(0.0, num_requests=3, seed=0)
+  with pytest.raises(ValueError, match="request_rate"):
+    arrivals.arrival_times(math.inf, 1.0, seed=0)   # a window needs a finite rate
 
 
 # ---- gates -------------------------------------------------------------------------------
@@ -171,48 +193,58 @@ class _Out:
 
 class FakeEngine:
   """Every running request gains one token per step (its first in the step after it is
-  added); at most `max_running` run, the rest wait FCFS."""
+  added); at most `max_running` run, the rest wait FCFS. Has EngineLike's surface."""
 
   def __init__(self, max_running):
-    self.max_running, self.waiting, self.added = max_running, [], []
-
-    class _Sched:
-      running = []
-    self.scheduler = _Sched()
-    self.scheduler.running = []
+    self.max_running, self.waiting, self.running, self.added = max_running, [], [], []
+    self.last_step = StepReport()
+    self.cache_config = types.SimpleNamespace(block_size=16)
+    self.stats, self.timing = {"steps": 0}, {}
+    self.num_preemptions = self.num_swaps = 0
     self.peak = 0
 
-  def add_request(self, prompt, params, request_id):
+  def add_request(self, prompt, params=None, request_id=None):
     self.waiting.append(_Group(request_id, [_Seq()], params.max_tokens))
     self.added.append(request_id)
+    return request_id
 
   def has_unfinished(self):
-    return bool(self.waiting or self.scheduler.running)
+    return bool(self.waiting or self.running)
 
-  def step(self):
-    run = self.scheduler.running
+  def flush(self):
+    pass
+
+  def step(self, swapped_blocks=0):
+    run = self.running
     while self.waiting and len(run) < self.max_running:
       run.append(self.waiting.pop(0))
     self.peak = max(self.peak, len(run))
-    done = []
+    self.stats["steps"] += 1
+    done, first = [], []
     for g in list(run):
       g.seqs[0].num_generated += 1
+      if g.seqs[0].num_generated == 1:
+        first.append(g.request_id)
       g.left -= 1
       if g.left == 0:
         run.remove(g)
         done.append(_Out(g.request_id))
+    self.last_step = StepReport(first_token_ids=tuple(first),
+                                finished_ids=tuple(o.request_id for o in done),
+                                num_running_groups=len(run), num_running_seqs=len(run),
+                                swapped_blocks=swapped_blocks)
     return done
 
 
 def _requests(n, rate, seed=0):
-  base = serving.scaled_requests("alpaca", n, seed=seed, max_len=64, scale=4)
+  base = workloads.scaled_requests("alpaca", n, seed=seed, max_len=64, scale=4)
   times = np.cumsum(np.random.default_rng(seed).exponential(1 / rate, n))
   return [dataclasses.replace(r, arrival_time=float(t)) for r, t in zip(base, times)]
 
 
 def test_serve_online_times_on_an_uncontended_engine():
   reqs = _requests(30, rate=0.5)
-  clock = serving.StepClock(0.1)
+  clock = clocks.StepClock(0.1)
   clock.wait_until(1000.0)                     # a used clock: serving restarts it at 0
   res = serving.serve_online(FakeEngine(max_running=100), reqs, gate_lib.OpenGate(),
                              clock=clock)
@@ -233,38 +265,39 @@ def test_serve_online_through_orca_gate_respects_reservations():
   cap, max_len = 256, 64
   gate = gate_lib.OrcaGate("max", cap, max_len)
   eng = FakeEngine(max_running=100)
-  res = serving.serve_online(eng, reqs, gate, clock=serving.StepClock(0.01))
+  res = serving.serve_online(eng, reqs, gate, clock=clocks.StepClock(0.01))
   assert eng.peak == cap // max_len            # Orca(Max): exactly 4 at a time
   assert sorted(eng.added) == [r.request_id for r in reqs]
   assert gate.reserved_tokens == 0 and gate.num_waiting == 0
   assert np.all(res["finish"] >= res["first_token"])
   open_res = serving.serve_online(FakeEngine(max_running=100), reqs, gate_lib.OpenGate(),
-                                  clock=serving.StepClock(0.01))
+                                  clock=clocks.StepClock(0.01))
   assert (open_res["summary"]["normalized_latency_s_per_token"]
           < res["summary"]["normalized_latency_s_per_token"])
 
 
 class SwappingEngine(FakeEngine):
-  """FakeEngine whose every third step swaps `blocks` blocks (as Engine.stats counts)."""
+  """FakeEngine whose every third step swaps `blocks` blocks (as Engine.stats and
+  Engine.last_step count them)."""
 
   def __init__(self, max_running, blocks):
     super().__init__(max_running)
-    self.blocks, self.steps, self.stats = blocks, 0, {"swapped_blocks": 0}
-    self.cache_config = types.SimpleNamespace(block_size=16)
+    self.blocks, self.steps = blocks, 0
+    self.stats["swapped_blocks"] = 0
 
-  def step(self):
+  def step(self, swapped_blocks=0):
     self.steps += 1
-    if self.steps % 3 == 0:
-      self.stats["swapped_blocks"] += self.blocks
-    return super().step()
+    moved = self.blocks if self.steps % 3 == 0 else 0
+    self.stats["swapped_blocks"] += moved
+    return super().step(swapped_blocks=moved)
 
 
 def test_step_clock_charges_swapped_tokens():
   reqs = _requests(20, rate=50.0, seed=5)   # a busy engine: no idle gaps to absorb time
   free = serving.serve_online(SwappingEngine(4, 3), reqs, gate_lib.OpenGate(),
-                              clock=serving.StepClock(0.01, swap_s_per_token=0.0))
+                              clock=clocks.StepClock(0.01, swap_s_per_token=0.0))
   paid = serving.serve_online(SwappingEngine(4, 3), reqs, gate_lib.OpenGate(),
-                              clock=serving.StepClock(0.01, swap_s_per_token=1e-4))
+                              clock=clocks.StepClock(0.01, swap_s_per_token=1e-4))
   assert paid["swapped_blocks"] == free["swapped_blocks"] == 3 * (free["steps"] // 3)
   assert paid["steps"] == free["steps"]
   # Each finish moves by the swaps of the steps up to it: 3 blocks x 16 tokens x 1e-4 s.
@@ -273,11 +306,46 @@ def test_step_clock_charges_swapped_tokens():
   assert np.all(extra >= 0) and len(set(np.round(extra, 9))) > 1
   for bad in (-1.0, math.nan, math.inf):
     with pytest.raises(ValueError, match="swap_s_per_token"):
-      serving.StepClock(0.01, swap_s_per_token=bad)
+      clocks.StepClock(0.01, swap_s_per_token=bad)
 
 
 def test_serve_online_rejects_duplicate_ids():
   r = workloads.Request(0, np.array([1, 2], np.int32), 3)
   with pytest.raises(ValueError, match="unique"):
     serving.serve_online(FakeEngine(4), [r, r], gate_lib.OpenGate(),
-                         clock=serving.StepClock(0.1))
+                         clock=clocks.StepClock(0.1))
+
+
+def test_serve_online_counts_the_engines_work_and_running_requests():
+  reqs = _requests(24, rate=80.0, seed=6)
+  eng = FakeEngine(max_running=3)
+  eng.stats["steps"] = 100                      # counters before the run do not count
+  res = serving.serve_online(eng, reqs, gate_lib.OpenGate(), clock=clocks.StepClock(0.01))
+  assert res["steps"] == eng.stats["steps"] - 100
+  assert res["max_running"] == eng.peak == 3
+  # Busy from the first to the last step (arrivals far faster than service): mean near 3.
+  assert 2.5 < res["mean_running"] <= 3
+
+
+def test_loop_recorder_refuses_what_is_not_an_engine_or_a_clock():
+  with pytest.raises(TypeError, match="EngineLike"):
+    recorder.LoopRecorder(object(), clocks.StepClock(0.1))
+  with pytest.raises(TypeError, match="Clock"):
+    recorder.LoopRecorder(FakeEngine(1), object())
+
+
+def test_clocks_follow_the_protocol():
+  assert isinstance(clocks.WallClock(), clocks.Clock)
+  assert isinstance(clocks.StepClock(0.1), clocks.Clock)
+  assert clocks.StepClock(0.1).virtual and not clocks.WallClock().virtual
+  c = clocks.StepClock(0.5, swap_s_per_token=0.01)
+  c.stepped(clocks.StepSample())
+  c.stepped(clocks.StepSample(swapped_tokens=10))
+  c.wait_until(0.2)                             # in the past: no effect
+  assert c.now() == pytest.approx(0.5 + 0.5 + 10 * 0.01)
+  c.wait_until(3.0)
+  assert c.now() == 3.0
+  c.start()
+  assert c.now() == 0.0
+  with pytest.raises(ValueError, match="step_s"):
+    clocks.StepClock(0.0)

@@ -1,4 +1,4 @@
-"""serving.warm_up compiles every step shape a run can reach, ahead of time: the
+"""engines.warm_up compiles every step shape a run can reach, ahead of time: the
 reachable set equals a brute-force enumeration of the shapes `StepBuckets.pick`
 gives feasible batches, and after warm-up a mixed online run (requests added while
 the engine steps, chunked prefills, decodes, n = 2 sampling) neither traces the
@@ -11,6 +11,8 @@ import jax
 import numpy as np
 import pytest
 
+from paged_jax.bench import clocks
+from paged_jax.bench import engines
 from paged_jax.bench import serving
 from paged_jax.bench import workloads
 from paged_jax.bench.baselines import gate as gate_lib
@@ -98,9 +100,9 @@ def test_after_warm_up_a_mixed_run_neither_traces_nor_compiles(monkeypatch):
   engine = Engine(MC, PARAMS, cc, max_num_batched_tokens=BUDGET, attention_backend="reference",
                   max_beam_width=2)
   reqs = mixed_stream()
-  warm = serving.warm_up(engine, reqs, params_fn)
+  warm = engines.warm_up(engine, reqs, params_fn)
   assert warm["shapes"] == 12 and warm["compiled"] + warm["already"] == 12
-  assert serving.warm_up(engine, reqs, params_fn)["compiled"] == 0    # once per shape
+  assert engines.warm_up(engine, reqs, params_fn)["compiled"] == 0    # once per shape
 
   used = record_buckets(monkeypatch)
   compiles = []
@@ -109,7 +111,7 @@ def test_after_warm_up_a_mixed_run_neither_traces_nor_compiles(monkeypatch):
   traces = sum(step_lib.TRACE_COUNT.values())
   try:
     res = serving.serve_online(engine, reqs, gate_lib.OpenGate(), params_fn,
-                               clock=serving.StepClock(0.01))
+                               clock=clocks.StepClock(0.01))
   finally:
     try:
       from jax._src import monitoring  # pylint: disable=g-import-not-at-top
@@ -117,6 +119,10 @@ def test_after_warm_up_a_mixed_run_neither_traces_nor_compiles(monkeypatch):
     except (ImportError, AttributeError, ValueError):
       pass
   assert res["summary"]["requests"] == len(reqs)
+  # First tokens from the engine's own step reports: after arrival, no later than finish.
+  assert np.all(res["first_token"] > res["arrival"])
+  assert np.all(res["first_token"] <= res["finish"])
+  assert np.any(res["first_token"] < res["finish"])
   assert sum(step_lib.TRACE_COUNT.values()) == traces
   assert compiles == []
   # The run really was mixed: both widths, prefills beside decodes and decode-only

@@ -11,7 +11,8 @@ from experiments import step_cost
 
 
 def test_readings_for_each_configuration():
-  res = step_cost.run(max_seqs=(2, 8), live=(1, 3), short=2, long=5, repeats=1)
+  res = step_cost.run(step_cost.Config(max_seqs=(2, 8), live=(1, 3), short=2, long=5,
+                                       repeats=1))
   got = [(r["reading"], r["max_seqs"], r["live"]) for r in res["rows"]]
   assert got == [("padding", 2, 1), ("padding", 8, 1), ("per_row", 8, 3)]
   # One engine step per generated token: the long run (5 tokens) takes 3 steps more.
@@ -21,10 +22,10 @@ def test_readings_for_each_configuration():
   assert "ms_per_extra_row" in res
 
 
-@pytest.mark.parametrize("kw,match", [({"max_seqs": ()}, "max_seqs"),
-                                      ({"live": (0,)}, "live"),
-                                      ({"live": (9,), "max_seqs": (4, 8)}, "live must be"),
-                                      ({"short": 8, "long": 8}, "long")])
+@pytest.mark.parametrize("kw,match", [({"max_seqs": ()}, "--max_seqs must list"),
+                                      ({"live": (0,)}, "--live must be an int >= 1"),
+                                      ({"live": (9,), "max_seqs": (4, 8)}, "--live must be <="),
+                                      ({"short": 8, "long": 8}, "--long must be >")])
 def test_bad_arguments_are_named(kw, match):
-  with pytest.raises(ValueError, match=match):
-    step_cost.run(**kw)
+  with pytest.raises(ValueError, match=match):   # before any engine is built
+    step_cost.Config(**kw)

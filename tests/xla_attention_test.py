@@ -1,10 +1,10 @@
 """The CPU engine's attention backends against the plain-jnp reference, the oracle:
-"xla" (pallas_kernels/xla_attention) and "cpu" (pallas_kernels/cpu_attention, the XLA:CPU
-custom calls; their own checks are in cpu_attention_test.py), on the ragged kernel tests'
-random batches (decode rows, prefill chunks starting mid-block, empty and dead sequences,
-padding rows, garbage table entries, NaN in every slot no live sequence owns, int8 / fp8
-pages with scales, which "cpu" hands to "xla"), plus the query-tile layout against a
-plain-Python model and the engine end to end against the dense oracle. Seeds come from the
+"xla" (pallas_kernels/cpu/xla_attention) and "cpu" (pallas_kernels/cpu/custom_calls, the
+XLA:CPU custom calls; their own checks are in cpu_attention_test.py), on the ragged kernel
+tests' random batches (decode rows, prefill chunks starting mid-block, empty and dead
+sequences, padding rows, garbage table entries, NaN in every slot no live sequence owns,
+int8 / fp8 pages with scales, which "cpu" hands to "xla"), plus the engine end to end
+against the dense oracle (the query tiles: query_tiles_test.py). Seeds come from the
 test id."""
 
 import functools
@@ -16,8 +16,8 @@ import pytest
 
 from paged_jax import attention
 from paged_jax.engine import Engine
-from pallas_kernels import cpu_attention
-from pallas_kernels import xla_attention
+from pallas_kernels.cpu import custom_calls
+from pallas_kernels.cpu import xla_attention
 from pallas_kernels.reference import paged_attention_reference
 
 import engine_oracle
@@ -25,7 +25,7 @@ from ragged_batches import (TOL, _test_seed, assert_matches, make_batch, mixed_s
                             rel_err)
 
 _STATIC = ("sm_scale", "soft_cap", "sliding_window")
-NO_CPU = cpu_attention.unavailable_reason()
+NO_CPU = custom_calls.unavailable_reason()
 # Backend "cpu" (no tile knobs) and "xla" at several query-tile sizes.
 IMPLS = [pytest.param("cpu", None, marks=pytest.mark.skipif(NO_CPU is not None,
                                                              reason=str(NO_CPU))),
@@ -38,8 +38,8 @@ decode_ref = jax.jit(paged_attention_reference, static_argnames=_STATIC)
 def kernels(backend: str, tile_tokens=None):
   """(ragged, decode), jitted, of one CPU backend (xla: at `tile_tokens` per tile)."""
   if backend == "cpu":
-    return (jax.jit(cpu_attention.ragged_attention, static_argnames=_STATIC),
-            jax.jit(cpu_attention.decode_attention, static_argnames=_STATIC))
+    return (jax.jit(custom_calls.ragged_attention, static_argnames=_STATIC),
+            jax.jit(custom_calls.decode_attention, static_argnames=_STATIC))
   ragged = functools.partial(xla_attention.ragged_attention, tile_tokens=tile_tokens or 16,
                              tiles_per_step=3)
   return (jax.jit(ragged, static_argnames=_STATIC),
@@ -92,28 +92,6 @@ def test_decode_matches_reference(group, head_dim, block_size, q_dtype, page_dty
   assert np.isfinite(out).all() and (out[3] == 0).all(), f"seed={seed}"
   err = rel_err(out, want)
   assert err <= TOL[q_dtype], f"seed={seed}: rel err {err:.3g} > {TOL[q_dtype]}"
-
-
-@pytest.mark.parametrize("tile_tokens", [1, 3, 8])
-def test_query_tiles_match_python_model(tile_tokens):
-  rng = np.random.default_rng(_test_seed())
-  for _ in range(20):
-    rows = int(rng.integers(1, 7))
-    q_lens = rng.integers(0, 12, rows)
-    num_seqs = int(rng.integers(0, rows + 1))
-    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    num_tokens = int(cu[-1]) + int(rng.integers(0, 4))
-    seq, tokens, ok = jax.device_get(xla_attention.query_tiles(
-        jnp.asarray(cu), jnp.int32(num_seqs), num_tokens, tile_tokens))
-    assert seq.shape[0] == -(-num_tokens // tile_tokens) + rows
-    # Python model: every live sequence's tokens, cut into tiles in order.
-    want = []
-    for r in range(num_seqs):
-      toks = list(range(cu[r], cu[r + 1]))
-      want += [(r, toks[i:i + tile_tokens]) for i in range(0, len(toks), tile_tokens)]
-    got = [(int(s), [int(t) for t, o in zip(tt, oo) if o]) for s, tt, oo in zip(seq, tokens, ok)]
-    assert [g for g in got if g[1]] == want
-    assert all(not g[1] for g in got[len(want):])    # the rest of the tiles hold nothing
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

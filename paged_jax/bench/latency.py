@@ -87,3 +87,33 @@ def max_rate_at_slo(rates: Sequence[float], latency: Sequence[float], slo: float
     return {"swept": 0.0, "interpolated": 0.0}
   frac = (slo - lat[k - 1]) / (lat[k] - lat[k - 1])
   return {"swept": swept, "interpolated": float(r[k - 1] + frac * (r[k] - r[k - 1]))}
+
+
+def slo_and_rates(curves: Dict[str, Dict], factor: float) -> Dict:
+  """The SLO of a sweep and each system's highest rate under it.
+
+  Args:
+    curves: {system: {"rates": [...], "normalized_latency_s_per_token": [...]}}.
+    factor: the SLO is `factor` x the largest normalized latency any system has at its
+      lowest swept rate (the unloaded latency; `slo_from_unloaded`).
+  Returns:
+    {"slo_s_per_token", "unloaded_s_per_token": {system: s/token},
+    "max_rate_at_slo": {system: swept rate}, "max_rate_at_slo_interpolated": {system:
+    rate or None}} (`max_rate_at_slo`).
+  """
+  unloaded = {s: c["normalized_latency_s_per_token"][c["rates"].index(min(c["rates"]))]
+              for s, c in curves.items()}
+  slo = slo_from_unloaded(list(unloaded.values()), factor)
+  found = {s: max_rate_at_slo(c["rates"], c["normalized_latency_s_per_token"], slo)
+           for s, c in curves.items()}
+  return {"slo_s_per_token": slo, "unloaded_s_per_token": unloaded,
+          "max_rate_at_slo": {s: v["swept"] for s, v in found.items()},
+          "max_rate_at_slo_interpolated": {s: v["interpolated"] for s, v in found.items()}}
+
+
+def rate_ratios(max_rate: Dict[str, Optional[float]], base: str = "paged") -> Dict[str, float]:
+  """{f"{base}_over_{s}": base's sustainable rate over s's} for every other system s (inf
+  when s sustains none; systems without a rate left out)."""
+  p = max_rate.get(base)
+  return {f"{base}_over_{s}": (p / r if r else math.inf) for s, r in max_rate.items()
+          if s != base and p is not None and r is not None}

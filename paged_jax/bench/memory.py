@@ -159,3 +159,13 @@ def sharing_savings(state) -> Dict[str, float]:
   used = int(np.asarray(state.ref_count).shape[0] - int(state.num_free))
   return {"unshared_blocks": unshared, "used_blocks": used,
           "savings": 1.0 - used / unshared if unshared else 0.0}
+
+
+def block_table_stats(requests: Sequence, block_size: int, max_len: int) -> Dict[str, float]:
+  """{"mean_blocks_per_seq": mean cdiv(prompt + output, block_size) over `requests` (the
+  blocks each sequence ends with), "block_table_width": cdiv(max_len, block_size) (entries
+  of one block-table row)}."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  totals = np.array([r.total_len for r in requests])
+  return {"mean_blocks_per_seq": float(np.mean(cdiv(totals, block_size))),
+          "block_table_width": cdiv(max_len, block_size)}

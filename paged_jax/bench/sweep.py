@@ -3,6 +3,9 @@
     sizes = system_sizes("orca_oracle", requests, kv_budget_tokens=2048, block_size=16)
     point = run_point("paged", requests, kv_budget_tokens=2048, block_size=16)
     point["summary"]["normalized_latency_s_per_token"]
+    swept = sweep_systems(["paged", "orca_max"], [4.0, 8.0], workload="sharegpt",
+                          duration_s=10.0, seed=0, kv_budget_tokens=2048, block_size=16)
+    swept["systems"]["paged"]["normalized_latency_s_per_token"]   # one per rate
 
 Systems (one `paged_jax.engine.Engine` each, same model, block size, kernels and
 per-step token budget; only admission differs):
@@ -29,13 +32,21 @@ capped at `max_seqs_cap`. So no system gets slots its memory cannot fill.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from paged_jax.bench import arrivals
+from paged_jax.bench import engines
 from paged_jax.bench import serving
+from paged_jax.bench import sharegpt_trace
+from paged_jax.bench import workloads
 from paged_jax.bench.baselines import gate as gate_lib
+from paged_jax.bench.clocks import WallClock
+from paged_jax.bench.scale import TINY
 
 SYSTEMS = ("paged", "orca_max", "orca_pow2", "orca_oracle")
 LABELS = {"paged": "vLLM (paged)", "orca_max": "Orca (Max)", "orca_pow2": "Orca (Pow2)",
@@ -49,7 +60,7 @@ def check_system(system: str) -> str:
 
 
 def system_sizes(system: str, requests: Sequence, *, kv_budget_tokens: int, block_size: int,
-                 max_len: int = serving.ENGINE_MAX_LEN, num_seqs: int = 1,
+                 max_len: int = TINY.max_len, num_seqs: int = 1,
                  headroom: float = 1.5, max_seqs_cap: int = 64) -> Dict:
   """{"max_seqs", "pool_tokens", "memory_concurrency"} of `system` (module docstring).
 
@@ -84,27 +95,29 @@ def system_sizes(system: str, requests: Sequence, *, kv_budget_tokens: int, bloc
 
 
 def run_point(system: str, requests: Sequence, *, kv_budget_tokens: int, block_size: int,
-              max_len: int = serving.ENGINE_MAX_LEN, sizes: Optional[Dict] = None,
-              params_fn: Callable = serving.greedy, clock=None, progress=None,
-              attention_backend: str = "auto", max_num_batched_tokens: int = 256,
+              max_len: int = TINY.max_len, sizes: Optional[Dict] = None,
+              params_fn: Callable = engines.greedy, clock=None, progress=None,
+              attention_backend: str = "auto",
+              max_num_batched_tokens: int = TINY.max_num_batched_tokens,
               preemption_mode: str = "recompute") -> Dict:
   """One system at one arrival stream: a fresh warmed-up engine, `serve_online`.
 
   On the wall clock every step shape the stream can reach is compiled before serving
-  (`serving.warm_up`); on a `serving.StepClock` nothing is (virtual time does not see
-  compile time), and shapes compile on first use.
+  (`engines.warm_up`); on a virtual clock (`clock.virtual`: the step clock) nothing is
+  (virtual time does not see compile time), and shapes compile on first use.
   Returns `serve_online`'s dict plus "max_seqs", "pool_tokens", "warm_up_compiled"
   (shapes compiled for this point) and "warm_up_shapes" (shapes in its reachable set).
   """
   sizes = sizes or system_sizes(system, requests, kv_budget_tokens=kv_budget_tokens,
                                 block_size=block_size, max_len=max_len)
-  engine = serving.make_engine(block_size=block_size, kv_budget_tokens=sizes["pool_tokens"],
+  clock = clock or WallClock()
+  engine = engines.make_engine(block_size=block_size, kv_budget_tokens=sizes["pool_tokens"],
                                max_seqs=sizes["max_seqs"], max_len=max_len,
                                attention_backend=attention_backend,
                                max_num_batched_tokens=max_num_batched_tokens,
                                preemption_mode=preemption_mode)
-  warm = ({"compiled": 0, "shapes": 0} if isinstance(clock, serving.StepClock) else
-          serving.warm_up(engine, requests, params_fn))
+  warm = ({"compiled": 0, "shapes": 0} if clock.virtual else
+          engines.warm_up(engine, requests, params_fn))
   gate = gate_lib.make_gate(system, kv_budget_tokens, max_len)
   res = serving.serve_online(engine, requests, gate, params_fn, clock=clock, progress=progress)
   res.update(max_seqs=sizes["max_seqs"], pool_tokens=sizes["pool_tokens"],
@@ -136,3 +149,71 @@ def curve(rates: Sequence[float], points: Sequence[Dict]) -> Dict:
   out["max_seqs"] = points[0]["max_seqs"] if points else None
   out["pool_tokens"] = points[0]["pool_tokens"] if points else None
   return out
+
+
+# Sampling modes of the paper's Fig. 14 (parallel sampling n, beam width), keyed by name.
+FIG14_MODES = {"n2": dict(n=2), "n4": dict(n=4), "beam4": dict(beam_width=4)}
+
+
+def sampling(mode: Dict) -> Callable:
+  """request -> SamplingParams for a mode ({} greedy, {"n": k} k samples at temperature 1
+  seeded by the request id, {"beam_width": k} beam search), output_len tokens each."""
+  from paged_jax.engine import SamplingParams  # pylint: disable=g-import-not-at-top
+  temp = 1.0 if mode.get("n", 1) > 1 else 0.0
+  return lambda r: SamplingParams(max_tokens=r.output_len, temperature=temp,
+                                  seed=r.request_id % 1000, **mode)
+
+
+def rate_stream(workload: str, rate: float, duration_s: float, seed: int, max_len: int,
+                num_total: int) -> List[workloads.Request]:
+  """The arrivals within `duration_s` at `rate` of one `num_total`-request stream.
+
+  Lengths and ids come from one seeded stream of `num_total` requests for every rate
+  (common random numbers); a rate's arrival count picks its prefix. Lengths are the
+  tiny model's (`TINY.divisor`); "sharegpt-real" is the real trace at ShareGPT's divisor.
+  """
+  times = arrivals.arrival_times(rate, duration_s, seed)
+  if workload == "sharegpt-real":
+    base = sharegpt_trace.requests(num_total, seed=seed, max_len=max_len,
+                                   scale=TINY.divisor(workload))
+  else:
+    base = workloads.scaled_requests(workload, num_total, seed=seed, max_len=max_len)
+  return [dataclasses.replace(r, arrival_time=float(t)) for r, t in zip(base, times)]
+
+
+def sweep_systems(systems: Sequence[str], rates: Sequence[float], *, workload: str,
+                  duration_s: float, seed: int, kv_budget_tokens: int, block_size: int,
+                  max_len: int = TINY.max_len, mode: Optional[Dict] = None,
+                  clock_fn: Callable = WallClock, headroom: float = 1.5,
+                  max_seqs_cap: int = 64, preemption_mode: str = "recompute",
+                  progress: Optional[Callable] = None) -> Dict:
+  """Every system at every rate: {"systems": {NAME: curve(...)}, "sizes": {NAME: sizes}}.
+
+  Args:
+    mode: sampling mode (`sampling`; default greedy).
+    clock_fn: () -> a fresh clock for each point.
+    headroom, max_seqs_cap: `system_sizes`' (sized on the highest rate's stream).
+    progress: (total, desc) -> a context manager with `update(n)` (a tqdm bar), per point.
+  """
+  from paged_jax.engine import compiled  # pylint: disable=g-import-not-at-top
+  mode = mode or {}
+  rates = list(rates)
+  num_total = max(arrivals.arrival_times(r, duration_s, seed).size for r in rates)
+  num_seqs = max(mode.get("n", 1), mode.get("beam_width", 1))
+  streams = {r: rate_stream(workload, r, duration_s, seed, max_len, num_total) for r in rates}
+  bar = progress or (lambda total, desc: contextlib.nullcontext())
+  curves, sizes = {}, {}
+  for system in systems:
+    sizes[system] = system_sizes(system, streams[max(rates)], kv_budget_tokens=kv_budget_tokens,
+                                 block_size=block_size, max_len=max_len, num_seqs=num_seqs,
+                                 headroom=headroom, max_seqs_cap=max_seqs_cap)
+    points = []
+    for r in rates:
+      with bar(len(streams[r]), f"{system} {r:g} req/s") as b:
+        points.append(run_point(system, streams[r], kv_budget_tokens=kv_budget_tokens,
+                                block_size=block_size, max_len=max_len, sizes=sizes[system],
+                                params_fn=sampling(mode), clock=clock_fn(), progress=b,
+                                preemption_mode=preemption_mode))
+    curves[system] = curve(rates, points)
+    compiled.release_compiled()   # the next system's engine has other shapes
+  return {"systems": curves, "sizes": sizes}

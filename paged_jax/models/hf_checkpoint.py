@@ -1,34 +1,36 @@
-"""Hugging Face-format Llama checkpoints: load and save through the `safetensors` package.
+"""Hugging Face-format checkpoints: load and save through the `safetensors` package.
 
-A checkpoint directory holds `config.json` (HF Llama form) and either one
-`model.safetensors`, or shards listed by `model.safetensors.index.json`
-(`{"weight_map": {tensor_name: file_name}}`), or any `*.safetensors` files.
+A checkpoint directory holds `config.json` (of a family in `hf_config.MODEL_TYPES`: Llama,
+Mistral, Qwen2 / Qwen2.5, Qwen3, Gemma-2, Gemma-3 text) and either one `model.safetensors`,
+or shards listed by `model.safetensors.index.json` (`{"weight_map": {tensor_name:
+file_name}}`), or any `*.safetensors` files.
 
-Names map 1:1 to the `LlamaForCausalLM` tree (see `llama.py`); HF stores Linear
+Names map 1:1 to the `DecoderForCausalLM` tree (see `decoder.py`); HF stores Linear
 weights as [out, in], Flax kernels as [in, out], so they are transposed (on the
 device, after one host read per tensor). BF16 is read and written as
 `ml_dtypes.bfloat16` by safetensors' numpy API, so no torch is needed.
 
 Every failure is a `ValueError` (or `FileNotFoundError`) that names the file, the
-tensor where there is one, and what is wrong: truncated file, corrupt header,
-config.json that is not JSON, a non-float (e.g. int or quantized) weight, a wrong
-shape, a missing or unknown tensor, a config that is not a Llama.
+tensor where there is one, and what is wrong: a header that lies about a tensor's dtype,
+shape or offsets, a truncated file, a name in two shards (see `safetensors_files.py`),
+config.json that is not JSON or asks for something unsupported (naming the key), a
+non-float (e.g. int or quantized) weight, a wrong shape, a missing or unknown tensor.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import struct
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import ml_dtypes
 import numpy as np
 from flax import traverse_util
-from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from paged_jax.config import ModelConfig
+from paged_jax.models.safetensors_files import (INDEX_FILE, SafetensorsFile, read_json,
+                                                tensor_locations)
 
 # Stored dtypes a weight may have: floats only. Integer or fp8 weights would need
 # quantization scales this loader does not know, so they are rejected, never cast.
@@ -37,100 +39,12 @@ _SAVE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.
                 "float16": np.dtype(np.float16)}
 # Buffers some exporters leave in checkpoints; they carry nothing the model needs.
 _HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
-INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+__all__ = ["INDEX_FILE", "SINGLE_FILE", "CONFIG_FILE", "read_json", "expected_tensors",
+           "read_model_config", "load_hf_checkpoint", "save_hf_checkpoint"]
 
 TensorSpec = Tuple[Tuple[str, ...], Tuple[int, ...], bool]  # (tree path, HF shape, transpose?)
-
-
-# ----------------------------------------------------------------------------- files
-
-def read_json(path: str) -> Any:
-  """Parsed JSON of `path`; ValueError naming the file and the position if it is not JSON."""
-  try:
-    with open(path, encoding="utf-8") as f:
-      return json.load(f)
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
-                     ) from None
-  except UnicodeDecodeError as e:
-    raise ValueError(f"{path}: not valid JSON (not UTF-8 text: {e.reason} at byte {e.start})"
-                     ) from None
-
-
-def _why_unreadable(path: str, error: SafetensorError) -> str:
-  """A reason in words for a file safetensors refused, naming the first tensor whose bytes
-  lie past the end of the file when the file was cut short."""
-  size = os.path.getsize(path)
-  text = str(error)
-  if size < 8 or "too small" in text:
-    return f"not a safetensors file (only {size} bytes)"
-  with open(path, "rb") as f:
-    (n,) = struct.unpack("<Q", f.read(8))
-    if n > size - 8:
-      return (f"truncated: the header alone claims {n} bytes but the file has {size - 8} "
-              "after the length prefix")
-    try:
-      header = json.loads(f.read(n).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-      return f"corrupt header ({type(e).__name__}: {e})"
-  ends = sorted((int(info["data_offsets"][1]), name) for name, info in header.items()
-                if isinstance(info, dict) and "data_offsets" in info)
-  data = size - 8 - n
-  past = [(end, name) for end, name in ends if end > data]
-  if past:
-    return (f"truncated: tensor {past[0][1]!r} needs data bytes up to {past[0][0]}, "
-            f"but the file holds only {data}")
-  return f"corrupt ({text})"
-
-
-class _Shard:
-  """One open safetensors file: keys, per-tensor dtype/shape from the header, lazy reads."""
-
-  def __init__(self, path: str):
-    self.path = path
-    if not os.path.exists(path):
-      raise FileNotFoundError(f"{path}: safetensors file does not exist")
-    try:
-      self._file = safe_open(path, framework="numpy")
-      self.names = set(self._file.keys())
-    except SafetensorError as e:
-      raise ValueError(f"{path}: {_why_unreadable(path, e)}") from None
-
-  def spec(self, name: str) -> Tuple[str, Tuple[int, ...]]:
-    """(safetensors dtype name, shape) of `name`, from the header only."""
-    sl = self._file.get_slice(name)
-    return sl.get_dtype(), tuple(int(s) for s in sl.get_shape())
-
-  def read(self, name: str) -> np.ndarray:
-    try:
-      return self._file.get_tensor(name)
-    except SafetensorError as e:
-      raise ValueError(f"{self.path}: tensor {name!r} unreadable ({e})") from None
-
-
-def _tensor_files(directory: str) -> Dict[str, str]:
-  """{tensor name: file path} from the index, the single file, or every *.safetensors."""
-  index = os.path.join(directory, INDEX_FILE)
-  if os.path.exists(index):
-    doc = read_json(index)
-    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(v, str) for v in weight_map.values()):
-      raise ValueError(f"{index}: no 'weight_map' object of tensor name -> file name")
-    return {name: os.path.join(directory, fn) for name, fn in weight_map.items()}
-  files = sorted(fn for fn in os.listdir(directory) if fn.endswith(".safetensors"))
-  if not files:
-    raise FileNotFoundError(f"{directory}: no *.safetensors files")
-  where: Dict[str, str] = {}
-  for fn in files:
-    path = os.path.join(directory, fn)
-    for name in _Shard(path).names:
-      if name in where:
-        raise ValueError(f"tensor {name!r} appears in both {where[name]} and {path}")
-      where[name] = path
-  return where
 
 
 # ----------------------------------------------------------------------------- name mapping
@@ -142,19 +56,28 @@ def expected_tensors(config: ModelConfig) -> Dict[str, TensorSpec]:
   out = {"model.embed_tokens.weight": (("model", "embed_tokens", "embedding"),
                                        (c.vocab_size, c.hidden_size), False),
          "model.norm.weight": (("model", "norm", "weight"), (c.hidden_size,), False)}
-  linears = {"self_attn.q_proj": (q_out, c.hidden_size), "self_attn.k_proj": (kv_out, c.hidden_size),
-             "self_attn.v_proj": (kv_out, c.hidden_size), "self_attn.o_proj": (c.hidden_size, q_out),
-             "mlp.gate_proj": (c.intermediate_size, c.hidden_size),
-             "mlp.up_proj": (c.intermediate_size, c.hidden_size),
-             "mlp.down_proj": (c.hidden_size, c.intermediate_size)}
+  # name: ([out, in] shape, has a bias)
+  linears = {"self_attn.q_proj": ((q_out, c.hidden_size), c.qkv_bias),
+             "self_attn.k_proj": ((kv_out, c.hidden_size), c.qkv_bias),
+             "self_attn.v_proj": ((kv_out, c.hidden_size), c.qkv_bias),
+             "self_attn.o_proj": ((c.hidden_size, q_out), c.o_proj_bias),
+             "mlp.gate_proj": ((c.intermediate_size, c.hidden_size), c.mlp_bias),
+             "mlp.up_proj": ((c.intermediate_size, c.hidden_size), c.mlp_bias),
+             "mlp.down_proj": ((c.hidden_size, c.intermediate_size), c.mlp_bias)}
+  norms = {"input_layernorm": c.hidden_size, "post_attention_layernorm": c.hidden_size}
+  if c.sandwich_norms:
+    norms.update(pre_feedforward_layernorm=c.hidden_size, post_feedforward_layernorm=c.hidden_size)
+  if c.qk_norm:
+    norms.update({"self_attn.q_norm": c.head_dim, "self_attn.k_norm": c.head_dim})
   for i in range(c.num_layers):
-    pre = f"model.layers.{i}."
-    for norm in ("input_layernorm", "post_attention_layernorm"):
-      out[pre + norm + ".weight"] = (("model", f"layers_{i}", norm, "weight"),
-                                     (c.hidden_size,), False)
-    for lin, shape in linears.items():
-      group, proj = lin.split(".")
-      out[pre + lin + ".weight"] = (("model", f"layers_{i}", group, proj, "kernel"), shape, True)
+    pre, tree = f"model.layers.{i}.", ("model", f"layers_{i}")
+    for norm, size in norms.items():
+      out[pre + norm + ".weight"] = (tree + tuple(norm.split(".")) + ("weight",), (size,), False)
+    for lin, (shape, bias) in linears.items():
+      path = tree + tuple(lin.split("."))
+      out[pre + lin + ".weight"] = (path + ("kernel",), shape, True)
+      if bias:
+        out[pre + lin + ".bias"] = (path + ("bias",), shape[:1], False)
   if not c.tie_word_embeddings:
     out["lm_head.weight"] = (("lm_head", "kernel"), (c.vocab_size, c.hidden_size), True)
   return out
@@ -163,7 +86,8 @@ def expected_tensors(config: ModelConfig) -> Dict[str, TensorSpec]:
 # ----------------------------------------------------------------------------- config
 
 def read_model_config(directory: str, dtype: str = "float32") -> ModelConfig:
-  """The ModelConfig of a checkpoint directory's config.json (a Llama, or a ValueError)."""
+  """The ModelConfig of a checkpoint directory's config.json; ValueError "<path>: ..."
+  naming the key for a family or value the decoder does not support."""
   path = os.path.join(directory, CONFIG_FILE)
   if not os.path.isdir(directory):
     raise FileNotFoundError(f"{directory}: checkpoint directory does not exist")
@@ -172,16 +96,6 @@ def read_model_config(directory: str, dtype: str = "float32") -> ModelConfig:
   hf = read_json(path)
   if not isinstance(hf, dict):
     raise ValueError(f"{path}: expected a JSON object, got {type(hf).__name__}")
-  model_type = hf.get("model_type", "llama")
-  if model_type != "llama":
-    raise ValueError(f"{path}: model_type={model_type!r} is not a Llama "
-                     "(this loader reads LlamaForCausalLM checkpoints)")
-  act = hf.get("hidden_act", "silu")
-  if act not in ("silu", "swish"):
-    raise ValueError(f"{path}: hidden_act={act!r} is not supported (Llama uses silu)")
-  for key in ("attention_bias", "mlp_bias"):
-    if hf.get(key):
-      raise ValueError(f"{path}: {key}=true is not supported (bias-free Llama only)")
   try:
     return ModelConfig.from_hf_config(hf, dtype=dtype)
   except (ValueError, TypeError) as e:
@@ -190,22 +104,22 @@ def read_model_config(directory: str, dtype: str = "float32") -> ModelConfig:
 
 # ----------------------------------------------------------------------------- load / save
 
-def _checked_shards(directory: str, expected: Mapping[str, TensorSpec]
-                    ) -> Tuple[Dict[str, str], Dict[str, _Shard]]:
+def _checked_shards(directory: str, config: ModelConfig, expected: Mapping[str, TensorSpec]
+                    ) -> Tuple[Dict[str, str], Dict[str, SafetensorsFile]]:
   """Opens the files holding `expected` and checks every header entry before any read."""
-  where = _tensor_files(directory)
+  where = tensor_locations(directory)
   # A tied model's redundant lm_head.weight is allowed (checked equal to the embedding).
   unknown = sorted(n for n in where if n not in expected and not n.endswith(_HARMLESS_SUFFIXES)
                    and n != "lm_head.weight")
   if unknown:
     shown = ", ".join(f"{n!r} (in {os.path.basename(where[n])})" for n in unknown[:5])
     raise ValueError(f"{directory}: unknown tensors {shown}{' ...' if len(unknown) > 5 else ''}"
-                     " (not in a Llama of this config.json)")
+                     f" (not in the {config.model_type} model of this config.json)")
   missing = sorted(n for n in expected if n not in where)
   if missing:
     raise ValueError(f"{directory}: missing tensors {missing[:5]}"
                      f"{' ...' if len(missing) > 5 else ''} (config.json asks for them)")
-  shards = {path: _Shard(path) for path in sorted(set(where[n] for n in expected))}
+  shards = {path: SafetensorsFile(path) for path in sorted(set(where[n] for n in expected))}
   for name, (_, shape, _) in expected.items():
     shard = shards[where[name]]
     if name not in shard.names:
@@ -222,14 +136,14 @@ def _checked_shards(directory: str, expected: Mapping[str, TensorSpec]
 
 
 def load_hf_checkpoint(directory: str, dtype: str = "float32") -> Tuple[ModelConfig, dict]:
-  """Loads a HF Llama checkpoint directory.
+  """Loads a HF checkpoint directory of any supported family.
 
   Args:
     directory: holds config.json and the safetensors file(s).
     dtype: parameter dtype of the result ("float32", "bfloat16", "float16").
 
   Returns:
-    (ModelConfig, params) with params = {"params": {...}} for `LlamaForCausalLM.apply`;
+    (ModelConfig, params) with params = {"params": {...}} for `DecoderForCausalLM.apply`;
     Linear kernels [in, out], embedding [vocab_size, hidden_size].
 
   Raises:
@@ -241,7 +155,7 @@ def load_hf_checkpoint(directory: str, dtype: str = "float32") -> Tuple[ModelCon
     raise ValueError(f"dtype must be one of {tuple(_SAVE_DTYPES)}, got {dtype!r}")
   config = read_model_config(directory, dtype)
   expected = expected_tensors(config)
-  where, shards = _checked_shards(directory, expected)
+  where, shards = _checked_shards(directory, config, expected)
   flat = {}
   for name, (tree_path, _, transpose) in expected.items():
     host = shards[where[name]].read(name)
@@ -251,7 +165,7 @@ def load_hf_checkpoint(directory: str, dtype: str = "float32") -> Tuple[ModelCon
     flat[tree_path] = arr.T if transpose else arr
   if "lm_head.weight" in where and config.tie_word_embeddings:
     path = where["lm_head.weight"]
-    head = (shards.get(path) or _Shard(path)).read("lm_head.weight")
+    head = (shards.get(path) or SafetensorsFile(path)).read("lm_head.weight")
     emb = shards[where["model.embed_tokens.weight"]].read("model.embed_tokens.weight")
     if head.shape != emb.shape or not np.array_equal(head, emb):
       raise ValueError(f"{path}: tensor 'lm_head.weight' differs from model.embed_tokens.weight"

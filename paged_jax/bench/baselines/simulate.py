@@ -32,6 +32,7 @@ form (exact).
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 from typing import Dict, List, Optional, Sequence
 
@@ -271,3 +272,29 @@ def simulate_paged(requests: Sequence, block_size: int, kv_budget_tokens: int,
   out = acct.summary()
   out["preemptions"] = preemptions
   return out
+
+
+def simulate_allocators(requests: Sequence, allocators: Sequence[str], *, block_size: int,
+                        kv_budget_tokens: int, max_len: int = 2048, watermark: float = 0.01,
+                        max_seqs: Optional[int] = None, progress=None) -> Dict[str, Dict]:
+  """{allocator: summary} of one stream under each of `allocators` ("paged" or
+  "orca_max" / "orca_pow2" / "orca_oracle"), same budget, one after the other.
+
+  Args:
+    progress: optional name -> context manager with `update(n)` (a tqdm bar per allocator).
+  """
+  results = {}
+  for name in allocators:
+    bar = progress(name) if progress is not None else contextlib.nullcontext()
+    with bar as b:
+      if name == "paged":
+        res = simulate_paged(requests, block_size, kv_budget_tokens, max_len,
+                             watermark=watermark, max_seqs=max_seqs, progress=b)
+      elif name.startswith("orca_"):
+        res = simulate_orca(requests, name[len("orca_"):], kv_budget_tokens, max_len,
+                            progress=b)
+      else:
+        raise ValueError(f"allocator must be paged or orca_max / orca_pow2 / orca_oracle, "
+                         f"got {name!r}")
+    results[name] = res
+  return results
