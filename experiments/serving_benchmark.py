@@ -35,6 +35,7 @@ saturation by running it (`paged_jax.bench.rate_search`: --num_requests per poin
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -60,8 +61,12 @@ PAPER = "vLLM sustains 2-4x Orca's request rate at the same latency (Fig. 12, OP
 @dataclasses.dataclass(frozen=True)
 class Config(configs.ExperimentConfig):
   """Flags of experiments.serving_benchmark."""
-  workload: str = configs.flag("sharegpt", "request stream",
-                               choices=("sharegpt", "alpaca", "sharegpt-real"))
+  workload: str = configs.flag("sharegpt", "request stream (fewshot-1 / -5: the paper's "
+                               "Fig. 16 translation prompts, one shared 80 / 341-token prefix)",
+                               choices=("sharegpt", "alpaca", "sharegpt-real",
+                                        *serving_sweep.FEW_SHOT))
+  prefix_caching: bool = configs.flag(False, "paged's engine caches prefixes (the Orca "
+                                      "systems' contiguous reservations never share)")
   rates: Tuple[float, ...] = configs.flag(
       (2.0, 4.0, 8.0, 16.0), "request rates to sweep (req/s), or auto: each system's own, "
       "found by running it", lower=0.0, lower_open=True, words=("auto",))
@@ -144,15 +149,20 @@ def deployment(f: Config) -> Dict:
     setting = f.setting()
     scale = setting.scale
     kv = f.kv_budget_tokens or setting.kv_budget_tokens(f.block_size)
-    return dict(kv_budget_tokens=kv, max_len=f.max_len or scale.max_len,
-                max_seqs_cap=f.max_seqs_cap or paper_scale.MAX_NUM_SEQS, scale=scale,
-                engine_fn=setting.make_engine, setting=setting,
-                clock_fn=lambda: setting.clock(f.block_size))
-  clock_fn = ((lambda: clocks.StepClock(f.step_s, f.swap_s_per_token)) if f.clock == "step"
-              else clocks.WallClock)
-  return dict(kv_budget_tokens=f.kv_budget_tokens or 2048, max_len=f.max_len or TINY.max_len,
-              max_seqs_cap=f.max_seqs_cap or 64, scale=TINY, engine_fn=engines.make_engine,
-              setting=None, clock_fn=clock_fn)
+    d = dict(kv_budget_tokens=kv, max_len=f.max_len or scale.max_len,
+             max_seqs_cap=f.max_seqs_cap or paper_scale.MAX_NUM_SEQS, scale=scale,
+             engine_fn=setting.make_engine, setting=setting,
+             clock_fn=lambda: setting.clock(f.block_size))
+  else:
+    clock_fn = ((lambda: clocks.StepClock(f.step_s, f.swap_s_per_token)) if f.clock == "step"
+                else clocks.WallClock)
+    d = dict(kv_budget_tokens=f.kv_budget_tokens or 2048, max_len=f.max_len or TINY.max_len,
+             max_seqs_cap=f.max_seqs_cap or 64, scale=TINY, engine_fn=engines.make_engine,
+             setting=None, clock_fn=clock_fn)
+  if f.prefix_caching:
+    d["engine_fn"] = {s: (functools.partial(d["engine_fn"], prefix_caching=True)
+                          if s == "paged" else d["engine_fn"]) for s in serving_sweep.SYSTEMS}
+  return d
 
 
 def sweep(f, systems: Sequence[str], rates, duration_s: float, mode: Dict) -> Dict:
@@ -173,9 +183,10 @@ def sweep(f, systems: Sequence[str], rates, duration_s: float, mode: Dict) -> Di
 def rated(swept: Dict, f: Config, rates) -> Dict:
   """The sweep with its SLO and each system's max rate (searched, or read off the grid)."""
   if "slo_s_per_token" in swept:
+    first = next(iter(swept["systems"]))
     return dict(swept, slo_rule=f"slo_factor ({f.slo_factor:g}) x the normalized latency of "
-                f"{swept['systems'] and list(swept['systems'])[0]} at "
-                f"{rate_search.UNLOADED_FRACTION:g} x its burst throughput (unloaded)")
+                f"{first} at {rate_search.UNLOADED_FRACTION:g} x its burst throughput "
+                f"(unloaded)")
   out = dict(latency.slo_and_rates(swept["systems"], f.slo_factor), **swept)
   out["slo_rule"] = (f"slo_factor ({f.slo_factor:g}) x the largest normalized latency of any "
                      f"system at the lowest swept rate ({min(rates):g} req/s, the unloaded "

@@ -132,3 +132,49 @@ def test_serving_benchmark_model_clock_is_deterministic_and_writes_the_contract(
     c = a["systems"][name]
     assert c["rates"] == sorted(c["rates"]) and c["requests"] == [40] * len(c["rates"])
   assert a["max_rate_at_slo"]["paged"] > a["max_rate_at_slo"]["orca_max"] > 0
+
+
+def test_swap_vs_recompute_model_swaps_small_blocks_slowly():
+  from paged_jax.bench import paper_figures
+  s = paper_scale.setting("opt-13b", "a100-40gb")
+  rows = paper_figures.swap_vs_recompute(s, block_sizes=(1, 4, 16, 64, 256), tokens=1024)
+  swaps = [r["swap_s"] for r in rows]
+  assert swaps == sorted(swaps, reverse=True) and swaps[0] > 5 * swaps[-1]
+  assert len({r["recompute_s"] for r in rows}) == 1
+  # 1,024 tokens of OPT-13B's 800 KB over PCIe at least, one prefill of them at most.
+  assert swaps[-1] >= 1024 * 800 * 1024 / perf.GPUS["a100-40gb"].pcie_bandwidth
+  assert rows[0]["recompute_s"] == pytest.approx(
+      s.device_model.step_seconds(perf.StepShape.prefill([1024])))
+
+
+def test_batched_requests_reads_each_systems_highest_rate():
+  from paged_jax.bench import paper_figures
+  res = {"systems": {
+      "paged": {"rates": [2.0, 4.0, 3.0], "mean_running": [10.0, 40.0, 30.0],
+                "max_running": [12, 50, 40]},
+      "orca_max": {"rates": [1.0, 0.5], "mean_running": [8.0, 4.0], "max_running": [9, 5]}}}
+  out = paper_figures.batched_requests(res)
+  assert out["paged"]["rate"] == 4.0 and out["orca_max"]["mean_running"] == 8.0
+  assert out["orca_max"]["paged_over"] == 5.0 and out["paged"]["paged_over"] == 1.0
+
+
+class _Report:
+  def __init__(self, ok=True, dispatches=1):
+    self.ok, self.dispatches, self.bucket = ok, dispatches, None
+    self.prefill_chunks, self.decode_rows, self.decode_loop_rows = ((8, 8),), ((1, 20),), ()
+    self.cow_copies = self.swapped_blocks = 0
+    self.generated_tokens = 2
+
+
+def test_recording_wall_clock_charges_each_step_the_loop_time_since_the_last_mark():
+  from paged_jax.bench import calibration
+  from paged_jax.bench.clocks import StepSample
+  clock = calibration.RecordingWallClock(16)
+  clock.stepped(StepSample(0, report=_Report()))
+  clock.wait_until(clock.now() + 0.01)          # a wait is not a step's cost
+  clock.stepped(StepSample(0, report=_Report()))
+  clock.stepped(StepSample(0, report=_Report(ok=False)))   # ran nothing: not a sample
+  clock.stepped(StepSample(0, report=None))
+  assert len(clock.samples) == 2 and len(clock.wake_late_s) == 1
+  assert all(0 <= t < 0.01 for _, t in clock.samples)
+  assert clock.samples[0][0].new_tokens == (1, 8) and not clock.virtual

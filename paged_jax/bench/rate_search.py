@@ -145,12 +145,13 @@ def sweep_auto(systems: Sequence[str], *, workload: str, seed: int, num_requests
                mode: Optional[Dict] = None, clock_fn: Callable, headroom: float = 1.5,
                max_seqs_cap: int = 256, preemption_mode: str = "recompute",
                progress: Optional[Callable] = None, scale: HarnessScale,
-               engine_fn: Callable, max_points: int = 8) -> Dict:
+               engine_fn, max_points: int = 6) -> Dict:
   """`sweep.sweep_systems` with each system's rates found by `search_systems`.
 
   Every point serves the first `num_requests` of one seeded stream (its lengths at
   `scale`) at the point's rate, on a fresh engine from `engine_fn` sized by
-  `sweep.system_sizes` on the whole stream. num_requests 0: REQUESTS_PER_SLOT x the most
+  `sweep.system_sizes` on the whole stream (`engine_fn`: one for all, or {system: fn}:
+  e.g. prefix caching for paged only). num_requests 0: REQUESTS_PER_SLOT x the most
   requests any system's KV memory holds at once (at least MIN_REQUESTS), so a run is long
   against a request's life. Returns {"systems": {NAME: sweep.curve(...) over the rates
   run}, "sizes", "num_requests", and `search_systems`' keys but "points"}.
@@ -182,11 +183,12 @@ def sweep_auto(systems: Sequence[str], *, workload: str, seed: int, num_requests
       compiled.release_compiled()   # the next system's engine has other shapes
     current[0] = system
     reqs = sweep.rate_stream(workload, rate, None, seed, max_len, n, scale)
+    fn = sweep.engine_for(engine_fn, system)
     with bar(len(reqs), f"{system} {rate:.3g} req/s") as b:
       return sweep.run_point(system, reqs, kv_budget_tokens=kv_budget_tokens,
                              block_size=block_size, max_len=max_len, sizes=size(system),
                              params_fn=sweep.sampling(mode), clock=clock_fn(), progress=b,
-                             preemption_mode=preemption_mode, engine_fn=engine_fn,
+                             preemption_mode=preemption_mode, engine_fn=fn,
                              max_num_batched_tokens=scale.max_num_batched_tokens)
 
   def hint(system: str, first_rate: float) -> float:

@@ -169,6 +169,11 @@ def sampling(mode: Dict) -> Callable:
                                   seed=r.request_id % 1000, **mode)
 
 
+# Few-shot translation streams (the paper's Fig. 16): every prompt starts with one shared
+# 1-shot (80-token) or 5-shot (341-token) prefix; `workloads.shared_prefix`.
+FEW_SHOT = {"fewshot-1": 1, "fewshot-5": 5}
+
+
 def rate_stream(workload: str, rate: float, duration_s: Optional[float], seed: int,
                 max_len: int, num_total: int, scale: HarnessScale = TINY
                 ) -> List[workloads.Request]:
@@ -178,17 +183,25 @@ def rate_stream(workload: str, rate: float, duration_s: Optional[float], seed: i
   Lengths and ids come from one seeded stream of `num_total` requests for every rate
   (common random numbers); a rate's arrival count picks its prefix. Lengths are divided
   by `scale.divisor(workload)` (TINY: the tiny model's; the paper's scale: unscaled);
-  "sharegpt-real" is the real trace at ShareGPT's divisor.
+  "sharegpt-real" is the real trace at ShareGPT's divisor; FEW_SHOT's are unscaled.
   """
   times = (arrivals.arrival_times(rate, duration_s, seed) if duration_s is not None else
            arrivals.arrival_times(rate, seed=seed, num_requests=num_total))
   if workload == "sharegpt-real":
     base = sharegpt_trace.requests(num_total, seed=seed, max_len=max_len,
                                    scale=scale.divisor(workload))
+  elif workload in FEW_SHOT:   # the paper's Fig. 16 translation prompts, one shared prefix
+    _, base = workloads.shared_prefix(num_total, num_shots=FEW_SHOT[workload], seed=seed,
+                                      max_len=max_len, vocab_size=256)
   else:
     base = workloads.scaled_requests(workload, num_total, seed=seed, max_len=max_len,
                                      scale=scale.divisor(workload))
   return [dataclasses.replace(r, arrival_time=float(t)) for r, t in zip(base, times)]
+
+
+def engine_for(engine_fn, system: str) -> Callable:
+  """`engine_fn` itself, or its entry for `system` when it is a {system: fn} dict."""
+  return engine_fn[system] if isinstance(engine_fn, dict) else engine_fn
 
 
 def sweep_systems(systems: Sequence[str], rates: Sequence[float], *, workload: str,
@@ -197,7 +210,7 @@ def sweep_systems(systems: Sequence[str], rates: Sequence[float], *, workload: s
                   clock_fn: Callable = WallClock, headroom: float = 1.5,
                   max_seqs_cap: int = 64, preemption_mode: str = "recompute",
                   progress: Optional[Callable] = None, scale: HarnessScale = TINY,
-                  engine_fn: Callable = engines.make_engine) -> Dict:
+                  engine_fn=engines.make_engine) -> Dict:
   """Every system at every rate: {"systems": {NAME: curve(...)}, "sizes": {NAME: sizes}}.
 
   Args:
@@ -206,7 +219,7 @@ def sweep_systems(systems: Sequence[str], rates: Sequence[float], *, workload: s
     headroom, max_seqs_cap: `system_sizes`' (sized on the highest rate's stream).
     progress: (total, desc) -> a context manager with `update(n)` (a tqdm bar), per point.
     scale: stream lengths and the step's token budget (`HarnessScale`).
-    engine_fn: builds each point's engine (`run_point`).
+    engine_fn: builds each point's engine (`run_point`); or {system: fn}.
   """
   from paged_jax.engine import compiled  # pylint: disable=g-import-not-at-top
   mode = mode or {}
@@ -227,7 +240,8 @@ def sweep_systems(systems: Sequence[str], rates: Sequence[float], *, workload: s
         points.append(run_point(system, streams[r], kv_budget_tokens=kv_budget_tokens,
                                 block_size=block_size, max_len=max_len, sizes=sizes[system],
                                 params_fn=sampling(mode), clock=clock_fn(), progress=b,
-                                preemption_mode=preemption_mode, engine_fn=engine_fn,
+                                preemption_mode=preemption_mode,
+                                engine_fn=engine_for(engine_fn, system),
                                 max_num_batched_tokens=scale.max_num_batched_tokens))
     curves[system] = curve(rates, points)
     compiled.release_compiled()   # the next system's engine has other shapes
