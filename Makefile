@@ -20,11 +20,16 @@ $(VENV)/.installed: requirements.txt
 	touch $@
 
 # XLA's CUDA compiler wheels of the installed jaxlib version, for the deviceless H200
-# compile tests (requirements-compile.txt); a failed install only makes those tests skip.
+# compile tests, and libtpu at the version the installed jax pins (jax[tpu]), for the
+# deviceless TPU v5e / v6e ones (requirements-compile.txt); a failed install only makes
+# those tests skip.
 %/.compile-installed: %/.installed
 	v=$$($*/bin/python -c "import jaxlib; print(jaxlib.__version__)") && \
 	  $*/bin/pip install -q "jax-cuda12-plugin==$$v" "jax-cuda12-pjrt==$$v" || \
 	  echo "deviceless GPU compile wheels not installed: those tests will skip"
+	j=$$($*/bin/python -c "import jax; print(jax.__version__)") && \
+	  $*/bin/pip install -q "jax[tpu]==$$j" || \
+	  echo "libtpu not installed: the deviceless TPU compile tests will skip"
 	touch $@
 
 $(VENV_NEXT)/.installed: requirements.txt

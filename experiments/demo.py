@@ -152,14 +152,14 @@ def _serving_benchmark(out) -> Dict:
 def run_all(out, sizes: DemoSizes = DemoSizes(), show_progress=None) -> Dict:
   """Runs every experiment; writes per-experiment files; returns their results + seconds."""
   from experiments import memory_waste  # pylint: disable=g-import-not-at-top
-  from paged_jax.engine import compiled  # pylint: disable=g-import-not-at-top
+  from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
   results, seconds = {}, {}
 
   def stage(name):
     # Each stage's engines have their own shapes: drop the previous stage's compiled code
     # (XLA:CPU executables hold memory maps; a process keeping them all hits the kernel's
     # per-process map limit and LLVM aborts).
-    compiled.release_compiled()
+    release_compiled()
     print(f"== {name}", flush=True)
     return time.time()
 

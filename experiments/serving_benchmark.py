@@ -53,7 +53,7 @@ from paged_jax.bench import rate_search
 from paged_jax.bench import sharegpt_trace
 from paged_jax.bench import sweep as serving_sweep
 from paged_jax.bench.scale import TINY
-from paged_jax.engine.scheduler import PREEMPTION_MODES
+from paged_jax.engine import PREEMPTION_MODES
 
 PAPER = "vLLM sustains 2-4x Orca's request rate at the same latency (Fig. 12, OPT on A100)"
 

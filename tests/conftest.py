@@ -26,5 +26,5 @@ def _release_compiled_code():
   next module that uses them; nothing else changes.
   """
   yield
-  from paged_jax.engine import compiled  # pylint: disable=g-import-not-at-top
-  compiled.release_compiled()
+  from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
+  release_compiled()

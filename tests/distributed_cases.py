@@ -17,7 +17,7 @@ import pytest
 
 import distributed_fixtures as fx
 from paged_jax import kv_cache
-from paged_jax.distributed import (DataParallelEngine, TensorParallelLlama, make_mesh,
+from paged_jax.distributed import (DataParallelEngine, TensorParallelDecoder, make_mesh,
                                    make_tp_engine)
 from paged_jax.engine import Engine, SamplingParams
 from paged_jax.models import llama
@@ -49,7 +49,7 @@ def single_device_outputs():
 def test_tp_forward_logits_match_single_device(tp, dtype, tol):
   cache = CACHE.replace(dtype=dtype)
   single = jax.jit(llama.LlamaForCausalLM(CONFIG, attention_backend="reference").apply)
-  tp_model = TensorParallelLlama(CONFIG, make_mesh(tp=tp), attention_backend="reference")
+  tp_model = TensorParallelDecoder(CONFIG, make_mesh(tp=tp), attention_backend="reference")
   sharded = jax.jit(tp_model.apply)
   params = tp_model.shard_params(PARAMS)
   pages_1, pages_tp = kv_cache.init(cache), tp_model.init_pages(cache)
@@ -141,7 +141,7 @@ def test_bad_mesh_shapes_raise_clear_errors():
   with pytest.raises(ValueError, match=r"intermediate_size=66"):
     make_tp_engine(fx.model_config(intermediate_size=66), PARAMS, CACHE, mesh=make_mesh(tp=4))
   with pytest.raises(ValueError, match=r"1-D \('tp',\) mesh"):
-    TensorParallelLlama(CONFIG, make_mesh(tp=2, dp=2))
+    TensorParallelDecoder(CONFIG, make_mesh(tp=2, dp=2))
   with pytest.raises(ValueError, match=r"tp must be >= 1"):
     make_mesh(tp=0)
 

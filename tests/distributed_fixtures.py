@@ -1,8 +1,13 @@
 """Shared model, cache and prompts of the distributed tests (any device count).
 
-Used by tests/distributed_cases.py (8 simulated devices), tests/multiprocess_worker.py
-(2 processes x 2 devices) and the single-device references in the *_test.py files.
+Used by tests/distributed_cases.py (8 simulated devices), tests/distributed_family_cases.py
+(every model family, 4 simulated devices), tests/multiprocess_worker.py (2 processes x 2
+devices) and the single-device references in the *_test.py files.
 """
+
+import dataclasses
+import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +40,30 @@ def random_params(config, seed, matrix_scale=1.5):
 
 
 CONFIG = model_config()
+
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hf_golden")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+
+
+def family_config(family: str) -> ModelConfig:
+  """`family`'s model: every family field from its golden fixture's transformers-written
+  config.json (biases, QK-norm, sandwich norms, soft caps, per-layer windows of 8, local RoPE
+  ...), at a width every tp in {1, 2, 4} splits (the fixtures have one KV head): 8 query
+  heads over 4 KV heads of 8 features, MLP 64, CONFIG's vocabulary."""
+  with open(os.path.join(GOLDEN, family, "config.json")) as f:
+    config = ModelConfig.from_hf_config(json.load(f))
+  return dataclasses.replace(config, vocab_size=CONFIG.vocab_size, hidden_size=32, num_heads=8,
+                             num_kv_heads=4, head_dim=8, intermediate_size=64)
+
+
+def every_feature_config() -> ModelConfig:
+  """Gemma-3's family fields (QK-norm, (1 + w) sandwich norms, GeGLU, scaled embeddings,
+  query_pre_attn_scalar, final soft cap, a window of 8 on layer 0, local RoPE base) plus
+  Gemma-2's attention soft cap, Llama's q/k/v, o_proj and MLP biases and Qwen's tied
+  embeddings: every feature tensor parallelism must split (or not) in one model."""
+  return dataclasses.replace(family_config("gemma3_text"), attn_logit_softcapping=5.0,
+                             qkv_bias=True, o_proj_bias=True, mlp_bias=True,
+                             tie_word_embeddings=True)
 PARAMS_SEED = 7
 CACHE = CONFIG.cache_config(block_size=4, num_blocks=48, max_seqs=8, max_blocks_per_seq=12)
 # max_num_batched_tokens == max_seqs: one token bucket, so one trace per engine.

@@ -1,7 +1,8 @@
 """paged_jax.distributed: host-side checks here, 8-device checks in a subprocess.
 
 The 8-device checks (tests/distributed_cases.py: tp in {1, 2, 4, 8} and dp=2
-engines vs one device, page shards, mesh errors) need
+engines vs one device, page shards, mesh errors; tests/distributed_family_cases.py: every
+model family's tp forward and engine vs one device) need
 XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts. Setting it
 here would change the device count of every test sharing this pytest (xdist)
 worker, so they run in a child pytest with its own environment.
@@ -18,8 +19,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import distributed_fixtures as fx
-from paged_jax.distributed import (DataParallelEngine, Router, local_model_config, make_mesh,
+from paged_jax.distributed import (DataParallelEngine, Router, TensorParallelDecoder,
+                                   TensorParallelLlama, local_model_config, make_mesh,
                                    param_specs, validate_tp)
+from paged_jax.models import init_params
 from paged_jax.engine import SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,14 +33,16 @@ def _run_cases(marker: str):
   flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
   env["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
   cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker,
-         os.path.join("tests", "distributed_cases.py")]
+         os.path.join("tests", "distributed_cases.py"),
+         os.path.join("tests", "distributed_family_cases.py")]
   proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, f"8-device cases failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
   assert re.search(r"\d+ passed", proc.stdout), proc.stdout[-2000:]
 
 
 def test_eight_simulated_devices():
-  """tp 1/2/4/8 engines and a dp=2 x tp=4 front match one device; pages really sharded."""
+  """tp 1/2/4/8 engines and a dp=2 x tp=4 front match one device; pages really sharded; the
+  every-feature model at tp=2 matches one device (logits, K/V, greedy tokens)."""
   _run_cases("not slow")
 
 
@@ -95,6 +100,62 @@ def test_local_config_and_param_specs_split_megatron_style():
   assert sum(s != P() for s in flat) == 7 * fx.CONFIG.num_layers
   with pytest.raises(ValueError, match="LlamaForCausalLM"):
     param_specs({"w": np.ones((2, 2))})
+
+
+def test_param_specs_split_every_family_parameter():
+  """Column-parallel biases split like their outputs, row-parallel biases whole (added once
+  after the all-reduce), QK-norm and sandwich norms replicated; an unknown tensor raises."""
+  config = fx.every_feature_config()
+  params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+  specs = param_specs(params)["params"]
+  layer = specs["model"]["layers_0"]
+  attn, mlp = layer["self_attn"], layer["mlp"]
+  for module in (attn["q_proj"], attn["k_proj"], attn["v_proj"], mlp["gate_proj"],
+                 mlp["up_proj"]):
+    assert module == {"kernel": P(None, "tp"), "bias": P("tp")}
+  for module in (attn["o_proj"], mlp["down_proj"]):
+    assert module == {"kernel": P("tp", None), "bias": P()}
+  assert attn["q_norm"]["weight"] == attn["k_norm"]["weight"] == P()
+  for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+               "post_feedforward_layernorm"):
+    assert layer[norm]["weight"] == P()
+  assert "lm_head" not in specs and specs["model"]["embed_tokens"]["embedding"] == P()
+  flat = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P))
+  assert sum(s != P() for s in flat) == 12 * config.num_layers
+  # The per-shard model's parameter shapes are exactly the full ones split by these specs.
+  local = jax.eval_shape(lambda: init_params(local_model_config(config, 2), jax.random.key(0)))
+  split = jax.tree_util.tree_map(
+      lambda x, s: tuple(d // 2 if s and i < len(s) and s[i] == "tp" else d
+                         for i, d in enumerate(x.shape)),
+      params["params"], specs, is_leaf=lambda x: isinstance(x, P))
+  assert split == jax.tree_util.tree_map(lambda x: x.shape, local["params"])
+  params["params"]["model"]["layers_0"]["self_attn"]["rot"] = {"kernel": params["params"][
+      "model"]["layers_0"]["self_attn"]["o_proj"]["kernel"]}
+  with pytest.raises(ValueError, match=r"param params/model/layers_0/self_attn/rot/kernel "
+                                       r"\(ndim 2\) has no tensor-parallel placement"):
+    param_specs(params)
+  assert TensorParallelLlama is TensorParallelDecoder
+
+
+def test_family_configs_carry_the_features_tp_must_handle():
+  """The slow family grid (tests/distributed_family_cases.py) exercises what it claims."""
+  c = {name: fx.family_config(name) for name in fx.FAMILIES}
+  assert all((x.num_heads, x.num_kv_heads, x.intermediate_size) == (8, 4, 64)
+             for x in c.values())
+  assert c["llama"].qkv_bias and c["llama"].o_proj_bias and c["llama"].mlp_bias
+  assert c["qwen2"].qkv_bias and not c["qwen2"].o_proj_bias
+  assert c["qwen3"].qk_norm and c["gemma3_text"].qk_norm
+  assert c["qwen2"].tie_word_embeddings and not c["llama"].tie_word_embeddings
+  assert c["gemma2"].attn_logit_softcapping and c["gemma2"].final_logit_softcapping
+  assert c["gemma2"].embedding_multiplier != 1.0 and c["gemma3_text"].sandwich_norms
+  assert c["gemma3_text"].sliding_rope_differs
+  windows = {n: [x.layer_sliding_window(i) for i in range(x.num_layers)] for n, x in c.items()}
+  assert windows["mistral"] == [8, 8] and windows["gemma2"] == [8, None]
+  e = fx.every_feature_config()
+  assert all(getattr(e, f) for f in ("qkv_bias", "o_proj_bias", "mlp_bias", "qk_norm",
+                                     "sandwich_norms", "attn_logit_softcapping",
+                                     "final_logit_softcapping", "tie_word_embeddings",
+                                     "sliding_rope_differs"))
 
 
 def test_router_least_loaded_balances_outstanding_blocks():

@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 
 from paged_jax.engine import SamplingParams
-from paged_jax.engine import compiled as compiled_lib
 from paged_jax.engine import step as step_lib
-from paged_jax.engine.inputs import StepBuckets
+from paged_jax.engine.buckets import StepBuckets
 
 from engine_oracle import (ORACLE_LEN, PARAMS, dense_greedy, oracle_engine, random_prompts,
                            record_buckets)
@@ -72,8 +71,8 @@ def test_bucketed_outputs_equal_the_largest_bucket_and_the_oracle(monkeypatch, d
   got = run(engine, reqs)
   assert engine.num_preemptions > 0                       # the traffic really preempted
   # Several buckets, decode-only ones among them, none at the largest width.
-  assert len({b[:3] for b in used}) >= 3 and any(b[3] for b in used)
-  assert min(b[1] for b in used) < MAX_SEQS and min(b[2] for b in used) < ORACLE_LEN // 4
+  assert len({b[:3] for b in used}) >= 3 and any(b.decode_only for b in used)
+  assert min(b.rows for b in used) < MAX_SEQS and min(b.width for b in used) < ORACLE_LEN // 4
   monkeypatch.undo()
   full = make_engine(shape_buckets=False, decode_steps_per_sync=decode_steps)
   assert got == run(full, reqs)
@@ -103,8 +102,7 @@ def test_each_bucket_traces_once_and_their_number_is_bounded():
   # A long run of changing traffic: every shape it meets traces exactly once (a new
   # entry in the engine's bucket record), however many steps run on it.
   engine = make_engine(decode_steps_per_sync=2)
-  seen = compiled_lib._SEEN_BUCKETS.setdefault(id(engine._step), set())  # pylint: disable=protected-access
-  before_seen, before = set(seen), sum(step_lib.TRACE_COUNT.values())
+  before_seen, before = engine.buckets_seen, sum(step_lib.TRACE_COUNT.values())
   rng = np.random.default_rng(11)
   steps, added = 0, 0
   while steps < 80:
@@ -116,9 +114,10 @@ def test_each_bucket_traces_once_and_their_number_is_bounded():
     if engine.has_unfinished():
       engine.step()
     steps += 1
+  seen = engine.buckets_seen
   new = seen - before_seen
   assert sum(step_lib.TRACE_COUNT.values()) - before == len(new)
-  assert len(seen) <= engine._buckets.max_variants     # pylint: disable=protected-access
+  assert len(seen) <= engine.buckets.max_variants
   assert len(seen) >= 4                                  # it did move between buckets
 
 

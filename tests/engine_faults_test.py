@@ -108,7 +108,8 @@ class Injector:
     elif point == "wait":   # the host blocked on the device's outputs
       monkeypatch.setattr(jax, "device_get", wrap(jax.device_get))
     elif point == "apply":   # mid-way: earlier sequences of the step already have tokens
-      monkeypatch.setattr(engine.scheduler, "free_seq", wrap(engine.scheduler.free_seq))
+      finish_seq = engine.scheduler._finish_seq   # pylint: disable=protected-access
+      monkeypatch.setattr(engine.scheduler, "_finish_seq", wrap(finish_seq))
 
 
 _REF = {}
@@ -133,7 +134,7 @@ def test_a_fault_anywhere_in_a_step_changes_no_output_and_leaks_nothing(monkeypa
                                                                         caching):
   prompts, params = workload()
   want = reference(caching)
-  ks = (1, 3, 5) if point == "apply" else (2, 7, 19)   # free_seq runs once per finish
+  ks = (1, 3, 5) if point == "apply" else (2, 7, 19)   # _finish_seq: once per finish
   for k, exc in zip(ks, (KeyboardInterrupt, RuntimeError, KeyboardInterrupt)):
     engine = make_engine(caching=caching, preemption_mode="swap")
     for p, sp in zip(prompts, params):

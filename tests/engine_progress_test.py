@@ -7,6 +7,7 @@ outputs must equal an unconstrained run (a pool where nothing is preempted)."""
 import numpy as np
 import pytest
 
+from paged_jax.config import cdiv
 from paged_jax.engine import Engine, SamplingParams
 
 from engine_oracle import MC, ORACLE_LEN, PARAMS, VOCAB
@@ -14,10 +15,6 @@ from engine_oracle import MC, ORACLE_LEN, PARAMS, VOCAB
 BS, MAX_SEQS, BUDGET = 16, 8, 8
 BOUND = 6            # every mix below needs at most 6 blocks for its largest request
 REF_BLOCKS = 12      # the reference pool: engine_test.py's shape (its compiled step)
-
-
-def cdiv(a, b):
-  return -(-a // b)
 
 
 def worst_blocks(prompt_len, sp):

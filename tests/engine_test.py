@@ -9,14 +9,15 @@ import io
 import json
 import os
 
+import chex
 import jax
 import numpy as np
 import pytest
 
 from paged_jax.config import INVALID, ModelConfig
 from paged_jax.engine import Engine, SamplingParams
-from paged_jax.engine import compiled
 from paged_jax.engine import step as step_lib
+from paged_jax.engine import swap as swap_lib
 from paged_jax.models import dense, llama
 
 from engine_oracle import (MC, ORACLE_LEN, PARAMS, VOCAB, dense_greedy, dense_logprobs, greedy,
@@ -173,8 +174,7 @@ def test_no_retracing_over_hundreds_of_steps_of_changing_traffic():
   engine = make_engine()
   rng = np.random.default_rng(7)
   engine.generate(random_prompts(8, 2), greedy(3))
-  seen = compiled._SEEN_BUCKETS.setdefault(id(engine._step), set())   # pylint: disable=protected-access
-  before, seen_before = sum(step_lib.TRACE_COUNT.values()), set(seen)
+  before, seen_before = sum(step_lib.TRACE_COUNT.values()), engine.buckets_seen
   steps, added = 0, 0
   while steps < 300:
     if added < 60 and rng.random() < 0.4:
@@ -191,10 +191,10 @@ def test_no_retracing_over_hundreds_of_steps_of_changing_traffic():
   # Which shapes earlier tests in this process already compiled varies (test order,
   # xdist), so the test asserts the property itself: the step traces once per shape
   # bucket on that bucket's first use, never again, and the buckets stay in the set.
-  # (`seen` is shared by every engine of this model, whatever its cache shape.)
-  new = seen - seen_before
+  # (`buckets_seen` is shared by every engine of this model, whatever its cache shape.)
+  new = engine.buckets_seen - seen_before
   assert sum(step_lib.TRACE_COUNT.values()) - before == len(new)
-  b = engine._buckets   # pylint: disable=protected-access
+  b = engine.buckets
   assert len(new) <= b.max_variants
   assert all(r in b.rows and w in b.widths for _, r, w, _, _ in new), (new, b)
   assert engine.num_preemptions > 0       # traffic really changed shape
@@ -245,7 +245,7 @@ def test_generate_cli_on_saved_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
-def test_preempted_parallel_sampling_and_beam_groups_restore_exactly(mode):
+def test_preempted_parallel_sampling_and_beam_groups_restore_exactly(monkeypatch, mode):
   # Two long greedy requests hold 8 of the 12 blocks; the sampling group (n=3) and the
   # beam group (width 3) behind them get preempted. Recompute: prompt once on the
   # leader, re-forked, then each sample's own tokens. Swap / auto: the group's blocks
@@ -256,14 +256,13 @@ def test_preempted_parallel_sampling_and_beam_groups_restore_exactly(mode):
   kw = dict(max_tokens=20, temperature=0.8, top_k=30)
   engine = make_engine(preemption_mode=mode)
   group_swaps = []
-  swap_outs = engine._swap_outs
+  copy_out = swap_lib.copy_out
 
-  def spy():
-    group_swaps.extend(len(g.seqs) for g, _ in engine.scheduler.pending_swap_outs
-                       if len(g.seqs) > 1)
-    swap_outs()
+  def spy(state, batch, stats):
+    group_swaps.extend(len(g.seqs) for g, _ in batch.swap_out if len(g.seqs) > 1)
+    copy_out(state, batch, stats)
 
-  engine._swap_outs = spy
+  monkeypatch.setattr(swap_lib, "copy_out", spy)
   outs = engine.generate(
       long_prompts + [sample_prompt, beam_prompt],
       [greedy(40), greedy(40), SamplingParams(n=3, seed=3, **kw),
@@ -295,9 +294,7 @@ def test_failed_reservation_leaves_state_unchanged_and_host_replans():
   a["alloc_tokens"][4:8] = 64                      # 4 x 4 blocks > the 12 in the pool
   engine.state, out = engine._step(engine.params, engine.state, step_lib.StepInputs(**a))   # pylint: disable=protected-access
   assert not bool(out.ok) and int(np.max(out.status)) > 0
-  after = jax.device_get(engine.state)
-  for x, y in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(after)):
-    np.testing.assert_array_equal(x, y)
+  chex.assert_trees_all_equal(before, jax.device_get(engine.state))
 
   # Host side: with the scheduler's block need forced to 0 the device reports
   # OUT_OF_BLOCKS; the engine preempts, re-plans and still produces exact outputs.
@@ -329,8 +326,7 @@ def test_a_plan_with_more_reserving_slots_than_rows_is_refused_whole():
       assert int(after.blocks.num_free) == NUM_BLOCKS - 3
     else:
       np.testing.assert_array_equal(np.asarray(out.status)[[1, 2, 5]], [INVALID] * 3)
-      for x, y in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(after)):
-        np.testing.assert_array_equal(x, y)
+      chex.assert_trees_all_equal(before, after)
 
 def test_generate_cli_subprocess_text_prompt_on_shipped_model():
   import subprocess

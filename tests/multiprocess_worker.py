@@ -38,7 +38,7 @@ def main():
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import distributed_fixtures as fx  # pylint: disable=g-import-not-at-top
-  from paged_jax.distributed import (TensorParallelLlama, make_mesh,  # pylint: disable=g-import-not-at-top
+  from paged_jax.distributed import (TensorParallelDecoder, make_mesh,  # pylint: disable=g-import-not-at-top
                                      make_tp_engine)
 
   result = {"process_id": jax.process_index(), "process_count": jax.process_count(),
@@ -49,7 +49,7 @@ def main():
   params_host = fx.params()
 
   # 1. Model-level: the tp forward over the global mesh.
-  tp_model = TensorParallelLlama(fx.CONFIG, mesh, attention_backend="reference")
+  tp_model = TensorParallelDecoder(fx.CONFIG, mesh, attention_backend="reference")
   params = tp_model.shard_params(params_host)   # device_put of identical host values
   pages = tp_model.init_pages(fx.CACHE)
   result["local_page_shards"] = [

@@ -1,6 +1,7 @@
-"""Host scheduler alone, against a simulated device that holds cdiv(len, bs) blocks
-per active slot: token budget, chunked prefill mixed with decodes, strict FCFS,
-newest-first preemption (recompute and swap), and that it never over-commits."""
+"""Host scheduler alone (`schedule()` and `update()`), against a simulated device that
+holds cdiv(len, bs) blocks per active slot and frees a slot when its sequence finishes
+(as the jitted step does): token budget, chunked prefill mixed with decodes, strict
+FCFS, newest-first preemption (recompute and swap), and that it never over-commits."""
 
 import collections
 import types
@@ -8,8 +9,8 @@ import types
 import numpy as np
 import pytest
 
+from paged_jax.config import cdiv
 from paged_jax.engine.params import SamplingParams
-from paged_jax.engine.block_needs import cdiv
 from paged_jax.engine.scheduler import Scheduler
 from paged_jax.engine.sequence import Group, GroupStatus, Sequence
 
@@ -47,10 +48,9 @@ def run_step(sched, dev, log, report_sole=True):
             if any(q.num_uncomputed > 0 and id(q) not in served for q in g.seqs)]
     assert not idle or batch.num_tokens == sched.max_num_batched_tokens, (
         f"requests {[g.request_id for g in idle]} sat out a step with budget left")
-  for group, _ in sched.pending_swap_outs:   # what the engine's copy reports: its blocks
+  for group, _ in batch.swap_out:   # what the engine's copy reports: its blocks
     group.leader.swapped_kv = types.SimpleNamespace(
         num_blocks=sum(cdiv(q.num_computed, dev.bs) for q in group.seqs))
-  sched.pending_swap_outs = []
   # As the engine does: swap-ins copy in first (their own dispatch), then the step
   # frees, then it reserves.
   for group in batch.swap_in:
@@ -65,19 +65,25 @@ def run_step(sched, dev, log, report_sole=True):
     dev.lens[ch.seq.slot] = ch.seq.num_computed + ch.num_tokens
   assert dev.free() >= 0, "scheduler over-committed blocks"
   assert batch.num_tokens <= sched.max_num_batched_tokens
-  sched.commit(batch)
-  log.append(batch)
+  # Every sampling chunk draws token 7; a sequence at max_tokens finishes and the
+  # device frees its slot in the same step.
+  s = sched.max_seqs
+  out = types.SimpleNamespace(
+      ok=True, tokens=np.zeros((1, s), np.int32), valid=np.zeros((1, s), bool),
+      finished=np.zeros((s,), bool), hit_tokens=np.zeros((s,), np.int32),
+      loop_out_of_blocks=False, prefix_hit_blocks=0, prefix_query_blocks=0, num_evictable=0)
   for ch in batch.chunks:
-    seq = ch.seq
-    seq.num_computed += ch.num_tokens
     if ch.samples:
-      seq.tokens.append(7)
-      group = next(g for g in sched.running if seq in g.seqs)
-      if seq.num_generated >= group.params.max_tokens:
-        group.seqs.remove(seq)
-        group.finished.append(seq)
-        sched.free_seq(seq)
-        sched.finish_group(group)
+      q = ch.seq
+      out.tokens[0, q.slot], out.valid[0, q.slot] = 7, True
+      group = next(g for g in sched.running if q in g.seqs)
+      out.finished[q.slot] = q.num_generated + 1 >= group.params.max_tokens
+  for slot in np.flatnonzero(out.finished):
+    del dev.lens[slot]
+  out.num_free = out.available = dev.free()
+  out.sole_blocks = np.array([dev.sole()[i] for i in range(s)], np.int32)
+  sched.update(batch, out)
+  log.append(batch)
   return batch
 
 
@@ -90,7 +96,7 @@ def drain(sched, dev, groups, max_steps=500, report_sole=True):
       break
     run_step(sched, dev, log, report_sole)
   assert not sched.has_unfinished()
-  for slot in sched.pending_frees:
+  for slot in sched.carry.frees:
     del dev.lens[slot]
   assert all(g.status == GroupStatus.FINISHED for g in groups)
   return log
@@ -250,7 +256,6 @@ def test_multi_step_decode_reserves_its_loop_blocks(lookahead, free, preempted):
     g.seqs[0].num_computed, g.seqs[0].slot, g.seqs[0].on_device = computed, i, True
     g.slots, g.status = [i], GroupStatus.RUNNING
     sched.running.append(g)
-    sched.free_slots.remove(i)
   needs = [sched.lookahead_need(g, sched._chunks_for(g, 16)) for g in sched.running]  # pylint: disable=protected-access
   assert needs == ([2, 1] if lookahead else [0, 0])
   batch = sched.schedule(free, collections.defaultdict(int, {0: 4, 1: 1}))

@@ -17,9 +17,10 @@ from paged_jax.bench import serving
 from paged_jax.bench import workloads
 from paged_jax.bench.baselines import gate as gate_lib
 from paged_jax.engine import Engine, SamplingParams
-from paged_jax.engine import compiled as compiled_lib
+from paged_jax.engine import compile as compile_lib
+from paged_jax.engine import reachable_buckets, release_compiled
 from paged_jax.engine import step as step_lib
-from paged_jax.engine.inputs import StepBuckets
+from paged_jax.engine.buckets import StepBuckets
 
 from engine_oracle import MC, PARAMS, VOCAB, record_buckets
 
@@ -55,8 +56,7 @@ def test_reachable_buckets_equal_brute_force(max_seqs, budget, width, decode_ste
   b = StepBuckets.make(max_seqs=max_seqs, max_num_batched_tokens=budget,
                        max_blocks_per_seq=width, block_size=16, decode_steps=decode_steps,
                        enabled=enabled)
-  got = compiled_lib.reachable_buckets(b, max_rows=max_rows, max_len=max_len,
-                                       lanes_per_row=lanes)
+  got = reachable_buckets(b, max_rows=max_rows, max_len=max_len, lanes_per_row=lanes)
   assert len(got) == len(set(got)) <= b.max_variants
   assert set(got) == brute_force(b, max_rows, max_len, lanes)
 
@@ -65,7 +65,7 @@ def test_reachable_buckets_reject_bad_bounds():
   b = StepBuckets.make(max_seqs=8, max_num_batched_tokens=32, max_blocks_per_seq=4,
                        block_size=4, decode_steps=1)
   with pytest.raises(ValueError, match="max_rows"):
-    compiled_lib.reachable_buckets(b, max_rows=0, max_len=8)
+    reachable_buckets(b, max_rows=0, max_len=8)
 
 
 # 8 slots (rows 8), 4-token blocks, up to 32 tokens (widths 4, 8 blocks), 32 tokens
@@ -127,8 +127,8 @@ def test_after_warm_up_a_mixed_run_neither_traces_nor_compiles(monkeypatch):
   assert compiles == []
   # The run really was mixed: both widths, prefills beside decodes and decode-only
   # steps, most of the set.
-  assert {b[2] for b in used} == {4, 8} and {b[3] for b in used} == {True, False}
-  assert {b[4] for b in used} == {True, False}    # greedy-only steps and sampling ones
+  assert {b.width for b in used} == {4, 8} and {b.decode_only for b in used} == {True, False}
+  assert {b.all_greedy for b in used} == {True, False}   # greedy-only steps and sampling ones
   assert len(set(used)) >= 5, sorted(set(used))
 
 
@@ -148,26 +148,26 @@ def test_compiled_shapes_are_keyed_by_the_engines_geometry():
       calls.append((state.blocks.block_tables.shape[0], inputs.tokens.shape[0],
                     inputs.row_slot.shape[0], width, decode_only, all_greedy))
       return types.SimpleNamespace(lower=lambda: types.SimpleNamespace(compile=lambda: None))
-  stub = StubStep()
+  stub = compile_lib.CompiledStep(StubStep())   # shared, as engines of one model share it
   a, b, c = small_engine(8), small_engine(16), small_engine(8, num_blocks=NUM_BLOCKS + 4)
   for e in (a, b, c):
-    e._step = stub    # pylint: disable=protected-access
+    e._compiled = stub    # pylint: disable=protected-access
   shapes = [(16, 8, 4, False), (8, 8, 8, True)]
   one = dict(all_greedy=(False,))
-  assert compiled_lib.compile_buckets(a, shapes, **one)["compiled"] == 2
-  again = compiled_lib.compile_buckets(a, shapes, **one)
+  assert a.compile_buckets(shapes, **one)["compiled"] == 2
+  again = a.compile_buckets(shapes, **one)
   assert (again["compiled"], again["already"]) == (0, 2)
-  assert compiled_lib.compile_buckets(b, shapes, **one)["compiled"] == 2
-  assert compiled_lib.compile_buckets(c, shapes, **one)["compiled"] == 2
+  assert b.compile_buckets(shapes, **one)["compiled"] == 2
+  assert c.compile_buckets(shapes, **one)["compiled"] == 2
   assert calls == [(8, 16, 8, 4, False, False), (8, 8, 8, 8, True, False)] + [
       (16, 16, 8, 4, False, False), (16, 8, 8, 8, True, False)] + [
       (8, 16, 8, 4, False, False), (8, 8, 8, 8, True, False)]
   # By default both sampling variants: the all-greedy ones are new, the others cached.
-  both = compiled_lib.compile_buckets(a, shapes)
+  both = a.compile_buckets(shapes)
   assert (both["compiled"], both["already"]) == (2, 2)
   assert calls[-2:] == [(8, 16, 8, 4, False, True), (8, 8, 8, 8, True, True)]
   with pytest.raises(ValueError, match="more than the bound"):
-    compiled_lib.compile_buckets(a, shapes, max_shapes=1)
+    a.compile_buckets(shapes, max_shapes=1)
 
 
 def test_release_compiled_forgets_what_was_compiled():
@@ -178,12 +178,12 @@ def test_release_compiled_forgets_what_was_compiled():
       calls.append(kw["width"])
       return types.SimpleNamespace(lower=lambda: types.SimpleNamespace(compile=lambda: None))
   engine = small_engine(8)
-  engine._step = StubStep()    # pylint: disable=protected-access
+  engine._compiled = compile_lib.CompiledStep(StubStep())    # pylint: disable=protected-access
   shapes = [(16, 8, 4, False)]
-  assert compiled_lib.compile_buckets(engine, shapes, all_greedy=(True,))["compiled"] == 1
-  assert compiled_lib.compile_buckets(engine, shapes, all_greedy=(True,))["compiled"] == 0
-  compiled_lib.release_compiled()
-  assert compiled_lib.compile_buckets(engine, shapes, all_greedy=(True,))["compiled"] == 1
+  assert engine.compile_buckets(shapes, all_greedy=(True,))["compiled"] == 1
+  assert engine.compile_buckets(shapes, all_greedy=(True,))["compiled"] == 0
+  release_compiled()
+  assert engine.compile_buckets(shapes, all_greedy=(True,))["compiled"] == 1
   assert calls == [4, 4]
 
 

@@ -48,9 +48,9 @@ def check_sole_blocks(eng):
   checked = 0
   for slot in np.flatnonzero(active):
     after = int(_available_after_free(eng.state, np.int32(slot)))
-    assert after - before == int(eng._sole_blocks[slot]), (  # pylint: disable=protected-access
-        f"slot {slot}: freeing it frees {after - before} blocks, the step said "
-        f"{int(eng._sole_blocks[slot])}")  # pylint: disable=protected-access
+    sole = int(eng.scheduler.counts.sole_blocks[slot])
+    assert after - before == sole, (
+        f"slot {slot}: freeing it frees {after - before} blocks, the step said {sole}")
     checked += 1
   return checked
 
@@ -85,8 +85,8 @@ def test_a_preempting_step_still_serves_the_older_requests():
   served_rows = []
   original = eng.scheduler.schedule
 
-  def spy(num_free, sole=None):
-    batch = original(num_free, sole)
+  def spy(*args, **kwargs):
+    batch = original(*args, **kwargs)
     if batch.preempted:
       running = [g for g in eng.scheduler.running]
       served = {id(c.seq) for c in batch.chunks}

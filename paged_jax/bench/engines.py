@@ -60,7 +60,7 @@ def greedy(request) -> "SamplingParams":
 def warm_up(engine, requests: Optional[Sequence] = None,
             params_fn: Optional[Callable] = None) -> Dict:
   """Compiles `engine`'s step, before anything is timed, for every shape bucket a run
-  of `requests` can reach (`paged_jax.engine.compiled.reachable_buckets`), ahead of time:
+  of `requests` can reach (`paged_jax.engine.reachable_buckets`), ahead of time:
   nothing runs on the device, the engine's state is untouched; logged at INFO.
 
   The reachable set: at most min(max_seqs, num_blocks) live sequences (each holds a
@@ -77,7 +77,7 @@ def warm_up(engine, requests: Optional[Sequence] = None,
   Returns:
     {"shapes": buckets in the set, "compiled", "already" (compiled before), "seconds"}.
   """
-  from paged_jax.engine import compiled  # pylint: disable=g-import-not-at-top
+  from paged_jax.engine import reachable_buckets  # pylint: disable=g-import-not-at-top
   c = engine.cache_config
   if requests is None:
     max_len, lanes, shared = engine.max_model_len, engine.max_beam_width, True
@@ -90,9 +90,9 @@ def warm_up(engine, requests: Optional[Sequence] = None,
     variants = tuple({p.temperature == 0 for p in params})
   shared = shared or engine.prefix_caching
   max_rows = c.max_seqs if shared else min(c.max_seqs, c.num_blocks)
-  shapes = compiled.reachable_buckets(engine._buckets, max_rows=max_rows,  # pylint: disable=protected-access
-                                      max_len=max_len, lanes_per_row=lanes)
-  return dict(compiled.compile_buckets(engine, shapes, all_greedy=variants),
+  shapes = reachable_buckets(engine.buckets, max_rows=max_rows, max_len=max_len,
+                             lanes_per_row=lanes)
+  return dict(engine.compile_buckets(shapes, all_greedy=variants),
               shapes=len(shapes) * len(variants))
 
 

@@ -221,7 +221,7 @@ def sweep_systems(systems: Sequence[str], rates: Sequence[float], *, workload: s
     scale: stream lengths and the step's token budget (`HarnessScale`).
     engine_fn: builds each point's engine (`run_point`); or {system: fn}.
   """
-  from paged_jax.engine import compiled  # pylint: disable=g-import-not-at-top
+  from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
   mode = mode or {}
   rates = list(rates)
   num_total = max(arrivals.arrival_times(r, duration_s, seed).size for r in rates)
@@ -244,5 +244,5 @@ def sweep_systems(systems: Sequence[str], rates: Sequence[float], *, workload: s
                                 engine_fn=engine_for(engine_fn, system),
                                 max_num_batched_tokens=scale.max_num_batched_tokens))
     curves[system] = curve(rates, points)
-    compiled.release_compiled()   # the next system's engine has other shapes
+    release_compiled()   # the next system's engine has other shapes
   return {"systems": curves, "sizes": sizes}

@@ -1,16 +1,24 @@
-"""PartitionSpecs and placement for tensor-parallel Llama params and paged KV.
+"""PartitionSpecs and placement for tensor-parallel decoder params and paged KV.
 
-Megatron-style split of each decoder layer over the mesh's `tp` axis:
+Megatron-style split of each decoder layer (every family of `models/decoder.py`) over the
+mesh's `tp` axis:
 
     q_proj, k_proj, v_proj, gate_proj, up_proj  kernel [in, out]  P(None, 'tp')  column-parallel
+                                                bias [out]        P('tp')        like its outputs
     o_proj, down_proj                           kernel [in, out]  P('tp', None)  row-parallel
-    norms, embedding, lm_head                                     P()            replicated
+                                                bias [out]        P()            added once,
+                                                                                 after the psum
+    norms (incl. q_norm / k_norm over head_dim), embedding, lm_head              P() replicated
 
 Column-parallel outputs are whole heads (q/k/v kernels are head-major, `out =
 head * head_dim + d`), so shard i holds query heads [i*Hq/tp, (i+1)*Hq/tp) and KV
-heads [i*Hkv/tp, ...): grouped-query attention stays local (query head h reads
-KV head h // (Hq/Hkv) on the same shard). Row-parallel outputs are partial sums,
-all-reduced once per attention and once per MLP (`tp_forward.py`).
+heads [i*Hkv/tp, ...) with their biases: grouped-query attention stays local (query
+head h reads KV head h // (Hq/Hkv) on the same shard). Row-parallel outputs are partial
+sums, all-reduced once per attention and once per MLP (`tp_forward.py`); their bias
+must join once, after that sum, not once per shard.
+
+A parameter this table does not name raises instead of being silently replicated: a new
+projection would otherwise compute the wrong thing on every shard.
 
 KV pages (one `[kv_heads, blocks, block_size, head_dim]` array per layer) are split
 on the KV-head axis, `P('tp')` (int8 / fp8 scales likewise): each device holds
@@ -32,40 +40,56 @@ from paged_jax.distributed.mesh import TP_AXIS
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
+NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+         "post_feedforward_layernorm", "norm", "q_norm", "k_norm")
 KV_PAGES_SPEC = P(TP_AXIS)       # each layer's k / v: [KV heads (split), blocks, bs, D]
 KV_SCALES_SPEC = P(TP_AXIS)      # each layer's k_scale / v_scale: [KV heads (split), ...]
 
 
-def _path_names(path) -> tuple:
+def path_names(path) -> tuple:
+  """A tree_util key path as a tuple of names, e.g. ("params", "lm_head", "kernel")."""
   return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
 
 
-def param_spec(path_names: tuple, ndim: int) -> P:
-  """PartitionSpec of one Llama parameter, from its path in the params tree."""
-  if ndim == 2 and len(path_names) >= 2 and path_names[-1] == "kernel":
-    layer = path_names[-2]
-    if layer in COLUMN_PARALLEL:
-      return P(None, TP_AXIS)
-    if layer in ROW_PARALLEL:
-      return P(TP_AXIS, None)
-  return P()
+def param_spec(names: tuple, ndim: int) -> P:
+  """PartitionSpec of one decoder parameter, from its path in the params tree.
+
+  Raises:
+    ValueError: a parameter with no known placement (named by its path).
+  """
+  module, leaf = (names[-2], names[-1]) if len(names) >= 2 else ("", "")
+  if module in COLUMN_PARALLEL and (leaf, ndim) in (("kernel", 2), ("bias", 1)):
+    return P(None, TP_AXIS) if leaf == "kernel" else P(TP_AXIS)   # split like the outputs
+  if module in ROW_PARALLEL and (leaf, ndim) in (("kernel", 2), ("bias", 1)):
+    return P(TP_AXIS, None) if leaf == "kernel" else P()          # bias: whole, added once
+  if ((module in NORMS and (leaf, ndim) == ("weight", 1))
+      or (module, leaf, ndim) in (("embed_tokens", "embedding", 2), ("lm_head", "kernel", 2))):
+    return P()
+  raise ValueError(
+      f"param {'/'.join(names)} (ndim {ndim}) has no tensor-parallel placement: "
+      f"column-parallel {COLUMN_PARALLEL}, row-parallel {ROW_PARALLEL} kernels/biases, "
+      f"norms {NORMS}, embed_tokens and lm_head are known")
+
+
+def is_row_parallel_bias(names: tuple) -> bool:
+  """True for the bias of o_proj / down_proj (added after the all-reduce, `tp_forward`)."""
+  return len(names) >= 2 and names[-2] in ROW_PARALLEL and names[-1] == "bias"
 
 
 def param_specs(params) -> Any:
-  """Pytree of PartitionSpecs matching `params` (a `LlamaForCausalLM` params tree)."""
-  specs = jax.tree_util.tree_map_with_path(
-      lambda path, leaf: param_spec(_path_names(path), getattr(leaf, "ndim", 0)), params)
+  """Pytree of PartitionSpecs matching `params` (a `DecoderForCausalLM` params tree)."""
   found = {n for n in _layer_names(params)}
   if not found & set(COLUMN_PARALLEL) or not found & set(ROW_PARALLEL):
     raise ValueError(
-        "params do not look like a LlamaForCausalLM tree: no "
+        "params do not look like a DecoderForCausalLM (LlamaForCausalLM) tree: no "
         f"{COLUMN_PARALLEL + ROW_PARALLEL} kernels found (found modules {sorted(found)[:8]})")
-  return specs
+  return jax.tree_util.tree_map_with_path(
+      lambda path, leaf: param_spec(path_names(path), getattr(leaf, "ndim", 0)), params)
 
 
 def _layer_names(params):
   for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
-    names = _path_names(path)
+    names = path_names(path)
     if len(names) >= 2:
       yield names[-2]
 

@@ -7,7 +7,7 @@
 The engine's device step stays ONE jitted program (`engine.step.make_step`):
 block-manager ops run on the replicated `BlockState` (every device sees the
 same block tables, no communication), copy-on-write runs on the KV-head-split
-pages, and the model forward is `TensorParallelLlama.apply` (shard_map inside
+pages, and the model forward is `TensorParallelDecoder.apply` (shard_map inside
 the jit). Host-side scheduling is untouched: the sharded engine is the same
 `Engine` object, so outputs match the one-device engine token for token up to
 all-reduce rounding.
@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from paged_jax import block_manager as bm
 from paged_jax.config import CacheConfig, ModelConfig
 from paged_jax.distributed.mesh import validate_tp, tp_size
-from paged_jax.distributed.tp_forward import TensorParallelLlama
+from paged_jax.distributed.tp_forward import TensorParallelDecoder
 from paged_jax.prefix_cache import step as prefix_step
 
 log = logging.getLogger("paged_jax.distributed")
@@ -56,7 +56,7 @@ def make_tp_engine(model_config: ModelConfig, params, cache_config: CacheConfig,
   from paged_jax.engine.step import EngineState  # pylint: disable=g-import-not-at-top
   tp = tp_size(mesh)
   validate_tp(model_config, tp, cache_config)
-  tp_model = TensorParallelLlama(model_config, mesh, attention_backend=attention_backend)
+  tp_model = TensorParallelDecoder(model_config, mesh, attention_backend=attention_backend)
   params = params if "params" in params else {"params": params}
 
   def init_state(cfg: CacheConfig) -> EngineState:

@@ -1,27 +1,30 @@
-"""Tensor-parallel paged forward: the Llama model run per shard under `shard_map`.
+"""Tensor-parallel paged forward: the decoder run per shard under `shard_map`.
 
     mesh = make_mesh(tp=4)
-    tp_model = TensorParallelLlama(model_config, mesh)
+    tp_model = TensorParallelDecoder(model_config, mesh)
     params = tp_model.shard_params(params)            # Megatron-style placement
     pages = tp_model.init_pages(cache_config)         # born sharded by KV head
     logits, pages = jax.jit(tp_model.apply)(params, tokens, positions, pages, meta)
 
-`apply` has the signature of `LlamaForCausalLM.apply`, so it drops into the
+`apply` has the signature of `DecoderForCausalLM.apply`, so it drops into the
 engine's jitted step (`engine.step.make_step(apply_fn)`): the step stays one
 program, with the block manager replicated and the model sharded inside it.
 
-Inside `shard_map` every device runs the very same `LlamaForCausalLM` code on
-its local shards, built from a per-shard config (num_heads / tp query heads,
-num_kv_heads / tp KV heads, intermediate_size / tp MLP features): it projects
-its heads, writes their K/V into its slice of the pages (`kv_cache.write`),
-runs `attention.ragged_paged_attention` (Pallas on GPU, reference elsewhere) on
-its KV heads only, and multiplies by its rows of o_proj. The row-parallel
-layers (`o_proj`, `down_proj`) then yield partial sums; a Flax method
-interceptor all-reduces (`lax.psum` over `tp`) their outputs, which is the one
-collective per attention and per MLP of Megatron-LM (Shoeybi et al., 2019,
-arXiv:1909.08053). Embedding, norms and LM head are replicated. Logits come out
-replicated; numerics differ from one device only by the summation order of
-those all-reduces.
+Inside `shard_map` every device runs the very same `DecoderForCausalLM` code (any family:
+Llama, Qwen2/2.5, Qwen3, Mistral, Gemma-2/3) on its local shards, built from a per-shard
+config (num_heads / tp query heads, num_kv_heads / tp KV heads, intermediate_size / tp MLP
+features; head_dim and every family field unchanged): it projects its heads (adding its
+slice of the q/k/v biases, normalising each head with the replicated q_norm / k_norm),
+writes their K/V into its slice of the pages (`kv_cache.write`), runs
+`attention.attention_from_metadata` on its KV heads only with the layer's own sliding
+window, soft cap and scale (all per head, so per shard), and multiplies by its rows of
+o_proj. The row-parallel layers (`o_proj`, `down_proj`) then yield partial sums; a Flax
+method interceptor all-reduces (`lax.psum` over `tp`) their outputs, the one collective per
+attention and per MLP of Megatron-LM (Shoeybi et al., 2019, arXiv:1909.08053), and adds
+their bias (when the family has one) once, after the sum: each shard's Dense sees a zero
+bias. Embedding (with Gemma's multiplier), norms, LM head (tied or not) and the final soft
+cap are replicated. Logits come out replicated; numerics differ from one device only by the
+summation order of those all-reduces.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any, Tuple
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
@@ -39,7 +43,7 @@ from paged_jax.attention import AttentionMetadata
 from paged_jax.config import CacheConfig, ModelConfig
 from paged_jax.distributed import sharding
 from paged_jax.distributed.mesh import TP_AXIS, tp_size, validate_tp
-from paged_jax.models.llama import LlamaForCausalLM
+from paged_jax.models.decoder import DecoderForCausalLM
 
 
 def shard_map(f, *, mesh: Mesh, in_specs, out_specs):
@@ -63,8 +67,8 @@ def local_model_config(config: ModelConfig, tp: int) -> ModelConfig:
       intermediate_size=config.intermediate_size // tp, head_dim=config.head_dim)
 
 
-class TensorParallelLlama:
-  """`LlamaForCausalLM` split over a mesh's `tp` axis.
+class TensorParallelDecoder:
+  """`DecoderForCausalLM` (any family) split over a mesh's `tp` axis.
 
   Attributes:
     config: the full model's ModelConfig.
@@ -77,14 +81,15 @@ class TensorParallelLlama:
   def __init__(self, config: ModelConfig, mesh: Mesh, *, attention_backend: str = "auto"):
     if set(mesh.axis_names) != {TP_AXIS}:
       raise ValueError(
-          f"TensorParallelLlama needs a 1-D ('{TP_AXIS}',) mesh, got axes "
+          f"{type(self).__name__} needs a 1-D ('{TP_AXIS}',) mesh, got axes "
           f"{tuple(mesh.axis_names)}; split a (dp, tp) mesh with dp_submeshes()")
     self.config = config
     self.mesh = mesh
     self.tp = tp_size(mesh)
     self.local_config = local_model_config(config, self.tp)
     self.attention_backend = attention_backend
-    self._local_model = LlamaForCausalLM(self.local_config, attention_backend=attention_backend)
+    self._local_model = DecoderForCausalLM(self.local_config,
+                                           attention_backend=attention_backend)
 
   # Placement ---------------------------------------------------------------------------
 
@@ -111,7 +116,7 @@ class TensorParallelLlama:
 
   def apply(self, params, tokens: jax.Array, positions: jax.Array, kv_pages: kv_cache.KVPages,
             meta: AttentionMetadata) -> Tuple[jax.Array, kv_cache.KVPages]:
-    """Same contract as `LlamaForCausalLM.apply`; call it inside `jax.jit`.
+    """Same contract as `DecoderForCausalLM.apply`; call it inside `jax.jit`.
 
     Args:
       params: the FULL params tree (sharded or not: shard_map splits it per
@@ -126,7 +131,8 @@ class TensorParallelLlama:
     num_layers = self.config.num_layers
 
     def local_forward(local_params, local_tokens, local_positions, local_pages, local_meta):
-      reductions = []
+      local_params, row_biases = _zero_row_parallel_biases(local_params)
+      reductions, biased = [], []
 
       def allreduce_row_parallel(next_fun, args, kwargs, context):
         out = next_fun(*args, **kwargs)
@@ -134,17 +140,22 @@ class TensorParallelLlama:
         if (context.method_name == "__call__" and isinstance(module, nn.Dense)
             and module.name in sharding.ROW_PARALLEL):
           reductions.append(module.name)
-          return lax.psum(out, TP_AXIS)
+          out = lax.psum(out, TP_AXIS)
+          bias = row_biases.get(tuple(module.path))
+          if bias is not None:   # once, after the sum (the Dense added a zero bias)
+            biased.append(module.name)
+            out = out + bias.astype(out.dtype)
         return out
 
       with nn.intercept_methods(allreduce_row_parallel):
         logits, new_pages = self._local_model.apply(
             local_params, local_tokens, local_positions, local_pages, local_meta)
-      if len(reductions) != 2 * num_layers:
+      if len(reductions) != 2 * num_layers or len(biased) != len(row_biases):
         # A renamed projection would otherwise silently give wrong (un-reduced) outputs.
         raise RuntimeError(
             f"expected {2 * num_layers} row-parallel all-reduces ({sharding.ROW_PARALLEL} per "
-            f"layer), intercepted {len(reductions)}: the model's module names changed")
+            f"layer) adding {len(row_biases)} biases, intercepted {len(reductions)} adding "
+            f"{len(biased)}: the model's module names changed")
       return logits, new_pages
 
     sharded = shard_map(
@@ -152,6 +163,30 @@ class TensorParallelLlama:
         in_specs=(sharding.param_specs(params), P(), P(), page_specs, P()),
         out_specs=(P(), page_specs))
     return sharded(params, tokens, positions, kv_pages, meta)
+
+
+# The first family's name, kept for existing callers.
+TensorParallelLlama = TensorParallelDecoder
+
+
+def _zero_row_parallel_biases(params):
+  """(params with o_proj / down_proj biases zeroed, {module path: bias}).
+
+  A row-parallel layer's per-shard output is a partial sum; its bias belongs to the sum,
+  so each shard's Dense gets zeros (adding 0 is exact) and the interceptor adds the bias
+  once after the psum. Module paths are Flax's (`module.path`, without the "params"
+  collection), e.g. ("model", "layers_0", "self_attn", "o_proj").
+  """
+  biases = {}
+
+  def strip(path, x):
+    names = sharding.path_names(path)
+    if not sharding.is_row_parallel_bias(names):
+      return x
+    biases[names[1:-1]] = x
+    return jnp.zeros_like(x)
+
+  return jax.tree_util.tree_map_with_path(strip, params), biases
 
 
 def cache_config_for_device_budget(model_config: ModelConfig, tp: int,

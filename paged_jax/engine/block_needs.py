@@ -24,11 +24,8 @@ from __future__ import annotations
 import collections
 from typing import Iterable, List
 
+from paged_jax.config import cdiv
 from paged_jax.engine.sequence import Chunk, Group
-
-
-def cdiv(a: int, b: int) -> int:
-  return -(-a // b)
 
 
 def forked_blocks(prompt_len: int, seq_lens: Iterable[int], block_size: int) -> int:

@@ -12,12 +12,12 @@ model (the work of each chunk and row the step computed):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from paged_jax.engine.inputs import Bucket
-from paged_jax.engine.sequence import Batch, Group
+from paged_jax.engine.buckets import Bucket
+from paged_jax.engine.sequence import Batch, Group, GroupStatus
 
 Work = Tuple[Tuple[int, int], ...]   # ((new tokens, context tokens attended), ...)
 
@@ -87,19 +87,38 @@ def chunk_work(batch: Batch) -> Tuple[Work, Work]:
   return tuple(prefill), tuple(decode)
 
 
-def not_started(groups) -> set:
-  """Ids of the groups that have not generated a token yet (before a step applies)."""
-  return {g.request_id for g in groups
-          if not any(q.num_generated for q in g.seqs) and not g.finished}
-
-
-def has_started(group: Group) -> bool:
+def _started(group: Group) -> bool:
   return any(q.num_generated for q in group.seqs) or bool(group.finished)
 
 
-def device_work(outputs) -> dict:
-  """The fields a StepReport takes from the step's (host) outputs."""
-  valid = np.asarray(outputs.valid)
-  ok = bool(outputs.ok)
-  return dict(ok=ok, cow_copies=int(outputs.cow_copies),
-              decode_loop_rows=tuple(int(v) for v in valid[1:].sum(axis=1)) if ok else ())
+@dataclasses.dataclass
+class Before:
+  """What a report needs from before `Scheduler.update` applies a step."""
+  running: List[Group]
+  not_started: set
+  prefill_chunks: Work
+  decode_rows: Work
+
+  @classmethod
+  def of(cls, batch: Batch, scheduler) -> "Before":
+    prefill, decode = chunk_work(batch)
+    return cls(list(scheduler.running),
+               {g.request_id for g in scheduler.running if not _started(g)}, prefill, decode)
+
+  def parts(self, batch: Batch, outputs, finished, bucket: Bucket) -> Dict[str, Any]:
+    """The StepReport fields of the step once `update` applied `outputs`."""
+    done = [o.request_id for o in finished]
+    preempted = batch.preempted + [g for g in self.running
+                                   if g.status in (GroupStatus.WAITING, GroupStatus.SWAPPED)]
+    ok = bool(outputs.ok)
+    return dict(
+        ok=ok, bucket=bucket, finished_ids=tuple(done),
+        first_token_ids=tuple(g.request_id for g in self.running if g.request_id in
+                              self.not_started and (g.request_id in done or _started(g))),
+        preempted_ids=tuple(g.request_id for g in preempted),
+        prefill_chunks=self.prefill_chunks if ok else (),
+        decode_rows=self.decode_rows if ok else (),
+        prefix_hit_tokens=sum(q.num_computed for q in batch.attaches) if ok else 0,
+        cow_copies=int(outputs.cow_copies),
+        decode_loop_rows=tuple(int(v) for v in np.asarray(outputs.valid)[1:].sum(axis=1))
+        if ok else ())

@@ -1,88 +1,104 @@
-"""Host-side scheduler: waiting / running / swapped queues, FCFS, preemption.
+"""Host-side scheduler: one plan in, one update out (vLLM v1's `schedule()` /
+`update_from_output()`, nano-vllm's schedule / postprocess).
 
-The scheduler decides WHAT runs in a step; the jitted step (`step.py`) does the
-block allocation on device. It plans from the count the previous step returned
-(free + evictable blocks) and each chunk's exact block need (new blocks plus
-the copy-on-write copies of a shared last block: every writer copies but the
-last remaining holder). The step frees before it reserves, and the
-device also reports, per slot, the blocks that slot alone references: those of
-the slots freed in a step count for that step's reservations. When a running
-group does not fit, the newest groups are preempted until it does, and the
-step goes on with everyone older (vLLM's rule). Should a reservation still fail
-on device (a status, never a spin), the engine preempts the newest group and
-re-plans.
+    batch = scheduler.schedule()              # the plan: everything the step will do
+    ...                                       # inputs, the jitted step, one host sync
+    finished = scheduler.update(batch, outputs)   # the ONE place outputs are applied
 
-The records it plans with (Sequence, Group, Chunk, Batch) are in `sequence.py`; the
-block counts it plans by are in `block_needs.py`.
+The scheduler decides WHAT runs in a step; the jitted step (`step.py`, whose docstring
+gives the order of its effects) does the block allocation on device. It plans from the
+counts the previous step returned (free + evictable blocks, `DeviceCounts`) and each
+chunk's exact block need (new blocks plus the copy-on-write copies of a shared last
+block: every writer copies but the last remaining holder). The step frees before it
+reserves, and the device also reports, per slot, the blocks that slot alone references:
+those of the slots freed in a step count for that step's reservations. When a running
+group does not fit, the newest groups are preempted until it does, and the step goes on
+with everyone older (vLLM's rule). Should a reservation still fail on device (a status,
+never a spin), `update` preempts the newest group and the next plan re-plans.
 
-Policy (vLLM's, arXiv:2309.06180 sec. 4.5):
-  * running groups are served first, oldest first; decodes take 1 token of the
-    per-step token budget, prefills take what is left (chunked prefill); with
-    several decode steps per sync a sampling row also reserves the blocks of the
-    step's decode loop (`lookahead_need`, vLLM's lookahead slots), so the loop
-    does not run out of blocks and idle;
-  * when the blocks run out, the newest running groups are preempted (all their
-    sequences: "all or nothing") until the group being served fits, or that
-    group itself when it is the newest;
-  * preempted groups are either recomputed (back to the waiting queue, their
-    K/V dropped) or swapped (K/V copied to host, each block shared by the group's
-    sequences once, and restored with that sharing; `preemption_mode`: "swap"
-    always, "auto" only groups of several sequences, vLLM V0's default). A group
-    caught mid-fork (samples not yet forked, beams with a fork or a selection
-    pending) is recomputed: its device rows are not yet what its records say;
-  * swapped groups come back (oldest first) only in steps without preemption;
-  * waiting groups are admitted strictly FCFS when slots, blocks for every sequence
-    of the group (`group_need`: a recomputed group's samples too; plus the decode
-    loop's when its chunk samples) and token budget are available; with prefix
-    caching an admitted leader is first attached to its longest cached prefix (in
-    the step, `Batch.attaches`) and prefills the rest from the next step on.
-Groups with several sequences re-enter by prefilling the prompt once on their
-leader and forking it (`post_forks`) so the prompt blocks are shared again.
+A sequence that finishes on device (stop id, max_tokens) is freed by that same step;
+only host decisions (beam selection, preemption after a failed step) leave work for the
+next plan, carried in `carry` (a Batch the next `schedule()` starts from).
+
+The records it plans with (Sequence, Group, Chunk, Batch, DeviceCounts) are in
+`sequence.py`; the block counts it plans by are in `block_needs.py`.
+
+The planning policy (`schedule()`) is in `planning.py`, mixed into Scheduler.
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import List, Tuple
+import collections
+import dataclasses
+import itertools
+from typing import Any, Dict, List, Optional
 
+import numpy as np
+
+from paged_jax.engine import beam
 from paged_jax.engine import block_needs
-from paged_jax.engine.sequence import Batch, Chunk, Group, GroupStatus, Sequence
+from paged_jax.engine.options import check_preemption_mode
+from paged_jax.engine.params import RequestOutput
+from paged_jax.engine.planning import Planner
+from paged_jax.engine.sequence import (FIXED, Batch, Chunk, DeviceCounts, Group, GroupStatus,
+                                       Sequence)
 
-# recompute: drop K/V, prefill again; swap: copy K/V to host and back; auto: swap
-# groups of several sequences, recompute single ones (vLLM V0's default rule).
-PREEMPTION_MODES = ("recompute", "swap", "auto")
+_fixed = lambda default: dataclasses.field(default=default, metadata=FIXED)
+_new = lambda factory: dataclasses.field(default_factory=factory)
 
 
-class Scheduler:
-  """FCFS continuous batching with chunked prefill and preemption (host Python)."""
+def request_output(group: Group, seqs: List[Sequence]) -> RequestOutput:
+  """The output of `group` from its (finished or, on abort, live) sequences."""
+  return RequestOutput(
+      request_id=group.request_id, prompt_token_ids=group.prompt,
+      outputs=[q.tokens[q.prompt_len:] for q in seqs],
+      finish_reasons=[q.finish_reason for q in seqs],
+      cumulative_logprobs=[q.cum_logprob for q in seqs] if group.is_beam else None,
+      num_preemptions=group.num_preemptions)
 
-  def __init__(self, *, block_size: int, max_seqs: int, max_num_batched_tokens: int,
-               preemption_mode: str = "recompute", prefix_caching: bool = False,
-               lookup_budget: int = 0, lookahead: int = 0):
-    if preemption_mode not in PREEMPTION_MODES:
-      raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
-                       f"got {preemption_mode!r}")
-    self.block_size = block_size
-    self.max_num_batched_tokens = max_num_batched_tokens
-    self.preemption_mode = preemption_mode
-    self.prefix_caching = prefix_caching
-    self.lookup_budget = lookup_budget          # prompt tokens looked up per step
-    self.lookahead = lookahead                  # decode-loop tokens after a sample
-    self.waiting: List[Group] = []
-    self.running: List[Group] = []
-    self.swapped: List[Group] = []
-    self.free_slots: List[int] = list(range(max_seqs))
-    self.pending_frees: List[int] = []          # device frees not yet committed
-    self.pending_forks: List[Tuple[Sequence, Sequence]] = []   # (parent, child) beam forks
-    self.released_slots: List[int] = []        # back to the pool once frees commit
-    # (group, its sequences' slots): preempted by swap, K/V not yet copied to host
-    self.pending_swap_outs: List[Tuple[Group, List[int]]] = []
-    self.num_preemptions = 0
-    self.num_swaps = 0
 
-  # ---- queue management --------------------------------------------------------------
+@dataclasses.dataclass(eq=False, kw_only=True, repr=False)
+class Scheduler(Planner):
+  """FCFS continuous batching with chunked prefill and preemption (host Python).
+
+  Attributes (FIXED: set on construction; the rest is the state a step changes, which
+  `snapshot.Snapshot` saves and restores field by field):
+    block_size, max_seqs, max_num_batched_tokens, preemption_mode, prefix_caching;
+    lookup_budget: prompt tokens looked up in the prefix cache per step;
+    lookahead: decode-loop tokens after a sample (decode_steps_per_sync - 1).
+    waiting / running / swapped: the queues (waiting and swapped by arrival).
+    groups: unfinished requests by id.
+    carry: what the last update left for the next step (beam forks, frees of dropped
+      or finished beams, a swap-out after a failed step); `schedule()` starts from it.
+    counts: the last step's DeviceCounts (None: `schedule` needs them passed).
+    stats: counters (steps, tokens, retries, ...); num_preemptions, num_swaps.
+  """
+  block_size: int = dataclasses.field(metadata=FIXED)
+  max_seqs: int = dataclasses.field(metadata=FIXED)
+  max_num_batched_tokens: int = dataclasses.field(metadata=FIXED)
+  preemption_mode: str = _fixed("recompute")
+  prefix_caching: bool = _fixed(False)
+  lookup_budget: int = _fixed(0)
+  lookahead: int = _fixed(0)
+  waiting: List[Group] = _new(list)
+  running: List[Group] = _new(list)
+  swapped: List[Group] = _new(list)
+  groups: Dict[Any, Group] = _new(dict)
+  carry: Batch = _new(Batch)
+  counts: Optional[DeviceCounts] = None
+  stats: collections.Counter = _new(collections.Counter)
+  num_preemptions: int = 0
+  num_swaps: int = 0
+
+  def __post_init__(self):
+    check_preemption_mode(self.preemption_mode)
+    self._seq_ids = itertools.count(1 << 40)   # beam hypotheses made by update
+
+  # ---- queues and slots -----------------------------------------------------------------
   def add(self, group: Group) -> None:
     group.status = GroupStatus.WAITING
+    self.groups[group.request_id] = group
     self._insert_by_arrival(self.waiting, group)
 
   def has_unfinished(self) -> bool:
@@ -93,27 +109,71 @@ class Scheduler:
     keys = [g.arrival for g in queue]
     queue.insert(bisect.bisect(keys, group.arrival), group)
 
-  def free_seq(self, seq: Sequence) -> None:
-    """Queues the device free of a finished / dropped sequence's slot."""
-    if seq.on_device:
-      self.pending_frees.append(seq.slot)
-      seq.on_device = False
+  def _slots_free(self, pending_frees: List[int]) -> List[int]:
+    """Slots no running group holds and no pending device free names, ascending."""
+    busy = set(pending_frees).union(*(g.slots for g in self.running))
+    return [s for s in range(self.max_seqs) if s not in busy]
 
-  def finish_group(self, group: Group) -> None:
-    """Frees every live sequence and returns the group's slots."""
+  @property
+  def free_slots(self) -> List[int]:
+    """Slots a group admitted now may take (derived: nothing to keep in step)."""
+    return self._slots_free(self.carry.frees)
+
+  def frees_owed(self) -> bool:
+    """Carried frees of slots no running group holds (a finished or aborted request's,
+    a group preempted after a failed step), or anything carried with nothing left to
+    run: until a step runs them, `metrics()` would count those blocks as used."""
+    if not self.has_unfinished():
+      return bool(self.carry.frees or self.carry.forks or self.carry.swap_out)
+    held = set().union(*(g.slots for g in self.running))
+    return any(s not in held for s in self.carry.frees)
+
+  def take_carry(self) -> Batch:
+    """The carried work alone, as a batch (a frees-only step)."""
+    batch, self.carry = self.carry, Batch()
+    return batch
+
+  def _free_seq(self, seq: Sequence, batch: Batch, on_device: bool = False) -> None:
+    """A finished / dropped / preempted sequence's slot: freed by `batch`'s step, or
+    already by the step that finished it (`on_device`: the device freed it itself)."""
+    if seq.on_device and not on_device:
+      batch.frees.append(seq.slot)
+    seq.on_device = False
+
+  def _finish_group(self, group: Group, batch: Batch) -> None:
+    """Frees every live sequence and gives the group's slots back."""
     for seq in group.seqs:
-      self.free_seq(seq)
-    self.pending_forks = [(p, c) for p, c in self.pending_forks if c not in group.seqs]
+      self._free_seq(seq, batch)
+    batch.forks = [(p, c) for p, c in batch.forks if c not in group.seqs]
     self._release_slots(group)
     group.status = GroupStatus.FINISHED
     if group in self.running:
       self.running.remove(group)
+    self.groups.pop(group.request_id, None)
 
-  def _release_slots(self, group: Group) -> None:
-    self.released_slots.extend(group.slots)
+  @staticmethod
+  def _release_slots(group: Group) -> None:
     group.slots = []
     for seq in group.seqs:
       seq.slot = -1
+
+  def abort(self, request_id: Any) -> Optional[RequestOutput]:
+    """Stops a request now (its frees carried to the next step); its output so far, or
+    None for an id that is not unfinished."""
+    group = self.groups.get(request_id)
+    if group is None:
+      return None
+    for q in group.seqs:
+      q.finish_reason = "abort"
+      q.swapped_kv = None
+    if group.status == GroupStatus.WAITING:
+      self.waiting.remove(group)
+    elif group.status == GroupStatus.SWAPPED:
+      self.swapped.remove(group)
+    self.carry.swap_out = [(g, s) for g, s in self.carry.swap_out if g is not group]
+    out = request_output(group, sorted(group.finished + group.seqs, key=lambda q: q.index))
+    self._finish_group(group, self.carry)
+    return out
 
   # ---- block needs (block_needs.py, at this scheduler's block size and lookahead) ----
   def group_need(self, group: Group) -> int:
@@ -127,21 +187,19 @@ class Scheduler:
 
   # ---- preemption -----------------------------------------------------------------------
   def preempt(self, group: Group, batch: Batch) -> None:
-    """Preempts a running group (its slots are freed at the start of the next step)."""
+    """Preempts a running group: `batch`'s step frees its slots (after copying them to
+    host when it swaps)."""
     self.running.remove(group)
-    swap = self._swappable(group)
-    self.pending_forks = [(p, c) for p, c in self.pending_forks if c not in group.seqs]
+    swap = self._swappable(group, batch)
+    batch.forks = [(p, c) for p, c in batch.forks if c not in group.seqs]
     group.num_preemptions += 1
     self.num_preemptions += 1
     batch.preempted.append(group)
-    if swap:   # the engine copies the slots out before this step frees them
-      batch.swap_out.append(group)
-      self.pending_swap_outs.append((group, [q.slot for q in group.seqs]))
+    if swap:   # the engine copies the slots out before the step frees them
+      batch.swap_out.append((group, [q.slot for q in group.seqs]))
     for seq in group.seqs:
       seq.topk = None
-      if seq.on_device:
-        self.pending_frees.append(seq.slot)
-        seq.on_device = False
+      self._free_seq(seq, batch)
       if not swap:   # sharing is restored on swap-in; a recompute starts over
         seq.last_block_shared = False
         seq.num_computed = 0
@@ -157,13 +215,13 @@ class Scheduler:
       group.status = GroupStatus.WAITING
       self._insert_by_arrival(self.waiting, group)
 
-  def _swappable(self, group: Group) -> bool:
+  def _swappable(self, group: Group, batch: Batch) -> bool:
     """Whether a preempted group swaps: the mode says so, and every sequence's slot
     holds exactly its computed tokens (none pending a fork or a beam selection)."""
     if self.preemption_mode == "recompute" or (
         self.preemption_mode == "auto" and len(group.seqs) == 1):
       return False
-    forking = {id(c) for _, c in self.pending_forks}
+    forking = {id(c) for _, c in batch.forks}
     return all(q.on_device and q.num_computed > 0 and not q.pending_fork and q.topk is None
                and id(q) not in forking for q in group.seqs)
 
@@ -172,192 +230,110 @@ class Scheduler:
     if not self.running:
       raise RuntimeError("OUT_OF_BLOCKS with no running group to preempt")
     victim = max(self.running, key=lambda g: g.arrival)
-    self.preempt(victim, Batch())
+    self.preempt(victim, self.carry)   # its frees (and swap-out) go to the next step,
+    self.carry.preempted.clear()       # which plans as usual: it preempted nothing itself
     return victim
 
-  # ---- planning -----------------------------------------------------------------------
-  def _chunks_for(self, group: Group, budget: int) -> List[Chunk]:
-    """This step's chunks for a group (leader capped at the prompt while forks pend)."""
-    chunks = []
-    pending = len(group.seqs) > 1 and any(s.pending_fork for s in group.seqs)
-    for seq in group.seqs:
-      if seq.pending_fork or seq.topk is not None or budget <= 0:
-        continue
-      end = len(seq.tokens)
-      if pending and seq is group.leader:
-        end = min(end, seq.prompt_len)
-      todo = end - seq.num_computed
-      if todo <= 0:
-        continue
-      n = min(todo, budget)
-      budget -= n
-      forked = bool(self.pending_forks) and any(c is seq for _, c in self.pending_forks)
-      chunks.append(Chunk(seq, n, samples=seq.num_computed + n == len(seq.tokens),
-                          allocate=not seq.on_device and not forked))
-    return chunks
-
-  def _post_forks(self, group: Group, chunks: List[Chunk]) -> List[Tuple[Sequence, Sequence]]:
-    if len(group.seqs) == 1:
-      return []
-    lead = [c for c in chunks if c.seq is group.leader]
-    if not lead or lead[0].seq.num_computed + lead[0].num_tokens != group.leader.prompt_len:
-      return []
-    return [(group.leader, s) for s in group.seqs if s.pending_fork]
-
-  def _take(self, group: Group, batch: Batch, budget: int, chunks=None) -> int:
-    """Adds the group's chunks and post-forks to the batch; returns tokens used."""
-    if chunks is None:
-      chunks = self._chunks_for(group, budget)
-    batch.chunks.extend(chunks)
-    batch.post_forks.extend(self._post_forks(group, chunks))
-    return sum(c.num_tokens for c in chunks)
-
-  def _admit(self, queue: List[Group], group: Group) -> None:
-    """Moves `group`, the head of `queue` (waiting or swapped), to running on fresh slots."""
-    queue.pop(0)
-    self._assign_slots(group)
-    group.status = GroupStatus.RUNNING
-    self.running.append(group)
-
-  def _assign_slots(self, group: Group) -> None:
-    group.slots = [self.free_slots.pop(0) for _ in range(group.slots_needed)]
-    for seq, slot in zip(group.seqs, group.slots):
-      seq.slot = slot
-
-  @staticmethod
-  def _sole(slots, sole_blocks) -> int:
-    """Blocks that freeing `slots` returns for certain: the device-reported count of
-    blocks each slot alone references (a lower bound when freed slots share blocks)."""
-    if sole_blocks is None:
-      return 0
-    return int(sum(int(sole_blocks[s]) for s in slots))
-
-  def schedule(self, num_free_blocks: int, sole_blocks=None) -> Batch:
-    """Plans one step given the device's counts from the last step.
-
-    num_free_blocks: blocks the next reservation may take (free + evictable).
-    sole_blocks: i32[max_seqs] or None, blocks referenced by that slot alone
-      (`StepOutputs.sole_blocks`). The step frees before it reserves, so these
-      blocks of the slots freed in this step count for its reservations; None
-      counts none (every shortage then preempts one group and waits a step).
-    """
-    batch = Batch()
-    budget = self.max_num_batched_tokens
-    free = num_free_blocks + self._sole(self.pending_frees, sole_blocks)
-    # Swap-ins copy in before the step (and its frees): they fit the device's count.
-    swap_room = num_free_blocks
-    # 1. Running groups, oldest first. When one does not fit, the newest groups are
-    # preempted, one at a time, until it does (vLLM's rule; their slots' sole blocks
-    # come back in this step); with nothing newer left, the group itself is.
-    queue = sorted(self.running, key=lambda g: g.arrival)
-    i = 0
-    while i < len(queue):
-      group = queue[i]
-      chunks = self._chunks_for(group, budget)
-      need = self.chunks_need(group, chunks) + self.lookahead_need(group, chunks)
-      while need > free and sole_blocks is not None and len(queue) > i + 1:
-        victim = queue.pop()
-        free += self._sole([q.slot for q in victim.seqs if q.on_device], sole_blocks)
-        self.preempt(victim, batch)
-      if need > free:
-        if sole_blocks is not None or not self.pending_frees:
-          self.preempt(queue[-1], batch)
-        break
-      budget -= self._take(group, batch, budget, chunks)
-      free -= need
-      i += 1
-    # Beam forks decided after the last step run first (they take no block).
-    batch.forks = list(self.pending_forks)
-    # 2. Swapped groups come back only when nothing was preempted.
-    if not batch.preempted:
-      while self.swapped and budget > 0:
-        group = self.swapped[0]
-        if group.leader.swapped_kv is None:
-          # Preempted after a failed step (`preempt_newest`): the engine copies it out
-          # after this plan, before the step frees its slots. It returns from the next.
-          break
-        need = group.leader.swapped_kv.num_blocks   # its distinct blocks, copied once
-        plan = self._chunks_for(group, budget)   # as _take will cut them once swapped in
-        step_need = self.chunks_need(group, plan) + self.lookahead_need(group, plan)
-        if (len(self.free_slots) < group.slots_needed or need + step_need > free
-            or need > swap_room):
-          break
-        self._admit(self.swapped, group)
-        batch.swap_in.append(group)
-        for seq in group.seqs:
-          seq.on_device = True   # the engine swaps in before the step, as planned here
-        free -= need
-        swap_room -= need
-        used = self._take(group, batch, budget)
-        free -= step_need
-        budget -= used
-    # 3. Waiting groups, strict FCFS.
-    lookups = self.lookup_budget
-    if not batch.preempted:
-      while self.waiting and budget > 0:
-        group = self.waiting[0]
-        if len(self.free_slots) < group.slots_needed:
-          break
-        # Admitted only when the whole group fits, and its blocks are held against
-        # later admissions in this step though its prefill spans steps (vLLM allocates
-        # a prompt's blocks at admission). Counting the leader alone let a preempted
-        # n = 4 group back in on its prompt's blocks; its samples' recompute then
-        # preempted newer groups, which came back the same way (529 preemptions for
-        # 45 requests in the Fig. 14 run at 8 req/s). A chunk that samples also
-        # holds its decode loop's blocks, as running groups do in step 1.
-        chunks = [] if self.prefix_caching else self._chunks_for(group, budget)
-        need = self.group_need(group) + self.lookahead_need(group, chunks)
-        if need > free:
-          break
-        if self.prefix_caching:
-          # Attach only: the hit is known after this step; the rest prefills next.
-          n = self.lookup_len(group)
-          if n > lookups:
-            break
-          lookups -= n
-          # Paced like an admission that prefills: a prompt admitted later hits
-          # what earlier ones registered, instead of all missing at once.
-          budget -= min(n, budget)
-          batch.attaches.append(group.leader)
-        else:
-          budget -= self._take(group, batch, budget, chunks)
-        self._admit(self.waiting, group)
-        free -= need
-    batch.frees = list(self.pending_frees)
-    return batch
-
-  @staticmethod
-  def lookup_len(group: Group) -> int:
-    """Prompt tokens a newly admitted leader looks up in the prefix cache (only the
-    prompt while children wait to fork at its end)."""
-    lead = group.leader
-    return lead.prompt_len if any(q.pending_fork for q in group.seqs) else len(lead.tokens)
-
-  def commit(self, batch: Batch, ok: bool = True, hit_tokens=None) -> None:
-    """Records a dispatched batch's device effects. Frees, forks and prefix
-    attaches always happen; chunks and post-forks only when `ok` (the step's
-    reservations succeeded). `hit_tokens[slot]`: cached tokens attached."""
+  # ---- update: a step's outputs applied, in one place -----------------------------------
+  def update(self, batch: Batch, outputs) -> List[RequestOutput]:
+    """Applies the outputs of the step that ran `batch` (`StepOutputs` as numpy); returns
+    the requests that finished. Frees, forks and prefix attaches stood whatever happened;
+    chunks, post-forks and tokens only when `outputs.ok` (the reservations succeeded;
+    otherwise the newest group is preempted and the next plan re-plans)."""
+    self.counts = DeviceCounts.of(outputs)
     for seq in batch.attaches:
       seq.on_device = True
-      seq.num_computed = int(hit_tokens[seq.slot])
-    self.pending_frees = []
-    self.pending_forks = []
-    self.free_slots.extend(self.released_slots)
-    self.free_slots.sort()
-    self.released_slots = []
+      seq.num_computed = int(outputs.hit_tokens[seq.slot])
     for _, child in batch.forks:
       child.on_device = True
-    if not ok:
-      return
-    for chunk in batch.chunks:
-      chunk.seq.on_device = True
-      chunk.seq.last_block_shared = False
+    if not bool(outputs.ok):   # a reservation failed on device: nothing ran
+      self.stats["out_of_blocks_retries"] += 1
+      self.preempt_newest()
+      return []
+    stats = self.stats
+    stats["steps"] += bool(batch.chunks or batch.attaches or batch.swap_in)   # not frees-only
+    stats["loop_out_of_blocks"] += int(outputs.loop_out_of_blocks)
+    for ch in batch.chunks:
+      seq, nc = ch.seq, ch.seq.num_computed
+      stats["prefill_tokens"] += max(0, min(nc + ch.num_tokens, seq.prompt_len) - nc)
+      stats["computed_tokens"] += ch.num_tokens
+      seq.on_device = True
+      seq.last_block_shared = False
+    for seq in batch.attaches:
+      stats["prefix_hit_tokens"] += seq.num_computed
     for leader, child in batch.post_forks:
       child.on_device = True
       child.pending_fork = False
       child.num_computed = leader.prompt_len
       shared = leader.prompt_len % self.block_size != 0
-      child.last_block_shared = shared
-      leader.last_block_shared = shared
+      child.last_block_shared = leader.last_block_shared = shared
       child.share_id = leader.share_id = leader.seq_id
+    return self._append_tokens(batch, outputs)
 
+  def _append_tokens(self, batch: Batch, out) -> List[RequestOutput]:
+    """Sampled tokens onto their sequences; finishes on stop id / max_tokens (the
+    device freed those slots itself: `StepOutputs.finished`); beam selection."""
+    finished: List[RequestOutput] = []
+    device_freed = []
+    owner = {id(q): g for g in self.running for q in g.seqs}
+    sampled = [ch.seq for ch in batch.chunks if ch.samples]
+    for ch in batch.chunks:
+      ch.seq.num_computed += ch.num_tokens
+    sampled += [c for _, c in batch.post_forks if len(c.tokens) == c.prompt_len]
+    beam_groups = []
+    for seq in sampled:
+      group, slot = owner[id(seq)], seq.slot
+      if group.is_beam:
+        seq.topk = (out.topk_logprobs[slot], out.topk_ids[slot])
+        if group not in beam_groups:
+          beam_groups.append(group)
+        continue
+      for k in range(out.tokens.shape[0]):
+        if not out.valid[k, slot]:
+          break
+        if k > 0:
+          seq.num_computed += 1
+        tok = int(out.tokens[k, slot])
+        seq.tokens.append(tok)
+        self.stats["generated_tokens"] += 1
+        reason = ("stop" if tok in group.params.stop_token_ids else
+                  "length" if seq.num_generated >= group.params.max_tokens else None)
+        if reason:
+          device_freed.append(slot)
+          self._finish_seq(group, seq, reason, finished)
+          break
+    if sorted(device_freed) != np.flatnonzero(out.finished).tolist():
+      raise RuntimeError(f"the step freed slots {np.flatnonzero(out.finished).tolist()}, "
+                         f"the host finished {sorted(device_freed)}")
+    for group in beam_groups:
+      if all(q.topk is not None for q in group.seqs):
+        self._beam_step(group, finished)
+    return finished
+
+  def _finish_seq(self, group: Group, seq: Sequence, reason: str, finished: list) -> None:
+    """A sequence the device finished (and freed) in this step."""
+    seq.finish_reason = reason
+    group.seqs.remove(seq)
+    group.finished.append(seq)
+    self._free_seq(seq, self.carry, on_device=True)
+    if not group.seqs:
+      self._finish(group, finished)
+
+  def _finish(self, group: Group, finished: list) -> None:
+    self._finish_group(group, self.carry)
+    if group.is_beam:
+      best = sorted(group.finished, key=lambda q: -q.cum_logprob)[:group.params.n]
+    else:
+      best = sorted(group.finished, key=lambda q: q.index)
+    finished.append(request_output(group, best))
+
+  def _beam_step(self, group: Group, finished: list) -> None:
+    """Applies one beam selection (`beam.advance`): dropped beams are freed and new
+    ones forked by the next step; a finished search finishes the group."""
+    step = beam.advance(group, lambda: next(self._seq_ids), self.block_size)
+    for parent in step.dropped:
+      self._free_seq(parent, self.carry)
+    self.carry.forks.extend(step.forks)
+    self.stats["generated_tokens"] += len(group.seqs)
+    if step.done:
+      self._finish(group, finished)

@@ -1,66 +1,90 @@
-"""Undo for one engine step: the host state of a scheduler and its groups.
+"""Undo for one engine step: the host state of a scheduler and of the requests a step
+can touch, saved before planning and before applying a step's outputs, and put back if
+anything raises (KeyboardInterrupt included), so host bookkeeping changes only with
+outputs in hand.
 
-The engine takes a snapshot before planning and before applying a step's
-outputs; if anything raises (KeyboardInterrupt included) it restores it, so host
-bookkeeping changes only with outputs in hand.
+What is saved is derived from the records' dataclass fields (`dataclasses.fields` of
+`Scheduler`, `Group`, `Sequence`), not listed by hand: every field is saved unless its
+metadata marks it FIXED (set before a request's first step, never changed by one) or
+APPEND_ONLY (a list a step only appends to: saved by length). Lists and dicts are saved
+as copies of their contents and put back into the same objects (callers holding one,
+e.g. `engine.stats`, see the restored contents); a nested mutable dataclass (the
+scheduler's carried Batch) is saved field by field. tests/engine_undo_test.py checks
+that a change to any field of any of the three is undone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import signal
 import threading
-from typing import Any, Dict
+from typing import Any, List, Tuple
 
-from paged_jax.engine.scheduler import Scheduler
-from paged_jax.engine.sequence import Group
+_Saved = List[Tuple[str, Any, str, Any]]   # (field, object, how, contents)
 
-_SEQ_FIELDS = ("num_computed", "slot", "on_device", "pending_fork", "last_block_shared",
-               "share_id", "cum_logprob", "topk", "swapped_kv", "finish_reason")
-_GROUP_FIELDS = ("status", "num_preemptions")
-_SCHED_LISTS = ("waiting", "running", "swapped", "free_slots", "pending_frees",
-                "pending_forks", "released_slots", "pending_swap_outs")
+
+def save(record) -> _Saved:
+  """The state fields of a dataclass `record`, to hand to `restore`."""
+  out = []
+  for f in dataclasses.fields(record):
+    if f.metadata.get("fixed"):
+      continue
+    v = getattr(record, f.name)
+    if f.metadata.get("append_only"):
+      out.append((f.name, v, "len", len(v)))
+    elif isinstance(v, list):
+      out.append((f.name, v, "list", list(v)))
+    elif isinstance(v, dict):
+      out.append((f.name, v, "dict", dict(v)))
+    elif dataclasses.is_dataclass(v) and not type(v).__dataclass_params__.frozen:
+      out.append((f.name, v, "record", save(v)))
+    else:
+      out.append((f.name, v, "value", None))
+  return out
+
+
+def restore(record, saved: _Saved) -> None:
+  """Puts `record`'s fields back as `save` found them (same objects, same contents)."""
+  for name, v, how, contents in saved:
+    setattr(record, name, v)
+    if how == "len":
+      del v[contents:]
+    elif how == "list":
+      v[:] = contents
+    elif how == "dict":
+      v.clear()
+      v.update(contents)
+    elif how == "record":
+      restore(v, contents)
 
 
 class Snapshot:
-  """The host state of a scheduler and its groups, to undo a step that raised.
+  """The host state of a scheduler and the requests a step can touch.
 
-  Captures queues, slot lists, counters and every live sequence's fields (token
-  lists only grow during a step, so their lengths suffice): O(live sequences).
+  A step touches running and swapped groups and the waiting ones it can admit (at most
+  one per free slot, from the queue's head), and their sequences: O(live sequences).
   """
 
-  def __init__(self, sched: Scheduler, groups: Dict[Any, Group]):
-    self.sched = sched
-    self.lists = {k: list(getattr(sched, k)) for k in _SCHED_LISTS}
-    self.counts = (sched.num_preemptions, sched.num_swaps)
-    self.groups = dict(groups)
-    self.group_state = []
-    self.seq_state = []
-    # A step only touches running and swapped groups and the waiting ones it can
-    # admit (at most one per free slot, from the queue's head).
+  def __init__(self, sched):
+    self.saved = [(sched, save(sched))]
     touched = sched.running + sched.swapped + sched.waiting[:len(sched.free_slots) + 1]
     for g in touched:
-      self.group_state.append((g, list(g.seqs), list(g.finished), list(g.slots),
-                               tuple(getattr(g, f) for f in _GROUP_FIELDS)))
-      for q in g.seqs:
-        self.seq_state.append((q, len(q.tokens), tuple(getattr(q, f) for f in _SEQ_FIELDS)))
+      self.saved.append((g, save(g)))
+      self.saved.extend((q, save(q)) for q in g.seqs + g.finished)
 
-  def restore(self, groups: Dict[Any, Group]) -> None:
-    """Puts everything back; `groups` (the engine's dict) is refilled in place."""
-    sched = self.sched
-    for k, v in self.lists.items():
-      setattr(sched, k, v)
-    sched.num_preemptions, sched.num_swaps = self.counts
-    groups.clear()
-    groups.update(self.groups)
-    for g, seqs, finished, slots, fields in self.group_state:
-      g.seqs, g.finished, g.slots = seqs, finished, slots
-      for f, v in zip(_GROUP_FIELDS, fields):
-        setattr(g, f, v)
-    for q, n, fields in self.seq_state:
-      del q.tokens[n:]
-      for f, v in zip(_SEQ_FIELDS, fields):
-        setattr(q, f, v)
+  def restore(self) -> None:
+    for record, saved in self.saved:
+      restore(record, saved)
+
+  @contextlib.contextmanager
+  def on_error(self):
+    """Restores the snapshot if the block raises (then re-raises)."""
+    try:
+      yield
+    except BaseException:
+      self.restore()
+      raise
 
 
 @contextlib.contextmanager

@@ -4,15 +4,18 @@ donated. Multi-step decoding runs further decode steps in a fixed-trip
 `lax.fori_loop` inside the same jit (block allocation included), so the host
 syncs once per `num_decode_steps` tokens.
 
-Order of device effects in one call (the scheduler plans with this order):
+Order of device effects in one call: written here once; the scheduler plans with it,
+and `sequence.Batch`, scheduler.py and the README point here.
 
-  1. free      `free_slots`                  (finished / dropped / preempted sequences)
+  0. (host, before the call) swap-outs copy preempted groups' blocks to host memory,
+     swap-ins restore swapped groups into fresh blocks (`swap.py`)
+  1. free      `free_slots`                  (preempted / dropped / aborted sequences)
   2. fork      `fork_src -> fork_dst`        (beam search: new beams share a parent's blocks)
   2b. with prefix caching: attach the longest cached prefix of newly admitted
      prompts (`attach_*`; hits reported in `hit_tokens`), then evict LRU
      cache-only blocks until the step's worst-case block need is free
   3. reserve   allocate first chunks, append later chunks (copy-on-write pairs)
-     -> if any reservation fails, steps 3-7 are no-ops (frees, forks, attaches
+     -> if any reservation fails, steps 3-9 are no-ops (frees, forks, attaches
         and evictions stand) and `ok` is False: the host commits those, preempts
         the newest group and plans the next step from the returned counts
   4. copy_blocks(cow), model forward (per layer: kv_cache.write, ragged attention)
@@ -23,6 +26,10 @@ Order of device effects in one call (the scheduler plans with this order):
      `multi_step` set that have not finished (stop id / max_tokens): append one
      token each (if a block runs out the remaining iterations do nothing, state
      kept), forward, sample.
+  8. with prefix caching: record the step's tokens, register newly full blocks
+  9. free the `multi_step` slots that finished in 5-7 (stop id / max_tokens:
+     `finished`), so the counts returned (and `Engine.metrics()`) are exact without
+     another dispatch; beams finish by a host decision and are freed by step 1
 
 Shapes: the state is full size (max_seqs S slots, max_blocks_per_seq P); per call
 the work follows a shape bucket (T tokens, R rows, W block-table columns,
@@ -38,7 +45,6 @@ from __future__ import annotations
 import collections
 from typing import Any, Callable
 
-import flax
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -48,109 +54,15 @@ from paged_jax import kv_cache
 from paged_jax.attention import AttentionMetadata
 from paged_jax.config import INVALID, OK
 from paged_jax.engine import sampling
+from paged_jax.engine.state import (EngineState, StepInputs, StepOutputs, check_inputs,
+                                    init_state)
+from paged_jax.prefix_cache import core as prefix_core
 from paged_jax.prefix_cache import step as prefix_step
 
 _I32 = jnp.int32
 TRACE_COUNT = collections.Counter()   # name -> traces of jitted engine functions
-
-
-@flax.struct.dataclass
-class EngineState:
-  """Everything the device keeps between steps (donated into every step).
-
-  Attributes:
-    blocks: the BlockState (block tables, ref counts, free stack).
-    pages: the KVPages.
-    prefix: the prefix cache's `PrefixStepState` (None without prefix caching).
-  """
-  blocks: bm.BlockState
-  pages: kv_cache.KVPages
-  prefix: Any = None
-
-
-def init_state(cache_config, **prefix_kwargs) -> EngineState:
-  """An empty EngineState (prefix state iff `cache_config.enable_prefix_caching`)."""
-  prefix = (prefix_step.init(cache_config, **prefix_kwargs)
-            if cache_config.enable_prefix_caching else None)
-  return EngineState(blocks=bm.init(cache_config), pages=kv_cache.init(cache_config),
-                     prefix=prefix)
-
-
-@flax.struct.dataclass
-class StepInputs:
-  """One step's plan as fixed-shape arrays (T tokens, R rows, S slots).
-
-  Token level [T]: tokens, positions, token_row (row of each token, -1 = padding).
-  Row level [R] (the row bucket, >= the rows and >= the sampled slots): row_slot
-    (slot of each attention row, -1 = padding; live rows first), row_q_len (new
-    tokens of the row).
-  Fork lanes [R] (used lanes first, -1 pad; the host sizes R to hold them, so a
-    fork costs what is forked, not max_seqs): fork_src/fork_dst (beam forks, before
-    the reservations), post_fork_src/post_fork_dst (parallel-sampling children
-    forked from their leader after the prefill).
-  Slot level [S]: free_slots (-1 pad), alloc_tokens (> 0: allocate that many
-    tokens in this inactive slot), append_tokens (> 0: append; at most R slots
-    allocate or append), sample_row (-1: no sample), temperature, top_k, top_p, seed, sample_index (tokens generated so far), remaining
-    (tokens the sequence may still generate, >= 1 where sampling), stop_ids
-    [S, num_stop_ids] (-1 pad), multi_step (may continue in the decode loop).
-  Prefix caching (lanes [S], used lanes first): attach_slot (-1 pad),
-    attach_len, attach_start (offset in attach_tokens i32[LK], the packed prompts).
-  """
-  tokens: jax.Array
-  positions: jax.Array
-  token_row: jax.Array
-  row_slot: jax.Array
-  row_q_len: jax.Array
-  free_slots: jax.Array
-  fork_src: jax.Array
-  fork_dst: jax.Array
-  alloc_tokens: jax.Array
-  append_tokens: jax.Array
-  sample_row: jax.Array
-  post_fork_src: jax.Array
-  post_fork_dst: jax.Array
-  temperature: jax.Array
-  top_k: jax.Array
-  top_p: jax.Array
-  seed: jax.Array
-  sample_index: jax.Array
-  remaining: jax.Array
-  stop_ids: jax.Array
-  multi_step: jax.Array
-  attach_slot: jax.Array
-  attach_len: jax.Array
-  attach_start: jax.Array
-  attach_tokens: jax.Array
-
-
-@flax.struct.dataclass
-class StepOutputs:
-  """ok: bool[] (False: reservation failed, nothing changed); status i32[S] of the
-  first reservation; tokens i32[K, S] and valid bool[K, S] (token of slot s at
-  decode iteration k); topk_logprobs f32[S, C] / topk_ids i32[S, C] (candidates
-  from the first iteration's logits); num_free i32[] after the step;
-  loop_out_of_blocks bool[] (the decode loop stopped for want of a block);
-  available i32[]: free plus evictable (cached, unreferenced) blocks, what the
-  next plan may use; hit_tokens i32[S] per slot (attached this step); num_evictable i32[];
-  prefix_hit_blocks / prefix_query_blocks i32[] (running totals, 0 without caching);
-  sole_blocks i32[S]: blocks only that slot references (with caching, besides the
-  cache's own reference): what freeing the slot alone makes available;
-  cow_copies i32[]: copy-on-write block copies the step made (decode loop included)."""
-  ok: jax.Array
-  status: jax.Array
-  tokens: jax.Array
-  valid: jax.Array
-  topk_logprobs: jax.Array
-  topk_ids: jax.Array
-  num_free: jax.Array
-  loop_out_of_blocks: jax.Array
-  available: jax.Array
-  hit_tokens: jax.Array
-  num_evictable: jax.Array
-  prefix_hit_blocks: jax.Array
-  prefix_query_blocks: jax.Array
-  sole_blocks: jax.Array
-  cow_copies: jax.Array
+__all__ = ["EngineState", "StepInputs", "StepOutputs", "TRACE_COUNT", "init_state",
+           "make_step", "sole_blocks"]
 
 
 def sole_blocks(blocks: bm.BlockState, cached=None) -> jax.Array:
@@ -249,10 +161,11 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     step(params, state: EngineState, inputs: StepInputs, *, width=None,
     decode_only=False, all_greedy=False) -> (EngineState, StepOutputs), jitted with
     `state` donated and `width` / `decode_only` / `all_greedy` static (`all_greedy`:
-    every running request is greedy, so sampling is an argmax). The shape bucket of a call is (T tokens,
-    R rows: `inputs.row_slot.shape`, W = `width` block-table columns attention
-    reads, default max_blocks_per_seq; `decode_only`: every row has one new token,
-    so attention runs the decode kernel). Prefix caching runs iff `state.prefix` is set.
+    every running request is greedy, so sampling is an argmax). The shape bucket of a
+    call is (T tokens, R rows: `inputs.row_slot.shape`, W = `width` block-table columns
+    attention reads, default max_blocks_per_seq; `decode_only`: every row has one new
+    token, so attention runs the decode kernel). Prefix caching runs iff `state.prefix`
+    is set.
   """
 
   def step(params, state: EngineState, inp: StepInputs, width=None, decode_only=False,
@@ -260,6 +173,7 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     TRACE_COUNT[name] += 1
     blocks, pages, ps = state.blocks, state.pages, state.prefix
     s_max = blocks.max_seqs
+    check_inputs(inp, s_max)
     rows = inp.row_slot.shape[0]          # R: row bucket (live rows and sampled slots)
 
     # 1-2. frees, beam forks (and prefix attach / eviction): these always stand.
@@ -322,7 +236,8 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     b, _ = bm.fork(b, jnp.where(ok, inp.post_fork_src, -1), inp.post_fork_dst)
     out_tokens = jnp.zeros((k_steps, s_max), _I32).at[0].set(tok)
     out_valid = jnp.zeros((k_steps, s_max), jnp.bool_).at[0].set(sampled)
-    cont = sampled & inp.multi_step & ~_finished(tok, inp.remaining, inp.stop_ids)
+    done = sampled & inp.multi_step & _finished(tok, inp.remaining, inp.stop_ids)
+    cont = sampled & inp.multi_step & ~done
     oob = jnp.zeros((), jnp.bool_)
     copies = jnp.sum(cow[:, 0] >= 0).astype(_I32)
 
@@ -332,7 +247,7 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
       # host every iteration (tests/gpu_compile_model_test.py). Iterations after every
       # slot finished run on no live row: nothing is written or sampled.
       def body(i, carry):
-        b_cur, pg_cur, last, cont, out_t, out_v, oob_before, copies = carry
+        b_cur, pg_cur, last, cont, out_t, out_v, oob_before, copies, done = carry
         cont = cont & ~oob_before        # out of blocks once: the loop is over
         b_new, st, cow_i = bm.append(b_cur, cont, 1)
         oob = jnp.any(cont & (st != OK))
@@ -358,23 +273,32 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
         fin = _finished(new, inp.remaining - i, inp.stop_ids)
         out_t = out_t.at[i].set(jnp.where(live, new, out_t[i]))
         out_v = out_v.at[i].set(live)
-        return (b_new, pg2, new, live & ~fin, out_t, out_v, oob_before | oob, copies)
+        return (b_new, pg2, new, live & ~fin, out_t, out_v, oob_before | oob, copies,
+                done | (live & fin))
 
-      carry = (b, pg, tok, cont, out_tokens, out_valid, oob, copies)
-      b, pg, _, _, out_tokens, out_valid, oob, copies = lax.fori_loop(1, k_steps, body, carry)
+      carry = (b, pg, tok, cont, out_tokens, out_valid, oob, copies, done)
+      b, pg, _, _, out_tokens, out_valid, oob, copies, done = lax.fori_loop(
+          1, k_steps, body, carry)
 
     out = StepOutputs(ok=ok, status=status, tokens=out_tokens, valid=out_valid,
                       topk_logprobs=topv, topk_ids=topi, num_free=b.num_free,
                       loop_out_of_blocks=oob, available=b.num_free, hit_tokens=hits,
                       num_evictable=jnp.zeros((), _I32), prefix_hit_blocks=jnp.zeros((), _I32),
                       prefix_query_blocks=jnp.zeros((), _I32), sole_blocks=sole_blocks(b),
-                      cow_copies=copies)
-    if ps is not None:
-      # 8. history and registration of newly full blocks (masked when not ok).
-      ps, b, available = prefix_step.after(ps, b, inp, out, max_items=max_evict)
-      out = out.replace(num_free=b.num_free, available=available,
-                        num_evictable=available - b.num_free,
-                        prefix_hit_blocks=ps.cache.hit_blocks,
+                      cow_copies=copies, finished=done)
+    # 8-9. registration of newly full blocks (masked when not ok), then the finished
+    # sequences' frees: with caching their full blocks stay cached, evictable. Finished
+    # slots are sampled slots, at most R: the free runs on R lanes (S pads them).
+    done_slots = _lanes(done, rows)
+    if ps is None:
+      b, _ = bm.free(b, done_slots)
+      out = out.replace(num_free=b.num_free, available=b.num_free, sole_blocks=sole_blocks(b))
+    else:
+      ps, b, _ = prefix_step.after(ps, b, inp, out, max_items=max_evict)
+      ps, b = prefix_step.free(ps, b, done_slots)
+      evictable = prefix_core.num_evictable(ps.cache, b)
+      out = out.replace(num_free=b.num_free, available=b.num_free + evictable,
+                        num_evictable=evictable, prefix_hit_blocks=ps.cache.hit_blocks,
                         prefix_query_blocks=ps.cache.query_blocks,
                         sole_blocks=sole_blocks(b, ps.cache.cached))
     return EngineState(blocks=b, pages=pg, prefix=ps), out

@@ -1,0 +1,142 @@
+"""The step's shape buckets: the few compiled shapes a step runs on, chosen per step
+from what is live (`StepBuckets.pick` -> `Bucket`), and the set of them a run can reach
+(`reachable_buckets`, what a warm-up compiles ahead of time).
+
+Shapes: T tokens and R rows (the smallest buckets >= what is live), W block-table
+columns attention reads (a jit static argument, like decode_only and all_greedy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, NamedTuple, Optional, Tuple
+
+from paged_jax.config import CacheConfig, cdiv
+
+
+def _geometric(largest: int, smallest: int, factor: int, *,
+               halfway_from: Optional[int] = None) -> Tuple[int, ...]:
+  """smallest, smallest * factor, ... below `largest`, then `largest` itself; with
+  `halfway_from` (factor 2) also each v * 1.5 from v = halfway_from up (8, 16, 24, 32, 48)."""
+  out, v = [], smallest
+  while v < largest:
+    out.append(v)
+    if halfway_from is not None and v >= halfway_from and v * 3 // 2 < largest:
+      out.append(v * 3 // 2)
+    v *= factor
+  return tuple(out) + (largest,)
+
+
+class Bucket(NamedTuple):
+  """One compiled shape of the step (each distinct Bucket traces and compiles once).
+
+  Attributes:
+    tokens: T, new tokens the step computes (padded; = rows when decode_only).
+    rows: R, attention rows and sampling lanes (chunks, sampled slots, forks).
+    width: W, block-table columns attention reads (the step's static `width=`).
+    decode_only: every row has one new token: the decode kernel runs.
+    all_greedy: every running request is greedy: sampling is an argmax.
+  """
+  tokens: int
+  rows: int
+  width: int
+  decode_only: bool
+  all_greedy: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBuckets:
+  """The shape buckets of the step, chosen per step from what is live.
+
+  Like the few batch sizes a serving engine captures: tokens T (a step's new
+  tokens), rows R (attention rows = chunks, and sampled slots), widths W
+  (block-table columns attention reads: the longest live sequence after the step,
+  decode loop included). Each (T, R, W, decode_only) compiles once; a decode-only
+  step (every row one new token) runs the decode kernel with T = R.
+  `enabled=False` pins every step to the largest bucket (T = budget, R = S,
+  W = max_blocks_per_seq, ragged attention): the unbucketed step.
+  """
+  tokens: Tuple[int, ...]
+  rows: Tuple[int, ...]
+  widths: Tuple[int, ...]
+  block_size: int
+  decode_steps: int
+  enabled: bool = True
+
+  @classmethod
+  def make(cls, *, max_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int,
+           block_size: int, decode_steps: int, enabled: bool = True) -> "StepBuckets":
+    if not enabled:
+      return cls((max_num_batched_tokens,), (max_seqs,), (max_blocks_per_seq,), block_size,
+                 decode_steps, enabled=False)
+    # Tokens by 4x (a prefill chunk's cost is mostly the model's matmuls, and a
+    # busy engine fills its budget); rows by 2x to 16, then 1.5x / 2x alternately (8, 16, 24,
+    # 32, 48, ...: every decode step's matmuls, attention and sampling scale with R, and
+    # with 2x steps a 36-42-row decode ran at R = 64, a third of it padding:
+    # experiments.hf_peer_bench at 25M params); widths by 2x (attention only). The
+    # smallest buckets keep small engines (tests) at one or two shapes each.
+    return cls(_geometric(max_num_batched_tokens, min(16, max_num_batched_tokens), 4),
+               _geometric(max_seqs, min(8, max_seqs), 2, halfway_from=16),
+               _geometric(max_blocks_per_seq, min(4, max_blocks_per_seq), 2),
+               block_size, decode_steps)
+
+  @property
+  def max_variants(self) -> int:
+    """Upper bound on distinct compiled steps: mixed (T, R, W) + decode-only (R, W),
+    each with sampling or all-greedy."""
+    return (len(self.tokens) + self.enabled) * len(self.rows) * len(self.widths) * 2
+
+  def pick(self, num_tokens: int, num_rows: int, max_len: int, decode_only: bool,
+           all_greedy: bool = False) -> Bucket:
+    """The Bucket for a step with `num_tokens` new tokens, `num_rows` rows / sampled
+    slots, and `max_len` tokens in its longest row after the step."""
+    up = lambda sizes, n: next((b for b in sizes if b >= n), sizes[-1])
+    rows = up(self.rows, num_rows)
+    if self.decode_steps > 1:
+      max_len += self.decode_steps - 1          # the decode loop's tokens
+    width = up(self.widths, cdiv(max(max_len, 1), self.block_size))
+    decode_only = decode_only and self.enabled
+    tokens = rows if decode_only else up(self.tokens, num_tokens)
+    return Bucket(tokens, rows, width, decode_only, bool(all_greedy))
+
+
+def step_buckets(cache_config: CacheConfig, max_num_batched_tokens: int,
+                 decode_steps_per_sync: int, shape_buckets: bool = True) -> StepBuckets:
+  """The step's shape buckets for an engine (tokens, rows, block-table widths)."""
+  return StepBuckets.make(max_seqs=cache_config.max_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens,
+                          max_blocks_per_seq=cache_config.max_blocks_per_seq,
+                          block_size=cache_config.block_size,
+                          decode_steps=decode_steps_per_sync, enabled=shape_buckets)
+
+
+def reachable_buckets(buckets: StepBuckets, *, max_rows: int, max_len: int,
+                      lanes_per_row: int = 1) -> List[Bucket]:
+  """The shape buckets (T, R, W, decode_only; all_greedy False) a step can land on when
+  at most `max_rows` sequences are live and none is longer than `max_len` tokens (as
+  `StepBuckets.pick` would choose them), smallest first.
+
+  `lanes_per_row` > 1 (parallel sampling: n children sample from their leader's row)
+  lets the sampled lanes outnumber the chunks; with 1, a mixed step of T tokens has
+  at most T - 1 rows (one chunk has >= 2 tokens), which drops (T, R) pairs with
+  R > T. A frees-only step is decode_only at the smallest row bucket.
+  """
+  if max_rows < 1 or max_len < 1 or lanes_per_row < 1:
+    raise ValueError(f"max_rows, max_len and lanes_per_row must be >= 1, got "
+                     f"{max_rows}, {max_len}, {lanes_per_row}")
+  if not buckets.enabled:   # one shape: the largest
+    return [Bucket(buckets.tokens[-1], buckets.rows[-1], buckets.widths[-1], False)]
+  max_rows = min(max_rows, buckets.rows[-1])
+  rows = sorted({buckets.pick(1, k, 1, True).rows for k in range(1, max_rows + 1)})
+  width_max = buckets.pick(1, 1, max_len, False).width
+  out = []
+  for w in (w for w in buckets.widths if w <= width_max):
+    for r in rows:
+      out.append(Bucket(r, r, w, True))
+      fewest_rows = max([b for b in buckets.rows if b < r], default=0) + 1
+      for t in (t for t in buckets.tokens if t >= 2):
+        # A mixed step has a chunk of >= 2 tokens, so <= T - 1 chunks, each sampling
+        # at most lanes_per_row slots.
+        if fewest_rows <= min((t - 1) * lanes_per_row, max_rows):
+          out.append(Bucket(t, r, w, False))
+  return sorted(out, key=lambda b: (b.decode_only, b.tokens, b.rows, b.width))

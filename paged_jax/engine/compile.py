@@ -1,0 +1,187 @@
+"""The engine's jitted step, compiled: built once per step-shaping options and shared by
+the engines that agree on them (`engine_step`), ahead-of-time compilation of its shape
+buckets (`CompiledStep.compile_ahead`, public as `Engine.compile_buckets`),
+`step_for_compile` for lowering without a device, and `release_compiled`.
+
+    fn, args = step_for_compile(model_config, cache_config, max_num_batched_tokens=256)
+    fn.trace(*args).lower().compile()     # no array is allocated
+
+    shapes = reachable_buckets(engine.buckets, max_rows=8, max_len=256)
+    engine.compile_buckets(shapes)        # every shape compiled before serving
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import jax
+
+from paged_jax.config import CacheConfig, ModelConfig
+from paged_jax.engine.buckets import Bucket, StepBuckets, step_buckets
+from paged_jax.engine.inputs import empty_inputs, input_shapes, lookup_len
+from paged_jax.engine.options import EngineOptions
+from paged_jax.engine.step import StepInputs, init_state, make_step
+from paged_jax.engine.weights import param_shapes
+from paged_jax.prefix_cache import step as prefix_step
+
+log = logging.getLogger("paged_jax.engine")
+
+
+class CompiledStep:
+  """One jitted engine step and the record of what was compiled for it.
+
+  Attributes:
+    fn: the jitted step (`step.make_step`).
+    seen: Buckets `fn` was called or compiled with (their first call compiles).
+    compiled: (argument signature, Bucket) pairs compiled ahead of time; engines of one
+      model share `fn` but not their state's shapes (pool, max_seqs).
+  """
+
+  def __init__(self, fn):
+    self.fn = fn
+    self.seen: set = set()
+    self.compiled: set = set()
+    _LIVE.add(self)
+
+  def note(self, bucket: Bucket, buckets: StepBuckets) -> bool:
+    """Logs (INFO) the first call with `bucket`, the call that compiles it; True then."""
+    if bucket in self.seen:
+      return False
+    self.seen.add(bucket)
+    log.info("paged_jax engine: compiling step shape tokens=%d rows=%d width=%d blocks "
+             "decode_only=%s all_greedy=%s (%d shapes so far, at most %d)", *bucket,
+             len(self.seen), buckets.max_variants)
+    return True
+
+  def forget(self) -> None:
+    self.seen.clear()
+    self.compiled.clear()
+
+  def compile_ahead(self, params, state, shapes, *, lookup_tokens: int,
+                    max_seqs: int, all_greedy: Sequence[bool] = (False, True),
+                    max_shapes: int) -> Dict[str, Any]:
+    """Compiles the step for each shape in `shapes` x sampling variant in `all_greedy`
+    not yet compiled for arguments of `params` / `state`'s shapes:
+    `fn.trace(abstract args).lower().compile()` fills the cache the engine's calls use,
+    so no step of those shapes traces or compiles later (JAX 0.10 and 0.11). Nothing runs
+    on the device. At most `max_shapes` steps (else ValueError). Returns {"compiled",
+    "already", "seconds"}."""
+    shapes = list(dict.fromkeys(Bucket(*tuple(s)[:4], bool(g)) for s in shapes
+                                for g in dict.fromkeys(all_greedy)))
+    if len(shapes) > max_shapes:
+      raise ValueError(f"{len(shapes)} shapes to compile, more than the bound {max_shapes}")
+    abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+    params = jax.tree_util.tree_map(abstract, params)
+    state = jax.tree_util.tree_map(abstract, state)
+    leaves, treedef = jax.tree_util.tree_flatten((params, state))
+    signature = (str(treedef), lookup_tokens, tuple((x.shape, str(x.dtype)) for x in leaves))
+    t0, compiled, already = time.perf_counter(), 0, 0
+    for bucket in shapes:
+      if (signature, bucket) in self.compiled:
+        already += 1
+        continue
+      inputs = StepInputs(**{k: abstract(v) for k, v in empty_inputs(
+          bucket.tokens, max_seqs, lookup_tokens, num_rows=bucket.rows).items()})
+      t1 = time.perf_counter()
+      self.fn.trace(params, state, inputs, width=bucket.width, decode_only=bucket.decode_only,
+                    all_greedy=bucket.all_greedy).lower().compile()
+      self.seen.add(bucket)
+      self.compiled.add((signature, bucket))
+      compiled += 1
+      log.info("paged_jax engine: compiled step shape tokens=%d rows=%d width=%d blocks "
+               "decode_only=%s all_greedy=%s ahead of time in %.2f s (%d of %d)", *bucket,
+               time.perf_counter() - t1, compiled + already, len(shapes))
+    seconds = time.perf_counter() - t0
+    log.info("paged_jax engine: %d step shapes compiled ahead of time (%d already) in %.1f s",
+             compiled, already, seconds)
+    return {"compiled": compiled, "already": already, "seconds": seconds}
+
+
+_LIVE: "weakref.WeakSet[CompiledStep]" = weakref.WeakSet()   # for release_compiled
+_STEPS: Dict[Tuple, CompiledStep] = {}   # step_key -> the shared step
+
+
+def check_configs(model_config, cache_config) -> None:
+  """One-line ValueError unless the configs are of the right types and the cache's
+  layer / head shapes match the model's."""
+  if not isinstance(model_config, ModelConfig):
+    raise ValueError(f"model_config must be a ModelConfig, got {type(model_config).__name__}")
+  if not isinstance(cache_config, CacheConfig):
+    raise ValueError(f"cache_config must be a CacheConfig, got {type(cache_config).__name__}")
+  for name in ("num_layers", "num_kv_heads", "head_dim"):
+    if getattr(cache_config, name) != getattr(model_config, name):
+      raise ValueError(f"cache_config.{name}={getattr(cache_config, name)} does not match "
+                       f"the model's {name}={getattr(model_config, name)}")
+
+
+def step_key(model_config: ModelConfig, cache_config: CacheConfig,
+             options: EngineOptions) -> Tuple:
+  """What the jitted step depends on: the model, the options that shape its program
+  (attention backend, decode steps, beam candidates, the eviction bound prefix caching
+  derives from the token budget) and a custom forward. Options that only steer the
+  host (preemption, buckets, prefix-table probing) are not in it."""
+  candidates = min(model_config.vocab_size, 2 * options.max_beam_width)
+  max_evict = (prefix_step.max_new_blocks(options.max_num_batched_tokens, cache_config.max_seqs,
+                                          cache_config.block_size, options.decode_steps_per_sync)
+               if cache_config.enable_prefix_caching else 0)
+  return (model_config, options.attention_backend, options.decode_steps_per_sync, candidates,
+          max_evict, options.model_apply)
+
+
+def engine_step(model_config: ModelConfig, cache_config: CacheConfig,
+                options: EngineOptions) -> Tuple[CompiledStep, StepBuckets]:
+  """The engine's step for these options (shared by engines of one model and the same
+  `step_key`; one of its own with a custom `model_apply`) and its shape buckets."""
+  from paged_jax.models.llama import LlamaForCausalLM  # pylint: disable=g-import-not-at-top
+  check_configs(model_config, cache_config)
+  key = step_key(model_config, cache_config, options)
+  _, _, steps, candidates, max_evict, model_apply = key
+  buckets = step_buckets(cache_config, options.max_num_batched_tokens, steps,
+                         options.shape_buckets)
+  kw = dict(num_decode_steps=steps, num_candidates=candidates, max_evict=max_evict)
+  if model_apply is not None:  # e.g. the tensor-parallel forward (paged_jax.distributed)
+    name = getattr(model_apply, "__qualname__", "custom").replace(".", "_")
+    return CompiledStep(make_step(model_apply, name=name, **kw)), buckets
+  if key not in _STEPS:
+    model = LlamaForCausalLM(model_config, attention_backend=options.attention_backend)
+    _STEPS[key] = CompiledStep(make_step(model.apply, **kw))
+  return _STEPS[key], buckets
+
+
+def step_for_compile(model_config: ModelConfig, cache_config: CacheConfig, *, sharding=None,
+                     **engine_options):
+  """The engine's jitted step and `jax.ShapeDtypeStruct` arguments (params, state,
+  inputs) for it, so the whole step lowers and compiles for a device that is not
+  present: `fn.trace(*args).lower().compile()`. No array is allocated.
+
+  Args:
+    sharding: optional `jax.sharding.Sharding` placed on every argument.
+    engine_options: as for `Engine` (EngineOptions' fields, or `options=`); the largest
+      bucket is used: T = budget, R = max_seqs, W = max_blocks_per_seq, ragged attention.
+  """
+  options = EngineOptions.of(engine_options.pop("options", None), **engine_options)
+  compiled, buckets = engine_step(model_config, cache_config, options)
+  params = param_shapes(model_config)
+  state = jax.eval_shape(lambda: init_state(cache_config))
+  inputs = input_shapes(buckets.tokens[-1], cache_config.max_seqs,
+                        lookup_len(cache_config, options.max_num_batched_tokens))
+  args = (params, state, inputs)
+  if sharding is not None:
+    args = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), args)
+  return compiled.fn, args
+
+
+def release_compiled() -> None:
+  """Drops every compiled executable (`jax.clear_caches()`) and the records of what was
+  compiled, so a long run that moves between engine geometries (a serving sweep's
+  systems, the demo's stages) holds only the current one's executables. XLA:CPU maps
+  each executable's code into memory regions of its own: a process that keeps compiling
+  reaches Linux's per-process map limit (vm.max_map_count, 65,530) and LLVM aborts
+  ("Cannot allocate memory"), as two serving sweeps of ~90 compiled steps each did."""
+  jax.clear_caches()
+  for step in list(_LIVE):
+    step.forget()

@@ -1,0 +1,185 @@
+"""Planning one step (`Scheduler.schedule() -> Batch`): which chunks run, who is
+admitted, swapped in or preempted. `Planner` holds the policy and is mixed into
+`scheduler.Scheduler`, whose state it reads and changes.
+
+Policy (vLLM's, arXiv:2309.06180 sec. 4.5):
+  * running groups are served first, oldest first; decodes take 1 token of the
+    per-step token budget, prefills take what is left (chunked prefill); with
+    several decode steps per sync a sampling row also reserves the blocks of the
+    step's decode loop (`lookahead_need`, vLLM's lookahead slots), so the loop
+    does not run out of blocks and idle;
+  * when the blocks run out, the newest running groups are preempted (all their
+    sequences: "all or nothing") until the group being served fits, or that
+    group itself when it is the newest;
+  * preempted groups are either recomputed (back to the waiting queue, their
+    K/V dropped) or swapped (K/V copied to host, each block shared by the group's
+    sequences once, and restored with that sharing; `preemption_mode`: "swap"
+    always, "auto" only groups of several sequences, vLLM V0's default). A group
+    caught mid-fork (samples not yet forked, beams with a fork or a selection
+    pending) is recomputed: its device rows are not yet what its records say;
+  * swapped groups come back (oldest first) only in steps without preemption;
+  * waiting groups are admitted strictly FCFS when slots, blocks for every sequence
+    of the group (`group_need`: a recomputed group's samples too; plus the decode
+    loop's when its chunk samples) and token budget are available; with prefix
+    caching an admitted leader is first attached to its longest cached prefix (in
+    the step, `Batch.attaches`) and prefills the rest from the next step on.
+Groups with several sequences re-enter by prefilling the prompt once on their
+leader and forking it (`post_forks`) so the prompt blocks are shared again.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+from paged_jax.engine.sequence import Batch, Chunk, Group, GroupStatus
+
+
+class Planner:
+  """The planning half of `Scheduler` (its queues, slots and counts are the state)."""
+
+  def _chunks_for(self, group: Group, budget: int, forks=()) -> List[Chunk]:
+    """This step's chunks for a group (leader capped at the prompt while forks pend)."""
+    chunks = []
+    pending = len(group.seqs) > 1 and any(s.pending_fork for s in group.seqs)
+    for seq in group.seqs:
+      if seq.pending_fork or seq.topk is not None or budget <= 0:
+        continue
+      end = len(seq.tokens)
+      if pending and seq is group.leader:
+        end = min(end, seq.prompt_len)
+      todo = end - seq.num_computed
+      if todo <= 0:
+        continue
+      n = min(todo, budget)
+      budget -= n
+      forked = any(c is seq for _, c in forks)
+      chunks.append(Chunk(seq, n, samples=seq.num_computed + n == len(seq.tokens),
+                          allocate=not seq.on_device and not forked))
+    return chunks
+
+  def _take(self, group: Group, batch: Batch, chunks: List[Chunk]) -> int:
+    """Adds the group's chunks and post-forks to the batch; returns tokens used."""
+    batch.chunks.extend(chunks)
+    lead = [c for c in chunks if c.seq is group.leader]
+    if len(group.seqs) > 1 and lead and (
+        lead[0].seq.num_computed + lead[0].num_tokens == group.leader.prompt_len):
+      batch.post_forks.extend((group.leader, s) for s in group.seqs if s.pending_fork)
+    return sum(c.num_tokens for c in chunks)
+
+  def _admit(self, queue: List[Group], group: Group, batch: Batch) -> None:
+    """Moves `group`, the head of `queue` (waiting or swapped), to running on free slots."""
+    queue.pop(0)
+    group.slots = self._slots_free(batch.frees)[:group.slots_needed]
+    for seq, slot in zip(group.seqs, group.slots):
+      seq.slot = slot
+    group.status = GroupStatus.RUNNING
+    self.running.append(group)
+
+  @staticmethod
+  def _sole(slots, sole_blocks) -> int:
+    """Blocks that freeing `slots` returns for certain: the device-reported count of
+    blocks each slot alone references (a lower bound when freed slots share blocks)."""
+    if sole_blocks is None:
+      return 0
+    return int(sum(int(sole_blocks[s]) for s in slots))
+
+  def schedule(self, num_free_blocks: Optional[int] = None, sole_blocks=None) -> Batch:
+    """Plans one step from the device's counts of the last step (default `self.counts`).
+
+    num_free_blocks: blocks the next reservation may take (free + evictable).
+    sole_blocks: i32[max_seqs] or None, blocks referenced by that slot alone
+      (`StepOutputs.sole_blocks`). The step frees before it reserves, so these
+      blocks of the slots freed in this step count for its reservations; None
+      counts none (every shortage then preempts one group and waits a step).
+    """
+    if num_free_blocks is None:
+      num_free_blocks, sole_blocks = self.counts.available, self.counts.sole_blocks
+    batch, self.carry = self.carry, Batch()
+    budget = self.max_num_batched_tokens
+    free = num_free_blocks + self._sole(batch.frees, sole_blocks)
+    # Swap-ins copy in before the step (and its frees): they fit the device's count.
+    swap_room = num_free_blocks
+    # 1. Running groups, oldest first. When one does not fit, the newest groups are
+    # preempted, one at a time, until it does (vLLM's rule; their slots' sole blocks
+    # come back in this step); with nothing newer left, the group itself is.
+    queue = sorted(self.running, key=lambda g: g.arrival)
+    i = 0
+    while i < len(queue):
+      group = queue[i]
+      chunks = self._chunks_for(group, budget, batch.forks)
+      need = self.chunks_need(group, chunks) + self.lookahead_need(group, chunks)
+      while need > free and sole_blocks is not None and len(queue) > i + 1:
+        victim = queue.pop()
+        free += self._sole([q.slot for q in victim.seqs if q.on_device], sole_blocks)
+        self.preempt(victim, batch)
+      if need > free:
+        if sole_blocks is not None or not batch.frees:
+          self.preempt(queue[-1], batch)
+        break
+      budget -= self._take(group, batch, chunks)
+      free -= need
+      i += 1
+    # 2. Swapped groups come back only when nothing was preempted.
+    if not batch.preempted:
+      while self.swapped and budget > 0:
+        group = self.swapped[0]
+        if group.leader.swapped_kv is None:
+          # Preempted after a failed step (`preempt_newest`): the engine copies it out
+          # after this plan, before the step frees its slots. It returns from the next.
+          break
+        need = group.leader.swapped_kv.num_blocks   # its distinct blocks, copied once
+        plan = self._chunks_for(group, budget, batch.forks)   # as once swapped in
+        step_need = self.chunks_need(group, plan) + self.lookahead_need(group, plan)
+        if (len(self._slots_free(batch.frees)) < group.slots_needed
+            or need + step_need > free or need > swap_room):
+          break
+        self._admit(self.swapped, group, batch)
+        batch.swap_in.append(group)
+        for seq in group.seqs:
+          seq.on_device = True   # the engine swaps in before the step, as planned here
+        free -= need + step_need
+        swap_room -= need
+        budget -= self._take(group, batch, self._chunks_for(group, budget, batch.forks))
+    # 3. Waiting groups, strict FCFS.
+    if not batch.preempted:
+      self._admit_waiting(batch, budget, free)
+    return batch
+
+  def _admit_waiting(self, batch: Batch, budget: int, free: int) -> None:
+    lookups = self.lookup_budget
+    while self.waiting and budget > 0:
+      group = self.waiting[0]
+      if len(self._slots_free(batch.frees)) < group.slots_needed:
+        break
+      # Admitted only when the whole group fits, and its blocks are held against
+      # later admissions in this step though its prefill spans steps (vLLM allocates
+      # a prompt's blocks at admission). Counting the leader alone let a preempted
+      # n = 4 group back in on its prompt's blocks; its samples' recompute then
+      # preempted newer groups, which came back the same way (529 preemptions for
+      # 45 requests in the Fig. 14 run at 8 req/s). A chunk that samples also
+      # holds its decode loop's blocks, as running groups do in step 1.
+      chunks = [] if self.prefix_caching else self._chunks_for(group, budget, batch.forks)
+      need = self.group_need(group) + self.lookahead_need(group, chunks)
+      if need > free:
+        break
+      if self.prefix_caching:
+        # Attach only: the hit is known after this step; the rest prefills next.
+        n = self.lookup_len(group)
+        if n > lookups:
+          break
+        lookups -= n
+        # Paced like an admission that prefills: a prompt admitted later hits
+        # what earlier ones registered, instead of all missing at once.
+        budget -= min(n, budget)
+        batch.attaches.append(group.leader)
+      else:
+        budget -= self._take(group, batch, chunks)
+      self._admit(self.waiting, group, batch)
+      free -= need
+
+  @staticmethod
+  def lookup_len(group: Group) -> int:
+    """Prompt tokens a newly admitted leader looks up in the prefix cache (only the
+    prompt while children wait to fork at its end)."""
+    lead = group.leader
+    return lead.prompt_len if any(q.pending_fork for q in group.seqs) else len(lead.tokens)

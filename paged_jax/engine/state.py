@@ -1,0 +1,149 @@
+"""The pytrees the engine's jitted step takes and returns: its device state
+(`EngineState`, donated into every step), one step's plan as fixed-shape arrays
+(`StepInputs`, checked with chex at trace time by `check_inputs`) and what comes back
+(`StepOutputs`). The step itself is in step.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import chex
+import flax
+import jax
+import jax.numpy as jnp
+
+from paged_jax import block_manager as bm
+from paged_jax import kv_cache
+from paged_jax.engine.params import MAX_STOP_IDS
+from paged_jax.prefix_cache import step as prefix_step
+
+
+@flax.struct.dataclass
+class EngineState:
+  """Everything the device keeps between steps (donated into every step).
+
+  Attributes:
+    blocks: the BlockState (block tables, ref counts, free stack).
+    pages: the KVPages.
+    prefix: the prefix cache's `PrefixStepState` (None without prefix caching).
+  """
+  blocks: bm.BlockState
+  pages: kv_cache.KVPages
+  prefix: Any = None
+
+
+def init_state(cache_config, **prefix_kwargs) -> EngineState:
+  """An empty EngineState (prefix state iff `cache_config.enable_prefix_caching`)."""
+  prefix = (prefix_step.init(cache_config, **prefix_kwargs)
+            if cache_config.enable_prefix_caching else None)
+  return EngineState(blocks=bm.init(cache_config), pages=kv_cache.init(cache_config),
+                     prefix=prefix)
+
+
+@flax.struct.dataclass
+class StepInputs:
+  """One step's plan as fixed-shape arrays (T tokens, R rows, S slots).
+
+  Token level [T]: tokens, positions, token_row (row of each token, -1 = padding).
+  Row level [R] (the row bucket, >= the rows and >= the sampled slots): row_slot
+    (slot of each attention row, -1 = padding; live rows first), row_q_len (new
+    tokens of the row).
+  Fork lanes [R] (used lanes first, -1 pad; the host sizes R to hold them, so a
+    fork costs what is forked, not max_seqs): fork_src/fork_dst (beam forks, before
+    the reservations), post_fork_src/post_fork_dst (parallel-sampling children
+    forked from their leader after the prefill).
+  Slot level [S]: free_slots (-1 pad), alloc_tokens (> 0: allocate that many
+    tokens in this inactive slot), append_tokens (> 0: append; at most R slots
+    allocate or append), sample_row (-1: no sample), temperature, top_k, top_p, seed,
+    sample_index (tokens generated so far), remaining (tokens the sequence may still
+    generate, >= 1 where sampling), stop_ids
+    [S, MAX_STOP_IDS] (-1 pad), multi_step (not beam search: the device decides when
+    the sequence finishes; it may continue in the decode loop and is freed by the step
+    that finishes it).
+  Prefix caching (lanes [S], used lanes first): attach_slot (-1 pad),
+    attach_len, attach_start (offset in attach_tokens i32[LK], the packed prompts).
+  """
+  tokens: jax.Array
+  positions: jax.Array
+  token_row: jax.Array
+  row_slot: jax.Array
+  row_q_len: jax.Array
+  free_slots: jax.Array
+  fork_src: jax.Array
+  fork_dst: jax.Array
+  alloc_tokens: jax.Array
+  append_tokens: jax.Array
+  sample_row: jax.Array
+  post_fork_src: jax.Array
+  post_fork_dst: jax.Array
+  temperature: jax.Array
+  top_k: jax.Array
+  top_p: jax.Array
+  seed: jax.Array
+  sample_index: jax.Array
+  remaining: jax.Array
+  stop_ids: jax.Array
+  multi_step: jax.Array
+  attach_slot: jax.Array
+  attach_len: jax.Array
+  attach_start: jax.Array
+  attach_tokens: jax.Array
+
+
+@flax.struct.dataclass
+class StepOutputs:
+  """ok: bool[] (False: reservation failed, nothing changed); status i32[S] of the
+  first reservation; tokens i32[K, S] and valid bool[K, S] (token of slot s at
+  decode iteration k); topk_logprobs f32[S, C] / topk_ids i32[S, C] (candidates
+  from the first iteration's logits); num_free i32[] after the step;
+  loop_out_of_blocks bool[] (the decode loop stopped for want of a block);
+  available i32[]: free plus evictable (cached, unreferenced) blocks, what the
+  next plan may use; hit_tokens i32[S] per slot (attached this step); num_evictable i32[];
+  prefix_hit_blocks / prefix_query_blocks i32[] (running totals, 0 without caching);
+  sole_blocks i32[S]: blocks only that slot references (with caching, besides the
+  cache's own reference): what freeing the slot alone makes available;
+  cow_copies i32[]: copy-on-write block copies the step made (decode loop included);
+  finished bool[S]: `multi_step` slots whose sequence finished (stop id, max_tokens) in
+  this step, which the step freed (effect 9)."""
+  ok: jax.Array
+  status: jax.Array
+  tokens: jax.Array
+  valid: jax.Array
+  topk_logprobs: jax.Array
+  topk_ids: jax.Array
+  num_free: jax.Array
+  loop_out_of_blocks: jax.Array
+  available: jax.Array
+  hit_tokens: jax.Array
+  num_evictable: jax.Array
+  prefix_hit_blocks: jax.Array
+  prefix_query_blocks: jax.Array
+  sole_blocks: jax.Array
+  cow_copies: jax.Array
+  finished: jax.Array
+
+
+def check_inputs(inp: StepInputs, max_seqs: int) -> None:
+  """chex, at trace time (free at run time): every StepInputs array has its shape and
+  dtype for T tokens, R <= max_seqs rows, S = max_seqs slots and LK lookup tokens."""
+  t, r = inp.tokens.shape[0], inp.row_slot.shape[0]
+  i32 = [inp.tokens, inp.positions, inp.token_row, inp.row_slot, inp.row_q_len,
+         inp.free_slots, inp.fork_src, inp.fork_dst, inp.alloc_tokens, inp.append_tokens,
+         inp.sample_row, inp.post_fork_src, inp.post_fork_dst, inp.top_k, inp.seed,
+         inp.sample_index, inp.remaining, inp.stop_ids, inp.attach_slot, inp.attach_len,
+         inp.attach_start, inp.attach_tokens]
+  chex.assert_type(i32, jnp.int32)
+  chex.assert_type([inp.temperature, inp.top_p], jnp.float32)
+  chex.assert_type(inp.multi_step, jnp.bool_)
+  chex.assert_shape([inp.tokens, inp.positions, inp.token_row], (t,))
+  chex.assert_shape([inp.row_slot, inp.row_q_len, inp.fork_src, inp.fork_dst,
+                     inp.post_fork_src, inp.post_fork_dst], (r,))
+  chex.assert_shape([inp.free_slots, inp.alloc_tokens, inp.append_tokens, inp.sample_row,
+                     inp.temperature, inp.top_k, inp.top_p, inp.seed, inp.sample_index,
+                     inp.remaining, inp.multi_step, inp.attach_slot, inp.attach_len,
+                     inp.attach_start], (max_seqs,))
+  chex.assert_shape(inp.stop_ids, (max_seqs, MAX_STOP_IDS))
+  chex.assert_rank(inp.attach_tokens, 1)
+  if not 1 <= r <= max_seqs:
+    raise ValueError(f"StepInputs has {r} rows; the row bucket must be in [1, {max_seqs}]")
