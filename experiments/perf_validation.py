@@ -42,7 +42,7 @@ from paged_jax.bench import engines
 from paged_jax.bench import latency
 from paged_jax.bench import sweep as serving_sweep
 from paged_jax.bench.scale import TINY
-from paged_jax.engine.scheduler import PREEMPTION_MODES
+from paged_jax.engine import PREEMPTION_MODES
 
 TARGET = 0.15
 CALIBRATION_SEED_OFFSET = 1000   # the calibration streams' seed: seed + this
@@ -91,7 +91,7 @@ def measured_sweep(f: Config, streams: Dict, calibration_streams: Dict
   """The wall-clock sweep, each point preceded by a calibration point (the same system and
   rate on another seed's stream, on a `RecordingWallClock`): (curves, calibration samples,
   load averages read before each point, how late the calibration loops' waits woke)."""
-  from paged_jax.engine import compiled  # pylint: disable=g-import-not-at-top
+  from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
   curves, samples, loads, late = {}, [], [], []
   for system in f.systems:
     sizes = _sizes(f, system, streams[max(f.rates)])
@@ -110,13 +110,13 @@ def measured_sweep(f: Config, streams: Dict, calibration_streams: Dict
         points.append(serving_sweep.run_point(system, streams[r], clock=clocks.WallClock(),
                                               progress=bar, **kw))
     curves[system] = serving_sweep.curve(sorted(f.rates), points)
-    compiled.release_compiled()
+    release_compiled()
   return curves, samples, loads, late
 
 
 def predicted_sweep(f: Config, streams: Dict, model: perf.DeviceTimeModel) -> Dict:
   """The same points on virtual time from the fitted model (padded shapes, as run)."""
-  from paged_jax.engine import compiled  # pylint: disable=g-import-not-at-top
+  from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
   curves = {}
   for system in f.systems:
     sizes = _sizes(f, system, streams[max(f.rates)])
@@ -128,7 +128,7 @@ def predicted_sweep(f: Config, streams: Dict, model: perf.DeviceTimeModel) -> Di
             system, streams[r], kv_budget_tokens=f.kv_budget_tokens, block_size=f.block_size,
             sizes=sizes, clock=clock, progress=bar, preemption_mode=f.preemption_mode))
     curves[system] = serving_sweep.curve(sorted(f.rates), points)
-    compiled.release_compiled()
+    release_compiled()
   return curves
 
 

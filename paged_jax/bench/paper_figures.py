@@ -71,12 +71,12 @@ def block_size_points(setting: paper_scale.PaperSetting, workload: str, *, rate:
                       preemption_mode: str = "auto", progress: Optional[Callable] = None
                       ) -> list:
   """Fig. 18b: the paged system's normalized latency at one request rate per block size."""
-  from paged_jax.engine import compiled  # pylint: disable=g-import-not-at-top
+  from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
   rows = []
   for bs in block_sizes:
     rows.append(_point(setting, workload, rate, bs, num_requests, seed, preemption_mode,
                        progress))
-    compiled.release_compiled()     # every block size is another geometry
+    release_compiled()     # every block size is another geometry
   return rows
 
 
@@ -87,12 +87,12 @@ def kv_budget_points(setting: paper_scale.PaperSetting, workload: str, *, rate: 
                      ) -> list:
   """The paged system at one request rate with `kv_fractions` of the setting's KV budget
   (what a smaller gpu_memory_utilization or a larger model would leave)."""
-  from paged_jax.engine import compiled  # pylint: disable=g-import-not-at-top
+  from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
   rows = []
   for frac in kv_fractions:
     rows.append(_point(setting, workload, rate, block_size, num_requests, seed,
                        preemption_mode, progress, kv_fraction=frac))
-    compiled.release_compiled()
+    release_compiled()
   return rows
 
 
@@ -100,12 +100,12 @@ def preemption_points(setting: paper_scale.PaperSetting, *, rate: float,
                       block_sizes: Sequence[int], num_requests: int, seed: int = 0,
                       workload: str = "sharegpt", progress: Optional[Callable] = None) -> list:
   """Fig. 19b: recompute vs swap preemption, end to end, per block size."""
-  from paged_jax.engine import compiled  # pylint: disable=g-import-not-at-top
+  from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
   rows = []
   for bs in block_sizes:
     for mode in ("recompute", "swap"):
       rows.append(_point(setting, workload, rate, bs, num_requests, seed, mode, progress))
-    compiled.release_compiled()
+    release_compiled()
   return rows
 
 

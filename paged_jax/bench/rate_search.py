@@ -153,18 +153,18 @@ def sweep_auto(systems: Sequence[str], *, workload: str, seed: int, num_requests
   `sweep.system_sizes` on the whole stream (`engine_fn`: one for all, or {system: fn}:
   e.g. prefix caching for paged only). num_requests 0: REQUESTS_PER_SLOT x the most
   requests any system's KV memory holds at once (at least MIN_REQUESTS), so a run is long
-  against a request's life. Returns {"systems": {NAME: sweep.curve(...) over the rates
-  run}, "sizes", "num_requests", and `search_systems`' keys but "points"}.
+  against a request's life (counting at most max_seqs_cap, the most any system runs at
+  once). Returns {"systems": {NAME: sweep.curve(...) over the rates run}, "sizes",
+  "num_requests", and `search_systems`' keys but "points"}.
   """
-  from paged_jax.engine import compiled  # pylint: disable=g-import-not-at-top
+  from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
   mode = mode or {}
   num_seqs = max(mode.get("n", 1), mode.get("beam_width", 1))
   if num_requests == 0:
     sample = sweep.rate_stream(workload, 1.0, None, seed, max_len, MIN_REQUESTS, scale)
-    conc = max(sweep.system_sizes(s, sample, kv_budget_tokens=kv_budget_tokens,
-                                  block_size=block_size, max_len=max_len, num_seqs=num_seqs,
-                                  max_seqs_cap=max_seqs_cap)["memory_concurrency"]
-               for s in systems)
+    conc = min(max_seqs_cap, max(sweep.system_sizes(
+        s, sample, kv_budget_tokens=kv_budget_tokens, block_size=block_size, max_len=max_len,
+        num_seqs=num_seqs, max_seqs_cap=max_seqs_cap)["memory_concurrency"] for s in systems))
     num_requests = max(MIN_REQUESTS, math.ceil(REQUESTS_PER_SLOT * conc))
   base = sweep.rate_stream(workload, 1.0, None, seed, max_len, num_requests, scale)
   bar = progress or (lambda total, desc: contextlib.nullcontext())
@@ -180,7 +180,7 @@ def sweep_auto(systems: Sequence[str], *, workload: str, seed: int, num_requests
 
   def run(system: str, rate: float, n: int) -> Dict:
     if current[0] not in (None, system):
-      compiled.release_compiled()   # the next system's engine has other shapes
+      release_compiled()   # the next system's engine has other shapes
     current[0] = system
     reqs = sweep.rate_stream(workload, rate, None, seed, max_len, n, scale)
     fn = sweep.engine_for(engine_fn, system)
@@ -198,7 +198,7 @@ def sweep_auto(systems: Sequence[str], *, workload: str, seed: int, num_requests
 
   found = search_systems(systems, run, num_requests=num_requests, slo_factor=slo_factor,
                          max_points=max_points, start_hint=hint)
-  compiled.release_compiled()
+  release_compiled()
   points = found.pop("points")
   found["unloaded_point"] = found["unloaded_point"]["summary"]
   curves = {s: sweep.curve(found["rates"][s], points[s]) for s in systems}
