@@ -28,6 +28,7 @@ def _cases(tmp):
     json.dump({"model_type": "llama", "vocab_size": 32000}, f)
   g, m = "experiments.generate", "experiments.memory_waste"
   sb, bs = "experiments.serving_benchmark", "experiments.block_size_sweep"
+  pc = "experiments.perf_calibrate"
   out = f"--out={tmp}/out"
   return {   # name: (module, argv, a phrase the one error line must hold)
       "empty_prompt": (g, ["--prompt_ids=1,2;;3"], "prompt 2 of '1,2;;3' is empty"),
@@ -99,6 +100,13 @@ def _cases(tmp):
       "block_manager_small_pool": ("experiments.block_manager_bench",
                                    ["--num_blocks_list=16", "--cpu_cores=0", out],
                                    "--num_blocks_list: 16 blocks is too small"),
+      "calibrate_unknown_gpu": (pc, ["--gpu=v100", out], "--gpu must be one of a100-40gb"),
+      "calibrate_not_a_llama": (pc, ["--model=opt-13b", out],
+                                "--model must be one of llama-13b, llama-3-8b, got 'opt-13b'"),
+      "calibrate_small_pool": (pc, ["--kv_budget_tokens=1024", out],
+                               "--kv_budget_tokens must be >= 33280 (the largest batch"),
+      "paper_scale_paged_first": ("experiments.paper_scale", ["--systems=orca_max,paged", out],
+                                  "--systems must start with paged"),
       "generate_help": (g, ["--help"], None),
       "memory_waste_help": (m, ["--helpfull"], None),
   }
@@ -134,7 +142,8 @@ ERROR_CASES = ["empty_prompt", "id_outside_vocab", "negative_max_tokens",
                "serving_slo_factor", "sweep_engine_block_sizes", "sweep_num_requests",
                "sweep_num_requests_pairs", "sharing_width_7", "step_cost_long",
                "throughput_budget", "prefix_caching_prompt_len", "hf_peer_random_pair",
-               "block_manager_small_pool"]
+               "block_manager_small_pool", "calibrate_unknown_gpu", "calibrate_not_a_llama",
+               "calibrate_small_pool", "paper_scale_paged_first"]
 
 
 @pytest.mark.parametrize("name", ERROR_CASES)
