@@ -25,13 +25,18 @@ budgets (Table 1), a 2,048-token context and unscaled stream lengths
 Writes DIR/fig12/<model>-<workload>/serving_benchmark.json (the contract JSON, with
 "device_model"), DIR/fig16/<fewshot-k>/serving_benchmark.json, DIR/fig13.json,
 DIR/fig14.json, DIR/fig18.json, DIR/fig19.json, DIR/summary.json (ours beside the paper's
-figures, seconds per figure, the machine's load) and one PNG per figure.
+figures, seconds per figure, the machine's load) and one PNG per figure. A figure not in
+--figs is read back from DIR when an earlier run wrote it (the suite may run in parts:
+Fig. 13 / 18 / 19 take their rates from the Fig. 12 panels in DIR), and summary.json
+covers every figure in DIR, each with the seconds and load of the run that made it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import pathlib
 import time
 from typing import Dict, Tuple
 
@@ -133,6 +138,24 @@ def fixed_rate(panels: Dict, workload: str, load: float) -> float:
   return load * r
 
 
+def _read(path) -> Dict:
+  return json.loads(pathlib.Path(path).read_text())
+
+
+def committed(out) -> Dict:
+  """The figures an earlier run wrote to `out` ({} for those it did not)."""
+  res = {}
+  for fig in ("fig12", "fig16"):
+    base = out / fig
+    if base.is_dir():
+      res[fig] = {p.parent.name: _read(p)
+                  for p in sorted(base.glob("*/serving_benchmark.json"))}
+  for name in ("fig13", "fig14", "fig18", "fig19"):
+    if (out / f"{name}.json").exists():
+      res[name] = _read(out / f"{name}.json")
+  return {k: v for k, v in res.items() if v}
+
+
 def run(f: Config, out) -> Dict:
   setting = paper_scale.setting("opt-13b", GPU_OF["opt-13b"])
   progress = lambda total, desc: common.progress(total=total, desc=desc)
@@ -144,10 +167,13 @@ def run(f: Config, out) -> Dict:
     results[name] = fn()
     seconds[name] = time.time() - t0
 
-  if "12" in f.figs or "13" in f.figs:
+  if "12" in f.figs:
     timed("fig12", lambda: fig12(f, out))
-  panels = results.get("fig12", {})
+  panels = dict(committed(out).get("fig12", {}), **results.get("fig12", {}))
   if "13" in f.figs:
+    if not panels:
+      raise ValueError("--figs=13 reads Fig. 12's points: add 12 to --figs or run it into "
+                       "--out first")
     results["fig13"] = {k: paper_figures.batched_requests(v) for k, v in panels.items()}
   if "14" in f.figs:
     timed("fig14", lambda: fig14(f))
@@ -174,20 +200,30 @@ def run(f: Config, out) -> Dict:
 def main(f: Config, out):
   start, load0 = time.time(), os.getloadavg()[0]
   r = run(f, out)
-  res = r["results"]
   for name in ("fig13", "fig14", "fig18", "fig19"):
-    if name in res:
-      common.write_json(out / f"{name}.json", res[name])
+    if name in r["results"]:
+      common.write_json(out / f"{name}.json", r["results"][name])
+  res = dict(committed(out), **r["results"])
   rows = plots.summary_rows(res)
-  summary = {"rows": rows, "seconds": r["seconds"], "total_seconds": time.time() - start,
-             "load_avg": {"start": load0, "end": os.getloadavg()[0], "cores": os.cpu_count()},
+  load = {"start": load0, "end": os.getloadavg()[0], "cores": os.cpu_count()}
+  this_run = {"figs": list(f.figs), "seconds": time.time() - start, "load_avg": load,
+              "flags": f.flags()}
+  before = _read(out / "summary.json") if (out / "summary.json").exists() else {}
+  # A figure's last run counts; earlier runs of only figures run again drop out.
+  runs = [p for p in before.get("runs", []) if set(p["figs"]) - set(f.figs)] + [this_run]
+  summary = {"rows": rows, "seconds": dict(before.get("seconds", {}), **r["seconds"]),
+             "total_seconds": sum(p["seconds"] for p in runs), "runs": runs,
+             "load_avg": {"start": min(p["load_avg"]["start"] for p in runs),
+                          "end": max(p["load_avg"]["end"] for p in runs),
+                          "cores": os.cpu_count()},
              "flags": f.flags(), "versions": provenance.versions(),
              "machine": provenance.machine(), "code": provenance.code_version()}
   common.write_json(out / "summary.json", summary)
   pngs = plots.plot_all(res, out)
   print(common.table(rows, ["figure", "ours", "paper"]))
-  print(f"{summary['total_seconds']:.0f} s, load {load0:.1f} -> {os.getloadavg()[0]:.1f} on "
-        f"{os.cpu_count()} cores; wrote {out / 'summary.json'} and {len(pngs)} plots")
+  print(f"{this_run['seconds']:.0f} s this run ({summary['total_seconds']:.0f} s for every "
+        f"figure in {out}), load {load0:.1f} -> {load['end']:.1f} on {os.cpu_count()} cores; "
+        f"wrote {out / 'summary.json'} and {len(pngs)} plots")
 
 
 if __name__ == "__main__":
