@@ -176,3 +176,23 @@ def test_from_report_reads_swaps_copies_loops_and_failed_steps():
   assert parts["swap"] > 0 and parts["copy_on_write"] > 0 and passes > 0
   with pytest.raises(ValueError, match="report is None"):
     clock.stepped(_Sample(None))
+
+
+def test_engines_of_a_module_level_forward_share_one_compiled_step():
+  # A sweep builds a fresh engine per point: with standin.apply they share the jitted step
+  # (and its compiled shapes); a closure may hold per-engine state and gets its own.
+  a, b = standin_engine(), standin_engine(num_blocks=2 * NUM_BLOCKS)
+  assert a._compiled is b._compiled
+  local = lambda *args: standin.apply(*args)
+  cfg, params = standin.model(vocab_size=MC.vocab_size, max_position_embeddings=256)
+  cc = cfg.cache_config(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_seqs=MAX_SEQS,
+                        max_blocks_per_seq=64 // BLOCK_SIZE)
+  c = Engine(cfg, params, cc, max_num_batched_tokens=BUDGET, model_apply=local,
+             shape_buckets=False)
+  d = Engine(cfg, params, cc, max_num_batched_tokens=BUDGET, model_apply=local,
+             shape_buckets=False)
+  assert c._compiled is not a._compiled and c._compiled is not d._compiled
+  # Shared, the second engine serves the same schedule as the first.
+  prompts = random_prompts(3, 4, 3, 12)
+  params_ = [SamplingParams(max_tokens=5, temperature=0.0)] * 4
+  assert schedule(a, prompts, params_)[1] == schedule(standin_engine(), prompts, params_)[1]

@@ -12,6 +12,7 @@ buckets (`CompiledStep.compile_ahead`, public as `Engine.compile_buckets`),
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 import weakref
@@ -134,7 +135,8 @@ def step_key(model_config: ModelConfig, cache_config: CacheConfig,
 def engine_step(model_config: ModelConfig, cache_config: CacheConfig,
                 options: EngineOptions) -> Tuple[CompiledStep, StepBuckets]:
   """The engine's step for these options (shared by engines of one model and the same
-  `step_key`; one of its own with a custom `model_apply`) and its shape buckets."""
+  `step_key`, a module-level custom `model_apply` included; one of its own with any other
+  custom `model_apply`, e.g. a closure over a mesh) and its shape buckets."""
   from paged_jax.models.llama import LlamaForCausalLM  # pylint: disable=g-import-not-at-top
   check_configs(model_config, cache_config)
   key = step_key(model_config, cache_config, options)
@@ -143,12 +145,22 @@ def engine_step(model_config: ModelConfig, cache_config: CacheConfig,
                          options.shape_buckets)
   kw = dict(num_decode_steps=steps, num_candidates=candidates, max_evict=max_evict)
   if model_apply is not None:  # e.g. the tensor-parallel forward (paged_jax.distributed)
-    name = getattr(model_apply, "__qualname__", "custom").replace(".", "_")
-    return CompiledStep(make_step(model_apply, name=name, **kw)), buckets
+    name = getattr(model_apply, "__qualname__", "custom")
+    if not _module_level(model_apply):   # per-engine state may hide in it: never shared
+      return CompiledStep(make_step(model_apply, name=name.replace(".", "_"), **kw)), buckets
+    if key not in _STEPS:   # e.g. models.standin.apply: every engine of a sweep shares it
+      _STEPS[key] = CompiledStep(make_step(model_apply, name=name, **kw))
+    return _STEPS[key], buckets
   if key not in _STEPS:
     model = LlamaForCausalLM(model_config, attention_backend=options.attention_backend)
     _STEPS[key] = CompiledStep(make_step(model.apply, **kw))
   return _STEPS[key], buckets
+
+
+def _module_level(fn) -> bool:
+  """A plain function defined at a module's top level (no closure, no bound object)."""
+  return (inspect.isfunction(fn) and "<locals>" not in fn.__qualname__
+          and fn.__closure__ is None)
 
 
 def step_for_compile(model_config: ModelConfig, cache_config: CacheConfig, *, sharding=None,
