@@ -66,11 +66,14 @@ def summary_rows(res: Dict) -> List[List[str]]:
         rows.append([f"Fig. 12 {model} {workload}-like: max rate, paged / {LABELS[name]}",
                      _ratio(r, name), PAPER[("12", workload, name)]])
   for panel, r in res.get("fig13", {}).items():
+    model, workload = panel.rsplit("-", 1)
     for name in ("orca_oracle", "orca_max"):
-      if name in r and panel.startswith("opt-13b"):
-        rows.append([f"Fig. 13 {panel}-like: requests batched, paged / {LABELS[name]}",
-                     f"{r[name]['paged_over']:.2f}x ({r['paged']['mean_running']:.1f} vs "
-                     f"{r[name]['mean_running']:.1f})", PAPER[("13", name)]])
+      if name in r and model == "opt-13b":
+        rows.append([f"Fig. 13 {model} {workload}-like: requests batched, paged / "
+                     f"{LABELS[name]}", f"{r[name]['paged_over']:.2f}x "
+                     f"({r['paged']['mean_running']:.1f} vs {r[name]['mean_running']:.1f})",
+                     PAPER[("13", name)] if workload == "sharegpt" else
+                     "Fig. 13b (no figure in the text)"])
   basic = res.get("fig12", {}).get("opt-13b-alpaca")
   if basic and res.get("fig14"):
     rows.append(["Fig. 14 OPT-13B Alpaca-like, basic sampling: paged / Orca(Oracle)",

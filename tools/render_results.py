@@ -1,6 +1,7 @@
-r"""Renders the results tables of README.md / BENCHMARKS.md from the committed JSON.
+r"""Renders the results tables of README.md / BENCHMARKS.md / docs/paper_scale.md from the
+committed JSON.
 
-    python tools/render_results.py            # rewrite README.md and BENCHMARKS.md in place
+    python tools/render_results.py            # rewrite those files in place
     python tools/render_results.py --check    # exit 1 (naming the files) if any would change
     python tools/render_results.py --list     # the section names and the JSON each reads
     make results                              # the first form
@@ -37,7 +38,7 @@ import render_paper as paper
 from render_common import RESULTS, ROOT, load, with_files
 from render_index import index
 
-DOCS = ("README.md", "BENCHMARKS.md")
+DOCS = ("README.md", "BENCHMARKS.md", "docs/paper_scale.md")
 MARKER = re.compile(r"<!-- results:(?P<name>[a-z0-9_]+) -->\n(?P<body>.*?)"
                     r"<!-- /results:(?P=name) -->", re.S)
 OPEN = re.compile(r"<!-- results:([a-z0-9_]+) -->")
@@ -83,6 +84,7 @@ SECTIONS: Dict[str, Tuple[object, Callable]] = {
                                   gpu.mosaic_compile),
     "paper_scale": ("paper_scale/summary.json", paper.paper_scale),
     "paper_scale_rates": (_RESULTS_DIR, paper.paper_scale_rates),
+    "paper_targets": (_RESULTS_DIR, paper.paper_targets),
     "perf_validation": ("perf_validation/perf_validation.json", paper.perf_validation),
 }
 
