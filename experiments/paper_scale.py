@@ -67,6 +67,7 @@ class Config(configs.ExperimentConfig):
                                           choices=serving_sweep.SYSTEMS)
   num_requests: int = configs.flag(0, "requests per point (0: 4 x what a KV memory holds)",
                                    lower=0)
+  max_points: int = configs.flag(6, "points run per system's rate search", lower=2)
   fig14_modes: Tuple[str, ...] = configs.flag(("n2", "n4", "n6", "beam2", "beam4", "beam6"),
                                               "Fig. 14 sampling modes",
                                               choices=tuple(serving_sweep.FIG14_MODES))
@@ -89,6 +90,7 @@ class Config(configs.ExperimentConfig):
 
 def _sb(f: Config, **kw) -> sb.Config:
   return sb.Config(clock="model", rates=("auto",), num_requests=f.num_requests,
+                   max_points=f.max_points,
                    slo_factor=f.slo_factor, seed=f.seed, preemption_mode="auto",
                    out=f.out, **kw)
 

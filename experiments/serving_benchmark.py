@@ -72,6 +72,8 @@ class Config(configs.ExperimentConfig):
       "found by running it", lower=0.0, lower_open=True, words=("auto",))
   num_requests: int = configs.flag(0, "requests per point with --rates=auto (0: 4 x the most "
                                    "requests a system's KV memory holds, >= 150)", lower=0)
+  max_points: int = configs.flag(6, "with --rates=auto: points run per system's search",
+                                 lower=2)
   duration_s: float = configs.flag(20.0, "arrival window per rate (s)", lower=0.0,
                                    lower_open=True)
   systems: Tuple[str, ...] = configs.flag(serving_sweep.SYSTEMS, "systems to compare",
@@ -176,7 +178,7 @@ def sweep(f, systems: Sequence[str], rates, duration_s: float, mode: Dict) -> Di
             progress=lambda total, desc: common.progress(total=total, desc=desc))
   if tuple(rates) == ("auto",):
     return rate_search.sweep_auto(systems, num_requests=f.num_requests,
-                                  slo_factor=f.slo_factor, **kw)
+                                  slo_factor=f.slo_factor, max_points=f.max_points, **kw)
   return serving_sweep.sweep_systems(systems, sorted(rates), duration_s=duration_s, **kw)
 
 
