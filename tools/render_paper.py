@@ -24,7 +24,7 @@ def paper_scale(summary) -> str:
 def paper_scale_rates(results_dir: str) -> str:
   """Every committed Fig. 12 / 16 panel: each system's max rate at the SLO (req/s)."""
   rows = []
-  for fig in ("fig12", "fig16"):
+  for fig in ("fig12", "fig12_real", "fig16"):
     base = os.path.join(results_dir, PAPER_SCALE, fig)
     if not os.path.isdir(base):
       continue
@@ -36,7 +36,7 @@ def paper_scale_rates(results_dir: str) -> str:
       for name in ("paged", "orca_oracle", "orca_pow2", "orca_max"):
         r = rates.get(name) or res["max_rate_at_slo"].get(name)
         cells.append("-" if r is None else f"{r:.3g}")
-      rows.append([f"Fig. {fig[3:]} {panel}", f"{dm['tp']} x {dm['gpu']['name']}",
+      rows.append([f"Fig. {fig[3:5]} {panel}", f"{dm['tp']} x {dm['gpu']['name']}",
                    f"{res['kv_budget_tokens']:,}", f"{res['slo_s_per_token']:.3f}", *cells])
   if not rows:
     raise FileNotFoundError(f"{results_dir}/{PAPER_SCALE}/fig12: no committed result "
@@ -120,11 +120,14 @@ def paper_targets(results_dir: str) -> str:
   """Each of the paper's stated figures beside ours and whether ours is inside it."""
   base = os.path.join(results_dir, PAPER_SCALE)
   rows = []
-  fig12 = os.path.join(base, "fig12")
-  panels = {p: load(fig12, os.path.join(p, "serving_benchmark.json"))
-            for p in sorted(os.listdir(fig12))} if os.path.isdir(fig12) else {}
+  panels = {}
+  for fig in ("fig12", "fig12_real"):   # fig12_real: the ShareGPT trace (sharegpt-real)
+    d = os.path.join(base, fig)
+    if os.path.isdir(d):
+      panels.update({p: load(d, os.path.join(p, "serving_benchmark.json"))
+                     for p in sorted(os.listdir(d))})
   for panel, res in panels.items():
-    if not panel.endswith("-sharegpt"):
+    if "-sharegpt" not in panel:
       continue
     for name, (lo, hi) in FIG12_RANGES.items():
       v = _paged_over(res, name)
