@@ -105,21 +105,24 @@ def init(cache_config: CacheConfig) -> BlockState:
       block_size=cache_config.block_size)
 
 
-def _check_state(state: BlockState) -> None:
+def check_state(state: BlockState) -> None:
   """chex: the state's arrays have the shapes and dtypes of one CacheConfig. Shapes and
   dtypes are static, so inside jit this runs once at trace time and costs nothing."""
-  nb, (s, p) = state.ref_count.shape[0], state.block_tables.shape
-  chex.assert_shape([state.ref_count, state.free_stack], (nb,))
-  chex.assert_shape(state.num_free, ())
-  chex.assert_shape([state.seq_lens, state.active], (s,))
+  nb, s = state.ref_count.shape[0], state.block_tables.shape[0]
+  chex.assert_rank(state.block_tables, 2, custom_message="BlockState.block_tables")
+  chex.assert_shape([state.ref_count, state.free_stack], (nb,),
+                    custom_message="BlockState.ref_count, free_stack")
+  chex.assert_shape(state.num_free, (), custom_message="BlockState.num_free")
+  chex.assert_shape([state.seq_lens, state.active], (s,),
+                    custom_message="BlockState.seq_lens, active")
   chex.assert_type([state.ref_count, state.free_stack, state.num_free, state.block_tables,
-                    state.seq_lens, state.active], [_I32] * 5 + [jnp.bool_])
-  del p
+                    state.seq_lens, state.active], [_I32] * 5 + [jnp.bool_],
+                   custom_message="BlockState")
 
 
-def _int_arg(x, name: str, max_rank: int = 1) -> jax.Array:
-  """`x` as an int32 array of rank <= max_rank; a float or bool argument is an error (chex),
-  not silently truncated."""
+def int_arg(x, name: str, max_rank: int = 1) -> jax.Array:
+  """`x` as an int32 array of rank <= max_rank; a float or bool argument is an error (chex,
+  naming `name`), not silently truncated. Static checks: free inside jit."""
   x = jnp.asarray(x)
   chex.assert_rank(x, set(range(max_rank + 1)), custom_message=name)
   chex.assert_type(x, int, custom_message=name)
@@ -165,9 +168,9 @@ def allocate(state: BlockState, slot, num_tokens, *, max_num_tokens: Optional[in
   static_n = max_num_tokens
   if isinstance(num_tokens, int):
     static_n = num_tokens if static_n is None else min(static_n, num_tokens)
-  _check_state(state)
-  slot = _int_arg(slot, "slot")
-  num_tokens = _int_arg(num_tokens, "num_tokens")
+  check_state(state)
+  slot = int_arg(slot, "slot")
+  num_tokens = int_arg(num_tokens, "num_tokens")
   shape = slot.shape
   slots = slot.reshape(-1)
   n_tok = jnp.broadcast_to(jnp.asarray(num_tokens, _I32), shape).reshape(-1)
@@ -265,12 +268,12 @@ def append(state: BlockState, slot_mask, num_new_tokens, *,
   if isinstance(num_new_tokens, int):
     max_new_tokens = num_new_tokens if max_new_tokens is None else min(
         max_new_tokens, num_new_tokens)
-  _check_state(state)
+  check_state(state)
   slot_mask = jnp.asarray(slot_mask)
   chex.assert_type(slot_mask, bool, custom_message="slot_mask")
   if slot_mask.ndim:
     chex.assert_shape(slot_mask, (state.max_seqs,), custom_message="slot_mask")
-  num_new_tokens = _int_arg(num_new_tokens, "num_new_tokens")
+  num_new_tokens = int_arg(num_new_tokens, "num_new_tokens")
   if num_new_tokens.ndim:
     chex.assert_shape(num_new_tokens, (state.max_seqs,), custom_message="num_new_tokens")
   s_max, nb = state.max_seqs, state.num_blocks
@@ -315,8 +318,8 @@ def free(state: BlockState, slot):
   by several freed slots are deduplicated through their ref_count entries.
   """
   s_max, p, nb = state.max_seqs, state.max_blocks_per_seq, state.num_blocks
-  _check_state(state)
-  slot = _int_arg(slot, "slot")
+  check_state(state)
+  slot = int_arg(slot, "slot")
   shape = slot.shape
   slots = slot.reshape(-1)
   sc = jnp.clip(slots, 0, s_max - 1)
@@ -361,8 +364,8 @@ def fork(state: BlockState, src_slot, dst_slot):
     in `append`. Cost: an O(n) loop over the requests plus O(n * P) scatters.
   """
   s_max, nb = state.max_seqs, state.num_blocks
-  _check_state(state)
-  src, dst = jnp.broadcast_arrays(_int_arg(src_slot, "src_slot"), _int_arg(dst_slot, "dst_slot"))
+  check_state(state)
+  src, dst = jnp.broadcast_arrays(int_arg(src_slot, "src_slot"), int_arg(dst_slot, "dst_slot"))
   shape = src.shape
   src, dst = src.reshape(-1), dst.reshape(-1)
   in_range = (src >= 0) & (src < s_max) & (dst >= 0) & (dst < s_max) & (src != dst)
@@ -401,8 +404,8 @@ def token_slots(state: BlockState, seq_slot, positions):
     (p < 0 or p >= seq_lens[s]), so such tokens are never written.
   """
   bs, s_max, p_max = state.block_size, state.max_seqs, state.max_blocks_per_seq
-  _check_state(state)
-  s, pos = _int_arg(seq_slot, "seq_slot"), _int_arg(positions, "positions")
+  check_state(state)
+  s, pos = int_arg(seq_slot, "seq_slot"), int_arg(positions, "positions")
   chex.assert_equal_shape([s, pos], custom_message="seq_slot, positions")
   sc = jnp.clip(s, 0, s_max - 1)
   held = (s >= 0) & (s < s_max) & (pos >= 0) & (pos < state.seq_lens[sc])

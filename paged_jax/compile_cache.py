@@ -13,6 +13,9 @@ the executable (~0.6 s a step here) instead of compiling it. Executables that ca
 CPU attention custom calls name their FFI targets, which `pallas_kernels.cpu.custom_calls`
 registers in every process before a step is traced, so a loaded step runs the same code.
 
+The engine also reloads from here the step shapes whose executables
+`paged_jax.executables` released to keep the process under Linux's memory-map limit.
+
 This module only points JAX at a directory beside the CPU kernels' cache and lowers the
 smallest compile time worth storing; everything else (keys, eviction, concurrent writers)
 is JAX's. The experiments' `--compilation_cache` flag calls `enable`.

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
+import chex
 import flax
 import jax
 import jax.numpy as jnp
@@ -142,12 +143,33 @@ def dequantize(q: jax.Array, scale: Optional[jax.Array]) -> jax.Array:
   return x if scale is None else x * scale[..., None]
 
 
+def check_pages(pages: KVPages) -> None:
+  """Pages built as `init` builds them: K and V LayerStacks of equal per-layer shapes and
+  dtypes `[num_kv_heads, num_blocks, block_size, head_dim]`, and for quantized pages both
+  scales, f32 `[num_kv_heads, num_blocks, block_size]` per layer (chex: static, so inside
+  jit this runs once at trace time)."""
+  for name in ("k", "v"):
+    if not isinstance(getattr(pages, name), LayerStack):
+      raise TypeError(f"KVPages.{name} must be a LayerStack (one array per layer), got "
+                      f"{type(getattr(pages, name)).__name__}; build pages with "
+                      f"kv_cache.init or KVPages.from_stacked")
+  chex.assert_rank(pages.k.layers, 4, custom_message="KVPages.k layers")
+  chex.assert_trees_all_equal_shapes_and_dtypes(pages.k, pages.v,
+                                                custom_message="KVPages.k vs KVPages.v")
+  if (pages.k_scale is None) != (pages.v_scale is None):
+    raise TypeError("KVPages: k_scale and v_scale must both be set (int8 / fp8 pages) or "
+                    "both be None")
+  if pages.k_scale is not None:
+    scales = list(pages.k_scale.layers) + list(pages.v_scale.layers)
+    chex.assert_shape(scales, pages.k.layers[0].shape[:-1],
+                      custom_message="KVPages scales [num_kv_heads, num_blocks, block_size]")
+    chex.assert_type(scales, jnp.float32, custom_message="KVPages scales")
+    chex.assert_equal(len(scales), 2 * pages.num_layers, custom_message="KVPages scale layers")
+
+
 def _check_layer(pages: KVPages, layer) -> int:
   """The layer as a Python int; each layer is its own array, so it must be static."""
-  if not isinstance(pages.k, LayerStack):
-    raise TypeError(f"KVPages.k must be a LayerStack (one array per layer), got "
-                    f"{type(pages.k).__name__}; build pages with kv_cache.init or "
-                    f"KVPages.from_stacked")
+  check_pages(pages)
   if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
     raise TypeError(f"layer must be a Python int (each layer's pages are their own array), "
                     f"got {type(layer).__name__}")
@@ -183,6 +205,7 @@ def write(pages: KVPages, layer, k_new: jax.Array, v_new: jax.Array,
     if tuple(x.shape) != want:
       raise ValueError(f"{name} must have shape [T, num_kv_heads, head_dim] = {list(want)}, "
                        f"got {list(x.shape)}")
+  chex.assert_type([k_new, v_new], float, custom_message="k_new, v_new (float K/V to write)")
   num_slots = pages.num_blocks * pages.block_size
   # Padding (and anything out of the pool) goes to an out-of-bounds index: dropped.
   slots = jnp.where(slot_mapping >= 0, slot_mapping, num_slots).astype(jnp.int32)
@@ -230,6 +253,7 @@ def copy_blocks(pages: KVPages, pairs: jax.Array) -> KVPages:
       are ignored. All sources are read before any destination is written.
       Destinations must be distinct.
   """
+  check_pages(pages)
   _check_ids("pairs", pairs, 2)
   nb = pages.num_blocks
   src, dst = pairs[:, 0], pairs[:, 1]
@@ -243,6 +267,7 @@ def copy_blocks(pages: KVPages, pairs: jax.Array) -> KVPages:
 
 def zero_blocks(pages: KVPages, block_ids: jax.Array) -> KVPages:
   """Zeroes whole blocks (all layers, heads, scales); ids < 0 are ignored."""
+  check_pages(pages)
   _check_ids("block_ids", block_ids, 1)
   ids = jnp.where(block_ids >= 0, block_ids, pages.num_blocks)
 

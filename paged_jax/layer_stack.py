@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence, Tuple
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -173,6 +174,9 @@ class _AtUpdate:
     if picked is None:
       self._stack._select(first)  # raises the TypeError
     int_index = isinstance(first, (int, np.integer))
+    if not int_index and np.ndim(values):   # one slice of `values` per picked layer
+      chex.assert_axis_dimension(values, 0, len(picked),
+                                 custom_message="LayerStack.at[...] values: one per layer")
     for i, l in enumerate(picked):
       vals = values if int_index or np.ndim(values) == 0 else values[i]
       ref = layers[l].at[self._rest] if self._rest else layers[l].at[...]

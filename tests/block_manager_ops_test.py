@@ -12,158 +12,185 @@ from paged_jax import block_manager as bm
 from paged_jax.config import CacheConfig, INVALID, OK, OUT_OF_BLOCKS, TOO_LONG
 from paged_jax.testing import BlockModel
 
-from block_manager_support import (BS, CFG, MAX_LEN, NB, S, assert_matches_model,
+from block_manager_support import (BS, CFG, JIT, MAX_LEN, NB, S, Ops, assert_matches_model,
                                    assert_same_state, check_invariants, j_allocate, j_append,
-                                   j_fork, j_free, j_token_slots, snapshot)
+                                   j_fork, j_free, snapshot)
 
 
-def _shared_partial_state(num_holders: int, cfg: CacheConfig = CFG, length: int = 6):
+def _shared_partial_state(num_holders: int, cfg: CacheConfig = CFG, length: int = 6,
+                          ops: Ops = JIT):
   """Slot 0 holds `length` tokens; slots 1..num_holders-1 fork it (block 1 partial)."""
   state, model = bm.init(cfg), BlockModel.from_config(cfg)
-  state, _ = j_allocate(state, jnp.int32(0), jnp.int32(length))
+  state, _ = ops.allocate(state, jnp.int32(0), jnp.int32(length))
   model.allocate([0], [length])
   if num_holders > 1:
     dsts = list(range(1, num_holders))
-    state, _ = j_fork(state, jnp.zeros(len(dsts), jnp.int32), jnp.asarray(dsts, jnp.int32))
+    state, _ = ops.fork(state, jnp.zeros(len(dsts), jnp.int32), jnp.asarray(dsts, jnp.int32))
     model.fork([0] * len(dsts), dsts)
   return state, model
 
 
-class CopyOnWriteTest(chex.TestCase):
+def _no_cow():
+  return -np.ones((S, 2), np.int32)
 
+
+class CopyOnWriteTest(chex.TestCase):
+  """Each case jitted and eagerly (op by op), against the same model."""
+
+  @chex.variants(with_jit=True, without_jit=True)
   def test_cow_pair_then_in_place(self):
-    state, _ = _shared_partial_state(2)  # blocks [0, 1], block 1 holds 2 of 4 tokens
+    ops = Ops.under(self.variant)
+    state, _ = _shared_partial_state(2, ops=ops)  # blocks [0, 1], block 1 holds 2 of 4 tokens
     mask = jnp.array([False, True, False, False, False, False])
-    state, status, cow = j_append(state, mask, 1)
+    state, status, cow = ops.append(state, mask, 1)
     self.assertEqual(int(status[1]), OK)
     np.testing.assert_array_equal(cow[1], [1, 2])  # fresh block 2 replaces shared block 1
     np.testing.assert_array_equal(state.block_tables[1, :2], [0, 2])
     np.testing.assert_array_equal(state.ref_count[:3], [2, 1, 1])
     # Slot 0 is now block 1's only holder: it writes in place.
-    state, status, cow = j_append(state, mask.at[0].set(True).at[1].set(False), 1)
-    np.testing.assert_array_equal(cow, -np.ones((S, 2)))
+    state, status, cow = ops.append(state, mask.at[0].set(True).at[1].set(False), 1)
+    chex.assert_trees_all_equal(cow, _no_cow(), strict=True)
     np.testing.assert_array_equal(state.block_tables[0, :2], [0, 1])
 
+  @chex.variants(with_jit=True, without_jit=True)
   def test_full_shared_block_needs_no_copy(self):
-    state, _ = _shared_partial_state(2, length=8)  # both blocks full
-    state, status, cow = j_append(state, jnp.arange(S) < 2, 1)
-    np.testing.assert_array_equal(status, np.zeros(S))
-    np.testing.assert_array_equal(cow, -np.ones((S, 2)))
+    ops = Ops.under(self.variant)
+    state, _ = _shared_partial_state(2, length=8, ops=ops)  # both blocks full
+    state, status, cow = ops.append(state, jnp.arange(S) < 2, 1)
+    chex.assert_trees_all_equal((status, cow), (np.zeros(S, np.int32), _no_cow()), strict=True)
     np.testing.assert_array_equal(state.block_tables[:2, :3], [[0, 1, 2], [0, 1, 3]])
 
+  @chex.variants(with_jit=True, without_jit=True)
   def test_many_holders_append_together(self):
+    ops = Ops.under(self.variant)
     for writers in ([0, 1, 2], [0, 1, 2, 3], [1, 3], [3]):
-      state, model = _shared_partial_state(4)
+      state, model = _shared_partial_state(4, ops=ops)
       mask = np.isin(np.arange(S), writers)
-      state, status, cow = j_append(state, jnp.asarray(mask), 2)
+      state, status, cow = ops.append(state, jnp.asarray(mask), 2)
       expected, cow_expected = model.append(mask.tolist(), [2] * S)
-      np.testing.assert_array_equal(status, expected)
-      np.testing.assert_array_equal(cow, np.asarray(cow_expected, np.int32))
+      chex.assert_trees_all_equal((status, cow), (np.asarray(expected, np.int32),
+                                                  np.asarray(cow_expected, np.int32)),
+                                  strict=True)
       assert_matches_model(state, model)
       copies = int((np.asarray(cow)[:, 0] >= 0).sum())
       # All four holders writing: the last one writes in place.
       self.assertEqual(copies, len(writers) - (len(writers) == 4))
       self.assertEqual(int(state.ref_count[1]), 4 - copies)
 
+  @chex.variants(with_jit=True, without_jit=True)
   def test_many_holders_short_of_blocks(self):
     # 4 holders of blocks [0, 1]; leave exactly one free block, then all append.
+    ops = Ops.under(self.variant)
     cfg = CFG.replace(num_blocks=3)
-    state, model = _shared_partial_state(4, cfg)
-    state, status, cow = j_append(state, jnp.arange(S) < 4, 1)
+    state, model = _shared_partial_state(4, cfg, ops=ops)
+    state, status, cow = ops.append(state, jnp.arange(S) < 4, 1)
     expected, cow_expected = model.append([s < 4 for s in range(S)], [1] * S)
     np.testing.assert_array_equal(status, [OK, OUT_OF_BLOCKS, OUT_OF_BLOCKS, OUT_OF_BLOCKS, OK, OK])
-    np.testing.assert_array_equal(status, expected)
-    np.testing.assert_array_equal(cow, np.asarray(cow_expected, np.int32))
+    chex.assert_trees_all_equal((status, cow), (np.asarray(expected, np.int32),
+                                                np.asarray(cow_expected, np.int32)), strict=True)
     assert_matches_model(state, model)
 
 
 class TransactionalTest(chex.TestCase):
 
-  def _busy_state(self):
-    state, model = _shared_partial_state(3)
-    state, _ = j_allocate(state, jnp.int32(4), jnp.int32(9))
+  def _busy_state(self, ops):
+    state, model = _shared_partial_state(3, ops=ops)
+    state, _ = ops.allocate(state, jnp.int32(4), jnp.int32(9))
     model.allocate([4], [9])
     return state, model
 
+  @chex.variants(with_jit=True, without_jit=True)
   def test_failing_ops_leave_state_bit_identical(self):
-    state, _ = self._busy_state()
+    ops = Ops.under(self.variant)
+    state, _ = self._busy_state(ops)
     before = snapshot(state)
     cases = [
-        lambda s: j_allocate(s, jnp.int32(5), jnp.int32(NB * BS)),   # TOO_LONG
-        lambda s: j_allocate(s, jnp.array([3, 5], jnp.int32), jnp.array([0, -3], jnp.int32)),
-        lambda s: j_allocate(s, jnp.int32(0), jnp.int32(3)),         # active
-        lambda s: j_allocate(s, jnp.int32(-1), jnp.int32(3)),        # padding
-        lambda s: j_free(s, jnp.int32(5)),                           # inactive
-        lambda s: j_fork(s, jnp.int32(5), jnp.int32(3)),             # inactive src
-        lambda s: j_fork(s, jnp.int32(0), jnp.int32(1)),             # active dst
-        lambda s: j_append(s, jnp.arange(S) == 5, 1)[:2],            # inactive
-        lambda s: j_append(s, jnp.arange(S) == 0, MAX_LEN)[:2],      # TOO_LONG
-        lambda s: j_append(s, jnp.arange(S) == 0, jnp.full((S,), -1, jnp.int32))[:2],
+        lambda s: ops.allocate(s, jnp.int32(5), jnp.int32(NB * BS)),   # TOO_LONG
+        lambda s: ops.allocate(s, jnp.array([3, 5], jnp.int32), jnp.array([0, -3], jnp.int32)),
+        lambda s: ops.allocate(s, jnp.int32(0), jnp.int32(3)),         # active
+        lambda s: ops.allocate(s, jnp.int32(-1), jnp.int32(3)),        # padding
+        lambda s: ops.free(s, jnp.int32(5)),                           # inactive
+        lambda s: ops.fork(s, jnp.int32(5), jnp.int32(3)),             # inactive src
+        lambda s: ops.fork(s, jnp.int32(0), jnp.int32(1)),             # active dst
+        lambda s: ops.append(s, jnp.arange(S) == 5, 1)[:2],            # inactive
+        lambda s: ops.append(s, jnp.arange(S) == 0, MAX_LEN)[:2],      # TOO_LONG
+        lambda s: ops.append(s, jnp.arange(S) == 0, jnp.full((S,), -1, jnp.int32))[:2],
     ]
     for i, op in enumerate(cases):
       new_state, status = op(state)
       self.assertTrue((np.asarray(status) != OK).any(), f"case {i}")
       assert_same_state(before, new_state)
 
+  @chex.variants(with_jit=True, without_jit=True)
   def test_out_of_blocks_exact_boundary(self):
+    ops = Ops.under(self.variant)
     state = bm.init(CFG)
-    state, _ = j_allocate(state, jnp.array([0, 1, 2, 3], jnp.int32),
-                          jnp.array([MAX_LEN, MAX_LEN, MAX_LEN, 13], jnp.int32))
-    state, _ = j_fork(state, jnp.int32(3), jnp.int32(4))  # share 4 blocks, last holds 1 token
+    state, _ = ops.allocate(state, jnp.array([0, 1, 2, 3], jnp.int32),
+                            jnp.array([MAX_LEN, MAX_LEN, MAX_LEN, 13], jnp.int32))
+    state, _ = ops.fork(state, jnp.int32(3), jnp.int32(4))  # share 4 blocks, last holds 1 token
     self.assertEqual(int(state.num_free), 1)
     before = snapshot(state)
-    new_state, status = j_allocate(state, jnp.int32(5), jnp.int32(BS + 1))  # needs 2
+    new_state, status = ops.allocate(state, jnp.int32(5), jnp.int32(BS + 1))  # needs 2
     self.assertEqual(int(status), OUT_OF_BLOCKS)
     assert_same_state(before, new_state)
-    state, status = j_allocate(state, jnp.int32(5), jnp.int32(BS))  # needs exactly 1
+    state, status = ops.allocate(state, jnp.int32(5), jnp.int32(BS))  # needs exactly 1
     self.assertEqual(int(status), OK)
     self.assertEqual(int(state.num_free), 0)
     before = snapshot(state)
     # With no block free, writing into the shared partial block needs a copy: fails.
     for slot, n in ((4, 1), (3, 3)):
-      new_state, status, cow = j_append(state, jnp.arange(S) == slot, n)
+      new_state, status, cow = ops.append(state, jnp.arange(S) == slot, n)
       self.assertEqual(int(status[slot]), OUT_OF_BLOCKS)
-      np.testing.assert_array_equal(cow, -np.ones((S, 2)))
+      chex.assert_trees_all_equal(cow, _no_cow(), strict=True)
       assert_same_state(before, new_state)
-    state, _ = j_free(state, jnp.int32(5))
-    state, status, cow = j_append(state, jnp.arange(S) == 4, 1)   # the one free block
+    state, _ = ops.free(state, jnp.int32(5))
+    state, status, cow = ops.append(state, jnp.arange(S) == 4, 1)   # the one free block
     self.assertEqual(int(status[4]), OK)
     np.testing.assert_array_equal(cow[4], [int(state.block_tables[3, 3]), 19])
     self.assertEqual(int(state.num_free), 0)
-    state, status, cow = j_append(state, jnp.arange(S) == 3, 3)   # now sole holder: in place
+    state, status, cow = ops.append(state, jnp.arange(S) == 3, 3)   # now sole holder: in place
     self.assertEqual(int(status[3]), OK)
     self.assertEqual(int(state.seq_lens[3]), 16)
     check_invariants(state)
 
+  @chex.variants(with_jit=True, without_jit=True)
   def test_one_block_left_goes_to_first_slot_in_order(self):
+    ops = Ops.under(self.variant)
     cfg = CFG.replace(num_blocks=3)
     state, model = bm.init(cfg), BlockModel.from_config(cfg)
     # Later, smaller requests still succeed after a larger one fails (sequential policy).
     slots, counts = [0, 1, 2, 3], [5, 9, 4, 1]
-    state, status = j_allocate(state, jnp.asarray(slots, jnp.int32), jnp.asarray(counts, jnp.int32))
+    state, status = ops.allocate(state, jnp.asarray(slots, jnp.int32),
+                                 jnp.asarray(counts, jnp.int32))
     np.testing.assert_array_equal(status, [OK, OUT_OF_BLOCKS, OK, OUT_OF_BLOCKS])
     np.testing.assert_array_equal(status, model.allocate(slots, counts))
     assert_matches_model(state, model)
 
+  @chex.variants(with_jit=True, without_jit=True)
   def test_too_long_boundary(self):
+    ops = Ops.under(self.variant)
     state = bm.init(CFG)
-    state, status = j_allocate(state, jnp.array([0, 1], jnp.int32),
-                               jnp.array([MAX_LEN, MAX_LEN + 1], jnp.int32))
+    state, status = ops.allocate(state, jnp.array([0, 1], jnp.int32),
+                                 jnp.array([MAX_LEN, MAX_LEN + 1], jnp.int32))
     np.testing.assert_array_equal(status, [OK, TOO_LONG])
-    state, status, _ = j_append(state, jnp.arange(S) == 0, 1)
+    state, status, _ = ops.append(state, jnp.arange(S) == 0, 1)
     self.assertEqual(int(status[0]), TOO_LONG)
     self.assertEqual(int(state.seq_lens[0]), MAX_LEN)
 
+  @chex.variants(with_jit=True, without_jit=True)
   def test_batch_duplicates_and_chains(self):
+    ops = Ops.under(self.variant)
     state, model = bm.init(CFG), BlockModel.from_config(CFG)
-    state, status = j_allocate(state, jnp.array([2, 2], jnp.int32), jnp.array([3, 5], jnp.int32))
+    state, status = ops.allocate(state, jnp.array([2, 2], jnp.int32),
+                                 jnp.array([3, 5], jnp.int32))
     np.testing.assert_array_equal(status, [OK, INVALID])
     model.allocate([2, 2], [3, 5])
-    state, status = j_fork(state, jnp.array([2, 3, 4], jnp.int32), jnp.array([3, 4, 4], jnp.int32))
+    state, status = ops.fork(state, jnp.array([2, 3, 4], jnp.int32),
+                             jnp.array([3, 4, 4], jnp.int32))
     np.testing.assert_array_equal(status, [OK, OK, INVALID])  # chain 2 -> 3 -> 4
     np.testing.assert_array_equal(status, model.fork([2, 3, 4], [3, 4, 4]))
     self.assertEqual(int(state.ref_count[0]), 3)
-    state, status = j_free(state, jnp.array([3, 3, 2, 4], jnp.int32))
+    state, status = ops.free(state, jnp.array([3, 3, 2, 4], jnp.int32))
     np.testing.assert_array_equal(status, [OK, INVALID, OK, OK])
     np.testing.assert_array_equal(status, model.free([3, 3, 2, 4]))
     assert_matches_model(state, model)
@@ -172,22 +199,24 @@ class TransactionalTest(chex.TestCase):
 
 class TokenSlotsTest(chex.TestCase):
 
+  @chex.variants(with_jit=True, without_jit=True)
   def test_matches_python(self):
+    ops = Ops.under(self.variant)
     rng = np.random.default_rng(5)
     for seed in range(3):
       state, model = bm.init(CFG), BlockModel.from_config(CFG)
       # Build a random state with sharing through the ops themselves.
       for s, n in enumerate(rng.integers(1, 12, size=4)):
-        state, _ = j_allocate(state, jnp.int32(s), jnp.int32(n))
+        state, _ = ops.allocate(state, jnp.int32(s), jnp.int32(n))
         model.allocate([s], [int(n)])
-      state, _ = j_fork(state, jnp.int32(seed), jnp.int32(5))
+      state, _ = ops.fork(state, jnp.int32(seed), jnp.int32(5))
       model.fork([seed], [5])
       counts = rng.integers(0, 6, size=S)
-      state, _, _ = j_append(state, jnp.ones(S, bool), jnp.asarray(counts, jnp.int32))
+      state, _, _ = ops.append(state, jnp.ones(S, bool), jnp.asarray(counts, jnp.int32))
       model.append([True] * S, counts.tolist())
       seq = rng.integers(-2, S + 1, size=64)
       pos = rng.integers(-2, MAX_LEN + 2, size=64)
-      got = j_token_slots(state, jnp.asarray(seq, jnp.int32), jnp.asarray(pos, jnp.int32))
+      got = ops.token_slots(state, jnp.asarray(seq, jnp.int32), jnp.asarray(pos, jnp.int32))
       np.testing.assert_array_equal(got, model.token_slots(seq.tolist(), pos.tolist()))
       self.assertGreater(int((np.asarray(got) >= 0).sum()), 10)
 
@@ -278,9 +307,6 @@ class InPlaceTest(chex.TestCase):
       self.assertEqual(big_copies(fn, args, donate=True), [], name)
     # The check can fail: without donation the updated ref_count must be copied.
     self.assertNotEmpty(big_copies(bm.free, ops["free"][1], donate=False))
-
-
-
 
 
 def _ok_after_shortfall(status) -> int:

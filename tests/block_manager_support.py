@@ -2,6 +2,9 @@
 jitted ops, state snapshots, and checks against the plain-Python model
 (`paged_jax.testing.BlockModel`) and the structural invariants."""
 
+from typing import Callable, NamedTuple
+
+import chex
 import jax
 import numpy as np
 
@@ -13,36 +16,56 @@ from paged_jax.testing import BlockModel
 CFG = CacheConfig(block_size=4, num_blocks=20, max_seqs=6, max_blocks_per_seq=5)
 S, P, BS, NB, MAX_LEN = 6, 5, 4, 20, 20
 
-j_allocate = jax.jit(bm.allocate, static_argnames=("max_num_tokens",))
-j_append = jax.jit(bm.append, static_argnames=("max_new_tokens",))
-j_free = jax.jit(bm.free)
-j_fork = jax.jit(bm.fork)
-j_token_slots = jax.jit(bm.token_slots)
+
+class Ops(NamedTuple):
+  """The pure block ops under one transform: `jax.jit`, or a `chex.variants` test's
+  `self.variant` (jitted, or run eagerly op by op)."""
+  allocate: Callable
+  append: Callable
+  free: Callable
+  fork: Callable
+  token_slots: Callable
+
+  @classmethod
+  def under(cls, transform: Callable) -> "Ops":
+    return cls(allocate=transform(bm.allocate, static_argnames=("max_num_tokens",)),
+               append=transform(bm.append, static_argnames=("max_new_tokens",)),
+               free=transform(bm.free), fork=transform(bm.fork),
+               token_slots=transform(bm.token_slots))
 
 
-def snapshot(state) -> list:
-  return [np.array(x) for x in jax.tree_util.tree_leaves(state)]
+JIT = Ops.under(jax.jit)
+j_allocate, j_append, j_free, j_fork, j_token_slots = JIT
 
 
-def assert_same_state(before: list, state) -> None:
-  after = snapshot(state)
-  assert len(before) == len(after)
-  for a, b in zip(before, after):
-    np.testing.assert_array_equal(a, b)
-    assert a.dtype == b.dtype
+def snapshot(state):
+  """A host copy of `state` (same pytree, numpy leaves): it outlives a donated state."""
+  return jax.tree_util.tree_map(np.array, state)
 
 
-def assert_matches_model(state, model: BlockModel) -> None:
-  num_free = int(state.num_free)
-  assert num_free == len(model.stack)
-  np.testing.assert_array_equal(np.asarray(state.free_stack)[:num_free], model.stack)
-  np.testing.assert_array_equal(np.asarray(state.ref_count), model.ref)
+def assert_same_state(before, state) -> None:
+  """Bit-identical to `before` (a `snapshot`): same structure, static fields, shapes,
+  dtypes and values."""
+  chex.assert_trees_all_equal(before, snapshot(state), strict=True)
+
+
+def model_arrays(model: BlockModel) -> dict:
+  """The model's state as the arrays `BlockState` holds (the free stack's live part)."""
   tables = np.full((model.max_seqs, model.max_blocks_per_seq), -1, np.int32)
   for s, row in enumerate(model.tables):
     tables[s, :len(row)] = row
-  np.testing.assert_array_equal(np.asarray(state.block_tables), tables)
-  np.testing.assert_array_equal(np.asarray(state.seq_lens), model.lens)
-  np.testing.assert_array_equal(np.asarray(state.active), model.active)
+  return dict(free_stack=np.asarray(model.stack, np.int32).reshape(-1),
+              ref_count=np.asarray(model.ref, np.int32), block_tables=tables,
+              seq_lens=np.asarray(model.lens, np.int32),
+              active=np.asarray(model.active, np.bool_))
+
+
+def assert_matches_model(state, model: BlockModel) -> None:
+  """Exact block ids, ref counts, tables, lengths and the free stack's live part."""
+  got = dict(free_stack=np.asarray(state.free_stack)[:int(state.num_free)],
+             ref_count=state.ref_count, block_tables=state.block_tables,
+             seq_lens=state.seq_lens, active=state.active)
+  chex.assert_trees_all_equal(got, model_arrays(model), strict=True)
 
 
 def check_invariants(state) -> None:

@@ -13,6 +13,7 @@ import sys
 import jax
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from experiments import common
@@ -46,6 +47,7 @@ def _run(cache_dir):
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_second_process_loads_the_steps_and_generates_the_same(tmp_path):
   first = _run(tmp_path / "xla")
   assert first["misses"] >= 1 and first["hits"] == 0
@@ -112,3 +114,33 @@ def test_bad_directory_and_time_are_one_line_errors(tmp_path, restore_cache_sett
     with pytest.raises(ValueError, match="max_bytes must be a positive int"):
       compile_cache.enable(tmp_path, max_bytes=bad)
   assert compile_cache.directory() != str(tmp_path)
+
+
+def test_a_released_executable_loads_from_the_cache_when_its_shape_comes_back(
+    tmp_path, restore_cache_setting):
+  # paged_jax.executables releases least recently used jits to stay under the map limit;
+  # with the persistent cache on, a released shape that comes back is loaded, not compiled.
+  del restore_cache_setting
+  from jax import monitoring  # pylint: disable=g-import-not-at-top
+  from paged_jax import executables  # pylint: disable=g-import-not-at-top
+  compile_cache.enable(tmp_path / "xla", min_compile_time_s=0)
+  events = []
+  listener = lambda name, **kw: events.append(name)
+  monitoring.register_event_listener(listener)
+  budget = executables.ExecutableBudget(max_live=1)
+  step = lambda x, state, *, scale: (state + jnp.sum(jnp.tanh(x * scale)), x.T @ x)
+  x = jnp.asarray(np.arange(12.0, dtype=np.float32).reshape(4, 3))
+  call = lambda scale: budget.get(scale, lambda: executables.shape_jit(
+      step, donate_argnums=(1,), scale=scale))(x, jnp.zeros((2,)))
+  try:
+    first = [np.asarray(a) for a in call(0.5)]
+    call(2.0)                         # releases the 0.5 jit (one live at most)
+    assert 0.5 not in budget
+    hits = events.count("/jax/compilation_cache/cache_hits")
+    again = [np.asarray(a) for a in call(0.5)]
+  finally:
+    monitoring.unregister_event_listener(listener)
+    budget.release()
+  assert events.count("/jax/compilation_cache/cache_hits") == hits + 1
+  for a, b in zip(first, again):
+    np.testing.assert_array_equal(a, b)

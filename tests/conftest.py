@@ -12,6 +12,9 @@ except ImportError:  # pragma: no cover
 
 
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
+# Per-file wall and CPU seconds at the end of every run (tests/suite_timing.py).
+from suite_timing import (pytest_runtest_makereport, pytest_runtest_setup,  # pylint: disable=g-import-not-at-top,wrong-import-position,unused-import
+                          pytest_sessionstart, pytest_terminal_summary)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -23,8 +26,17 @@ def _release_compiled_code():
   (one ragged-kernel module alone leaves ~5,000 maps) reached Linux's per-process limit
   (vm.max_map_count, 65,530), and LLVM aborted mid-compile: CI's "Fatal Python error:
   Aborted" in whichever test compiled next. Module-level jitted helpers recompile in the
-  next module that uses them; nothing else changes.
+  next module that uses them; nothing else changes. (The engine's steps are bounded by
+  `paged_jax.executables` anyway; the kernels' and helpers' jits are not.)
   """
   yield
   from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
   release_compiled()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+  """An `exhaustive` test is also `slow` (pytest.ini): it never runs in the default tier."""
+  for item in items:
+    if item.get_closest_marker("exhaustive") and not item.get_closest_marker("slow"):
+      item.add_marker(pytest.mark.slow)

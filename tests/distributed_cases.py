@@ -74,7 +74,7 @@ def test_tp_forward_logits_match_single_device(tp, dtype, tol):
       np.testing.assert_allclose(got_f, want_f, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+@pytest.mark.parametrize("tp", [2, 8, *(pytest.param(t, marks=pytest.mark.slow) for t in (1, 4))])
 def test_tp_engine_greedy_matches_single_device_and_pages_are_sharded(tp):
   want, want_k = single_device_outputs()
   mesh = make_mesh(tp=tp)

@@ -94,12 +94,14 @@ def check(seed, caching, mode, delta):
   return engine
 
 
+@pytest.mark.slow
 def test_at_the_bound_with_caching_n2_beam_and_sampling_all_finish_exactly():
   engine = check(seed=0, caching=True, mode="recompute", delta=0)
   assert engine.num_preemptions > 0
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("seed", [1, 2])
 @pytest.mark.parametrize("caching", [False, True])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])

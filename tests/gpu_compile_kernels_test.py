@@ -72,6 +72,7 @@ def test_long_prefill_split_partials_are_small():
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("case", compile_configs.full_cases(), ids=lambda c: c.name)
 def test_full_grid_compiles_for_sm90(case):
   check(case)

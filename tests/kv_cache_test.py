@@ -1,5 +1,10 @@
-"""KVPages: write / copy_blocks / zero_blocks / gather against a numpy model; donation."""
+"""KVPages: write / copy_blocks / zero_blocks / gather against a numpy model, jitted and
+eagerly (chex.variants); donation; chex checks at the ops' boundaries."""
 
+import zlib
+
+from absl.testing import absltest, parameterized
+import chex
 import ml_dtypes
 import numpy as np
 import pytest
@@ -86,25 +91,89 @@ def _assert_same(pages, model):
                                model[name + "_scale"], rtol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "float8_e4m3fn"])
-@pytest.mark.parametrize("jit", [False, True])
-def test_write_matches_numpy_model(dtype, jit):
-  rng = np.random.default_rng(hash((dtype, jit)) % 2**32)
-  cfg = _cfg(dtype)
-  pages, model = _random_pages(cfg, rng)
-  write = kv_cache.write_donated if jit else kv_cache.write
-  for step in range(4):
-    num_tokens = int(rng.integers(1, 10))
-    slots = rng.choice(cfg.num_slots, size=num_tokens, replace=False).astype(np.int32)
-    slots[rng.random(num_tokens) < 0.3] = -1   # padding rows: skipped
-    layer = int(rng.integers(0, cfg.num_layers))
-    k_new = (rng.normal(size=(num_tokens, 3, 8)) * rng.uniform(0.1, 50)).astype(np.float32)
-    v_new = rng.normal(size=(num_tokens, 3, 8)).astype(np.float32)
-    if step == 0:
-      k_new[0] = 0.0   # an all-zero token must not divide by zero
-    pages = write(pages, layer, jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(slots))
-    _np_write(model, cfg, layer, k_new, v_new, slots)
+class KVOpsTest(chex.TestCase):
+  """The pure page ops, jitted and eagerly, against the numpy model."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.named_parameters((d, d) for d in ("float32", "bfloat16", "int8", "float8_e4m3fn"))
+  def test_write_matches_numpy_model(self, dtype):
+    rng = np.random.default_rng(zlib.crc32(dtype.encode()))
+    cfg = _cfg(dtype)
+    pages, model = _random_pages(cfg, rng)
+    write = self.variant(kv_cache.write, static_argnums=1)
+    for step in range(4):
+      num_tokens = int(rng.integers(1, 10))
+      slots = rng.choice(cfg.num_slots, size=num_tokens, replace=False).astype(np.int32)
+      slots[rng.random(num_tokens) < 0.3] = -1   # padding rows: skipped
+      layer = int(rng.integers(0, cfg.num_layers))
+      k_new = (rng.normal(size=(num_tokens, 3, 8)) * rng.uniform(0.1, 50)).astype(np.float32)
+      v_new = rng.normal(size=(num_tokens, 3, 8)).astype(np.float32)
+      if step == 0:
+        k_new[0] = 0.0   # an all-zero token must not divide by zero
+      pages = write(pages, layer, jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(slots))
+      _np_write(model, cfg, layer, k_new, v_new, slots)
+      _assert_same(pages, model)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.named_parameters(("float32", "float32"), ("int8", "int8"))
+  def test_copy_and_zero_blocks_match_numpy_model(self, dtype):
+    rng = np.random.default_rng(3)
+    cfg = _cfg(dtype)
+    pages, model = _random_pages(cfg, rng)
+    # A chain 1->2, 2->3 checks that all sources are read before any write.
+    pairs = np.array([[1, 2], [2, 3], [-1, 0], [5, 4], [0, -1]], np.int32)
+    pages = self.variant(kv_cache.copy_blocks)(pages, jnp.asarray(pairs))
+    before = {k: (None if v is None else v.copy()) for k, v in model.items()}
+    for src, dst in pairs:
+      if src >= 0 and dst >= 0:
+        for name in model:
+          if model[name] is not None:
+            model[name][:, :, dst] = before[name][:, :, src]
     _assert_same(pages, model)
+    ids = np.array([4, -1, 0], np.int32)
+    pages = self.variant(kv_cache.zero_blocks)(pages, jnp.asarray(ids))
+    for name in model:
+      if model[name] is not None:
+        model[name][:, :, [4, 0]] = 0
+    _assert_same(pages, model)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_layer_view_and_gather(self):
+    rng = np.random.default_rng(11)
+    cfg = _cfg("int8")
+    pages, model = _random_pages(cfg, rng)
+    k, v, ks, vs = self.variant(kv_cache.layer, static_argnums=1)(pages, 1)
+    chex.assert_shape(k, (3, 6, 4, 8))
+    chex.assert_shape([ks, vs], (3, 6, 4))
+    chex.assert_trees_all_equal((v, vs), (model["v"][1], model["v_scale"][1]), strict=True)
+    table = np.array([4, 0, 2], np.int32)
+    kd, vd = self.variant(kv_cache.gather, static_argnums=1)(pages, 1, jnp.asarray(table))
+    chex.assert_shape([kd, vd], (12, 3, 8))
+    want = (model["k"][1].astype(np.float32) * model["k_scale"][1][..., None])[:, table]
+    want = want.reshape(3, 12, 8).transpose(1, 0, 2)
+    chex.assert_trees_all_close(kd, want, rtol=1e-6)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_inconsistent_pages_and_inputs_are_named(self):
+    """chex checks: eagerly before any work, under jit at trace time."""
+    pages = kv_cache.init(_cfg("int8"))
+    x, slots = jnp.ones((2, 3, 8)), jnp.array([0, 1], jnp.int32)
+    wide_v = pages.replace(v=kv_cache.LayerStack([jnp.zeros((3, 6, 4, 16), jnp.int8)] * 2))
+    f32_v = pages.replace(v=pages.v.astype(jnp.float32))
+    short_scale = pages.replace(k_scale=kv_cache.LayerStack([jnp.zeros((3, 6, 2))] * 2))
+    cases = [
+        (lambda p: kv_cache.write(p, 0, x, x, slots), wide_v, r"KVPages.k vs KVPages.v"),
+        (lambda p: kv_cache.copy_blocks(p, jnp.zeros((1, 2), jnp.int32)), f32_v,
+         r"KVPages.k vs KVPages.v"),
+        (lambda p: kv_cache.zero_blocks(p, jnp.zeros((1,), jnp.int32)), short_scale,
+         r"KVPages scales"),
+        (lambda p: kv_cache.write(p, 0, x.astype(jnp.int32), x, slots), pages, r"k_new, v_new"),
+    ]
+    for i, (op, arg, pattern) in enumerate(cases):
+      with self.assertRaisesRegex(AssertionError, pattern, msg=f"case {i}"):
+        self.variant(op)(arg)
+    with self.assertRaisesRegex(TypeError, "both be set"):
+      self.variant(kv_cache.zero_blocks)(pages.replace(v_scale=None), jnp.zeros((1,), jnp.int32))
 
 
 @pytest.mark.parametrize("dtype,rel", [("int8", 0.5 / 127), ("float8_e4m3fn", 1 / 16)])
@@ -120,44 +189,6 @@ def test_quantized_round_trip_error_is_bounded(dtype, rel):
   absmax = np.abs(k_new).max(-1, keepdims=True)
   assert np.all(np.abs(got - k_new) <= rel * absmax + 1e-6)
   assert np.max(np.abs(got - k_new)) > 0              # really quantized
-
-
-@pytest.mark.parametrize("dtype", ["float32", "int8"])
-def test_copy_and_zero_blocks_match_numpy_model(dtype):
-  rng = np.random.default_rng(3)
-  cfg = _cfg(dtype)
-  pages, model = _random_pages(cfg, rng)
-  # A chain 1->2, 2->3 checks that all sources are read before any write.
-  pairs = np.array([[1, 2], [2, 3], [-1, 0], [5, 4], [0, -1]], np.int32)
-  pages = kv_cache.copy_blocks_donated(pages, jnp.asarray(pairs))
-  before = {k: (None if v is None else v.copy()) for k, v in model.items()}
-  for src, dst in pairs:
-    if src >= 0 and dst >= 0:
-      for name in model:
-        if model[name] is not None:
-          model[name][:, :, dst] = before[name][:, :, src]
-  _assert_same(pages, model)
-  ids = np.array([4, -1, 0], np.int32)
-  pages = kv_cache.zero_blocks_donated(pages, jnp.asarray(ids))
-  for name in model:
-    if model[name] is not None:
-      model[name][:, :, [4, 0]] = 0
-  _assert_same(pages, model)
-
-
-def test_layer_view_and_gather():
-  rng = np.random.default_rng(11)
-  cfg = _cfg("int8")
-  pages, model = _random_pages(cfg, rng)
-  k, v, ks, vs = kv_cache.layer(pages, 1)
-  assert k.shape == (3, 6, 4, 8) and ks.shape == (3, 6, 4)
-  np.testing.assert_array_equal(np.asarray(v), model["v"][1])
-  table = np.array([4, 0, 2], np.int32)
-  kd, vd = kv_cache.gather(pages, 1, jnp.asarray(table))
-  assert kd.shape == (12, 3, 8)
-  want = (model["k"][1].astype(np.float32) * model["k_scale"][1][..., None])[:, table]
-  want = want.reshape(3, 12, 8).transpose(1, 0, 2)
-  np.testing.assert_allclose(np.asarray(kd), want, rtol=1e-6)
 
 
 def _live_bytes(stats):
@@ -183,9 +214,12 @@ def test_donated_write_keeps_one_copy_of_the_pages(dtype):
   num_leaves = len(jax.tree_util.tree_leaves(pages))
   assert donated.as_text().count("tf.aliasing_output") == num_leaves
   assert "tf.aliasing_output" not in plain.as_text()
-  # At run time the donated input buffers are really consumed.
+  # At run time the donated input buffers are really consumed, and the values are the
+  # undonated op's.
+  want = jax.tree_util.tree_map(np.array, kv_cache.write(*args))
   new = kv_cache.write_donated(*args)
   assert pages.k.is_deleted() and not new.k.is_deleted()
+  chex.assert_trees_all_equal(new, want, strict=True)
 
 
 def test_bad_arguments_raise_clear_errors():
@@ -229,3 +263,7 @@ def test_layer_stack_indexes_like_the_stacked_array():
   assert isinstance(updated, kv_cache.LayerStack)
   with pytest.raises(TypeError, match="layer index"):
     pages.k[jnp.asarray(0)]
+
+
+if __name__ == "__main__":
+  absltest.main()

@@ -76,7 +76,7 @@ def test_resident_blocks_by_hand():
 
 
 @pytest.mark.parametrize("case", [
-    c if c.name in DEFAULT_COMPILES else pytest.param(c, marks=pytest.mark.slow)
+    c if c.name in DEFAULT_COMPILES else pytest.param(c, marks=pytest.mark.exhaustive)
     for c in mcc.default_cases()], ids=lambda c: c.name)
 def test_deviceless_sm90a_compile(case):
   why = mcc.unavailable_reason()

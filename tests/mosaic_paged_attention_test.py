@@ -134,6 +134,7 @@ SLOW_GRID = [(bs, g, d) for bs in (16, 32, 64, 128, 256) for g in (1, 4, 8)
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("block_size,group,head_dim", SLOW_GRID)
 def test_wide_grid(block_size, group, head_dim):
   splits = 1 + (block_size + group + head_dim) % 3
@@ -172,7 +173,7 @@ COMPILE_SHAPES = {
 
 
 @pytest.mark.parametrize("name", [n if n in COMPILE_DEFAULT else
-                                  pytest.param(n, marks=pytest.mark.slow)
+                                  pytest.param(n, marks=pytest.mark.exhaustive)
                                   for n in sorted(COMPILE_SHAPES)])
 def test_deviceless_sm90_compile(name):
   why = compile_target.unavailable_reason()

@@ -80,6 +80,7 @@ def test_odd_group_dead_sequences_and_page_slices():
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("block_size,group,head_dim", [(16, 1, 64), (32, 8, 256),
                                                        (64, 4, 128), (128, 2, 128)])
 def test_wide_grid(block_size, group, head_dim):

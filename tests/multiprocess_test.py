@@ -24,6 +24,7 @@ from paged_jax.distributed import multiprocess
 from paged_jax.engine import Engine
 from paged_jax.models import llama
 
+pytestmark = pytest.mark.slow  # two extra JAX processes: the slow tier (README, Tests)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "multiprocess_worker.py")
 NUM_PROCESSES, DEVICES_PER_PROCESS = 2, 2

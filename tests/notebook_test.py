@@ -50,6 +50,7 @@ def test_cells_define_no_functions_or_classes():
       assert "def " not in cell.source and "class " not in cell.source, cell.source
 
 
+@pytest.mark.slow
 def test_notebook_executes_at_tiny_sizes():
   from nbclient import NotebookClient
   nb = jupytext.read(MD)

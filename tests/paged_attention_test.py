@@ -264,6 +264,7 @@ SLOW_GRID = list(itertools.product([8, 16, 32, 64, 128, 256], [1, 2, 4, 8], [64,
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("block_size,group,head_dim,dtype", SLOW_GRID)
 def test_wide_grid(block_size, group, head_dim, dtype):
   err = run_case(hash((block_size, group, head_dim, dtype)) % 2**32, block_size=block_size,

@@ -45,6 +45,7 @@ def outputs(results):
   return [r.outputs for r in results]
 
 
+@pytest.mark.slow
 @settings(max_examples=4, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), prefix_len=st.integers(0, 30),
        mode=st.sampled_from(pc.HASH_MODES))
@@ -109,6 +110,7 @@ def test_tiny_cache_preempts_evicts_and_stays_exact():
   assert s["evictions"] > 0 and eng.num_preemptions > 0 and s["hit_blocks"] > 0
 
 
+@pytest.mark.slow
 def test_parallel_sampling_beam_search_and_multi_step_with_caching():
   rng = np.random.default_rng(3)
   prompts = shared_prefix_prompts(rng, 4, 18)
@@ -122,6 +124,7 @@ def test_parallel_sampling_beam_search_and_multi_step_with_caching():
     np.testing.assert_allclose(on[1].cumulative_logprobs, off[1].cumulative_logprobs, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_swapped_sampling_groups_with_caching_stay_exact():
   # n = 3 groups outgrow the pool; "auto" swaps them (their shared prompt blocks once)
   # and restores the sharing over fresh blocks, evicting cached ones to make room.
@@ -135,6 +138,7 @@ def test_swapped_sampling_groups_with_caching_stay_exact():
   assert eng.stats["swapped_blocks"] > 0
 
 
+@pytest.mark.slow
 def test_no_cached_or_shared_block_is_written_and_free_stack_holds_no_cached_block():
   rng = np.random.default_rng(4)
   prompts = shared_prefix_prompts(rng, 10, 21, max_suffix=10)

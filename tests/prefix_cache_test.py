@@ -6,7 +6,10 @@ registered block-aligned prefixes (a tuple of token ids per prefix).
 """
 
 import time
+from typing import Callable, NamedTuple
 
+from absl.testing import absltest, parameterized
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,14 +24,33 @@ BS, NB, S, P = 4, 48, 4, 8
 CFG = CacheConfig(block_size=BS, num_blocks=NB, max_seqs=S, max_blocks_per_seq=P)
 L = CFG.max_seq_len
 
-j_attach = jax.jit(pc.attach)
-j_register = jax.jit(pc.register)
-j_free = jax.jit(pc.free)
-j_lookup = jax.jit(pc.lookup)
-j_append = jax.jit(bm.append)
-j_ensure = jax.jit(pc.ensure_free, static_argnames=("max_evict",))
-j_victims = jax.jit(pc.lru_victims, static_argnames=("max_evict",))
-j_reset = jax.jit(pc.reset)
+
+
+class Ops(NamedTuple):
+  """The pure prefix-cache ops (and block append) under one transform: `jax.jit`, or a
+  `chex.variants` test's `self.variant` (jitted, or run eagerly)."""
+  attach: Callable
+  register: Callable
+  free: Callable
+  lookup: Callable
+  append: Callable
+  ensure_free: Callable
+  lru_victims: Callable
+  reset: Callable
+  uncache: Callable
+
+  @classmethod
+  def under(cls, transform: Callable) -> "Ops":
+    evict_kw = dict(static_argnames=("max_evict",))
+    return cls(attach=transform(pc.attach), register=transform(pc.register),
+               free=transform(pc.free), lookup=transform(pc.lookup),
+               append=transform(bm.append), ensure_free=transform(pc.ensure_free, **evict_kw),
+               lru_victims=transform(pc.lru_victims, **evict_kw), reset=transform(pc.reset),
+               uncache=transform(pc.uncache))
+
+
+JIT = Ops.under(jax.jit)
+j_attach, j_register, j_free, j_lookup, j_append, j_ensure, j_victims, j_reset, _ = JIT
 
 
 def padded(tokens):
@@ -40,18 +62,20 @@ def padded(tokens):
 class Driver:
   """Runs whole requests through the pure ops: admit, prefill the rest, register, free."""
 
-  def __init__(self, cfg=CFG, **kw):
+  def __init__(self, cfg=CFG, ops: Ops = JIT, **kw):
     self.cache, self.blocks = pc.init(cfg, **kw), bm.init(cfg)
+    self.ops = ops
 
   def admit(self, slot, tokens):
     """Returns hit tokens; the slot then holds all of `tokens`, full blocks registered."""
-    self.cache, self.blocks, hit, status = j_attach(self.cache, self.blocks, slot,
-                                                    padded(tokens), len(tokens))
+    self.cache, self.blocks, hit, status = self.ops.attach(self.cache, self.blocks, slot,
+                                                           padded(tokens), len(tokens))
     assert int(status) == OK
     hit = int(hit)
     rest = np.zeros((S,), np.int32)
     rest[slot] = len(tokens) - hit
-    self.blocks, st_, cow = j_append(self.blocks, jnp.asarray(rest > 0), jnp.asarray(rest))
+    self.blocks, st_, cow = self.ops.append(self.blocks, jnp.asarray(rest > 0),
+                                            jnp.asarray(rest))
     assert int(st_[slot]) == OK and np.all(np.asarray(cow) < 0)
     n_full = len(tokens) // BS
     start = hit // BS
@@ -60,16 +84,16 @@ class Driver:
     toks = np.zeros((P, BS), np.int32)
     for i, j in enumerate(range(start, n_full)):
       items[i], blk[i], toks[i] = slot, j, tokens[j * BS:(j + 1) * BS]
-    self.cache, self.blocks = j_register(self.cache, self.blocks, items, blk, toks,
-                                         n_full - start)
+    self.cache, self.blocks = self.ops.register(self.cache, self.blocks, items, blk, toks,
+                                                n_full - start)
     return hit
 
   def free(self, slot):
-    self.cache, self.blocks, status = j_free(self.cache, self.blocks, np.int32(slot))
+    self.cache, self.blocks, status = self.ops.free(self.cache, self.blocks, np.int32(slot))
     assert int(status) == OK
 
   def lookup(self, tokens):
-    n, ids = j_lookup(self.cache, padded(tokens), len(tokens))
+    n, ids = self.ops.lookup(self.cache, padded(tokens), len(tokens))
     return int(n), np.asarray(ids)
 
   def check_invariants(self):
@@ -149,89 +173,6 @@ def test_lookup_matches_python_model_of_registered_prefixes(seed, mode):
     assert int(d.cache.hit_blocks) > 0
 
 
-def test_constant_hash_every_block_collides_but_no_wrong_hit():
-  d = Driver(hash_mode="constant", max_probe=64)
-  rng = np.random.default_rng(1)
-  a = [int(t) for t in rng.integers(0, 3, 17)]
-  b = list(a[:4]) + [(t + 1) % 3 for t in a[4:8]] + a[8:]   # same block 0, 2.., differs at 1
-  d.admit(0, a)
-  n, _ = d.lookup(b)
-  assert n == 1                          # block 1 differs, so blocks 2, 3 must not hit either
-  n, _ = d.lookup(a)
-  assert n == 4
-  d.check_invariants()
-
-
-def test_stale_child_of_evicted_and_reused_parent_is_never_hit():
-  d = Driver()
-  rng = np.random.default_rng(2)
-  a = [int(t) for t in rng.integers(0, 50, 13)]               # blocks p0 p1 p2 + 1 token
-  d.admit(0, a)
-  d.free(0)
-  c = jax.device_get(d.cache)
-  tables = {j: b for j, b in enumerate(np.nonzero(np.asarray(c.cached))[0])}
-  p0 = int(np.nonzero(np.asarray(c.cached) & (np.asarray(c.block_depth) == 0))[0][0])
-  # Evict only the head block p0 (its children stay cached, now stale).
-  d.cache, d.blocks, n = jax.jit(pc.uncache)(d.cache, d.blocks, jnp.asarray([p0]))
-  assert int(n) == 1 and len(tables) == 3
-  # Reuse p0 for a different first block, registered at depth 0 again.
-  x = [(t + 7) % 50 for t in a[:4]]
-  d.blocks = d.blocks.replace(free_stack=d.blocks.free_stack.at[d.blocks.num_free - 1].set(p0))
-  d.admit(1, x + a[4:])
-  assert int(d.blocks.block_tables[1, 0]) == p0
-  # X + A's later blocks: block 0 hits p0 (content X); A's cached block 1 names
-  # p0 as parent but an older generation: it must miss (its K/V saw A's block 0).
-  n, _ = d.lookup(x + a[4:] + [1])
-  assert n == 3                          # slot 1 registered its own blocks 1, 2 ...
-  ids = d.lookup(x + a[4:] + [1])[1]
-  c = jax.device_get(d.cache)
-  assert all(int(c.block_parent[ids[j]]) == ids[j - 1] for j in (1, 2))
-  assert ids[1] not in tables.values()   # ... never A's stale ones
-  d.check_invariants()
-
-
-def test_prefix_shorter_than_one_block_never_hits():
-  d = Driver()
-  for slot, toks in enumerate([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2], [1, 2, 3, 4]]):
-    assert d.admit(slot, toks) == 0        # at most (len - 1) // BS = 0 blocks can hit
-  assert int(d.cache.hit_blocks) == 0 and float(pc.hit_rate(d.cache)) == 0.0
-  d.check_invariants()
-
-
-def test_last_prompt_token_is_always_recomputed():
-  d = Driver()
-  toks = list(range(1, 13))                # exactly 3 full blocks
-  d.admit(0, toks)
-  d.free(0)
-  assert d.admit(1, toks) == 8             # blocks 0, 1 hit; block 2 is recomputed
-  assert d.admit(2, toks + [5]) == 12
-
-
-def test_eviction_order_lru_then_tail_first_and_free_blocks_first():
-  d = Driver()
-  rng = np.random.default_rng(3)
-  seqs = [[int(t) for t in rng.integers(0, 99, 13)] for _ in range(3)]   # 3 full + 1 partial
-  for slot, s in enumerate(seqs):
-    d.admit(slot, s)
-  owned = [np.asarray(d.blocks.block_tables[slot, :3]).tolist() for slot in range(3)]
-  for slot in (1, 0, 2):                   # release order = LRU order: 1, then 0, then 2
-    d.free(slot)
-  assert int(pc.num_evictable(d.cache, d.blocks)) == 9
-  victims = np.asarray(j_victims(d.cache, d.blocks, 9, max_evict=12)).tolist()
-  assert victims[:9] == owned[1][::-1] + owned[0][::-1] + owned[2][::-1]
-  assert victims[9:] == [-1] * 3
-  # Free never-cached blocks are used before any cached one.
-  free_now = int(d.blocks.num_free)
-  cache, blocks, n = j_ensure(d.cache, d.blocks, free_now, max_evict=8)
-  assert int(n) == 0 and int(pc.num_cached_blocks(cache)) == 9
-  cache, blocks, n = j_ensure(cache, blocks, free_now + 2, max_evict=8)
-  assert int(n) == 2 and int(blocks.num_free) == free_now + 2
-  d.cache, d.blocks = cache, blocks
-  d.check_invariants()
-  # The two evicted were slot 1's tail blocks: its head still hits, its tail not.
-  assert d.lookup(seqs[1])[0] == 1 and d.lookup(seqs[0])[0] == 3
-
-
 @settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1))
 def test_ring_eviction_follows_the_reference_lru_order(seed):
@@ -274,8 +215,50 @@ def test_ring_eviction_follows_the_reference_lru_order(seed):
   assert evicted > 0
 
 
-def test_ring_overflow_evicts_oldest_and_never_loses_an_evictable_block():
-  d = Driver()
+def _prefix_shorter_than_one_block_never_hits(ops: Ops):
+  d = Driver(ops=ops)
+  for slot, toks in enumerate([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2], [1, 2, 3, 4]]):
+    assert d.admit(slot, toks) == 0        # at most (len - 1) // BS = 0 blocks can hit
+  assert int(d.cache.hit_blocks) == 0 and float(pc.hit_rate(d.cache)) == 0.0
+  d.check_invariants()
+
+
+def _last_prompt_token_is_always_recomputed(ops: Ops):
+  d = Driver(ops=ops)
+  toks = list(range(1, 13))                # exactly 3 full blocks
+  d.admit(0, toks)
+  d.free(0)
+  assert d.admit(1, toks) == 8             # blocks 0, 1 hit; block 2 is recomputed
+  assert d.admit(2, toks + [5]) == 12
+
+
+def _eviction_order_lru_then_tail_first_and_free_blocks_first(ops: Ops):
+  d = Driver(ops=ops)
+  rng = np.random.default_rng(3)
+  seqs = [[int(t) for t in rng.integers(0, 99, 13)] for _ in range(3)]   # 3 full + 1 partial
+  for slot, s in enumerate(seqs):
+    d.admit(slot, s)
+  owned = [np.asarray(d.blocks.block_tables[slot, :3]).tolist() for slot in range(3)]
+  for slot in (1, 0, 2):                   # release order = LRU order: 1, then 0, then 2
+    d.free(slot)
+  assert int(pc.num_evictable(d.cache, d.blocks)) == 9
+  victims = np.asarray(ops.lru_victims(d.cache, d.blocks, 9, max_evict=12)).tolist()
+  assert victims[:9] == owned[1][::-1] + owned[0][::-1] + owned[2][::-1]
+  assert victims[9:] == [-1] * 3
+  # Free never-cached blocks are used before any cached one.
+  free_now = int(d.blocks.num_free)
+  cache, blocks, n = ops.ensure_free(d.cache, d.blocks, free_now, max_evict=8)
+  assert int(n) == 0 and int(pc.num_cached_blocks(cache)) == 9
+  cache, blocks, n = ops.ensure_free(cache, blocks, free_now + 2, max_evict=8)
+  assert int(n) == 2 and int(blocks.num_free) == free_now + 2
+  d.cache, d.blocks = cache, blocks
+  d.check_invariants()
+  # The two evicted were slot 1's tail blocks: its head still hits, its tail not.
+  assert d.lookup(seqs[1])[0] == 1 and d.lookup(seqs[0])[0] == 3
+
+
+def _ring_overflow_evicts_oldest_and_never_loses_an_evictable_block(ops: Ops):
+  d = Driver(ops=ops)
   r = d.cache.lru_ring.shape[0]
   old = list(range(50, 63))                  # released once: live entries at the ring's head
   d.admit(0, old)
@@ -289,43 +272,147 @@ def test_ring_overflow_evicts_oldest_and_never_loses_an_evictable_block():
   assert d.lookup(toks + [1])[0] == 3        # the recently used blocks stay cached ...
   assert d.lookup(old + [1])[0] == 0 and int(d.cache.evictions) == 3   # ... the oldest went
   evictable = int(pc.num_evictable(d.cache, d.blocks))
-  d.cache, d.blocks, n = j_ensure(d.cache, d.blocks, NB, max_evict=NB)
+  d.cache, d.blocks, n = ops.ensure_free(d.cache, d.blocks, NB, max_evict=NB)
   assert int(n) == evictable and int(d.blocks.num_free) == NB
   d.check_invariants()
 
 
-def test_blocks_in_use_are_never_evicted():
-  d = Driver()
-  d.admit(0, list(range(9)))               # 2 full blocks cached + partial, slot 0 holds them
-  cache, blocks, n = j_ensure(d.cache, d.blocks, NB, max_evict=8)
-  assert int(n) == 0 and int(pc.num_cached_blocks(cache)) == 2
-
-
-def test_attach_rejects_bad_arguments_and_leaves_state_unchanged():
-  d = Driver()
-  d.admit(0, list(range(10)))
-  before = [np.asarray(x) for x in jax.tree_util.tree_leaves((d.cache, d.blocks))]
-  for slot, n in ((0, 5), (-1, 5), (S, 5), (1, 0), (1, L + 1)):
-    cache, blocks, hit, status = j_attach(d.cache, d.blocks, slot, padded(range(10)), n)
-    assert int(status) == INVALID and int(hit) == 0
-    after = [np.asarray(x) for x in jax.tree_util.tree_leaves((cache, blocks))]
-    for a, b in zip(before, after):
-      np.testing.assert_array_equal(a, b)
-
-
-def test_reset_returns_unheld_blocks_and_keeps_held_ones():
-  d = Driver()
+def _reset_returns_unheld_blocks_and_keeps_held_ones(ops: Ops):
+  d = Driver(ops=ops)
   d.admit(0, list(range(13)))
   d.admit(1, list(range(100, 113)))
   d.free(0)
   free0 = int(d.blocks.num_free)
-  d.cache, d.blocks = j_reset(d.cache, d.blocks)
+  d.cache, d.blocks = ops.reset(d.cache, d.blocks)
   assert int(pc.num_cached_blocks(d.cache)) == 0 and int(d.cache.hit_blocks) == 0
   assert int(d.blocks.num_free) == free0 + 3          # slot 0's cached blocks
   assert d.lookup(list(range(13)))[0] == 0
   d.check_invariants()
   d.free(1)
   assert int(d.blocks.num_free) == NB
+
+
+_LONG_CASES = (_prefix_shorter_than_one_block_never_hits, _last_prompt_token_is_always_recomputed,
+               _eviction_order_lru_then_tail_first_and_free_blocks_first,
+               _ring_overflow_evicts_oldest_and_never_loses_an_evictable_block,
+               _reset_returns_unheld_blocks_and_keeps_held_ones)
+
+
+class PrefixCacheOpsTest(chex.TestCase):
+  """Deterministic cases, jitted and run eagerly (op by op) against the same expectations."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_constant_hash_every_block_collides_but_no_wrong_hit(self):
+    ops = Ops.under(self.variant)
+    d = Driver(ops=ops, hash_mode="constant", max_probe=64)
+    rng = np.random.default_rng(1)
+    a = [int(t) for t in rng.integers(0, 3, 17)]
+    b = list(a[:4]) + [(t + 1) % 3 for t in a[4:8]] + a[8:]   # same block 0, 2.., differs at 1
+    d.admit(0, a)
+    n, _ = d.lookup(b)
+    assert n == 1                          # block 1 differs, so blocks 2, 3 must not hit either
+    n, _ = d.lookup(a)
+    assert n == 4
+    d.check_invariants()
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_stale_child_of_evicted_and_reused_parent_is_never_hit(self):
+    ops = Ops.under(self.variant)
+    d = Driver(ops=ops)
+    rng = np.random.default_rng(2)
+    a = [int(t) for t in rng.integers(0, 50, 13)]               # blocks p0 p1 p2 + 1 token
+    d.admit(0, a)
+    d.free(0)
+    c = jax.device_get(d.cache)
+    tables = {j: b for j, b in enumerate(np.nonzero(np.asarray(c.cached))[0])}
+    p0 = int(np.nonzero(np.asarray(c.cached) & (np.asarray(c.block_depth) == 0))[0][0])
+    # Evict only the head block p0 (its children stay cached, now stale).
+    d.cache, d.blocks, n = ops.uncache(d.cache, d.blocks, jnp.asarray([p0]))
+    assert int(n) == 1 and len(tables) == 3
+    # Reuse p0 for a different first block, registered at depth 0 again.
+    x = [(t + 7) % 50 for t in a[:4]]
+    d.blocks = d.blocks.replace(free_stack=d.blocks.free_stack.at[d.blocks.num_free - 1].set(p0))
+    d.admit(1, x + a[4:])
+    assert int(d.blocks.block_tables[1, 0]) == p0
+    # X + A's later blocks: block 0 hits p0 (content X); A's cached block 1 names
+    # p0 as parent but an older generation: it must miss (its K/V saw A's block 0).
+    n, _ = d.lookup(x + a[4:] + [1])
+    assert n == 3                          # slot 1 registered its own blocks 1, 2 ...
+    ids = d.lookup(x + a[4:] + [1])[1]
+    c = jax.device_get(d.cache)
+    assert all(int(c.block_parent[ids[j]]) == ids[j - 1] for j in (1, 2))
+    assert ids[1] not in tables.values()   # ... never A's stale ones
+    d.check_invariants()
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_blocks_in_use_are_never_evicted(self):
+    ops = Ops.under(self.variant)
+    d = Driver(ops=ops)
+    d.admit(0, list(range(9)))               # 2 full blocks cached + partial, slot 0 holds them
+    cache, blocks, n = ops.ensure_free(d.cache, d.blocks, NB, max_evict=8)
+    assert int(n) == 0 and int(pc.num_cached_blocks(cache)) == 2
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_attach_rejects_bad_arguments_and_leaves_state_unchanged(self):
+    ops = Ops.under(self.variant)
+    d = Driver(ops=ops)
+    d.admit(0, list(range(10)))
+    before = jax.tree_util.tree_map(np.array, (d.cache, d.blocks))
+    for slot, n in ((0, 5), (-1, 5), (S, 5), (1, 0), (1, L + 1)):
+      cache, blocks, hit, status = ops.attach(d.cache, d.blocks, slot, padded(range(10)), n)
+      assert int(status) == INVALID and int(hit) == 0
+      chex.assert_trees_all_equal((cache, blocks), before, strict=True)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_wrong_shapes_dtypes_and_pools_are_named(self):
+    """chex checks at every op's boundary: eagerly before any work, under jit at trace."""
+    cache, blocks = pc.init(CFG), bm.init(CFG)
+    other = CacheConfig(block_size=BS, num_blocks=NB + 1, max_seqs=S, max_blocks_per_seq=P)
+    toks, items = padded(range(10)), np.zeros((P,), np.int32)
+    cases = [
+        (pc.lookup, (cache, toks.astype(np.float32), 5), r"\[tokens\]"),
+        (pc.lookup, (cache, toks.reshape(2, -1), 5), r"rank.*\[tokens\]"),
+        (pc.attach, (cache, blocks, 0, toks, jnp.array([5])), r"\[length\]"),
+        (pc.attach, (cache, bm.init(other), 0, toks, 5), r"num_blocks"),
+        (pc.attach, (pc.init(other), blocks, 0, toks, 5), r"num_blocks"),
+        (pc.register, (cache, blocks, items, items, np.zeros((P, BS + 1), np.int32), 1),
+         r"item_tokens"),
+        (pc.register, (cache, blocks, items, items[:3], np.zeros((P, BS), np.int32), 1),
+         r"item_block"),
+        (pc.release, (cache, blocks, jnp.ones((S + 1,), bool)), r"slot_mask"),
+        (pc.release, (cache, blocks, jnp.ones((S,), jnp.int32)), r"slot_mask"),
+        (pc.free, (cache, blocks, jnp.array([0.0])), r"\[slot\]"),
+        (pc.uncache, (cache, blocks, jnp.int32(3)), r"victims"),
+        (pc.fork_chain, (cache.replace(chain_len=jnp.zeros((S + 1,), jnp.int32)), 0, 1),
+         r"PrefixCacheState.chain_"),
+        (pc.lookup, (cache.replace(block_hash=cache.block_hash.astype(jnp.int32)), toks, 5),
+         r"PrefixCacheState.block_hash"),
+    ]
+    for i, (op, args, pattern) in enumerate(cases):
+      with self.assertRaisesRegex(AssertionError, pattern, msg=f"case {i}"):
+        self.variant(op)(*args)
+    evict_ops = [(pc.ensure_free, (cache, blocks, jnp.array([1, 2]))),
+                 (pc.lru_victims, (cache, blocks, jnp.array([1.0])))]
+    for i, (op, args) in enumerate(evict_ops):
+      with self.assertRaisesRegex(AssertionError, r"\[num", msg=f"evict case {i}"):
+        self.variant(op, static_argnames=("max_evict",))(*args, max_evict=4)
+
+  # Longer op sequences: jitted here, eagerly in PrefixCacheOpsEagerTest (slow). Eagerly,
+  # each attach / register traces and compiles its lax loop again (~0.3 / 0.8 s of CPU).
+  @chex.variants(with_jit=True)
+  @parameterized.named_parameters((case.__name__[1:], case) for case in _LONG_CASES)
+  def test_long_case(self, case):
+    case(Ops.under(self.variant))
+
+
+@pytest.mark.slow
+class PrefixCacheOpsEagerTest(chex.TestCase):
+  """The longer cases of PrefixCacheOpsTest, run eagerly (op by op)."""
+
+  @chex.variants(without_jit=True)
+  @parameterized.named_parameters((case.__name__[1:], case) for case in _LONG_CASES)
+  def test_long_case(self, case):
+    case(Ops.under(self.variant))
 
 
 def _time_lookup(num_blocks, prompt_blocks=32, reps=20):
@@ -337,7 +424,8 @@ def _time_lookup(num_blocks, prompt_blocks=32, reps=20):
   cache, blocks, hit, _ = jax.jit(pc.attach)(cache, blocks, 0, toks, n)
   blocks, _, _ = jax.jit(bm.append)(blocks, jnp.arange(2) == 0, jnp.asarray([n, 0]))
   items = np.zeros((prompt_blocks,), np.int32)
-  cache, blocks = jax.jit(pc.register)(cache, blocks, items, np.arange(prompt_blocks, dtype=np.int32),
+  cache, blocks = jax.jit(pc.register)(cache, blocks, items,
+                                       np.arange(prompt_blocks, dtype=np.int32),
                                        toks[:prompt_blocks * 16].reshape(-1, 16), prompt_blocks)
   f = jax.jit(pc.lookup)
   assert int(f(cache, toks, n)[0]) == prompt_blocks
@@ -364,3 +452,7 @@ def test_lookup_cost_does_not_grow_with_num_blocks():
     jax.block_until_ready(one_pass(cache, blocks))
   scan = (time.perf_counter() - t0) / 20
   assert large / 32 < scan / 4, (large / 32, scan)
+
+
+if __name__ == "__main__":
+  absltest.main()

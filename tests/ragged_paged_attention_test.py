@@ -174,6 +174,7 @@ def _slow_cases():
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("group,head_dim,block_size,q_dtype,kv_splits", _slow_cases())
 def test_wide_grid(group, head_dim, block_size, q_dtype, kv_splits):
   seed = _test_seed()

@@ -1,5 +1,7 @@
 """Sampling against a NumPy reference of greedy / temperature / top-k / top-p."""
 
+from absl.testing import absltest
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,25 +45,6 @@ def test_filtered_logits_keep_exactly_the_reference_set():
     np.testing.assert_array_equal(np.isfinite(got[i]), ref > 0, err_msg=f"row {i}")
     mine = np.exp(got[i] - got[i].max())
     np.testing.assert_allclose(mine / mine.sum(), ref, atol=1e-5)
-
-
-def test_greedy_rows_are_argmax():
-  rng = np.random.default_rng(1)
-  logits = rng.normal(size=(16, 33)).astype(np.float32)
-  z = lambda dt, val=0: jnp.full((16,), val, dt)
-  toks = _SAMPLE(jnp.asarray(logits), z(jnp.float32), z(jnp.int32, 3),
-                         z(jnp.float32, 0.5), jnp.arange(16), z(jnp.int32))
-  np.testing.assert_array_equal(np.asarray(toks), logits.argmax(-1))
-  # The all-greedy variant (the step's static flag when every request is greedy) gives
-  # the same tokens without the filter path; ties go to the lowest id in both.
-  logits[3, 7] = logits[3, 20] = logits[3].max() + 1.0
-  fast = jax.jit(sampling.sample, static_argnames="all_greedy")(
-      jnp.asarray(logits), z(jnp.float32), z(jnp.int32, 3), z(jnp.float32, 0.5),
-      jnp.arange(16), z(jnp.int32), all_greedy=True)
-  slow = _SAMPLE(jnp.asarray(logits), z(jnp.float32), z(jnp.int32, 3),
-                 z(jnp.float32, 0.5), jnp.arange(16), z(jnp.int32))
-  np.testing.assert_array_equal(np.asarray(fast), np.asarray(slow))
-  assert int(fast[3]) == 7
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, 5, 1.0),
@@ -113,25 +96,54 @@ def test_top_logprobs_match_log_softmax():
   np.testing.assert_allclose(np.asarray(vals), np.take_along_axis(lp, order, -1), rtol=1e-5)
 
 
-def test_each_row_samples_as_if_alone_in_a_mixed_batch():
-  """Greedy, plain-temperature and filtered rows share one batch with no branch on the
-  batch (no lax.cond: per-row selects); each row must draw exactly what it draws alone,
-  and a plain row exactly categorical(its key, logits / temperature)."""
-  rng = np.random.default_rng(11)
-  s, v = 6, 50
-  logits = rng.normal(size=(s, v)).astype(np.float32) * 3
-  temp = np.array([0.0, 1.0, 0.7, 1.3, 1.0, 0.5], np.float32)
-  top_k = np.array([-1, -1, 5, 1, -1, 3], np.int32)
-  top_p = np.array([1.0, 1.0, 1.0, 1.0, 0.5, 0.9], np.float32)
-  seeds = rng.integers(0, 2**30, size=s).astype(np.int32)
-  index = rng.integers(0, 100, size=s).astype(np.int32)
-  rows = lambda sel: tuple(jnp.asarray(a[sel]) for a in (logits, temp, top_k, top_p, seeds, index))
-  full = np.asarray(_SAMPLE(*rows(np.arange(s))))
-  for i in range(s):
-    assert int(_SAMPLE(*rows(np.array([i])))[0]) == full[i], i
-  assert full[0] == np.argmax(logits[0]) and full[3] == np.argmax(logits[3])  # greedy, top-1
-  keys = sampling.row_keys(jnp.asarray(seeds), jnp.asarray(index))
-  assert full[1] == int(jax.random.categorical(keys[1], jnp.asarray(logits[1] / temp[1])))
-  kept = np.asarray(sampling.filtered_logits(*rows(np.arange(s))[:4]))
-  assert all(np.isfinite(kept[i, full[i]]) for i in range(s))
-  assert np.isinf(kept[4]).sum() > 0 and np.isinf(kept[2]).sum() == v - 5
+class SampleVariantsTest(chex.TestCase):
+  """`sample` jitted and eagerly: the same tokens either way."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_greedy_rows_are_argmax(self):
+    sample = self.variant(sampling.sample, static_argnames="all_greedy")
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(16, 33)).astype(np.float32)
+    z = lambda dt, val=0: jnp.full((16,), val, dt)
+    toks = sample(jnp.asarray(logits), z(jnp.float32), z(jnp.int32, 3), z(jnp.float32, 0.5),
+                  jnp.arange(16), z(jnp.int32))
+    chex.assert_shape(toks, (16,))
+    chex.assert_trees_all_equal(toks, logits.argmax(-1))
+    # The all-greedy variant (the step's static flag when every request is greedy) gives
+    # the same tokens without the filter path; ties go to the lowest id in both.
+    logits[3, 7] = logits[3, 20] = logits[3].max() + 1.0
+    args = (jnp.asarray(logits), z(jnp.float32), z(jnp.int32, 3), z(jnp.float32, 0.5),
+            jnp.arange(16), z(jnp.int32))
+    fast, slow = sample(*args, all_greedy=True), sample(*args)
+    chex.assert_trees_all_equal(fast, slow, strict=True)
+    assert int(fast[3]) == 7
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_each_row_samples_as_if_alone_in_a_mixed_batch(self):
+    """Greedy, plain-temperature and filtered rows share one batch with no branch on the
+    batch (no lax.cond: per-row selects); each row must draw exactly what it draws alone,
+    and a plain row exactly categorical(its key, logits / temperature)."""
+    sample = self.variant(sampling.sample)
+    rng = np.random.default_rng(11)
+    s, v = 6, 50
+    logits = rng.normal(size=(s, v)).astype(np.float32) * 3
+    temp = np.array([0.0, 1.0, 0.7, 1.3, 1.0, 0.5], np.float32)
+    top_k = np.array([-1, -1, 5, 1, -1, 3], np.int32)
+    top_p = np.array([1.0, 1.0, 1.0, 1.0, 0.5, 0.9], np.float32)
+    seeds = rng.integers(0, 2**30, size=s).astype(np.int32)
+    index = rng.integers(0, 100, size=s).astype(np.int32)
+    rows = lambda sel: tuple(jnp.asarray(a[sel])
+                             for a in (logits, temp, top_k, top_p, seeds, index))
+    full = np.asarray(sample(*rows(np.arange(s))))
+    for i in range(s):
+      assert int(sample(*rows(np.array([i])))[0]) == full[i], i
+    assert full[0] == np.argmax(logits[0]) and full[3] == np.argmax(logits[3])  # greedy, top-1
+    keys = sampling.row_keys(jnp.asarray(seeds), jnp.asarray(index))
+    assert full[1] == int(jax.random.categorical(keys[1], jnp.asarray(logits[1] / temp[1])))
+    kept = np.asarray(sampling.filtered_logits(*rows(np.arange(s))[:4]))
+    assert all(np.isfinite(kept[i, full[i]]) for i in range(s))
+    assert np.isinf(kept[4]).sum() > 0 and np.isinf(kept[2]).sum() == v - 5
+
+
+if __name__ == "__main__":
+  absltest.main()

@@ -5,7 +5,6 @@ the engine steps, chunked prefills, decodes, n = 2 sampling) neither traces the
 step nor compiles anything; `serve` warms up by replaying its requests on a fresh
 copy."""
 
-import types
 
 import jax
 import numpy as np
@@ -94,6 +93,7 @@ def params_fn(r):
   return SamplingParams(max_tokens=r.output_len, temperature=0.0)
 
 
+@pytest.mark.slow
 def test_after_warm_up_a_mixed_run_neither_traces_nor_compiles(monkeypatch):
   cc = MC.cache_config(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_seqs=MAX_SEQS,
                        max_blocks_per_seq=MAX_LEN // BLOCK)
@@ -140,15 +140,15 @@ def small_engine(max_seqs, num_blocks=NUM_BLOCKS):
 
 def test_compiled_shapes_are_keyed_by_the_engines_geometry():
   # Engines of one model share the jitted step, not their state's shapes: a shape
-  # compiled for 8 slots must compile again for 16 (a stub step records the lowering).
+  # compiled for 8 slots must compile again for 16 (a stub step records its traces).
   calls = []
 
-  class StubStep:
-    def trace(self, params, state, inputs, *, width, decode_only, all_greedy):
-      calls.append((state.blocks.block_tables.shape[0], inputs.tokens.shape[0],
-                    inputs.row_slot.shape[0], width, decode_only, all_greedy))
-      return types.SimpleNamespace(lower=lambda: types.SimpleNamespace(compile=lambda: None))
-  stub = compile_lib.CompiledStep(StubStep())   # shared, as engines of one model share it
+  def stub_step(params, state, inputs, *, width, decode_only, all_greedy):
+    del params
+    calls.append((state.blocks.block_tables.shape[0], inputs.tokens.shape[0],
+                  inputs.row_slot.shape[0], width, decode_only, all_greedy))
+    return state
+  stub = compile_lib.CompiledStep(stub_step)   # shared, as engines of one model share it
   a, b, c = small_engine(8), small_engine(16), small_engine(8, num_blocks=NUM_BLOCKS + 4)
   for e in (a, b, c):
     e._compiled = stub    # pylint: disable=protected-access
@@ -173,12 +173,12 @@ def test_compiled_shapes_are_keyed_by_the_engines_geometry():
 def test_release_compiled_forgets_what_was_compiled():
   calls = []
 
-  class StubStep:
-    def trace(self, *args, **kw):
-      calls.append(kw["width"])
-      return types.SimpleNamespace(lower=lambda: types.SimpleNamespace(compile=lambda: None))
+  def stub_step(params, state, inputs, *, width, decode_only, all_greedy):
+    del params, inputs, decode_only, all_greedy
+    calls.append(width)
+    return state
   engine = small_engine(8)
-  engine._compiled = compile_lib.CompiledStep(StubStep())    # pylint: disable=protected-access
+  engine._compiled = compile_lib.CompiledStep(stub_step)    # pylint: disable=protected-access
   shapes = [(16, 8, 4, False)]
   assert engine.compile_buckets(shapes, all_greedy=(True,))["compiled"] == 1
   assert engine.compile_buckets(shapes, all_greedy=(True,))["compiled"] == 0
@@ -187,6 +187,7 @@ def test_release_compiled_forgets_what_was_compiled():
   assert calls == [4, 4]
 
 
+@pytest.mark.slow
 def test_serve_replay_warm_up_compiles_exactly_the_timed_runs_shapes():
   # All requests at t = 0: the schedule is deterministic, so an untimed run of the same
   # requests on a fresh copy compiles every shape the timed run meets. A geometry no

@@ -55,7 +55,8 @@ def check_sole_blocks(eng):
   return checked
 
 
-@pytest.mark.parametrize("caching", [False, True], ids=["no_cache", "prefix_cache"])
+@pytest.mark.parametrize("caching", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["no_cache", "prefix_cache"])
 def test_sole_blocks_equal_what_a_free_releases(caching):
   rng = np.random.default_rng(11)
   prefix = [int(t) for t in rng.integers(0, VOCAB, 10)]

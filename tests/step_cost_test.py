@@ -10,6 +10,7 @@ import pytest
 from experiments import step_cost
 
 
+@pytest.mark.slow
 def test_readings_for_each_configuration():
   res = step_cost.run(step_cost.Config(max_seqs=(2, 8), live=(1, 3), short=2, long=5,
                                        repeats=1))

@@ -74,7 +74,7 @@ def pages_of(state):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
-@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("seed", [0, *(pytest.param(s, marks=pytest.mark.slow) for s in (1, 2, 3))])
 def test_group_swap_keeps_sharing_blocks_and_pages(seed, dtype):
   cfg = config(dtype)
   state, model, slots, lens = forked_group(cfg, seed)

@@ -29,7 +29,7 @@ NO_CPU = custom_calls.unavailable_reason()
 # Backend "cpu" (no tile knobs) and "xla" at several query-tile sizes.
 IMPLS = [pytest.param("cpu", None, marks=pytest.mark.skipif(NO_CPU is not None,
                                                              reason=str(NO_CPU))),
-         ("xla", 1), ("xla", 16)]
+         pytest.param("xla", 1, marks=pytest.mark.slow), ("xla", 16)]
 BACKENDS = ["cpu", "xla"]   # tests taking these skip "cpu" themselves when it is missing
 decode_ref = jax.jit(paged_attention_reference, static_argnames=_STATIC)
 
@@ -110,7 +110,7 @@ def test_dispatch_agrees(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("decode_steps", [1, 3])
+@pytest.mark.parametrize("decode_steps", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_engine_on_cpu_backends_equals_dense_oracle(decode_steps, backend):
   """Greedy outputs through the engine on each CPU backend (chunked prefill, mixed and
   decode-only steps, preemption at a tight pool) equal the dense oracle's."""

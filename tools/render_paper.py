@@ -195,7 +195,8 @@ def paper_targets(results_dir: str) -> str:
 
 
 # Shorter wording of paper_targets' first column (BENCHMARKS.md keeps to a byte budget).
-_SHORT = ((": max rate paged / ", ": paged / "), ("requests batched, paged / ", "batched "),
+_SHORT = ((": max rate paged / ", ": paged / "), ("requests batched, paged / ", "batched, paged / "),
+          ("Fig. ", ""),
           ("max rate paged (prefix cached) / ", "paged+cache / "), ("-sharegpt", " ShareGPT"),
           ("-alpaca", " Alpaca"), (" (latency within 1% of the lowest)", ""),
           ("Alpaca-like, paged's edge over Orca(Oracle) smaller at OPT-175B than at OPT-13B",

@@ -1,7 +1,7 @@
-r"""Renders the results tables of README.md / BENCHMARKS.md / docs/paper_scale.md from the
-committed JSON.
+r"""Renders the results tables of the docs (README.md, BENCHMARKS.md, docs/**/*.md) from
+the committed JSON.
 
-    python tools/render_results.py            # rewrite those files in place
+    python tools/render_results.py            # rewrite every doc in DOCS in place
     python tools/render_results.py --check    # exit 1 (naming the files) if any would change
     python tools/render_results.py --list     # the section names and the JSON each reads
     make results                              # the first form
@@ -25,6 +25,7 @@ an unclosed marker is an error naming the file.
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import re
 import sys
@@ -38,7 +39,9 @@ import render_paper as paper
 from render_common import RESULTS, ROOT, load, with_files
 from render_index import index
 
-DOCS = ("README.md", "BENCHMARKS.md", "docs/paper_scale.md")
+# The Markdown files rendered (patterns relative to the repository root): a table may sit in
+# any of them, so a note under docs/ that shows a result renders it like BENCHMARKS does.
+DOCS = ("README.md", "BENCHMARKS.md", "docs/**/*.md")
 MARKER = re.compile(r"<!-- results:(?P<name>[a-z0-9_]+) -->\n(?P<body>.*?)"
                     r"<!-- /results:(?P=name) -->", re.S)
 OPEN = re.compile(r"<!-- results:([a-z0-9_]+) -->")
@@ -89,6 +92,16 @@ SECTIONS: Dict[str, Tuple[object, Callable]] = {
     # "perf_validation": ("perf_validation/perf_validation.json", paper.perf_validation):
     # back when its JSON is committed (not yet: docs/paper_scale.md says why).
 }
+
+
+def doc_paths(root: str = ROOT) -> List[str]:
+  """The files DOCS names under `root`, each once, in DOCS order."""
+  out: List[str] = []
+  for pattern in DOCS:
+    for path in sorted(glob.glob(os.path.join(root, pattern), recursive=True)):
+      if path not in out:
+        out.append(path)
+  return out
 
 
 def render_section(name: str, results_dir: str = RESULTS) -> str:
@@ -162,7 +175,7 @@ def main(argv=None) -> int:
       print(f"{name}\t{source if isinstance(source, str) else 'several files'}")
     return 0
   sys.path.insert(0, ROOT)   # `experiments` importable when run as a script
-  files = args.files or [os.path.join(ROOT, d) for d in DOCS]
+  files = args.files or doc_paths()
   try:
     changed = render_files(files, check=args.check, results_dir=args.results)
   except (ValueError, FileNotFoundError) as e:

@@ -3,6 +3,13 @@ the engines that agree on them (`engine_step`), ahead-of-time compilation of its
 buckets (`CompiledStep.compile_ahead`, public as `Engine.compile_buckets`),
 `step_for_compile` for lowering without a device, and `release_compiled`.
 
+Each shape bucket runs on a jit of its own, held in the process's executable budget
+(`paged_jax.executables.BUDGET`): `CompiledStep.executable` is the hook every dispatch
+calls, and the budget releases the least recently used shapes' executables before the
+process runs out of memory maps (XLA:CPU maps each executable's kernels apart: ~650
+maps a step shape; Linux allows 65,530). A released shape compiles again when it comes
+back, or loads from `paged_jax.compile_cache` when that is on.
+
     fn, args = step_for_compile(model_config, cache_config, max_num_batched_tokens=256)
     fn.trace(*args).lower().compile()     # no array is allocated
 
@@ -12,14 +19,16 @@ buckets (`CompiledStep.compile_ahead`, public as `Engine.compile_buckets`),
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import time
 import weakref
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import jax
 
+from paged_jax import executables
 from paged_jax.config import CacheConfig, ModelConfig
 from paged_jax.engine.buckets import Bucket, StepBuckets, step_buckets
 from paged_jax.engine.inputs import empty_inputs, input_shapes, lookup_len
@@ -32,20 +41,34 @@ log = logging.getLogger("paged_jax.engine")
 
 
 class CompiledStep:
-  """One jitted engine step and the record of what was compiled for it.
+  """One engine step, its per-shape jits and the record of what was compiled for it.
 
   Attributes:
-    fn: the jitted step (`step.make_step`).
-    seen: Buckets `fn` was called or compiled with (their first call compiles).
-    compiled: (argument signature, Bucket) pairs compiled ahead of time; engines of one
-      model share `fn` but not their state's shapes (pool, max_seqs).
+    plain: the step function (`step.make_step(..., jit=False)`); each shape bucket runs
+      on a jit of it of its own (`executable`).
+    fn: the step jitted with the bucket's fields static (`step.make_step`), for lowering
+      without arrays (`step_for_compile`, cost analysis); None where not needed.
+    seen: Buckets the step was called or compiled with (their first call compiles).
   """
 
-  def __init__(self, fn):
+  def __init__(self, plain: Callable[..., Any], fn=None):
+    self.plain = plain
     self.fn = fn
     self.seen: set = set()
-    self.compiled: set = set()
     _LIVE.add(self)
+
+  def executable(self, signature: int, bucket: Bucket):
+    """The jit that runs `bucket` for arguments of `signature` (`arg_signature`): one
+    call per dispatch. It comes from the process's executable budget, which first
+    releases least recently used ones when the memory-map headroom is short; the
+    state stays donated (argument 1)."""
+    return executables.BUDGET.get((self, signature, bucket), functools.partial(
+        executables.shape_jit, self.plain, donate_argnums=(1,), width=bucket.width,
+        decode_only=bucket.decode_only, all_greedy=bucket.all_greedy))
+
+  def caller(self, signature: int) -> "StepCall":
+    """What an engine whose arguments have `signature` dispatches (see StepCall)."""
+    return StepCall(self, signature)
 
   def note(self, bucket: Bucket, buckets: StepBuckets) -> bool:
     """Logs (INFO) the first call with `bucket`, the call that compiles it; True then."""
@@ -59,17 +82,17 @@ class CompiledStep:
 
   def forget(self) -> None:
     self.seen.clear()
-    self.compiled.clear()
 
   def compile_ahead(self, params, state, shapes, *, lookup_tokens: int,
                     max_seqs: int, all_greedy: Sequence[bool] = (False, True),
                     max_shapes: int) -> Dict[str, Any]:
     """Compiles the step for each shape in `shapes` x sampling variant in `all_greedy`
-    not yet compiled for arguments of `params` / `state`'s shapes:
-    `fn.trace(abstract args).lower().compile()` fills the cache the engine's calls use,
-    so no step of those shapes traces or compiles later (JAX 0.10 and 0.11). Nothing runs
-    on the device. At most `max_shapes` steps (else ValueError). Returns {"compiled",
-    "already", "seconds"}."""
+    whose executable is not live for arguments of `params` / `state`'s shapes:
+    `executable(...).trace(abstract args).lower().compile()` fills the jit the engine's
+    calls use, so no step of those shapes traces or compiles later (JAX 0.10 and 0.11)
+    while the budget holds it (more shapes than the process can map release the
+    first ones again). Nothing runs on the device. At most `max_shapes` steps (else
+    ValueError). Returns {"compiled", "already", "seconds"}."""
     shapes = list(dict.fromkeys(Bucket(*tuple(s)[:4], bool(g)) for s in shapes
                                 for g in dict.fromkeys(all_greedy)))
     if len(shapes) > max_shapes:
@@ -77,20 +100,17 @@ class CompiledStep:
     abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
     params = jax.tree_util.tree_map(abstract, params)
     state = jax.tree_util.tree_map(abstract, state)
-    leaves, treedef = jax.tree_util.tree_flatten((params, state))
-    signature = (str(treedef), lookup_tokens, tuple((x.shape, str(x.dtype)) for x in leaves))
+    signature = arg_signature(params, state, lookup_tokens)
     t0, compiled, already = time.perf_counter(), 0, 0
     for bucket in shapes:
-      if (signature, bucket) in self.compiled:
+      if (self, signature, bucket) in executables.BUDGET:
         already += 1
         continue
       inputs = StepInputs(**{k: abstract(v) for k, v in empty_inputs(
           bucket.tokens, max_seqs, lookup_tokens, num_rows=bucket.rows).items()})
       t1 = time.perf_counter()
-      self.fn.trace(params, state, inputs, width=bucket.width, decode_only=bucket.decode_only,
-                    all_greedy=bucket.all_greedy).lower().compile()
+      self.executable(signature, bucket).trace(params, state, inputs).lower().compile()
       self.seen.add(bucket)
-      self.compiled.add((signature, bucket))
       compiled += 1
       log.info("paged_jax engine: compiled step shape tokens=%d rows=%d width=%d blocks "
                "decode_only=%s all_greedy=%s ahead of time in %.2f s (%d of %d)", *bucket,
@@ -101,8 +121,41 @@ class CompiledStep:
     return {"compiled": compiled, "already": already, "seconds": seconds}
 
 
+class StepCall:
+  """An engine's step call: `(params, state, inputs, *, width=None, decode_only=False,
+  all_greedy=False) -> (state, outputs)`, as the jitted step takes it, run by the
+  bucket's own jit (`CompiledStep.executable`); `lower` / `trace` are the jitted
+  step's, with the bucket's fields as static keywords."""
+
+  def __init__(self, compiled: CompiledStep, signature: int):
+    self.compiled, self.signature = compiled, signature
+
+  def __call__(self, params, state, inputs: StepInputs, *, width=None, decode_only=False,
+               all_greedy=False):
+    bucket = Bucket(inputs.tokens.shape[0], inputs.row_slot.shape[0], width, decode_only,
+                    all_greedy)
+    return self.compiled.executable(self.signature, bucket)(params, state, inputs)
+
+  def lower(self, *args, **kwargs):
+    return self.compiled.fn.lower(*args, **kwargs)
+
+  def trace(self, *args, **kwargs):
+    return self.compiled.fn.trace(*args, **kwargs)
+
+
 _LIVE: "weakref.WeakSet[CompiledStep]" = weakref.WeakSet()   # for release_compiled
 _STEPS: Dict[Tuple, CompiledStep] = {}   # step_key -> the shared step
+_SIGNATURES: Dict[Tuple, int] = {}   # argument shapes -> a small int naming them
+
+
+def arg_signature(params, state, lookup_tokens: int) -> int:
+  """A small int naming the shapes and dtypes of (params, state) and the prefix lookup
+  length: engines of one model share the step but not their state's shapes (pool,
+  max_seqs), and each combination compiles executables of its own."""
+  leaves, treedef = jax.tree_util.tree_flatten((params, state))
+  key = (str(treedef), lookup_tokens,
+         tuple((tuple(x.shape), str(x.dtype)) for x in leaves))
+  return _SIGNATURES.setdefault(key, len(_SIGNATURES))
 
 
 def check_configs(model_config, cache_config) -> None:
@@ -144,16 +197,18 @@ def engine_step(model_config: ModelConfig, cache_config: CacheConfig,
   buckets = step_buckets(cache_config, options.max_num_batched_tokens, steps,
                          options.shape_buckets)
   kw = dict(num_decode_steps=steps, num_candidates=candidates, max_evict=max_evict)
+  make = lambda apply, **more: CompiledStep(make_step(apply, jit=False, **more, **kw),
+                                            make_step(apply, **more, **kw))
   if model_apply is not None:  # e.g. the tensor-parallel forward (paged_jax.distributed)
-    name = getattr(model_apply, "__qualname__", "custom")
+    name = getattr(model_apply, "__qualname__", "custom").replace(".", "_")
     if not _module_level(model_apply):   # per-engine state may hide in it: never shared
-      return CompiledStep(make_step(model_apply, name=name.replace(".", "_"), **kw)), buckets
+      return make(model_apply, name=name), buckets
     if key not in _STEPS:   # e.g. models.standin.apply: every engine of a sweep shares it
-      _STEPS[key] = CompiledStep(make_step(model_apply, name=name, **kw))
+      _STEPS[key] = make(model_apply, name=name)
     return _STEPS[key], buckets
   if key not in _STEPS:
     model = LlamaForCausalLM(model_config, attention_backend=options.attention_backend)
-    _STEPS[key] = CompiledStep(make_step(model.apply, **kw))
+    _STEPS[key] = make(model.apply)
   return _STEPS[key], buckets
 
 
@@ -188,12 +243,12 @@ def step_for_compile(model_config: ModelConfig, cache_config: CacheConfig, *, sh
 
 
 def release_compiled() -> None:
-  """Drops every compiled executable (`jax.clear_caches()`) and the records of what was
-  compiled, so a long run that moves between engine geometries (a serving sweep's
-  systems, the demo's stages) holds only the current one's executables. XLA:CPU maps
-  each executable's code into memory regions of its own: a process that keeps compiling
-  reaches Linux's per-process map limit (vm.max_map_count, 65,530) and LLVM aborts
-  ("Cannot allocate memory"), as two serving sweeps of ~90 compiled steps each did."""
+  """Drops every compiled executable (the budget's per-shape jits, `jax.clear_caches()`)
+  and the records of what was compiled, so a long run that moves between engine
+  geometries (a serving sweep's systems, the demo's stages) holds only the current one's
+  executables. (The budget bounds the engine steps anyway; this also drops every other
+  jit's and frees their memory.)"""
+  executables.BUDGET.release()
   jax.clear_caches()
   for step in list(_LIVE):
     step.forget()

@@ -35,7 +35,7 @@ from paged_jax.config import CacheConfig, ModelConfig
 from paged_jax.engine import report as report_lib
 from paged_jax.engine import swap
 from paged_jax.engine.buckets import Bucket, StepBuckets
-from paged_jax.engine.compile import engine_step
+from paged_jax.engine.compile import arg_signature, engine_step
 from paged_jax.engine.inputs import build_inputs, lookup_len
 from paged_jax.engine.options import EngineOptions
 from paged_jax.engine.params import RequestOutput, SamplingParams
@@ -77,7 +77,6 @@ class Engine:
                options: Optional[EngineOptions] = None, **engine_options):
     self.options = options = EngineOptions.of(options, **engine_options)
     self._compiled, self._buckets = engine_step(model_config, cache_config, options)
-    self._step = self._compiled.fn   # the jitted call every step dispatches
     self.params = check_params(model_config, params)
     self.model_config = model_config
     self.cache_config = cache_config
@@ -90,6 +89,9 @@ class Engine:
     self.state = (options.init_state(cache_config) if options.init_state is not None else
                   default_init_state(cache_config, max_probe=options.max_probe,
                                      hash_mode=options.hash_mode))
+    # The call every step dispatches: each shape bucket's own jit, from the process's
+    # executable budget (bounded by its memory-map headroom; compile.CompiledStep).
+    self._step = self._compiled.caller(arg_signature(self.params, self.state, self._lookup_len))
     nb, max_seqs = cache_config.num_blocks, cache_config.max_seqs
     self.scheduler = Scheduler(
         block_size=cache_config.block_size, max_seqs=max_seqs, max_num_batched_tokens=budget,

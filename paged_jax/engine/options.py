@@ -67,7 +67,7 @@ class EngineOptions:
 
   def __post_init__(self):
     from paged_jax.attention import resolve_backend  # pylint: disable=g-import-not-at-top
-    from paged_jax.prefix_cache.core import HASH_MODES  # pylint: disable=g-import-not-at-top
+    from paged_jax.prefix_cache.state import HASH_MODES  # pylint: disable=g-import-not-at-top
     for name in ("max_num_batched_tokens", "decode_steps_per_sync", "max_beam_width"):
       _need_int(name, getattr(self, name), 1, MAX_OPTION)
     _need_int("max_probe", self.max_probe, 1, MAX_PROBE)

@@ -5,7 +5,7 @@ donated. Multi-step decoding runs further decode steps in a fixed-trip
 syncs once per `num_decode_steps` tokens.
 
 Order of device effects in one call: written here once; the scheduler plans with it,
-and `sequence.Batch`, scheduler.py and the README point here.
+and `sequence.Batch`, scheduler.py and docs/architecture.md point here.
 
   0. (host, before the call) swap-outs copy preempted groups' blocks to host memory,
      swap-ins restore swapped groups into fresh blocks (`swap.py`)
@@ -33,7 +33,7 @@ and `sequence.Batch`, scheduler.py and the README point here.
 
 Shapes: the state is full size (max_seqs S slots, max_blocks_per_seq P); per call
 the work follows a shape bucket (T tokens, R rows, W block-table columns,
-decode_only), chosen by the host from what is live (`compiled.StepBuckets`), so
+decode_only), chosen by the host from what is live (`buckets.StepBuckets`), so
 attention and sampling cost what is live, not what S and P allow; so do forks,
 allocations and copy-on-write copies, which run on R lanes (every reserving or forked
 slot is a row). Frees, appends' planning and the outputs stay slot-wide. The step

@@ -1,9 +1,10 @@
 """Automatic prefix caching: chained block hashes, exact lookup, LRU eviction.
 
 Pure, jittable ops over `block_manager.BlockState`; the engine runs them inside
-its one jitted step. Modules (imports run one way: step -> evict -> core):
+its one jitted step. Modules (imports run one way: step -> evict, core -> state):
 
-  core   PrefixCacheState, hashing, lookup / attach, register, fork_chain, counters
+  state  PrefixCacheState, init, and the chex shape / dtype checks every op runs first
+  core   hashing, lookup / attach, register, fork_chain, counters
   evict  LRU ring: release, free, uncache, ensure_free, reset (and the
          O(num_blocks) reference order `lru_victims` the tests compare with)
   step   the engine-step pieces: free, attach, evict_for, after (PrefixStepState)
@@ -13,13 +14,14 @@ its one jitted step. Modules (imports run one way: step -> evict -> core):
     cache, blocks, hit_tokens, status = pc.attach(cache, blocks, slot, tokens, length)
 """
 
-from paged_jax.prefix_cache.core import (HASH_MODES, ROOT_HASH, PrefixCacheState, attach,
-                                         chain_hash, fork_chain, hit_rate, init, lookup,
+from paged_jax.prefix_cache.core import (attach, chain_hash, fork_chain, hit_rate, lookup,
                                          num_cached_blocks, num_evictable, register)
 from paged_jax.prefix_cache.evict import (ensure_free, free, lru_victims, release, reset,
                                           touch, uncache)
+from paged_jax.prefix_cache.state import (HASH_MODES, ROOT_HASH, PrefixCacheState,
+                                          check_states, init)
 
 __all__ = ["HASH_MODES", "ROOT_HASH", "PrefixCacheState", "attach", "chain_hash",
-           "ensure_free", "fork_chain", "free", "hit_rate", "init", "lookup", "lru_victims",
-           "num_cached_blocks", "num_evictable", "register", "release", "reset", "touch",
-           "uncache"]
+           "check_states", "ensure_free", "fork_chain", "free", "hit_rate", "init", "lookup",
+           "lru_victims", "num_cached_blocks", "num_evictable", "register", "release", "reset",
+           "touch", "uncache"]

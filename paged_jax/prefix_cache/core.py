@@ -33,14 +33,16 @@ block duplicates an already cached one (two requests computed the same prefix
 at once), the cached one becomes the chain's parent and the duplicate stays
 private (freed normally), so the children still register.
 
-Ops (all return new states; jit them with both states donated):
+Ops (all return new states; jit them with both states donated). Each first checks its
+arguments' shapes and dtypes with chex (`state.check_states`: at trace time under jit);
+`init` is in `state`, release .. reset in `evict`:
   init(cache_config, ...)                      -> PrefixCacheState
   lookup(cache, tokens, length)                -> (num_hit_blocks i32[], block_ids i32[P])
   attach(cache, blocks, slot, tokens, length)  -> (cache, blocks, hit_tokens, status)
   register(cache, blocks, item_slot, item_block, item_tokens, num_items) -> (cache, blocks)
   fork_chain(cache, src_slot, dst_slot)        -> cache
-  release(cache, blocks, slot_mask)            -> (cache, blocks) (LRU time now; onto the eviction ring)
-  free(cache, blocks, slots)                   -> (cache, blocks, status)  release + block_manager.free
+  release(cache, blocks, slot_mask)            -> (cache, blocks)  LRU time now, onto the ring
+  free(cache, blocks, slots)                   -> (cache, blocks, status)  release + bm.free
   ensure_free(cache, blocks, num_needed, max_evict=...) -> (cache, blocks, num_evicted)
   reset(cache, blocks)                         -> (cache, blocks)
   num_cached_blocks(cache), num_evictable(cache, blocks), hit_rate(cache)
@@ -48,121 +50,17 @@ Ops (all return new states; jit them with both states donated):
 
 from __future__ import annotations
 
-import flax
-import jax
+import chex
 from jax import lax
 import jax.numpy as jnp
-import numpy as np
 
 from paged_jax import block_manager as bm
-from paged_jax.config import CacheConfig, INVALID, OK, TOO_LONG
+from paged_jax.config import INVALID, OK, TOO_LONG
+from paged_jax.prefix_cache.state import ROOT_HASH, PrefixCacheState, check_states
 
 _I32, _U32 = jnp.int32, jnp.uint32
-_INT_MAX = np.iinfo(np.int32).max
-HASH_MODES = ("chained", "constant")
-ROOT_HASH = (0x2545F491, 0x6A09E667)          # parent hash of a depth-0 block
 _SEEDS = (0x9E3779B9, 0x7F4A7C15)
 _MULS = (0x85EBCA6B, 0xC2B2AE35)
-
-
-@flax.struct.dataclass
-class PrefixCacheState:
-  """Prefix-cache metadata beside a `BlockState` (NB blocks, S slots, H table slots).
-
-  Attributes:
-    block_hash: u32[NB, 2], chained hash of each cached block.
-    block_tokens: i32[NB, block_size], token ids held (exact verification).
-    block_parent: i32[NB], physical parent block in the chain (-1 at depth 0).
-    block_parent_gen: i32[NB], parent's generation when this block registered.
-    block_gen: i32[NB], bumped on every (re)registration of the block.
-    block_depth: i32[NB], logical block index within its sequence.
-    cached: bool[NB], block is registered (holds the cache's reference).
-    last_used: i32[NB], `clock` value of the last hit / register / release.
-    table_pos: i32[NB], the block's slot in `table` (-1 when not cached).
-    table: i32[H], block id per hash-table slot, -1 empty.
-    chain_block, chain_gen: i32[S], canonical cached block (and its generation)
-      of the slot's last registered logical block; -1 / 0 before the first.
-    chain_hash: u32[S, 2], its hash (the root hash before the first).
-    chain_len: i32[S], logical blocks of the slot registered or hit so far.
-    chain_ok: bool[S], the slot may register further blocks.
-    clock: i32[], logical time, advanced by every op that uses blocks.
-    hit_blocks, query_blocks: i32[], blocks hit / looked up by `attach`.
-    evictions: i32[], cached blocks evicted so far.
-    lru_ring, lru_stamp: i32[R] (R a power of two >= 2 * num_blocks), released
-      cached blocks in eviction order with their `last_used` at release; an
-      entry is live while the block is cached, unheld and unused since.
-    lru_head, lru_tail: i32[], ring counters (index = counter & (R - 1)).
-    block_size, max_probe, hash_mode: static.
-  """
-  block_hash: jax.Array
-  block_tokens: jax.Array
-  block_parent: jax.Array
-  block_parent_gen: jax.Array
-  block_gen: jax.Array
-  block_depth: jax.Array
-  cached: jax.Array
-  last_used: jax.Array
-  table_pos: jax.Array
-  table: jax.Array
-  chain_block: jax.Array
-  chain_gen: jax.Array
-  chain_hash: jax.Array
-  chain_len: jax.Array
-  chain_ok: jax.Array
-  clock: jax.Array
-  hit_blocks: jax.Array
-  query_blocks: jax.Array
-  evictions: jax.Array
-  lru_ring: jax.Array
-  lru_stamp: jax.Array
-  lru_head: jax.Array
-  lru_tail: jax.Array
-  block_size: int = flax.struct.field(pytree_node=False)
-  max_probe: int = flax.struct.field(pytree_node=False)
-  hash_mode: str = flax.struct.field(pytree_node=False)
-
-  @property
-  def num_blocks(self) -> int:
-    return self.cached.shape[0]
-
-  @property
-  def table_size(self) -> int:
-    return self.table.shape[0]
-
-
-def init(cache_config: CacheConfig, *, max_probe: int = 16, table_factor: int = 2,
-         hash_mode: str = "chained") -> PrefixCacheState:
-  """An empty cache for `cache_config`'s block pool.
-
-  Args:
-    max_probe: hash-table slots searched per block (1..1024).
-    table_factor: table slots per block, rounded up to a power of two (>= 1).
-    hash_mode: "chained" (the 64-bit chained hash) or "constant" (every block
-      hashes alike: for tests showing collisions never share wrong K/V).
-  """
-  if not isinstance(cache_config, CacheConfig):
-    raise TypeError(f"cache_config must be a CacheConfig, got {type(cache_config).__name__}")
-  if not isinstance(max_probe, int) or not 1 <= max_probe <= 1024:
-    raise ValueError(f"max_probe must be an int in [1, 1024], got {max_probe!r}")
-  if not isinstance(table_factor, int) or not 1 <= table_factor <= 64:
-    raise ValueError(f"table_factor must be an int in [1, 64], got {table_factor!r}")
-  if hash_mode not in HASH_MODES:
-    raise ValueError(f"hash_mode must be one of {HASH_MODES}, got {hash_mode!r}")
-  nb, s, bs = cache_config.num_blocks, cache_config.max_seqs, cache_config.block_size
-  h = 1 << max(int(np.ceil(np.log2(table_factor * nb))), int(np.ceil(np.log2(max_probe))), 1)
-  ring = 1 << int(np.ceil(np.log2(max(2 * nb, 2 * s * cache_config.max_blocks_per_seq, 2))))
-  z = lambda *shape: jnp.zeros(shape, _I32)
-  return PrefixCacheState(
-      block_hash=jnp.zeros((nb, 2), _U32), block_tokens=z(nb, bs),
-      block_parent=jnp.full((nb,), -1, _I32), block_parent_gen=z(nb), block_gen=z(nb),
-      block_depth=z(nb), cached=jnp.zeros((nb,), jnp.bool_), last_used=z(nb),
-      table_pos=jnp.full((nb,), -1, _I32), table=jnp.full((h,), -1, _I32),
-      chain_block=jnp.full((s,), -1, _I32), chain_gen=z(s),
-      chain_hash=jnp.broadcast_to(jnp.asarray(ROOT_HASH, _U32), (s, 2)),
-      chain_len=z(s), chain_ok=jnp.zeros((s,), jnp.bool_), clock=z(), hit_blocks=z(),
-      query_blocks=z(), evictions=z(), lru_ring=jnp.full((ring,), -1, _I32),
-      lru_stamp=z(ring), lru_head=z(), lru_tail=z(), block_size=bs, max_probe=max_probe,
-      hash_mode=hash_mode)
 
 
 # ---- hashing ---------------------------------------------------------------------------
@@ -230,10 +128,14 @@ def lookup(cache: PrefixCacheState, tokens, length):
     hashes u32[L // block_size, 2] of the hit blocks).
   Cost: one window probe per hit block plus one for the first miss.
   """
+  check_states(cache)
+  tokens = bm.int_arg(tokens, "tokens")
+  chex.assert_rank(tokens, 1, custom_message="tokens")
+  length = bm.int_arg(length, "length", max_rank=0)
   bs = cache.block_size
   n_max_static = tokens.shape[0] // bs
   blocks_tok = tokens[:n_max_static * bs].reshape(n_max_static, bs)
-  limit = jnp.clip((jnp.asarray(length, _I32) - 1) // bs, 0, n_max_static)
+  limit = jnp.clip((length - 1) // bs, 0, n_max_static)
 
   def cond(c):
     j, _, _, _, _, go = c
@@ -274,9 +176,12 @@ def attach(cache: PrefixCacheState, blocks: bm.BlockState, slot, tokens, length)
     or active, length < 1 or > L), TOO_LONG (length > max_seq_len); on failure
     both states are returned unchanged.
   """
+  check_states(cache, blocks)
+  slot = bm.int_arg(slot, "slot", max_rank=0)
+  tokens = bm.int_arg(tokens, "tokens")
+  chex.assert_rank(tokens, 1, custom_message="tokens")
+  length = bm.int_arg(length, "length", max_rank=0)
   bs, s_max, p = cache.block_size, blocks.max_seqs, blocks.max_blocks_per_seq
-  slot = jnp.asarray(slot, _I32)
-  length = jnp.asarray(length, _I32)
   sc = jnp.clip(slot, 0, s_max - 1)
   bad = (slot < 0) | (slot >= s_max) | blocks.active[sc] | (length < 1) | (
       length > tokens.shape[0])
@@ -334,8 +239,16 @@ def register(cache: PrefixCacheState, blocks: bm.BlockState, item_slot, item_blo
   Returns:
     (cache, blocks): registered blocks gain the cache's reference.
   """
+  check_states(cache, blocks)
+  item_slot, item_block = bm.int_arg(item_slot, "item_slot"), bm.int_arg(item_block, "item_block")
+  item_tokens = bm.int_arg(item_tokens, "item_tokens", max_rank=2)
+  chex.assert_rank(item_slot, 1, custom_message="item_slot")
+  chex.assert_shape(item_block, item_slot.shape, custom_message="item_block vs item_slot")
+  chex.assert_shape(item_tokens, item_slot.shape + (cache.block_size,),
+                    custom_message="item_tokens [R, block_size]")
+  num_items = bm.int_arg(num_items, "num_items", max_rank=0)
   bs, s_max, nb, p = cache.block_size, blocks.max_seqs, blocks.num_blocks, blocks.max_blocks_per_seq
-  num_items = jnp.minimum(jnp.asarray(num_items, _I32), item_slot.shape[0])
+  num_items = jnp.minimum(num_items, item_slot.shape[0])
 
   def body(i, carry):
     c, b = carry
@@ -391,8 +304,10 @@ def fork_chain(cache: PrefixCacheState, src_slot, dst_slot):
   Call after `block_manager.fork` (or a post-prefill fork) so the child can
   register the blocks it fills next.
   """
+  check_states(cache)
   s_max = cache.chain_len.shape[0]
-  src, dst = jnp.broadcast_arrays(jnp.asarray(src_slot, _I32), jnp.asarray(dst_slot, _I32))
+  src, dst = jnp.broadcast_arrays(bm.int_arg(src_slot, "src_slot"),
+                                  bm.int_arg(dst_slot, "dst_slot"))
   src, dst = src.reshape(-1), dst.reshape(-1)
   ok = (src >= 0) & (src < s_max) & (dst >= 0) & (dst < s_max)
   sc = jnp.clip(src, 0, s_max - 1)

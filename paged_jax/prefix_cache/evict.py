@@ -16,20 +16,31 @@ reference the tests compare with.
 
 from __future__ import annotations
 
+import chex
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import block_manager as bm
-from paged_jax.prefix_cache.core import ROOT_HASH, PrefixCacheState
+from paged_jax.prefix_cache.state import ROOT_HASH, PrefixCacheState, check_states
 
 _I32, _U32 = jnp.int32, jnp.uint32
 
 _INT_MAX = np.iinfo(np.int32).max
 
 
+def _slot_mask(cache: PrefixCacheState, blocks: bm.BlockState, slot_mask):
+  """chex: both states from one pool, and `slot_mask` a bool[max_seqs]."""
+  check_states(cache, blocks)
+  slot_mask = jnp.asarray(slot_mask)
+  chex.assert_type(slot_mask, bool, custom_message="slot_mask")
+  chex.assert_shape(slot_mask, (blocks.max_seqs,), custom_message="slot_mask [max_seqs]")
+  return slot_mask
+
+
 def touch(cache: PrefixCacheState, blocks: bm.BlockState, slot_mask):
   """Marks every block of the masked slots (bool[max_seqs]) as used now (no ring push)."""
+  slot_mask = _slot_mask(cache, blocks, slot_mask)
   nb = blocks.num_blocks
   held = jnp.where(slot_mask[:, None] & (blocks.block_tables >= 0), blocks.block_tables, nb)
   return cache.replace(last_used=cache.last_used.at[held.reshape(-1)].set(cache.clock,
@@ -58,6 +69,7 @@ def release(cache: PrefixCacheState, blocks: bm.BlockState, slot_mask):
   least recently used, and no evictable block is ever lost to the ring.
   Returns (cache, blocks).
   """
+  slot_mask = _slot_mask(cache, blocks, slot_mask)
   nb = blocks.num_blocks
   stamp = cache.clock
   cache = touch(cache, blocks, slot_mask)
@@ -90,8 +102,9 @@ def free(cache: PrefixCacheState, blocks: bm.BlockState, slot):
 
   Cached blocks keep the cache's reference, so they stay off the free stack.
   """
+  check_states(cache, blocks)
   s_max = blocks.max_seqs
-  slots = jnp.asarray(slot, _I32).reshape(-1)
+  slots = bm.int_arg(slot, "slot").reshape(-1)
   mask = jnp.zeros((s_max,), jnp.bool_).at[jnp.where(slots >= 0, slots, s_max)].set(
       True, mode="drop")
   cache, blocks = release(cache, blocks, mask & blocks.active)
@@ -104,6 +117,9 @@ def uncache(cache: PrefixCacheState, blocks: bm.BlockState, victims):
   """Drops the cache's reference on `victims` (i32[k], distinct, -1 pad); blocks
   reaching ref_count 0 are pushed on the free stack in `victims` order.
   Returns (cache, blocks, blocks pushed i32[])."""
+  check_states(cache, blocks)
+  victims = bm.int_arg(victims, "victims")
+  chex.assert_rank(victims, 1, custom_message="victims")
   nb = blocks.num_blocks
   vc = jnp.clip(victims, 0, nb - 1)
   live = (victims >= 0) & cache.cached[vc]
@@ -128,9 +144,11 @@ def lru_victims(cache: PrefixCacheState, blocks: bm.BlockState, num, max_evict: 
   """i32[max_evict]: the `num` (<= max_evict) cache-only blocks to evict first, in
   eviction order, -1 pad. Two O(num_blocks) `lax.top_k` passes (the reference
   order and `ensure_free`'s fallback)."""
+  check_states(cache, blocks)
+  num = bm.int_arg(num, "num", max_rank=0)
   k = min(max_evict, blocks.num_blocks)
   evictable = cache.cached & (blocks.ref_count == 1)
-  num = jnp.minimum(jnp.minimum(jnp.asarray(num, _I32), jnp.sum(evictable.astype(_I32))), k)
+  num = jnp.minimum(jnp.minimum(num, jnp.sum(evictable.astype(_I32))), k)
   lu = jnp.where(evictable, cache.last_used, _INT_MAX)
   neg, idx = lax.top_k(-lu, k)                     # ascending last_used
   tau = -neg[jnp.maximum(num - 1, 0)]              # last_used of the num-th victim
@@ -186,7 +204,9 @@ def ensure_free(cache: PrefixCacheState, blocks: bm.BlockState, num_needed, *,
     (cache, blocks, num_evicted i32[]). Never-cached free blocks are used
     first: nothing is evicted while `num_free >= num_needed`.
   """
-  short = jnp.clip(jnp.asarray(num_needed, _I32) - blocks.num_free, 0, max_evict)
+  check_states(cache, blocks)
+  num_needed = bm.int_arg(num_needed, "num_needed", max_rank=0)
+  short = jnp.clip(num_needed - blocks.num_free, 0, max_evict)
   # No lax.cond over the (large) states: on XLA:CPU a conditional touching
   # them costs copies even when donated (measured 3 ms vs 0.5 ms per eviction
   # at 1M blocks). With short == 0 the ring loop does not iterate and

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from paged_jax import block_manager as bm
 from paged_jax.prefix_cache import core as pc
 from paged_jax.prefix_cache import evict
+from paged_jax.prefix_cache import state as cache_state
 
 _I32 = jnp.int32
 
@@ -47,14 +48,14 @@ class PrefixStepState:
     history: i32[max_seqs, max_seq_len], token id at each computed position of
       each slot (stale past the slot's length).
   """
-  cache: pc.PrefixCacheState
+  cache: cache_state.PrefixCacheState
   history: jax.Array
 
 
 def init(cache_config, **cache_kwargs) -> PrefixStepState:
   """Empty cache and history for `cache_config` (kwargs go to `prefix_cache.init`)."""
   return PrefixStepState(
-      cache=pc.init(cache_config, **cache_kwargs),
+      cache=cache_state.init(cache_config, **cache_kwargs),
       history=jnp.zeros((cache_config.max_seqs, cache_config.max_seq_len), _I32))
 
 
