@@ -17,7 +17,8 @@
 A field's type picks its absl flag: int, float, str (an enum with `choices`), bool,
 Optional[X] (default None), Tuple[X, ...] (a comma-separated list, or with `multi=True` a
 repeated flag; bounds and choices apply to each element), Dict[str, int] (comma-separated
-key:value pairs). Building a Config checks every field's type, range and choices, then
+key:value pairs). A numeric field may also take literal `words` (e.g. `--rates=auto`: the
+field's elements are numbers or one of the words). Building a Config checks every field's type, range and choices, then
 `check()`: one ValueError naming the flag (`--name must be ..., got ...`) whether the
 values came from a command line or from code. Floats must be finite unless a field says
 `finite=False`.
@@ -36,7 +37,7 @@ _META = "experiment_flag"
 def flag(default: Any, help: str, *, lower: Optional[float] = None,  # pylint: disable=redefined-builtin
          upper: Optional[float] = None, lower_open: bool = False, upper_open: bool = False,
          choices: Optional[Sequence[Any]] = None, multi: bool = False,
-         finite: bool = True) -> Any:
+         finite: bool = True, words: Sequence[str] = ()) -> Any:
   """A Config field that is also a flag.
 
   Args:
@@ -46,11 +47,12 @@ def flag(default: Any, help: str, *, lower: Optional[float] = None,  # pylint: d
     choices: allowed values (of each element for a list).
     multi: a tuple field given as a repeated flag (`--prompt=a --prompt=b`).
     finite: floats must be finite (not nan or inf).
+    words: strings a numeric field (or each element of a list of numbers) may be instead.
   """
   meta = {_META: dict(help=help, lower=lower, upper=upper, lower_open=lower_open,
                       upper_open=upper_open,
                       choices=tuple(choices) if choices is not None else None, multi=multi,
-                      finite=finite)}
+                      finite=finite, words=tuple(words))}
   if isinstance(default, dict):
     return dataclasses.field(default_factory=lambda: dict(default), metadata=meta)
   return dataclasses.field(default=default, metadata=meta)
@@ -92,6 +94,12 @@ def _fmt(x) -> str:
 
 def rule(kind: _Kind, meta: dict) -> str:
   """The allowed values of one element, in words ("an int >= 1", "one of a, b")."""
+  if meta.get("words"):
+    return _rule(kind, meta) + " or " + " or ".join(meta["words"])
+  return _rule(kind, meta)
+
+
+def _rule(kind: _Kind, meta: dict) -> str:
   if meta["choices"] is not None:
     return "one of " + ", ".join(map(str, meta["choices"]))
   noun = {int: "an int", float: "a finite number" if meta["finite"] else "a number",
@@ -110,6 +118,8 @@ def rule(kind: _Kind, meta: dict) -> str:
 def _element(name: str, value: Any, kind: _Kind, meta: dict) -> Any:
   """One checked element (ints accepted for floats); ValueError naming the flag."""
   bad = ValueError(f"--{name} must be {rule(kind, meta)}, got {value!r}")
+  if isinstance(value, str) and value in meta.get("words", ()):
+    return value
   if kind.base is float and isinstance(value, int) and not isinstance(value, bool):
     value = float(value)
   if kind.base is int and (isinstance(value, bool) or not isinstance(value, int)):
@@ -186,6 +196,8 @@ def define_flags(cls, flag_values) -> None:
       flags.DEFINE_list(name, _flag_default(default, kind), help_text, **kw)
     elif kind.base is bool:
       flags.DEFINE_boolean(name, default, help_text, **kw)
+    elif meta["words"]:   # a number or a word: parsed in from_flags
+      flags.DEFINE_string(name, None if default is None else str(default), help_text, **kw)
     elif kind.base is int:
       flags.DEFINE_integer(name, default, help_text, **kw)
     elif kind.base is float:
@@ -194,8 +206,8 @@ def define_flags(cls, flag_values) -> None:
       flags.DEFINE_string(name, default, help_text, **kw)
 
 
-def _parse(name: str, text: str, kind: _Kind) -> Any:
-  if kind.base is str:
+def _parse(name: str, text: str, kind: _Kind, words: Sequence[str] = ()) -> Any:
+  if kind.base is str or text in words:
     return text
   try:
     return kind.base(text)
@@ -207,15 +219,18 @@ def _parse(name: str, text: str, kind: _Kind) -> Any:
 def from_flags(cls, flag_values):
   """A checked `cls` from parsed absl flags; ValueError (one line) on a bad value."""
   values = {}
-  for name, (_, kind, _) in fields(cls).items():
+  for name, (_, kind, meta) in fields(cls).items():
     raw = flag_values[name].value
-    if raw is None or kind.container == "":
+    words = meta.get("words", ())
+    if raw is not None and kind.container == "" and words:
+      values[name] = _parse(name, raw, kind, words)
+    elif raw is None or kind.container == "":
       values[name] = raw
     elif kind.container == "dict":
       pairs = [x.split(":", 1) for x in raw if x]
       if any(len(p) != 2 for p in pairs):
         raise ValueError(f"--{name} must be comma-separated key:value pairs, got {raw!r}")
-      values[name] = {k: _parse(name, v, kind) for k, v in pairs}
+      values[name] = {k: _parse(name, v, kind, words) for k, v in pairs}
     else:
-      values[name] = tuple(_parse(name, x, kind) for x in raw if x != "")
+      values[name] = tuple(_parse(name, x, kind, words) for x in raw if x != "")
   return cls(**values)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU check: the kernel tests compiled for the real GPU, then the kernel benchmarks, in
-# under 5 minutes. Logs and JSON go to $OUT (7 files); a short table is printed last.
+# under 5 minutes, then calibrates the device-time model. Logs and JSON go to $OUT; a short
+# table is printed last.
 #
 #   OUT=/some/dir bash experiments/gpu_check.sh            # on the GPU machine (python3)
 #   OUT=/tmp/gc PYTHON=.venv/bin/python bash experiments/gpu_check.sh --dry-run
@@ -11,9 +12,10 @@
 # step passed.
 #
 # Files in $OUT: env.txt, tests.log, mosaic_tests.log, engine.log, engine_*.json,
-# kernel_bench.log, kernel_bench.json, ragged_bench.log, ragged_bench.json, summary.txt.
+# kernel_bench.log, kernel_bench.json, ragged_bench.log, ragged_bench.json,
+# perf_calibrate.log, perf_calibrate.json, summary.txt.
 # Knobs (environment): PYTHON (default python3), PYTEST_WORKERS (default 8),
-# KERNEL_BENCH_FLAGS, RAGGED_BENCH_FLAGS (replace the default benchmark flags).
+# KERNEL_BENCH_FLAGS, RAGGED_BENCH_FLAGS, CALIBRATE_FLAGS (replace the default flags).
 
 set -u -o pipefail
 
@@ -34,16 +36,18 @@ if [[ $DRY_RUN == 1 ]]; then
   export JAX_PLATFORMS=cpu PAGED_JAX_TEST_COMPILED=0
   TEST_MARK=(-m "not slow")
   WORKERS="${PYTEST_WORKERS:-2}"
-  T_TESTS=900; T_MOSAIC=600; T_ENGINE=300; T_KB=600; T_RB=600
+  T_TESTS=900; T_MOSAIC=600; T_ENGINE=300; T_KB=600; T_RB=600; T_CAL=600
   KB_FLAGS="${KERNEL_BENCH_FLAGS:---batch=1 --context=512 --block_size=16 --repeats=2}"
   RB_FLAGS="${RAGGED_BENCH_FLAGS:---dry_run --scenarios=decode64,mixed --block_size=16 --repeats=2}"
+  CAL_FLAGS="${CALIBRATE_FLAGS:---dry_run}"
 else
   export JAX_PLATFORMS=cuda PAGED_JAX_TEST_COMPILED=1
   TEST_MARK=()
   WORKERS="${PYTEST_WORKERS:-8}"
-  T_TESTS=150; T_MOSAIC=120; T_ENGINE=90; T_KB=90; T_RB=100
+  T_TESTS=150; T_MOSAIC=120; T_ENGINE=90; T_KB=90; T_RB=100; T_CAL=180
   KB_FLAGS="${KERNEL_BENCH_FLAGS:---batch=1,8,64,256 --context=4096 --block_size=16,64,128}"
   RB_FLAGS="${RAGGED_BENCH_FLAGS:-}"
+  CAL_FLAGS="${CALIBRATE_FLAGS:---model=llama-3-8b --gpu=h200 --num_layers=4}"
 fi
 
 SUMMARY="$OUT/summary.txt"
@@ -115,6 +119,14 @@ cp "$WORK/kernel_bench/kernel_bench.json" "$OUT/" 2>/dev/null || true
 step ragged_bench "$T_RB" "$OUT/ragged_bench.log" "$PY" -m experiments.ragged_bench \
   --out="$WORK/ragged_bench" $RB_FLAGS
 cp "$WORK/ragged_bench/ragged_bench.json" "$OUT/" 2>/dev/null || true
+
+# 5. Calibration of the device-time model (experiments/perf_calibrate.py): step times of a
+#    random Llama-3-8B-shaped model (4 of its layers) over a grid of batch shapes, the
+#    model's efficiencies fitted to half the batches, the error predicting the other half.
+# shellcheck disable=SC2086
+step perf_calibrate "$T_CAL" "$OUT/perf_calibrate.log" "$PY" -m experiments.perf_calibrate \
+  --out="$WORK/perf_calibrate" $CAL_FLAGS
+cp "$WORK/perf_calibrate/perf_calibrate.json" "$OUT/" 2>/dev/null || true
 rm -rf "$WORK"
 
 # Short table last.
@@ -128,6 +140,8 @@ echo "---- kernel_bench ----"
 grep -E "^\|" "$OUT/kernel_bench.log" | tail -12 || true
 echo "---- ragged_bench ----"
 grep -E "^\||^variant" "$OUT/ragged_bench.log" | tail -20 || true
+echo "---- perf_calibrate ----"
+grep -E "^fit:" "$OUT/perf_calibrate.log" | tail -1 || true
 echo "---- steps ($SECONDS s total; logs and JSON in $OUT) ----"
 cat "$SUMMARY"
 exit $FAILED

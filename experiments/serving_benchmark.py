@@ -17,23 +17,39 @@ latency any system has at the lowest swept rate (the unloaded latency).
 Writes DIR/serving_benchmark.json ({"slo_s_per_token", "systems": {NAME: curves},
 "max_rate_at_slo": {NAME: rate}, ...flags, versions, machine}) and
 DIR/serving_benchmark.png (latency vs rate, one line per system); with --fig14 also a
-"fig14" section (paged vs Orca(Oracle) with parallel sampling n=2, 4 and beam width 4)
-and DIR/serving_benchmark_fig14.png.
+"fig14" section (paged vs Orca(Oracle) with parallel sampling and beam search,
+--fig14_modes) and DIR/serving_benchmark_fig14.png.
+
+At the paper's scale (`paged_jax.bench.paper_scale`):
+
+    python -m experiments.serving_benchmark --clock=model --model=opt-13b --gpu=a100-40gb \
+        --rates=auto --out=DIR
+
+runs the same engine and gates with the model's forward replaced by a stand-in, on the
+unscaled streams, a 2,048-token context and the KV slots the GPUs leave after the weights
+(Table 1), on virtual time from the device-time model (`paged_jax.perf`); the JSON adds
+"device_model" (every constant, with its source). `--rates=auto` finds each system's
+saturation by running it (`paged_jax.bench.rate_search`: --num_requests per point).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from experiments import common
 from experiments import configs
 from experiments import provenance
 from paged_jax.bench import arrivals
+from paged_jax import perf
 from paged_jax.bench import clocks
+from paged_jax.bench import engines
 from paged_jax.bench import latency
+from paged_jax.bench import paper_scale
+from paged_jax.bench import rate_search
 from paged_jax.bench import sharegpt_trace
 from paged_jax.bench import sweep as serving_sweep
 from paged_jax.bench.scale import TINY
@@ -45,21 +61,41 @@ PAPER = "vLLM sustains 2-4x Orca's request rate at the same latency (Fig. 12, OP
 @dataclasses.dataclass(frozen=True)
 class Config(configs.ExperimentConfig):
   """Flags of experiments.serving_benchmark."""
-  workload: str = configs.flag("sharegpt", "request stream",
-                               choices=("sharegpt", "alpaca", "sharegpt-real"))
-  rates: Tuple[float, ...] = configs.flag((2.0, 4.0, 8.0, 16.0), "request rates to sweep (req/s)",
-                                          lower=0.0, lower_open=True)
+  workload: str = configs.flag("sharegpt", "request stream (fewshot-1 / -5: the paper's "
+                               "Fig. 16 translation prompts, one shared 80 / 341-token prefix)",
+                               choices=("sharegpt", "alpaca", "sharegpt-real",
+                                        *serving_sweep.FEW_SHOT))
+  prefix_caching: bool = configs.flag(False, "paged's engine caches prefixes (the Orca "
+                                      "systems' contiguous reservations never share)")
+  rates: Tuple[float, ...] = configs.flag(
+      (2.0, 4.0, 8.0, 16.0), "request rates to sweep (req/s), or auto: each system's own, "
+      "found by running it", lower=0.0, lower_open=True, words=("auto",))
+  num_requests: int = configs.flag(0, "requests per point with --rates=auto (0: 4 x the most "
+                                   "requests a system's KV memory holds, >= 150)", lower=0)
+  max_points: int = configs.flag(6, "with --rates=auto: points run per system's search",
+                                 lower=2)
   duration_s: float = configs.flag(20.0, "arrival window per rate (s)", lower=0.0,
                                    lower_open=True)
   systems: Tuple[str, ...] = configs.flag(serving_sweep.SYSTEMS, "systems to compare",
                                           choices=serving_sweep.SYSTEMS)
   seed: int = configs.flag(0, "stream and arrival seed")
-  kv_budget_tokens: int = configs.flag(2048, "KV memory of every system (token slots)", lower=1)
+  kv_budget_tokens: Optional[int] = configs.flag(
+      None, "KV memory of every system (token slots; default 2048, with --clock=model what "
+      "the GPUs leave after the weights)", lower=1)
   block_size: int = configs.flag(16, "engine block size", lower=1)
-  max_len: int = configs.flag(TINY.max_len, "context limit (Orca(Max) reserves it)", lower=2)
+  max_len: Optional[int] = configs.flag(None, "context limit (Orca(Max) reserves it; default "
+                                        f"{TINY.max_len}, with --clock=model 2048)", lower=2)
   slo_factor: float = configs.flag(3.0, "SLO = factor x max unloaded normalized latency",
                                    lower=1.0)
-  clock: str = configs.flag("wall", "wall clock, or virtual step clock", choices=("wall", "step"))
+  clock: str = configs.flag("wall", "wall clock, virtual step clock, or virtual time from the "
+                            "device-time model at the paper's scale",
+                            choices=("wall", "step", "model"))
+  model: str = configs.flag("opt-13b", "with --clock=model: the model",
+                            choices=tuple(perf.MODELS))
+  gpu: str = configs.flag("a100-40gb", "with --clock=model: the GPU", choices=tuple(perf.GPUS))
+  tp: Optional[int] = configs.flag(None, "with --clock=model: GPUs per replica (default: the "
+                                   "paper's Table 1, else the fewest that hold a context)",
+                                   lower=1)
   step_s: float = configs.flag(0.01, "seconds per engine step with --clock=step", lower=0.0,
                                lower_open=True)
   swap_s_per_token: float = configs.flag(
@@ -70,13 +106,25 @@ class Config(configs.ExperimentConfig):
       "ones (vLLM V0's default)", choices=PREEMPTION_MODES)
   max_seqs_headroom: float = configs.flag(1.5, "engine slots per request its memory holds",
                                           lower=0.0, lower_open=True)
-  max_seqs_cap: int = configs.flag(64, "largest engine max_seqs", lower=1)
-  fig14: bool = configs.flag(False, "also paged vs Orca(Oracle) with n=2,4 and beam 4")
+  max_seqs_cap: Optional[int] = configs.flag(
+      None, "largest engine max_seqs (default 64; with --clock=model vLLM's 256)", lower=1)
+  fig14: bool = configs.flag(False, "also paged vs Orca(Oracle) in --fig14_modes")
+  fig14_modes: Tuple[str, ...] = configs.flag(("n2", "n4", "beam4"), "sampling modes of --fig14",
+                                              choices=tuple(serving_sweep.FIG14_MODES))
   fig14_rates: Tuple[float, ...] = configs.flag((), "rates of the --fig14 sweep (default --rates)",
                                                 lower=0.0, lower_open=True)
   fig14_duration_s: float = configs.flag(0.0, "arrival window of --fig14 (0: --duration_s)",
                                          lower=0.0)
   out: str = configs.flag("results/serving_benchmark", "output directory")
+
+  @property
+  def auto(self) -> bool:
+    """--rates=auto: each system's rates are searched."""
+    return self.rates == ("auto",)
+
+  def setting(self) -> paper_scale.PaperSetting:
+    """The --clock=model deployment (one-line ValueError when it cannot serve)."""
+    return paper_scale.setting(self.model, self.gpu, self.tp)
 
   def check(self) -> None:
     """ValueError (one line) on a bad combination, before any engine is built."""
@@ -86,23 +134,66 @@ class Config(configs.ExperimentConfig):
       raise ValueError("--systems is empty")
     if not self.rates:
       raise ValueError("--rates is empty")
-    for r in self.rates:
+    if "auto" in self.rates and len(self.rates) > 1:
+      raise ValueError(f"--rates must be auto or a list of rates, got {self.rates}")
+    if self.clock == "model":
+      self.setting()            # unknown pairs, a tp or KV budget that cannot work
+    for r in self.fig14_rates + (() if self.auto else self.rates):
       if arrivals.arrival_times(r, self.duration_s, self.seed).size == 0:
         raise ValueError(f"--duration_s={self.duration_s:g} admits no request at rate {r:g}/s "
                          f"(seed {self.seed}); use a longer duration or a higher rate")
 
 
-def sweep(f, systems: Sequence[str], rates: Sequence[float], duration_s: float,
-          mode: Dict) -> Dict:
-  """{"systems": {NAME: curve}, "sizes": {NAME: sizes}} over `rates` for one sampling mode."""
-  clock_fn = ((lambda: clocks.StepClock(f.step_s, f.swap_s_per_token)) if f.clock == "step"
-              else clocks.WallClock)
-  return serving_sweep.sweep_systems(
-      systems, rates, workload=f.workload, duration_s=duration_s, seed=f.seed,
-      kv_budget_tokens=f.kv_budget_tokens, block_size=f.block_size, max_len=f.max_len,
-      mode=mode, clock_fn=clock_fn, headroom=f.max_seqs_headroom,
-      max_seqs_cap=f.max_seqs_cap, preemption_mode=f.preemption_mode,
-      progress=lambda total, desc: common.progress(total=total, desc=desc))
+def deployment(f: Config) -> Dict:
+  """What the flags resolve to: KV budget, context, slot cap, stream scale, and how each
+  point's engine and clock are made (the tiny model, or a paper-scale setting)."""
+  if f.clock == "model":
+    setting = f.setting()
+    scale = setting.scale
+    kv = f.kv_budget_tokens or setting.kv_budget_tokens(f.block_size)
+    d = dict(kv_budget_tokens=kv, max_len=f.max_len or scale.max_len,
+             max_seqs_cap=f.max_seqs_cap or paper_scale.MAX_NUM_SEQS, scale=scale,
+             engine_fn=setting.make_engine, setting=setting,
+             clock_fn=lambda: setting.clock(f.block_size))
+  else:
+    clock_fn = ((lambda: clocks.StepClock(f.step_s, f.swap_s_per_token)) if f.clock == "step"
+                else clocks.WallClock)
+    d = dict(kv_budget_tokens=f.kv_budget_tokens or 2048, max_len=f.max_len or TINY.max_len,
+             max_seqs_cap=f.max_seqs_cap or 64, scale=TINY, engine_fn=engines.make_engine,
+             setting=None, clock_fn=clock_fn)
+  if f.prefix_caching:
+    d["engine_fn"] = {s: (functools.partial(d["engine_fn"], prefix_caching=True)
+                          if s == "paged" else d["engine_fn"]) for s in serving_sweep.SYSTEMS}
+  return d
+
+
+def sweep(f, systems: Sequence[str], rates, duration_s: float, mode: Dict) -> Dict:
+  """One sampling mode over `rates` (or ("auto",)): {"systems": {NAME: curve}, "sizes":
+  {NAME: sizes}}, with the SLO and max rates when the rates were searched."""
+  d = deployment(f)
+  kw = dict(workload=f.workload, seed=f.seed, kv_budget_tokens=d["kv_budget_tokens"],
+            block_size=f.block_size, max_len=d["max_len"], mode=mode, clock_fn=d["clock_fn"],
+            headroom=f.max_seqs_headroom, max_seqs_cap=d["max_seqs_cap"],
+            preemption_mode=f.preemption_mode, scale=d["scale"], engine_fn=d["engine_fn"],
+            progress=lambda total, desc: common.progress(total=total, desc=desc))
+  if tuple(rates) == ("auto",):
+    return rate_search.sweep_auto(systems, num_requests=f.num_requests,
+                                  slo_factor=f.slo_factor, max_points=f.max_points, **kw)
+  return serving_sweep.sweep_systems(systems, sorted(rates), duration_s=duration_s, **kw)
+
+
+def rated(swept: Dict, f: Config, rates) -> Dict:
+  """The sweep with its SLO and each system's max rate (searched, or read off the grid)."""
+  if "slo_s_per_token" in swept:
+    first = next(iter(swept["systems"]))
+    return dict(swept, slo_rule=f"slo_factor ({f.slo_factor:g}) x the normalized latency of "
+                f"{first} at {rate_search.UNLOADED_FRACTION:g} x its burst throughput "
+                f"(unloaded)")
+  out = dict(latency.slo_and_rates(swept["systems"], f.slo_factor), **swept)
+  out["slo_rule"] = (f"slo_factor ({f.slo_factor:g}) x the largest normalized latency of any "
+                     f"system at the lowest swept rate ({min(rates):g} req/s, the unloaded "
+                     f"latency)")
+  return out
 
 
 def plot(curves: Dict, slo: float, path, title: str):
@@ -138,27 +229,27 @@ def plot_fig14(fig14: Dict, path):
 
 def run(f: Config) -> Dict:
   """The whole benchmark for settings `f`."""
-  rates = sorted(f.rates)
   start = time.time()
-  main_sweep = sweep(f, f.systems, rates, f.duration_s, {})
-  result = latency.slo_and_rates(main_sweep["systems"], f.slo_factor)
+  result = rated(sweep(f, f.systems, f.rates, f.duration_s, {}), f, f.rates)
+  d = deployment(f)
   result.update(
-      slo_rule=f"slo_factor ({f.slo_factor:g}) x the largest normalized latency of any "
-               f"system at the lowest swept rate ({rates[0]:g} req/s, the unloaded latency)",
-      systems=main_sweep["systems"], sizes=main_sweep["sizes"],
       sizing_rule=serving_sweep.__doc__.split("Sizing")[1].strip(),
-      clock=(f"step: every engine step costs {f.step_s:g} s, plus {f.swap_s_per_token:g} s "
-             f"per token swapped out or in" if f.clock == "step" else
-             "wall: perf_counter, requests added while the engine steps"),
-      paper=PAPER)
+      clock={"step": f"step: every engine step costs {f.step_s:g} s, plus "
+                     f"{f.swap_s_per_token:g} s per token swapped out or in",
+             "wall": "wall: perf_counter, requests added while the engine steps",
+             "model": "model: each step costs the device-time model's seconds for what it "
+                      "computed (paged_jax.perf.ModelClock; no host time)"}[f.clock],
+      kv_budget_tokens=d["kv_budget_tokens"], max_len=d["max_len"], paper=PAPER)
+  if d["setting"] is not None:
+    result["device_model"] = d["setting"].as_dict()
   result["paged_rate_ratio"] = latency.rate_ratios(result["max_rate_at_slo"])
   if f.fig14:
-    fr = sorted(f.fig14_rates or f.rates)
+    fr = f.fig14_rates or f.rates
     fd = f.fig14_duration_s or f.duration_s
     sec = {}
-    for mode, kw in serving_sweep.FIG14_MODES.items():
-      s = sweep(f, ["paged", "orca_oracle"], fr, fd, kw)
-      sec[mode] = dict(latency.slo_and_rates(s["systems"], f.slo_factor), mode=kw, **s)
+    for mode in f.fig14_modes:
+      kw = serving_sweep.FIG14_MODES[mode]
+      sec[mode] = dict(rated(sweep(f, ["paged", "orca_oracle"], fr, fd, kw), f, fr), mode=kw)
       sec[mode]["paged_rate_ratio"] = latency.rate_ratios(sec[mode]["max_rate_at_slo"])
     result["fig14"] = sec
   result["seconds"] = time.time() - start
@@ -216,8 +307,10 @@ def main(f: Config, out):
   """Runs with settings `f` into directory `out` (the `common.run_app` main)."""
   result = run(f)
   common.write_json(out / "serving_benchmark.json", result)
+  where = (f"{f.model} on {result['device_model']['tp']} x {f.gpu}, "
+           if "device_model" in result else "")
   png = plot(result["systems"], result["slo_s_per_token"], out / "serving_benchmark.png",
-             f"{f.workload}, {f.kv_budget_tokens}-slot KV, {f.clock} clock")
+             f"{where}{f.workload}, {result['kv_budget_tokens']}-slot KV, {f.clock} clock")
   print(common.table(summary_rows(result), HEADERS))
   print(f"SLO {result['slo_s_per_token']:.4f} s/token ({result['slo_rule']})")
   if "fig14" in result:

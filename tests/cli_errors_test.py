@@ -28,6 +28,7 @@ def _cases(tmp):
     json.dump({"model_type": "llama", "vocab_size": 32000}, f)
   g, m = "experiments.generate", "experiments.memory_waste"
   sb, bs = "experiments.serving_benchmark", "experiments.block_size_sweep"
+  pc = "experiments.perf_calibrate"
   out = f"--out={tmp}/out"
   return {   # name: (module, argv, a phrase the one error line must hold)
       "empty_prompt": (g, ["--prompt_ids=1,2;;3"], "prompt 2 of '1,2;;3' is empty"),
@@ -59,7 +60,18 @@ def _cases(tmp):
       "memory_waste_unknown_flag": (m, ["--num_request=5"], "num_request"),
       "compilation_cache_under_a_file": (m, [f"--compilation_cache={a_file}/xla"],
                                          "cannot be created"),
-      "serving_rate_0": (sb, ["--rates=0", out], "--rates must be a finite number > 0, got 0.0"),
+      "serving_rate_0": (sb, ["--rates=0", out],
+                         "--rates must be a finite number > 0 or auto, got 0.0"),
+      "serving_rates_auto_and_list": (sb, ["--rates=auto,2", out],
+                                      "--rates must be auto or a list of rates"),
+      "serving_unknown_gpu": (sb, ["--clock=model", "--gpu=v100", out],
+                              "--gpu must be one of a100-40gb, a100-80gb, h100-sxm, h200"),
+      "serving_unknown_model": (sb, ["--clock=model", "--model=gpt-4", out],
+                                "--model must be one of opt-13b"),
+      "serving_weights_fill_the_gpu": (sb, ["--clock=model", "--model=opt-175b", "--tp=1", out],
+                                       "opt-175b leaves no KV memory on 1 x a100-40gb"),
+      "serving_tp_heads": (sb, ["--clock=model", "--model=opt-66b", "--tp=5", out],
+                           "tp must divide opt-66b's num_heads=72, got 5"),
       "serving_rate_not_a_number": (sb, ["--rates=2,x", out], "--rates: 'x' is not a number"),
       "serving_unknown_system": (sb, ["--systems=paged,orca_fifo", out],
                                  "--systems must be one of paged, orca_max, orca_pow2, "
@@ -88,6 +100,13 @@ def _cases(tmp):
       "block_manager_small_pool": ("experiments.block_manager_bench",
                                    ["--num_blocks_list=16", "--cpu_cores=0", out],
                                    "--num_blocks_list: 16 blocks is too small"),
+      "calibrate_unknown_gpu": (pc, ["--gpu=v100", out], "--gpu must be one of a100-40gb"),
+      "calibrate_not_a_llama": (pc, ["--model=opt-13b", out],
+                                "--model must be one of llama-13b, llama-3-8b, got 'opt-13b'"),
+      "calibrate_small_pool": (pc, ["--kv_budget_tokens=1024", out],
+                               "--kv_budget_tokens must be >= 33280 (the largest batch"),
+      "paper_scale_paged_first": ("experiments.paper_scale", ["--systems=orca_max,paged", out],
+                                  "--systems must start with paged"),
       "generate_help": (g, ["--help"], None),
       "memory_waste_help": (m, ["--helpfull"], None),
   }
@@ -116,12 +135,15 @@ ERROR_CASES = ["empty_prompt", "id_outside_vocab", "negative_max_tokens",
                "no_tokenizer", "stray_argument", "memory_waste_block_size_7",
                "memory_waste_watermark", "memory_waste_workload",
                "memory_waste_out_is_a_file", "memory_waste_unknown_flag",
-               "compilation_cache_under_a_file", "serving_rate_0", "serving_rate_not_a_number",
+               "compilation_cache_under_a_file", "serving_rate_0", "serving_rates_auto_and_list",
+               "serving_unknown_gpu", "serving_unknown_model", "serving_weights_fill_the_gpu",
+               "serving_tp_heads", "serving_rate_not_a_number",
                "serving_unknown_system", "serving_no_arrival", "serving_swap_cost",
                "serving_slo_factor", "sweep_engine_block_sizes", "sweep_num_requests",
                "sweep_num_requests_pairs", "sharing_width_7", "step_cost_long",
                "throughput_budget", "prefix_caching_prompt_len", "hf_peer_random_pair",
-               "block_manager_small_pool"]
+               "block_manager_small_pool", "calibrate_unknown_gpu", "calibrate_not_a_llama",
+               "calibrate_small_pool", "paper_scale_paged_first"]
 
 
 @pytest.mark.parametrize("name", ERROR_CASES)

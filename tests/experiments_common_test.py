@@ -151,3 +151,29 @@ def test_run_metadata_records_the_config():
   meta = provenance.run_metadata(Settings(count=5), packages=("numpy",))
   assert meta["flags"]["count"] == 5 and list(meta["flags"]) == sorted(meta["flags"])
   assert "numpy" in meta["versions"] and {"machine", "code"} <= set(meta)
+
+
+@dataclasses.dataclass(frozen=True)
+class WordSettings(configs.ExperimentConfig):
+  rates: Tuple[float, ...] = configs.flag((1.0,), "rates", lower=0.0, lower_open=True,
+                                          words=("auto",))
+  limit: float = configs.flag(2.0, "a number or off", lower=0.0, words=("off",))
+
+
+def test_numeric_flags_may_take_their_words():
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  fv = flags.FlagValues()
+  configs.define_flags(WordSettings, fv)
+  fv(["prog", "--rates=auto", "--limit=off"])
+  assert configs.from_flags(WordSettings, fv) == WordSettings(rates=("auto",), limit="off")
+  fv = flags.FlagValues()
+  configs.define_flags(WordSettings, fv)
+  fv(["prog", "--rates=2,3.5", "--limit=0.5"])
+  assert configs.from_flags(WordSettings, fv) == WordSettings(rates=(2.0, 3.5), limit=0.5)
+  with pytest.raises(ValueError, match=r"--rates must be a finite number > 0 or auto, got 'x'"):
+    WordSettings(rates=("x",))
+  fv = flags.FlagValues()
+  configs.define_flags(WordSettings, fv)
+  fv(["prog", "--rates=fast"])
+  with pytest.raises(ValueError, match="--rates: 'fast' is not a number"):
+    configs.from_flags(WordSettings, fv)

@@ -129,11 +129,15 @@ def test_make_engine_validates_budget():
 
 
 def test_demo_summary_rows_from_real_results(sweep_rows, sharing_rows):
+  paper = [["Fig. 12 opt-13b sharegpt-like: max rate, paged / Orca (Oracle)", "2.10x",
+            "1.7-2.7x"]]
   rows = demo.summary_rows({"block_size_sweep": sweep_rows, "sharing": sharing_rows,
-                            "prefix_caching": {"note": "absent"}})
+                            "prefix_caching": {"note": "absent"},
+                            "paper_scale": {"rows": paper}})
   assert all(len(r) == 3 and all(isinstance(c, str) for c in r) for r in rows)
   whats = " ".join(r[0] for r in rows)
   assert "best block size, alpaca-like" in whats and "beam" in whats and "prefix" in whats
+  assert [paper[0][0] + " (short demo run)", "2.10x", "1.7-2.7x"] in rows
 
 
 @pytest.mark.slow

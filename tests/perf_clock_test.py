@@ -80,3 +80,48 @@ def test_to_step_adapts_the_engines_report_and_bad_calls_fail_in_one_line():
   with pytest.raises(TypeError, match="DeviceTimeModel"):
     perf.ModelClock("opt-13b")
   assert clock.as_dict()["device_model"]["model"]["name"] == "opt-13b"
+
+
+class _Report:
+  """A StepReport's fields by name (perf reads the engine's report duck-typed)."""
+
+  def __init__(self, **kw):
+    base = dict(ok=True, dispatches=1, bucket=None, prefill_chunks=(), decode_rows=(),
+                decode_loop_rows=(), cow_copies=0, swapped_blocks=0, generated_tokens=0)
+    self.__dict__.update({**base, **kw})
+
+
+class _Bucket:
+  tokens, rows = 1024, 16   # 1,024 tokens: compute-bound, so padding shows
+
+
+def test_from_report_rows_sampling_padding_loops_and_failed_steps():
+  # Two decode rows and two chunks, of which only one ends its prompt (3 tokens appended).
+  rep = _Report(prefill_chunks=((32, 32), (16, 48)), decode_rows=((1, 100), (1, 7)),
+                generated_tokens=3, cow_copies=2, swapped_blocks=5, bucket=_Bucket())
+  s = perf.StepShape.from_report(rep, block_size=8)
+  assert s.new_tokens == (1, 1, 32, 16) and s.context_lens == (100, 7, 32, 48)
+  assert s.sampled_rows == 3 and s.decode_iterations == 1 and s.loop_rows is None
+  assert (s.cow_blocks, s.swapped_blocks, s.block_size, s.bucket_tokens) == (2, 5, 8, 0)
+  padded = perf.StepShape.from_report(rep, block_size=8, padding=True)
+  assert (padded.bucket_tokens, padded.bucket_rows) == (1024, 16)
+  dm = _dm()
+  assert dm.step_seconds(padded) > dm.step_seconds(s)
+  # Multi-step: 2 + 2 + 1 tokens in the loop, 2 in the first pass (every row sampled).
+  loop = _Report(decode_rows=((1, 40), (1, 60)), decode_loop_rows=(2, 2, 1),
+                 generated_tokens=7)
+  s = perf.StepShape.from_report(loop, block_size=8)
+  assert s.decode_iterations == 4 and s.loop_rows == (2, 2, 1) and s.sampled_rows is None
+  by_hand = sum(dm.step_seconds(perf.StepShape.decode(c)) for c in
+                ([40, 60], [51, 51], [52, 52], [53]))
+  assert dm.step_seconds(s) == pytest.approx(by_hand, rel=1e-12)
+  # A failed reservation ran nothing; its swap-out still costs PCIe time.
+  failed = _Report(ok=False, prefill_chunks=((32, 32),), swapped_blocks=4)
+  s = perf.StepShape.from_report(failed, block_size=16)
+  assert s.num_rows == 0 and s.swapped_blocks == 4
+  assert dm.breakdown(s)["total"] == dm.breakdown(s)["swap"] > 0
+  clock = perf.ModelClock(dm, block_size=16)
+  assert clock.virtual and not perf.ModelClock(dm, host_time=True).virtual
+  assert clock.stepped(failed) == pytest.approx(dm.step_seconds(s))
+  with pytest.raises(ValueError, match="block_size"):
+    perf.ModelClock(dm, block_size=3)

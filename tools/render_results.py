@@ -16,9 +16,10 @@ them is replaced by the table rendered from experiments/results/:
 A section renders with the experiment's own `summary_rows` / `summary_table` where it has
 one (the table reads as the experiment printed it); otherwise a renderer reads the committed
 files only: render_engine.py (engine experiments), render_gpu.py (the H200 run, the
-deviceless compile reports), render_index.py (the claims index); render_common.py holds the
-shared helpers. Columns are not padded, to keep the docs small. An unknown section name, a
-missing result file or an unclosed marker is an error naming the file.
+deviceless compile reports), render_paper.py (paper scale, perf validation),
+render_index.py (the claims index); render_common.py holds the shared helpers. Columns
+are not padded, to keep the docs small. An unknown section name, a missing result file or
+an unclosed marker is an error naming the file.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # the render_* 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import render_engine as engine
 import render_gpu as gpu
+import render_paper as paper
 from render_common import RESULTS, ROOT, load, with_files
 from render_index import index
 
@@ -87,6 +89,12 @@ SECTIONS: Dict[str, Tuple[object, Callable]] = {
                            engine.rows_with("tpu_engine_compile")),
     "tpu_engine_compile_int8": ("tpu_engine_compile/int8/tpu_engine_compile.json",
                                 engine.rows_with("tpu_engine_compile")),
+    "paper_scale": ("paper_scale/summary.json", paper.paper_scale),
+    "paper_scale_rates": (_RESULTS_DIR, paper.paper_scale_rates),
+    "paper_targets": (_RESULTS_DIR, paper.paper_targets),
+    "paper_targets_compact": (_RESULTS_DIR, paper.paper_targets_compact),
+    # "perf_validation": ("perf_validation/perf_validation.json", paper.perf_validation):
+    # back when its JSON is committed (not yet: docs/paper_scale.md says why).
 }
 
 

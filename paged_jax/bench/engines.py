@@ -27,8 +27,10 @@ def make_engine(*, block_size: int, kv_budget_tokens: int, max_seqs: int = 64,
                 max_len: int = TINY.max_len, preemption_mode: str = "recompute",
                 attention_backend: str = "auto",
                 max_num_batched_tokens: int = TINY.max_num_batched_tokens,
-                max_beam_width: int = TINY.max_beam_width, checkpoint: Optional[str] = None):
-  """An Engine over the tiny model whose KV pool holds `kv_budget_tokens` token slots.
+                max_beam_width: int = TINY.max_beam_width, checkpoint: Optional[str] = None,
+                prefix_caching: bool = False):
+  """An Engine over the tiny model whose KV pool holds `kv_budget_tokens` token slots
+  (`prefix_caching`: automatic prefix caching on).
 
   `kv_budget_tokens` must be a multiple of `block_size`. With `block_size ==
   max_len` every sequence takes one max_len-token block at admission: a
@@ -43,7 +45,7 @@ def make_engine(*, block_size: int, kv_budget_tokens: int, max_seqs: int = 64,
   model_config, params = tiny_model(checkpoint)
   cache_config = model_config.cache_config(
       block_size=block_size, num_blocks=kv_budget_tokens // block_size, max_seqs=max_seqs,
-      max_blocks_per_seq=-(-max_len // block_size))
+      max_blocks_per_seq=-(-max_len // block_size), enable_prefix_caching=prefix_caching)
   return Engine(model_config, params, cache_config, max_num_batched_tokens=max_num_batched_tokens,
                 preemption_mode=preemption_mode, attention_backend=attention_backend,
                 max_beam_width=max_beam_width)

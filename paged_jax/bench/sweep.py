@@ -46,7 +46,7 @@ from paged_jax.bench import sharegpt_trace
 from paged_jax.bench import workloads
 from paged_jax.bench.baselines import gate as gate_lib
 from paged_jax.bench.clocks import WallClock
-from paged_jax.bench.scale import TINY
+from paged_jax.bench.scale import TINY, HarnessScale
 
 SYSTEMS = ("paged", "orca_max", "orca_pow2", "orca_oracle")
 LABELS = {"paged": "vLLM (paged)", "orca_max": "Orca (Max)", "orca_pow2": "Orca (Pow2)",
@@ -99,8 +99,12 @@ def run_point(system: str, requests: Sequence, *, kv_budget_tokens: int, block_s
               params_fn: Callable = engines.greedy, clock=None, progress=None,
               attention_backend: str = "auto",
               max_num_batched_tokens: int = TINY.max_num_batched_tokens,
-              preemption_mode: str = "recompute") -> Dict:
+              preemption_mode: str = "recompute",
+              engine_fn: Callable = engines.make_engine) -> Dict:
   """One system at one arrival stream: a fresh warmed-up engine, `serve_online`.
+
+  `engine_fn` builds the engine (`engines.make_engine`'s keywords): the tiny model by
+  default, `paper_scale.PaperSetting.make_engine` for a paper-scale deployment.
 
   On the wall clock every step shape the stream can reach is compiled before serving
   (`engines.warm_up`); on a virtual clock (`clock.virtual`: the step clock) nothing is
@@ -111,11 +115,11 @@ def run_point(system: str, requests: Sequence, *, kv_budget_tokens: int, block_s
   sizes = sizes or system_sizes(system, requests, kv_budget_tokens=kv_budget_tokens,
                                 block_size=block_size, max_len=max_len)
   clock = clock or WallClock()
-  engine = engines.make_engine(block_size=block_size, kv_budget_tokens=sizes["pool_tokens"],
-                               max_seqs=sizes["max_seqs"], max_len=max_len,
-                               attention_backend=attention_backend,
-                               max_num_batched_tokens=max_num_batched_tokens,
-                               preemption_mode=preemption_mode)
+  engine = engine_fn(block_size=block_size, kv_budget_tokens=sizes["pool_tokens"],
+                     max_seqs=sizes["max_seqs"], max_len=max_len,
+                     attention_backend=attention_backend,
+                     max_num_batched_tokens=max_num_batched_tokens,
+                     preemption_mode=preemption_mode)
   warm = ({"compiled": 0, "shapes": 0} if clock.virtual else
           engines.warm_up(engine, requests, params_fn))
   gate = gate_lib.make_gate(system, kv_budget_tokens, max_len)
@@ -152,7 +156,8 @@ def curve(rates: Sequence[float], points: Sequence[Dict]) -> Dict:
 
 
 # Sampling modes of the paper's Fig. 14 (parallel sampling n, beam width), keyed by name.
-FIG14_MODES = {"n2": dict(n=2), "n4": dict(n=4), "beam4": dict(beam_width=4)}
+FIG14_MODES = {"n2": dict(n=2), "n4": dict(n=4), "n6": dict(n=6), "beam2": dict(beam_width=2),
+               "beam4": dict(beam_width=4), "beam6": dict(beam_width=6)}
 
 
 def sampling(mode: Dict) -> Callable:
@@ -164,21 +169,39 @@ def sampling(mode: Dict) -> Callable:
                                   seed=r.request_id % 1000, **mode)
 
 
-def rate_stream(workload: str, rate: float, duration_s: float, seed: int, max_len: int,
-                num_total: int) -> List[workloads.Request]:
-  """The arrivals within `duration_s` at `rate` of one `num_total`-request stream.
+# Few-shot translation streams (the paper's Fig. 16): every prompt starts with one shared
+# 1-shot (80-token) or 5-shot (341-token) prefix; `workloads.shared_prefix`.
+FEW_SHOT = {"fewshot-1": 1, "fewshot-5": 5}
+
+
+def rate_stream(workload: str, rate: float, duration_s: Optional[float], seed: int,
+                max_len: int, num_total: int, scale: HarnessScale = TINY
+                ) -> List[workloads.Request]:
+  """The arrivals within `duration_s` at `rate` of one `num_total`-request stream
+  (duration_s None: all `num_total` of them).
 
   Lengths and ids come from one seeded stream of `num_total` requests for every rate
-  (common random numbers); a rate's arrival count picks its prefix. Lengths are the
-  tiny model's (`TINY.divisor`); "sharegpt-real" is the real trace at ShareGPT's divisor.
+  (common random numbers); a rate's arrival count picks its prefix. Lengths are divided
+  by `scale.divisor(workload)` (TINY: the tiny model's; the paper's scale: unscaled);
+  "sharegpt-real" is the real trace at ShareGPT's divisor; FEW_SHOT's are unscaled.
   """
-  times = arrivals.arrival_times(rate, duration_s, seed)
+  times = (arrivals.arrival_times(rate, duration_s, seed) if duration_s is not None else
+           arrivals.arrival_times(rate, seed=seed, num_requests=num_total))
   if workload == "sharegpt-real":
     base = sharegpt_trace.requests(num_total, seed=seed, max_len=max_len,
-                                   scale=TINY.divisor(workload))
+                                   scale=scale.divisor(workload))
+  elif workload in FEW_SHOT:   # the paper's Fig. 16 translation prompts, one shared prefix
+    _, base = workloads.shared_prefix(num_total, num_shots=FEW_SHOT[workload], seed=seed,
+                                      max_len=max_len, vocab_size=256)
   else:
-    base = workloads.scaled_requests(workload, num_total, seed=seed, max_len=max_len)
+    base = workloads.scaled_requests(workload, num_total, seed=seed, max_len=max_len,
+                                     scale=scale.divisor(workload))
   return [dataclasses.replace(r, arrival_time=float(t)) for r, t in zip(base, times)]
+
+
+def engine_for(engine_fn, system: str) -> Callable:
+  """`engine_fn` itself, or its entry for `system` when it is a {system: fn} dict."""
+  return engine_fn[system] if isinstance(engine_fn, dict) else engine_fn
 
 
 def sweep_systems(systems: Sequence[str], rates: Sequence[float], *, workload: str,
@@ -186,7 +209,8 @@ def sweep_systems(systems: Sequence[str], rates: Sequence[float], *, workload: s
                   max_len: int = TINY.max_len, mode: Optional[Dict] = None,
                   clock_fn: Callable = WallClock, headroom: float = 1.5,
                   max_seqs_cap: int = 64, preemption_mode: str = "recompute",
-                  progress: Optional[Callable] = None) -> Dict:
+                  progress: Optional[Callable] = None, scale: HarnessScale = TINY,
+                  engine_fn=engines.make_engine) -> Dict:
   """Every system at every rate: {"systems": {NAME: curve(...)}, "sizes": {NAME: sizes}}.
 
   Args:
@@ -194,13 +218,16 @@ def sweep_systems(systems: Sequence[str], rates: Sequence[float], *, workload: s
     clock_fn: () -> a fresh clock for each point.
     headroom, max_seqs_cap: `system_sizes`' (sized on the highest rate's stream).
     progress: (total, desc) -> a context manager with `update(n)` (a tqdm bar), per point.
+    scale: stream lengths and the step's token budget (`HarnessScale`).
+    engine_fn: builds each point's engine (`run_point`); or {system: fn}.
   """
   from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
   mode = mode or {}
   rates = list(rates)
   num_total = max(arrivals.arrival_times(r, duration_s, seed).size for r in rates)
   num_seqs = max(mode.get("n", 1), mode.get("beam_width", 1))
-  streams = {r: rate_stream(workload, r, duration_s, seed, max_len, num_total) for r in rates}
+  streams = {r: rate_stream(workload, r, duration_s, seed, max_len, num_total, scale)
+             for r in rates}
   bar = progress or (lambda total, desc: contextlib.nullcontext())
   curves, sizes = {}, {}
   for system in systems:
@@ -213,7 +240,9 @@ def sweep_systems(systems: Sequence[str], rates: Sequence[float], *, workload: s
         points.append(run_point(system, streams[r], kv_budget_tokens=kv_budget_tokens,
                                 block_size=block_size, max_len=max_len, sizes=sizes[system],
                                 params_fn=sampling(mode), clock=clock_fn(), progress=b,
-                                preemption_mode=preemption_mode))
+                                preemption_mode=preemption_mode,
+                                engine_fn=engine_for(engine_fn, system),
+                                max_num_batched_tokens=scale.max_num_batched_tokens))
     curves[system] = curve(rates, points)
     release_compiled()   # the next system's engine has other shapes
   return {"systems": curves, "sizes": sizes}

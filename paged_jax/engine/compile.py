@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
 import time
 import weakref
@@ -213,7 +214,8 @@ def step_key(model_config: ModelConfig, cache_config: CacheConfig,
 def engine_step(model_config: ModelConfig, cache_config: CacheConfig,
                 options: EngineOptions) -> Tuple[CompiledStep, StepBuckets]:
   """The engine's step for these options (shared by engines of one model and the same
-  `step_key`; one of its own with a custom `model_apply`) and its shape buckets."""
+  `step_key`, a module-level custom `model_apply` included; one of its own with any other
+  custom `model_apply`, e.g. a closure over a mesh) and its shape buckets."""
   from paged_jax.models.llama import LlamaForCausalLM  # pylint: disable=g-import-not-at-top
   check_configs(model_config, cache_config)
   check_hybrid(cache_config, options)
@@ -227,11 +229,21 @@ def engine_step(model_config: ModelConfig, cache_config: CacheConfig,
                                             make_step(apply, **more, **kw))
   if model_apply is not None:  # e.g. the tensor-parallel forward (paged_jax.distributed)
     name = getattr(model_apply, "__qualname__", "custom").replace(".", "_")
-    return make(model_apply, name=name), buckets
+    if not _module_level(model_apply):   # per-engine state may hide in it: never shared
+      return make(model_apply, name=name), buckets
+    if key not in _STEPS:   # e.g. models.standin.apply: every engine of a sweep shares it
+      _STEPS[key] = make(model_apply, name=name)
+    return _STEPS[key], buckets
   if key not in _STEPS:
     model = LlamaForCausalLM(model_config, attention_backend=options.attention_backend)
     _STEPS[key] = make(model.apply)
   return _STEPS[key], buckets
+
+
+def _module_level(fn) -> bool:
+  """A plain function defined at a module's top level (no closure, no bound object)."""
+  return (inspect.isfunction(fn) and "<locals>" not in fn.__qualname__
+          and fn.__closure__ is None)
 
 
 def step_for_compile(model_config: ModelConfig, cache_config: CacheConfig, *, sharding=None,

@@ -5,9 +5,12 @@
     dm.step_seconds(perf.StepShape.decode([512] * 32))      # seconds of one decode step
     dm.kv_budget().kv_slots                                   # 15.8K: the paper's Table 1 15.7K
     perf.fit_efficiency(dm, steps, measured_s).model          # efficiencies fitted to a device
+    clock = perf.ModelClock(dm, block_size=16)                # a serve loop's clock:
+    clock.stepped(engine.last_step)                           # charges the engine's report
 
 Modules: specs (GpuSpec, ModelSpec, Efficiency), catalog (every named GPU, model and
-constant with its source), step (StepShape), roofline (DeviceTimeModel), budget (KvBudget),
+constant with its source), step (StepShape, and StepShape.from_report: the engine's
+StepReport read by attribute name), roofline (DeviceTimeModel), budget (KvBudget),
 fit (fit_efficiency), clock (ModelClock). Imports only paged_jax.config, numpy and the
 standard library.
 """

@@ -88,6 +88,19 @@ class StepWork:
     return out
 
 
+def _later_passes(step: StepShape) -> List[Tuple[np.ndarray, np.ndarray]]:
+  """(new, context before the pass's index is added) per pass after the first: the
+  first pass's decode rows, or `loop_rows` rows at the mean context of its sampled rows."""
+  new, ctx = step.arrays()
+  if step.loop_rows is None:
+    decode = new == 1
+    return [(new[decode], ctx[decode])] * (step.decode_iterations - 1)
+  # Sampled rows: decode rows first, then chunks (StepShape.from_report's order).
+  sampled = ctx[:step.num_sampled] if step.num_sampled else ctx
+  mean = float(sampled.mean()) if sampled.size else 0.0
+  return [(np.ones(k), np.full(k, mean)) for k in step.loop_rows]
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceTimeModel:
   """Seconds per engine step for `model` on `tp` GPUs of kind `gpu`.
@@ -146,11 +159,11 @@ class DeviceTimeModel:
     work = StepWork()
     new, ctx = step.arrays()
     if step.num_rows:
-      decode = new == 1
       self._pass(work, new, ctx, max(step.bucket_tokens, step.num_tokens), step.num_sampled)
-      for i in range(1, step.decode_iterations):
-        if decode.any():
-          self._pass(work, new[decode], ctx[decode] + i, int(decode.sum()), int(decode.sum()))
+    for i, (rows_new, rows_ctx) in enumerate(_later_passes(step), start=1):
+      live = rows_new.size
+      if live or step.bucket_rows:
+        self._pass(work, rows_new, rows_ctx + i, max(live, step.bucket_rows), live)
     kvb = self.kv_bytes_per_token
     if step.cow_blocks:  # read and write each block
       bytes_ = 2.0 * step.cow_blocks * step.block_size * kvb

@@ -1,0 +1,225 @@
+r"""Validation of the device-time model where the truth can be measured: this CPU.
+
+    python -m experiments.perf_validation --out=DIR
+
+1. Measures engine steps of the shipped tiny model on this CPU: before each point of
+   step 3, the same system and rate serve ANOTHER seed's stream on a wall clock that
+   records every step (`bench.calibration.RecordingWallClock`: what the loop paid between
+   step ends, beside the work the step's StepReport says it did, padding included), so
+   the calibration sees the same machine load as the sweep (the machine is shared);
+2. fits the device-time model's efficiencies to them (`perf.fit_efficiency`: the same
+   roofline that prices an A100 step, on the CPU's nominal peaks);
+3. runs a wall-clock `serving_benchmark` sweep (the tiny model, Poisson arrivals, paged
+   and Orca Max / Pow2 / Oracle at equal KV memory);
+4. predicts the same sweep: the same engines and arrivals on a `perf.ModelClock` of the
+   fit (virtual time: each step costs what the fitted model says), and compares each
+   system's max rate at the SLO and its latency curve with the measured ones.
+
+Writes DIR/perf_validation.json ({"systems": {NAME: {"measured_max_rate",
+"predicted_max_rate", "rel_error", "measured", "predicted" (curves)}}, "fit": {...},
+"load_avg": ..., flags, versions, machine}) and DIR/perf_validation.png (measured solid,
+predicted dashed). Target (issue 25): |predicted / measured - 1| <= 0.15 per system.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import time
+from typing import Dict, List, Tuple
+
+import numpy as np
+
+from experiments import common
+from experiments import configs
+from experiments import provenance
+from paged_jax import perf
+from paged_jax.bench import arrivals
+from paged_jax.bench import calibration
+from paged_jax.bench import clocks
+from paged_jax.bench import engines
+from paged_jax.bench import latency
+from paged_jax.bench import sweep as serving_sweep
+from paged_jax.bench.scale import TINY
+from paged_jax.engine import PREEMPTION_MODES
+
+TARGET = 0.15
+CALIBRATION_SEED_OFFSET = 1000   # the calibration streams' seed: seed + this
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(configs.ExperimentConfig):
+  """Flags of experiments.perf_validation."""
+  workload: str = configs.flag("sharegpt", "request stream", choices=("sharegpt", "alpaca"))
+  rates: Tuple[float, ...] = configs.flag((8.0, 16.0, 24.0, 32.0, 48.0, 64.0),
+                                          "request rates of both sweeps (req/s)", lower=0.0,
+                                          lower_open=True)
+  duration_s: float = configs.flag(8.0, "arrival window per rate (s)", lower=0.0,
+                                   lower_open=True)
+  calibration_duration_s: float = configs.flag(
+      3.0, "arrival window of each calibration run (another seed's stream)", lower=0.0,
+      lower_open=True)
+  systems: Tuple[str, ...] = configs.flag(serving_sweep.SYSTEMS, "systems to compare",
+                                          choices=serving_sweep.SYSTEMS)
+  seed: int = configs.flag(0, "stream, arrival and calibration seed")
+  kv_budget_tokens: int = configs.flag(2048, "KV memory of every system (token slots)", lower=1)
+  block_size: int = configs.flag(16, "engine block size", lower=1)
+  slo_factor: float = configs.flag(3.0, "SLO = factor x max unloaded normalized latency",
+                                   lower=1.0)
+  preemption_mode: str = configs.flag("auto", "engine preemption", choices=PREEMPTION_MODES)
+  out: str = configs.flag("results/perf_validation", "output directory")
+
+  def check(self) -> None:
+    if not self.rates or not self.systems:
+      raise ValueError("--rates and --systems must not be empty")
+
+
+def _sizes(f: Config, system: str, requests) -> Dict:
+  return serving_sweep.system_sizes(system, requests, kv_budget_tokens=f.kv_budget_tokens,
+                                    block_size=f.block_size, max_len=TINY.max_len)
+
+
+def _engine_fn(f: Config, sizes: Dict):
+  return lambda: engines.make_engine(block_size=f.block_size,
+                                     kv_budget_tokens=sizes["pool_tokens"],
+                                     max_seqs=sizes["max_seqs"])
+
+
+def measured_sweep(f: Config, streams: Dict, calibration_streams: Dict
+                   ) -> Tuple[Dict, List, List[float], List[float]]:
+  """The wall-clock sweep, each point preceded by a calibration point (the same system and
+  rate on another seed's stream, on a `RecordingWallClock`): (curves, calibration samples,
+  load averages read before each point, how late the calibration loops' waits woke)."""
+  from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
+  curves, samples, loads, late = {}, [], [], []
+  for system in f.systems:
+    sizes = _sizes(f, system, streams[max(f.rates)])
+    points = []
+    for r in sorted(f.rates):
+      kw = dict(kv_budget_tokens=f.kv_budget_tokens, block_size=f.block_size, sizes=sizes,
+                preemption_mode=f.preemption_mode)
+      rec = calibration.RecordingWallClock(f.block_size)
+      with common.progress(total=len(calibration_streams[r]),
+                           desc=f"calibration {system} {r:g}") as bar:
+        serving_sweep.run_point(system, calibration_streams[r], clock=rec, progress=bar, **kw)
+      samples += rec.samples
+      late += rec.wake_late_s
+      loads.append(os.getloadavg()[0])
+      with common.progress(total=len(streams[r]), desc=f"measured {system} {r:g}") as bar:
+        points.append(serving_sweep.run_point(system, streams[r], clock=clocks.WallClock(),
+                                              progress=bar, **kw))
+    curves[system] = serving_sweep.curve(sorted(f.rates), points)
+    release_compiled()
+  return curves, samples, loads, late
+
+
+def predicted_sweep(f: Config, streams: Dict, model: perf.DeviceTimeModel) -> Dict:
+  """The same points on virtual time from the fitted model (padded shapes, as run)."""
+  from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
+  curves = {}
+  for system in f.systems:
+    sizes = _sizes(f, system, streams[max(f.rates)])
+    points = []
+    for r in sorted(f.rates):
+      clock = perf.ModelClock(model, block_size=f.block_size, padding=True)
+      with common.progress(total=len(streams[r]), desc=f"predicted {system} {r:g}") as bar:
+        points.append(serving_sweep.run_point(
+            system, streams[r], kv_budget_tokens=f.kv_budget_tokens, block_size=f.block_size,
+            sizes=sizes, clock=clock, progress=bar, preemption_mode=f.preemption_mode))
+    curves[system] = serving_sweep.curve(sorted(f.rates), points)
+    release_compiled()
+  return curves
+
+
+def compare(measured: Dict, predicted: Dict, slo_factor: float) -> Dict:
+  """Per system: max rate at each sweep's own SLO, and at the measured SLO; latency errors."""
+  m, p = (latency.slo_and_rates(c, slo_factor) for c in (measured, predicted))
+  out = {}
+  for s in measured:
+    rate = lambda res, s=s: (res["max_rate_at_slo_interpolated"][s]
+                             or res["max_rate_at_slo"][s])
+    at_measured_slo = latency.max_rate_at_slo(predicted[s]["rates"],
+                                              predicted[s]["normalized_latency_s_per_token"],
+                                              m["slo_s_per_token"])
+    mv, pv = rate(m), rate(p)
+    lat_m = np.array(measured[s]["normalized_latency_s_per_token"])
+    lat_p = np.array(predicted[s]["normalized_latency_s_per_token"])
+    out[s] = {"measured_max_rate": mv, "predicted_max_rate": pv,
+              "rel_error": pv / mv - 1 if mv else None,
+              "predicted_max_rate_at_measured_slo": (at_measured_slo["interpolated"]
+                                                     or at_measured_slo["swept"]),
+              "latency_rel_error": (lat_p / lat_m - 1).tolist(),
+              "measured": measured[s], "predicted": predicted[s]}
+  return {"systems": out, "measured_slo_s_per_token": m["slo_s_per_token"],
+          "predicted_slo_s_per_token": p["slo_s_per_token"]}
+
+
+def run(f: Config) -> Dict:
+  start = time.time()
+  num_total = max(arrivals.arrival_times(r, f.duration_s, f.seed).size
+                  for r in f.rates)
+  stream = lambda r, seed, d: serving_sweep.rate_stream(f.workload, r, d, seed, TINY.max_len,
+                                                       num_total)
+  streams = {r: stream(r, f.seed, f.duration_s) for r in f.rates}
+  cal_seed = f.seed + CALIBRATION_SEED_OFFSET
+  calibration_streams = {r: stream(r, cal_seed, f.calibration_duration_s) for r in f.rates}
+  measured, samples, loads, late = measured_sweep(f, streams, calibration_streams)
+  fit = calibration.fit_cpu(engines.tiny_model()[0], samples)
+  predicted = predicted_sweep(f, streams, fit.model)
+  result = compare(measured, predicted, f.slo_factor)
+  errors = [abs(v["rel_error"]) for v in result["systems"].values() if v["rel_error"] is not None]
+  result.update(
+      fit=dict(fit.as_dict(), device_model=fit.model.as_dict(),
+               calibration_steps=len(samples),
+               grouped_steps=len(calibration.grouped(samples))),
+      target_rel_error=TARGET, max_abs_rel_error=max(errors) if errors else None,
+      within_target=bool(errors) and max(errors) <= TARGET,
+      load_avg={"during_measured_points": loads, "mean": float(np.mean(loads)),
+                "cores": os.cpu_count()},
+      calibration={"seed": cal_seed, "duration_s": f.calibration_duration_s,
+                   "steps": len(samples), "wait_wake_late_s_mean": float(np.mean(late))
+                   if late else None, "rule": "per system and rate, one wall-clock serving "
+                   "run of another seed's stream before the measured point; each step "
+                   "charged what the loop paid between step ends"},
+      seconds=time.time() - start, flags=f.flags(), versions=provenance.versions(),
+      machine=provenance.machine(), code=provenance.code_version())
+  return result
+
+
+def plot(result: Dict, path):
+  plt = common.pyplot()
+  fig, ax = plt.subplots(figsize=(5.5, 3.8))
+  for k, (name, v) in enumerate(result["systems"].items()):
+    color = f"C{k}"
+    for key, ls in (("measured", "-"), ("predicted", "--")):
+      c = v[key]
+      ax.plot(c["rates"], c["normalized_latency_s_per_token"], ls, color=color, marker="o",
+              ms=3, label=f"{serving_sweep.LABELS.get(name, name)} {key}")
+  ax.axhline(result["measured_slo_s_per_token"], color="k", lw=0.8, ls=":", label="SLO")
+  ax.set_yscale("log")
+  ax.set_xlabel("request rate (req/s)")
+  ax.set_ylabel("normalized latency (s/token)")
+  ax.set_title("tiny model on this CPU: measured vs predicted by the fitted model", fontsize=8)
+  ax.legend(fontsize=6, frameon=False, ncol=2)
+  return common.save_png(fig, path)
+
+
+def main(f: Config, out):
+  result = run(f)
+  common.write_json(out / "perf_validation.json", result)
+  png = plot(result, out / "perf_validation.png")
+  rows = [[s, v["measured_max_rate"], v["predicted_max_rate"],
+           "" if v["rel_error"] is None else f"{v['rel_error']:+.1%}"]
+          for s, v in result["systems"].items()]
+  print(common.table(rows, ["system", "measured max rate", "predicted", "error"]))
+  fit = result["fit"]
+  print(f"fit: {fit['calibration_steps']} steps in {fit['grouped_steps']} groups, mean "
+        f"|error| {fit['mean_abs_rel_error']:.1%}; load {result['load_avg']['mean']:.1f} on "
+        f"{result['load_avg']['cores']} cores; target |error| <= {TARGET:.0%}: "
+        f"{'met' if result['within_target'] else 'NOT met'}")
+  print(f"wrote {out / 'perf_validation.json'}, {png}")
+
+
+if __name__ == "__main__":
+  common.run_app(main, Config)

@@ -1,0 +1,132 @@
+"""The device-time model fitted to this machine: measured engine steps of the tiny model.
+
+    samples = calibration.measure_steps(lambda: engines.make_engine(block_size=16,
+                                                                    kv_budget_tokens=2048))
+    fit = calibration.fit_cpu(engines.tiny_model()[0], samples)
+    fit.model.step_seconds(shape)        # this CPU's seconds for a step of that shape
+
+The same `perf.DeviceTimeModel` that prices a GPU step prices a CPU one when given the
+CPU's nominal peaks (`CPU`: round figures, not measurements) and efficiencies fitted to
+measured steps: wall seconds of `Engine.step()` against the work its `StepReport` says
+it did, padding included (`StepShape.from_report(padding=True)`: a CPU step costs its
+shape bucket's tokens). Two ways to measure: `measure_steps` (batches stepped in a tight
+loop) and `RecordingWallClock` (the steps of a wall-clock serve loop, each charged what
+the loop paid between step ends: what a serving sweep on this machine pays).
+`perf_validation` predicts a wall-clock serving sweep from the fit and runs it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import numpy as np
+
+from paged_jax import perf
+from paged_jax.bench.clocks import StepSample, WallClock
+
+# Nominal peaks of a 2-core x86 machine (assumed round figures: one AVX2 core does ~50
+# GFLOP/s f32 peak, a laptop-class memory system ~20 GB/s). The fit scales each by an
+# efficiency, so only their ratio to the measured times matters.
+CPU = perf.GpuSpec(name="cpu", hbm_bytes=24 << 30, hbm_bandwidth=20e9, tensor_flops=100e9,
+                   nvlink_bandwidth=10e9, pcie_bandwidth=10e9,
+                   source="nominal: 2 cores x ~50 GFLOP/s f32 (AVX2 FMA), ~20 GB/s DRAM; "
+                   "efficiencies fitted to measured engine steps")
+
+# (requests, prompt tokens, output tokens) of the calibration batches: one request to
+# dozens, short and long prompts, so the steps span decode batches of 1-48 rows at
+# contexts 16-250 and prefill chunks of 16-256 tokens.
+BATCHES = ((1, 200, 24), (2, 24, 40), (4, 120, 24), (8, 40, 32), (16, 90, 24), (24, 16, 48),
+           (32, 60, 16), (48, 24, 24))
+
+Sample = Tuple[perf.StepShape, float]
+
+
+def measure_steps(make_engine: Callable, batches: Sequence[Tuple[int, int, int]] = BATCHES, *,
+                  seed: int = 0, progress=None) -> List[Sample]:
+  """(StepShape with padding, wall seconds of `Engine.step()`) of every step of each batch.
+
+  Each batch (all requests at t = 0, greedy, run to their output length) first runs
+  untimed on a twin of the engine (`fresh_copy`: the same compiled step), so every shape
+  the timed run meets is compiled before it."""
+  from paged_jax.engine import SamplingParams  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng([seed, 5])
+  samples: List[Sample] = []
+  for n, prompt_len, out_len in batches:
+    engine = make_engine()
+    prompts = [rng.integers(0, 256, prompt_len).tolist() for _ in range(n)]
+    params = SamplingParams(max_tokens=out_len, temperature=0.0)
+    engine.fresh_copy().generate(prompts, params)
+    for p in prompts:
+      engine.add_request(p, params)
+    bs = engine.cache_config.block_size
+    while engine.has_unfinished():
+      t0 = time.perf_counter()
+      engine.step()
+      dt = time.perf_counter() - t0
+      report = engine.last_step
+      if report.dispatches == 1 and report.ok:
+        samples.append((perf.StepShape.from_report(report, block_size=bs, padding=True), dt))
+    engine.flush()
+    if progress is not None:
+      progress.update(1)
+  return samples
+
+
+class RecordingWallClock(WallClock):
+  """The wall clock of a serve loop that also records each step's cost as the loop paid it:
+  (StepShape with padding, seconds from the end of the previous step or wait to the end
+  of this step: the engine step plus the loop's own work), and how late each wait woke."""
+
+  def __init__(self, block_size: int):
+    self.block_size = block_size
+    self.samples: List[Sample] = []
+    self.wake_late_s: List[float] = []
+    super().__init__()
+
+  def start(self) -> None:
+    super().start()
+    self._mark = time.perf_counter()
+
+  def stepped(self, step: StepSample) -> None:
+    now = time.perf_counter()
+    report = step.report
+    if report is not None and report.dispatches == 1 and report.ok:
+      shape = perf.StepShape.from_report(report, block_size=self.block_size, padding=True)
+      self.samples.append((shape, now - self._mark))
+    self._mark = now
+
+  def wait_until(self, t: float) -> None:
+    super().wait_until(t)
+    self.wake_late_s.append(max(0.0, self.now() - t))
+    self._mark = time.perf_counter()
+
+
+def grouped(samples: Sequence[Sample], context_quantum: int = 256) -> List[Sample]:
+  """One (shape, median seconds) per group of like steps: same padded tokens, rows and
+  real tokens, total context within `context_quantum` (medians resist a loaded machine)."""
+  groups: Dict[tuple, List[Sample]] = {}
+  for shape, sec in samples:
+    key = (shape.bucket_tokens, shape.num_rows, shape.num_tokens,
+           sum(shape.context_lens) // context_quantum)
+    groups.setdefault(key, []).append((shape, sec))
+  out = []
+  for members in groups.values():
+    times = [s for _, s in members]
+    med = statistics.median(times)
+    out.append((min(members, key=lambda m: abs(m[1] - med))[0], med))
+  return out
+
+
+def cpu_model(model_config) -> perf.DeviceTimeModel:
+  """The tiny model on `CPU` with the catalog's default efficiencies (the fit's start)."""
+  spec = perf.ModelSpec.from_model_config(model_config, name="tiny-byte-llama")
+  return perf.DeviceTimeModel(model=spec, gpu=CPU)
+
+
+def fit_cpu(model_config, samples: Sequence[Sample]) -> perf.FitResult:
+  """The device-time model fitted to `samples` grouped (`grouped`)."""
+  steps = grouped(samples)
+  return perf.fit_efficiency(cpu_model(model_config), [s for s, _ in steps],
+                             [t for _, t in steps])

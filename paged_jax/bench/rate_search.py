@@ -1,0 +1,205 @@
+"""`--rates=auto`: each system's sustainable request rate found by running it.
+
+    found = rate_search.search_systems(["paged", "orca_max"], run, num_requests=150,
+                                       slo_factor=3.0)
+    found["max_rate_at_slo"]["paged"], found["systems"]["paged"]["rates"]
+
+`run(system, rate, num_requests)` serves the first `num_requests` requests of one seeded
+stream arriving at `rate` (rate inf: all at t = 0) and returns `sweep.run_point`'s dict.
+The search, per sweep:
+
+  1. capacity probe of the first system (paged): every request at t = 0; the requests it
+     finishes per second (N / makespan: a lower bound of its saturated throughput, since
+     the batch fills and drains);
+  2. unloaded latency: the first system at 1/20 of the probe's rate, where requests
+     rarely overlap; every system serves a lone request alike (a gate admits it at once),
+     so this one figure sets the SLO = `slo_factor` x it (`latency.slo_from_unloaded`);
+  3. per system, the rate where the normalized latency crosses the SLO: bracketed by
+     steps of x `step` up (under the SLO) or down (over it) from a start (the first
+     system: twice its probe's rate; the others: a hint from the first's answer, e.g.
+     scaled by what their KV memory holds), then bisected until the bracket is within
+     `rel_tol`; `latency.max_rate_at_slo` reads the answer off every point run
+     (interpolated between the two around the crossing).
+
+Each point serves the same `num_requests` requests (common random numbers: a faster rate
+is the same arrivals compressed), so systems differ only in what they sustain.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from paged_jax.bench import latency
+from paged_jax.bench import sweep
+from paged_jax.bench.scale import HarnessScale
+
+UNLOADED_FRACTION = 0.05   # of the probe's rate: the unloaded-latency point
+MIN_REQUESTS = 150         # requests a point serves at least (num_requests=0)
+REQUESTS_PER_SLOT = 4      # ... and this many per request the largest KV memory holds
+PROBE_FACTOR = 2.0         # the first search starts at this x the burst's throughput (a
+#                            burst of N requests fills and drains: it under-reads capacity)
+
+
+def _latency(point: Dict) -> float:
+  return point["summary"]["normalized_latency_s_per_token"]
+
+
+def probe_rate(point: Dict) -> float:
+  """Requests finished per second of a burst (all arriving at t = 0)."""
+  return point["summary"]["throughput_req_s"]
+
+
+def bracket_and_bisect(measure: Callable[[float], float], start: float, slo: float, *,
+                       step: float = 1.5, rel_tol: float = 0.12, max_points: int = 8
+                       ) -> List[Tuple[float, float]]:
+  """(rate, latency) of every rate measured while finding where latency crosses `slo`.
+
+  From `start`: up by x `step` while under the SLO, down by / `step` while over it, until
+  the crossing is bracketed; then bisection (arithmetic) until hi / lo <= 1 + rel_tol.
+  At most `max_points` measurements (the last bracket is what they found)."""
+  if not (math.isfinite(start) and start > 0):
+    raise ValueError(f"start rate must be a finite number > 0, got {start}")
+  seen: Dict[float, float] = {}
+
+  def at(rate: float) -> float:
+    if rate not in seen:
+      seen[rate] = measure(rate)
+    return seen[rate]
+
+  lo, hi, rate = None, None, start
+  while (lo is None or hi is None) and len(seen) < max_points:
+    if at(rate) <= slo:
+      lo = rate
+      rate = rate * step
+    else:
+      hi = rate
+      rate = rate / step
+    if lo is not None and hi is not None and lo > hi:   # latency not monotone: stop
+      break
+  while (lo is not None and hi is not None and lo < hi and hi / lo > 1 + rel_tol
+         and len(seen) < max_points):
+    mid = (lo + hi) / 2
+    if at(mid) <= slo:
+      lo = mid
+    else:
+      hi = mid
+  return sorted(seen.items())
+
+
+def search_systems(systems: Sequence[str], run: Callable[[str, float, int], Dict], *,
+                   num_requests: int, slo_factor: float,
+                   start_hint: Optional[Callable[[str, float], float]] = None,
+                   step: float = 1.5, rel_tol: float = 0.25, max_points: int = 6,
+                   unloaded_requests: int = 24) -> Dict:
+  """The search of the module docstring over `systems` (the first sets the SLO).
+
+  The first system's search starts at PROBE_FACTOR x its burst throughput; each later
+  one's at `start_hint(system, first system's max rate)` (default: that rate).
+
+  Returns {"slo_s_per_token", "unloaded_s_per_token": {system: s/token (the first's, for
+  all)}, "max_rate_at_slo", "max_rate_at_slo_interpolated" (latency.max_rate_at_slo),
+  "probe_req_s": {first system: burst throughput}, "start_rate": {system: rate},
+  "rates": {system: [rates run, ascending]}, "points": {system: [their run_point dicts]},
+  "unloaded_rate", "unloaded_point": run_point dict}.
+  """
+  if not systems:
+    raise ValueError("systems is empty")
+  first = systems[0]
+  probe = probe_rate(run(first, math.inf, num_requests))
+  calm = probe * UNLOADED_FRACTION
+  unloaded_point = run(first, calm, min(unloaded_requests, num_requests))
+  unloaded = _latency(unloaded_point)
+  slo = latency.slo_from_unloaded([unloaded], slo_factor)
+  points: Dict[str, List[Dict]] = {}
+  rates: Dict[str, List[float]] = {}
+  starts: Dict[str, float] = {}
+  found = {}
+  for system in systems:
+    if system == first:
+      starts[system] = PROBE_FACTOR * probe
+    else:
+      ref = found[first]["interpolated"] or found[first]["swept"] or probe
+      starts[system] = start_hint(system, ref) if start_hint else ref
+    runs: Dict[float, Dict] = {}
+
+    def measure(rate: float, system=system, runs=runs) -> float:
+      runs[rate] = run(system, rate, num_requests)
+      return _latency(runs[rate])
+
+    curve = bracket_and_bisect(measure, starts[system], slo, step=step, rel_tol=rel_tol,
+                               max_points=max_points)
+    points[system] = [runs[r] for r, _ in curve]
+    rates[system] = [r for r, _ in curve]
+    found[system] = latency.max_rate_at_slo(rates[system], [v for _, v in curve], slo)
+  return {"slo_s_per_token": slo, "unloaded_s_per_token": dict.fromkeys(systems, unloaded),
+          "max_rate_at_slo": {s: v["swept"] for s, v in found.items()},
+          "max_rate_at_slo_interpolated": {s: v["interpolated"] for s, v in found.items()},
+          "probe_req_s": {first: probe}, "start_rate": starts, "rates": rates,
+          "points": points, "unloaded_rate": calm, "unloaded_point": unloaded_point}
+
+
+def sweep_auto(systems: Sequence[str], *, workload: str, seed: int, num_requests: int,
+               kv_budget_tokens: int, block_size: int, max_len: int, slo_factor: float,
+               mode: Optional[Dict] = None, clock_fn: Callable, headroom: float = 1.5,
+               max_seqs_cap: int = 256, preemption_mode: str = "recompute",
+               progress: Optional[Callable] = None, scale: HarnessScale,
+               engine_fn, max_points: int = 6) -> Dict:
+  """`sweep.sweep_systems` with each system's rates found by `search_systems`.
+
+  Every point serves the first `num_requests` of one seeded stream (its lengths at
+  `scale`) at the point's rate, on a fresh engine from `engine_fn` sized by
+  `sweep.system_sizes` on the whole stream (`engine_fn`: one for all, or {system: fn}:
+  e.g. prefix caching for paged only). num_requests 0: REQUESTS_PER_SLOT x the most
+  requests any system's KV memory holds at once (at least MIN_REQUESTS), so a run is long
+  against a request's life (counting at most max_seqs_cap, the most any system runs at
+  once). Returns {"systems": {NAME: sweep.curve(...) over the rates run}, "sizes",
+  "num_requests", and `search_systems`' keys but "points"}.
+  """
+  from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
+  mode = mode or {}
+  num_seqs = max(mode.get("n", 1), mode.get("beam_width", 1))
+  if num_requests == 0:
+    sample = sweep.rate_stream(workload, 1.0, None, seed, max_len, MIN_REQUESTS, scale)
+    conc = min(max_seqs_cap, max(sweep.system_sizes(
+        s, sample, kv_budget_tokens=kv_budget_tokens, block_size=block_size, max_len=max_len,
+        num_seqs=num_seqs, max_seqs_cap=max_seqs_cap)["memory_concurrency"] for s in systems))
+    num_requests = max(MIN_REQUESTS, math.ceil(REQUESTS_PER_SLOT * conc))
+  base = sweep.rate_stream(workload, 1.0, None, seed, max_len, num_requests, scale)
+  bar = progress or (lambda total, desc: contextlib.nullcontext())
+  sizes: Dict[str, Dict] = {}
+  current = [None]
+
+  def size(system: str) -> Dict:
+    if system not in sizes:
+      sizes[system] = sweep.system_sizes(
+          system, base, kv_budget_tokens=kv_budget_tokens, block_size=block_size,
+          max_len=max_len, num_seqs=num_seqs, headroom=headroom, max_seqs_cap=max_seqs_cap)
+    return sizes[system]
+
+  def run(system: str, rate: float, n: int) -> Dict:
+    if current[0] not in (None, system):
+      release_compiled()   # the next system's engine has other shapes
+    current[0] = system
+    reqs = sweep.rate_stream(workload, rate, None, seed, max_len, n, scale)
+    fn = sweep.engine_for(engine_fn, system)
+    with bar(len(reqs), f"{system} {rate:.3g} req/s") as b:
+      return sweep.run_point(system, reqs, kv_budget_tokens=kv_budget_tokens,
+                             block_size=block_size, max_len=max_len, sizes=size(system),
+                             params_fn=sweep.sampling(mode), clock=clock_fn(), progress=b,
+                             preemption_mode=preemption_mode, engine_fn=fn,
+                             max_num_batched_tokens=scale.max_num_batched_tokens)
+
+  def hint(system: str, first_rate: float) -> float:
+    """The first system's rate scaled by the requests each one's KV memory holds."""
+    return (first_rate * size(system)["memory_concurrency"]
+            / size(systems[0])["memory_concurrency"])
+
+  found = search_systems(systems, run, num_requests=num_requests, slo_factor=slo_factor,
+                         max_points=max_points, start_hint=hint)
+  release_compiled()
+  points = found.pop("points")
+  found["unloaded_point"] = found["unloaded_point"]["summary"]
+  curves = {s: sweep.curve(found["rates"][s], points[s]) for s in systems}
+  return {"systems": curves, "sizes": sizes, "num_requests": num_requests, **found}
