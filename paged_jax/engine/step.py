@@ -185,7 +185,8 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     b, _ = bm.fork(b, inp.fork_src, inp.fork_dst)
     if ps is not None:
       ps, b, hits = prefix_step.attach(ps, b, inp.attach_slot, inp.attach_len,
-                                       inp.attach_start, inp.attach_tokens)
+                                       inp.attach_start, inp.attach_tokens, inp.attach_root,
+                                       inp.attach_tag)
       ps, b = prefix_step.evict_for(ps, b, inp, num_decode_steps=num_decode_steps,
                                     max_evict=max_evict)
     blocks = b

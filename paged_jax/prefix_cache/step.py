@@ -88,7 +88,7 @@ def free(ps: PrefixStepState, blocks: bm.BlockState, free_slots):
 
 
 def attach(ps: PrefixStepState, blocks: bm.BlockState, attach_slot, attach_len,
-           attach_start, attach_tokens):
+           attach_start, attach_tokens, attach_root=None, attach_tag=None):
   """Attaches the longest cached prefix of each newly admitted prompt.
 
   Args:
@@ -96,6 +96,8 @@ def attach(ps: PrefixStepState, blocks: bm.BlockState, attach_slot, attach_len,
     attach_len: i32[A], prompt tokens to look up (>= 1 where used).
     attach_start: i32[A], offset of each prompt in `attach_tokens`.
     attach_tokens: i32[LK], the prompts packed one after the other.
+    attach_root, attach_tag: u32[A, 2] / i32[A], each prompt's cache salt
+      (`salt.salt_key`; None: every prompt unsalted).
   Returns:
     (ps, blocks, hit_tokens i32[max_seqs]): cached tokens each attached slot
     starts with (0 for other slots).
@@ -104,13 +106,19 @@ def attach(ps: PrefixStepState, blocks: bm.BlockState, attach_slot, attach_len,
   buf = jnp.concatenate([attach_tokens, jnp.zeros((max_len,), _I32)])
   num = jnp.sum((attach_slot >= 0).astype(_I32))
   lane = lax.iota(_I32, max_len)
+  if attach_root is None:
+    attach_root = jnp.broadcast_to(jnp.asarray(pc.ROOT_HASH, jnp.uint32),
+                                   attach_slot.shape + (2,))
+  if attach_tag is None:
+    attach_tag = jnp.zeros_like(attach_slot)
 
   def body(i, carry):
     cache, b, hits = carry
     n = attach_len[i]
     tok = lax.dynamic_slice(buf, (attach_start[i],), (max_len,))
     tok = jnp.where(lane < n, tok, 0)
-    cache, b, hit, _ = pc.attach(cache, b, attach_slot[i], tok, n)
+    cache, b, hit, _ = pc.attach(cache, b, attach_slot[i], tok, n, attach_root[i],
+                                 attach_tag[i])
     return cache, b, hits.at[attach_slot[i]].set(hit, mode="drop")
 
   hits = jnp.zeros((blocks.max_seqs,), _I32)
