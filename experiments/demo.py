@@ -34,7 +34,10 @@ class DemoSizes:
   sweep_engine_block_sizes: tuple = (4, 16, 64, 256)
   sweep_engine_requests: int = 32
   throughput_requests: int = 48
-  prefix_requests: int = 24
+  # Enough requests that the pool (4,096 token slots) bounds the batch without caching
+  # (the full experiment's memory-bound regime): with 24 every request fit at once, so
+  # caching could not raise the batch and the rows measured only its per-step cost.
+  prefix_requests: int = 64
   sharing_requests: int = 8
   sharing_widths: tuple = (2, 4, 6)
   paper_scale_requests: int = 60

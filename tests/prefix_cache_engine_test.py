@@ -201,3 +201,27 @@ def test_swap_preemption_with_caching_stays_exact():
   eng = make(True, preemption_mode="swap")
   assert outputs(eng.generate(prompts, greedy(20))) == off
   assert eng.num_swaps > 0 and eng.prefix_stats()["hit_blocks"] > 0
+
+
+def test_cache_salt_isolates_tenants_and_hits_within_one():
+  rng = np.random.default_rng(8)
+  p0, p1 = shared_prefix_prompts(rng, 2, 20, max_suffix=4)       # 5 shared full blocks
+  off = outputs(make(False).generate([p0, p1], greedy(3)))
+  eng = make(True)
+
+  def hit_tokens(prompt, salt, expected_output):
+    before = eng.metrics()["prefix_hit_tokens"]
+    assert outputs(eng.generate([prompt], greedy(3, cache_salt=salt))) == [expected_output]
+    return eng.metrics()["prefix_hit_tokens"] - before
+
+  assert hit_tokens(p0, "a", off[0]) == 0
+  assert hit_tokens(p1, "b", off[1]) == 0       # another salt's prefix: no hit
+  assert hit_tokens(p1, None, off[1]) == 0      # nor for unsalted requests
+  assert hit_tokens(p1, "a", off[1]) == 20      # its own salt's: the unsalted hit (5 blocks)
+
+
+@pytest.mark.parametrize("salt", [5, b"a", "", "x" * 1025, ["a"]])
+def test_bad_cache_salt_is_a_one_line_error_naming_it(salt):
+  with pytest.raises(ValueError, match="cache_salt must be None or a str") as e:
+    SamplingParams(cache_salt=salt)
+  assert "\n" not in str(e.value)

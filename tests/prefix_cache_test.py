@@ -66,10 +66,13 @@ class Driver:
     self.cache, self.blocks = pc.init(cfg, **kw), bm.init(cfg)
     self.ops = ops
 
-  def admit(self, slot, tokens):
-    """Returns hit tokens; the slot then holds all of `tokens`, full blocks registered."""
+  def admit(self, slot, tokens, salt=None):
+    """Returns hit tokens; the slot then holds all of `tokens`, full blocks registered
+    (under cache salt `salt`)."""
+    root, tag = pc.salt_key(salt)
     self.cache, self.blocks, hit, status = self.ops.attach(self.cache, self.blocks, slot,
-                                                           padded(tokens), len(tokens))
+                                                           padded(tokens), len(tokens),
+                                                           np.asarray(root, np.uint32), tag)
     assert int(status) == OK
     hit = int(hit)
     rest = np.zeros((S,), np.int32)
@@ -92,8 +95,10 @@ class Driver:
     self.cache, self.blocks, status = self.ops.free(self.cache, self.blocks, np.int32(slot))
     assert int(status) == OK
 
-  def lookup(self, tokens):
-    n, ids = self.ops.lookup(self.cache, padded(tokens), len(tokens))
+  def lookup(self, tokens, salt=None):
+    root, tag = pc.salt_key(salt)
+    n, ids = self.ops.lookup(self.cache, padded(tokens), len(tokens),
+                             np.asarray(root, np.uint32), tag)
     return int(n), np.asarray(ids)
 
   def check_invariants(self):
@@ -171,6 +176,25 @@ def test_lookup_matches_python_model_of_registered_prefixes(seed, mode):
     d.check_invariants()
   if mode == "chained":
     assert int(d.cache.hit_blocks) > 0
+
+
+@pytest.mark.parametrize("mode", pc.HASH_MODES)
+def test_cache_salts_never_share_blocks_even_when_every_hash_collides(mode):
+  d = Driver(hash_mode=mode, max_probe=64)
+  a = [int(t) for t in np.random.default_rng(7).integers(0, 50, 17)]   # 4 full blocks + 1
+  assert d.admit(0, a, salt="tenant-a") == 0
+  # Same tokens: another salt and the unsalted namespace miss from the first block
+  # (in "constant" mode every hash is equal: only the exact salt tag keeps them apart).
+  assert d.lookup(a, salt="tenant-b")[0] == 0 and d.lookup(a)[0] == 0
+  assert d.lookup(a, salt="tenant-a")[0] == 4
+  assert d.admit(1, a, salt="tenant-b") == 0          # registers its own copy
+  assert d.admit(2, a, salt="tenant-a") == 16 and d.admit(3, a, salt="tenant-b") == 16
+  c = jax.device_get(d.cache)
+  depth0 = np.asarray(c.cached) & (np.asarray(c.block_depth) == 0)
+  assert depth0.sum() == 2                            # one first block per salt
+  assert d.lookup(a)[0] == 0
+  d.check_invariants()
+  assert pc.salt_key("tenant-a") != pc.salt_key("tenant-b") and pc.salt_key(None)[1] == 0
 
 
 @settings(max_examples=6, deadline=None)

@@ -19,6 +19,7 @@ from paged_jax.engine.params import MAX_STOP_IDS
 from paged_jax.engine.planning import Planner
 from paged_jax.engine.sequence import Batch, Group, Sequence
 from paged_jax.engine.step import StepInputs
+from paged_jax.prefix_cache import ROOT_HASH, salt_key
 
 
 def empty_inputs(num_tokens: int, max_seqs: int, lookup_len: int,
@@ -36,7 +37,9 @@ def empty_inputs(num_tokens: int, max_seqs: int, lookup_len: int,
               top_p=np.ones((s,), np.float32), seed=i32(s), sample_index=i32(s),
               remaining=i32(s, 1), stop_ids=np.full((s, MAX_STOP_IDS), -1, np.int32),
               multi_step=np.zeros((s,), np.bool_), attach_slot=i32(s, -1), attach_len=i32(s),
-              attach_start=i32(s), attach_tokens=i32(lookup_len))
+              attach_start=i32(s), attach_tokens=i32(lookup_len),
+              attach_root=np.tile(np.asarray(ROOT_HASH, np.uint32), (s, 1)),
+              attach_tag=i32(s))
 
 
 def lookup_len(cache_config: CacheConfig, max_num_batched_tokens: int) -> int:
@@ -111,6 +114,7 @@ def build_inputs(batch: Batch, running: Seq[Group], *, buckets: StepBuckets, max
     n = Planner.lookup_len(owner[id(seq)])
     a["attach_slot"][i], a["attach_len"][i], a["attach_start"][i] = seq.slot, n, start
     a["attach_tokens"][start:start + n] = seq.tokens[:n]
+    a["attach_root"][i], a["attach_tag"][i] = salt_key(owner[id(seq)].params.cache_salt)
     start += n
   # The row bucket must give every sampled slot a lane (the step samples R lanes).
   assert np.sum(a["sample_row"] >= 0) <= bucket.rows, (np.sum(a["sample_row"] >= 0), bucket)

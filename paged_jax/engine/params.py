@@ -14,6 +14,7 @@ MAX_INT = 2**31 - 1          # int32 device arrays hold every int field
 MAX_SEQS = 2**20             # CacheConfig's largest max_seqs
 MAX_SEED = 2**31 - 1 - 4096  # sample j draws from seed + j (j < max_seqs in practice)
 MAX_TEMPERATURE = 1e4
+MAX_SALT_LEN = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,10 @@ class SamplingParams:
     beam_width: 1 = no beam search; > 1 = beam search (needs temperature 0);
       returns the n best hypotheses (n <= beam_width).
     stop_token_ids: up to 8 ids that end a sequence (the stop id is kept).
+    cache_salt: None (share the prefix cache with every unsalted request) or a
+      non-empty str of at most 1024 characters: cached blocks are shared only among
+      requests with the same salt (vLLM's `cache_salt`: one tenant cannot learn by
+      timing what another's prompt began with).
   """
   max_tokens: int = 16
   temperature: float = 1.0
@@ -42,6 +47,7 @@ class SamplingParams:
   n: int = 1
   beam_width: int = 1
   stop_token_ids: tuple = ()
+  cache_salt: Optional[str] = None
 
   def __post_init__(self):
     def need_int(name, lo, hi):
@@ -78,6 +84,11 @@ class SamplingParams:
       raise ValueError(f"stop_token_ids must be a sequence of at most {MAX_STOP_IDS} ids in "
                        f"[0, {MAX_INT}], got {ids!r}")
     object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+    salt = self.cache_salt
+    if salt is not None and not (isinstance(salt, str) and 1 <= len(salt) <= MAX_SALT_LEN):
+      shown = repr(salt) if isinstance(salt, str) else type(salt).__name__
+      raise ValueError(f"cache_salt must be None or a str of 1 to {MAX_SALT_LEN} characters, "
+                       f"got {shown[:80]}")
     if self.beam_width > 1:
       if self.temperature != 0:
         raise ValueError(f"beam search (beam_width={self.beam_width}) needs temperature=0, "

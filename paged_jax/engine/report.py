@@ -118,7 +118,7 @@ class Before:
         preempted_ids=tuple(g.request_id for g in preempted),
         prefill_chunks=self.prefill_chunks if ok else (),
         decode_rows=self.decode_rows if ok else (),
-        prefix_hit_tokens=sum(q.num_computed for q in batch.attaches) if ok else 0,
+        prefix_hit_tokens=sum(batch.attach_hits) if ok else 0,
         cow_copies=int(outputs.cow_copies),
         decode_loop_rows=tuple(int(v) for v in np.asarray(outputs.valid)[1:].sum(axis=1))
         if ok else ())

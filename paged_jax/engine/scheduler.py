@@ -241,26 +241,32 @@ class Scheduler(Planner):
     chunks, post-forks and tokens only when `outputs.ok` (the reservations succeeded;
     otherwise the newest group is preempted and the next plan re-plans)."""
     self.counts = DeviceCounts.of(outputs)
-    for seq in batch.attaches:
+    ok = bool(outputs.ok)
+    chunked = {id(ch.seq) for ch in batch.chunks} if ok else set()
+    batch.attach_hits = [int(outputs.hit_tokens[seq.slot]) for seq in batch.attaches]
+    for seq, hit in zip(batch.attaches, batch.attach_hits):
       seq.on_device = True
-      seq.num_computed = int(outputs.hit_tokens[seq.slot])
+      # With a chunk that ran, the chunk (planned from 0, its hit tokens skipped on
+      # device) covers the hit; its tokens are counted computed below.
+      seq.num_computed = 0 if id(seq) in chunked else hit
     for _, child in batch.forks:
       child.on_device = True
-    if not bool(outputs.ok):   # a reservation failed on device: nothing ran
+    if not ok:   # a reservation failed on device: nothing ran
       self.stats["out_of_blocks_retries"] += 1
       self.preempt_newest()
       return []
     stats = self.stats
     stats["steps"] += bool(batch.chunks or batch.attaches or batch.swap_in)   # not frees-only
     stats["loop_out_of_blocks"] += int(outputs.loop_out_of_blocks)
+    hit_of = {id(q): h for q, h in zip(batch.attaches, batch.attach_hits)}
     for ch in batch.chunks:
       seq, nc = ch.seq, ch.seq.num_computed
-      stats["prefill_tokens"] += max(0, min(nc + ch.num_tokens, seq.prompt_len) - nc)
-      stats["computed_tokens"] += ch.num_tokens
+      nc_run = max(nc, hit_of.get(id(seq), 0))     # the hit tokens were not computed
+      stats["prefill_tokens"] += max(0, min(nc + ch.num_tokens, seq.prompt_len) - nc_run)
+      stats["computed_tokens"] += nc + ch.num_tokens - nc_run
       seq.on_device = True
       seq.last_block_shared = False
-    for seq in batch.attaches:
-      stats["prefix_hit_tokens"] += seq.num_computed
+    stats["prefix_hit_tokens"] += sum(batch.attach_hits)
     for leader, child in batch.post_forks:
       child.on_device = True
       child.pending_fork = False

@@ -113,6 +113,8 @@ class Batch:
   swap_in: List[Group] = dataclasses.field(default_factory=list)
   preempted: List[Group] = dataclasses.field(default_factory=list)
   attaches: List[Sequence] = dataclasses.field(default_factory=list)  # prefix lookups
+  # hit tokens of each attach, set by `Scheduler.update` from the step's outputs
+  attach_hits: List[int] = dataclasses.field(default_factory=list)
 
   @property
   def num_tokens(self) -> int:

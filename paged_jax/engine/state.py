@@ -74,7 +74,9 @@ class StepInputs:
     the sequence finishes; it may continue in the decode loop and is freed by the step
     that finishes it).
   Prefix caching (lanes [S], used lanes first): attach_slot (-1 pad),
-    attach_len, attach_start (offset in attach_tokens i32[LK], the packed prompts).
+    attach_len, attach_start (offset in attach_tokens i32[LK], the packed prompts),
+    attach_root u32[S, 2] / attach_tag (the request's cache salt,
+    `prefix_cache.salt_key`).
   """
   tokens: jax.Array
   positions: jax.Array
@@ -101,6 +103,8 @@ class StepInputs:
   attach_len: jax.Array
   attach_start: jax.Array
   attach_tokens: jax.Array
+  attach_root: jax.Array
+  attach_tag: jax.Array
 
 
 @flax.struct.dataclass
@@ -146,17 +150,19 @@ def check_inputs(inp: StepInputs, max_seqs: int) -> None:
          inp.free_slots, inp.fork_src, inp.fork_dst, inp.alloc_tokens, inp.append_tokens,
          inp.sample_row, inp.post_fork_src, inp.post_fork_dst, inp.top_k, inp.seed,
          inp.sample_index, inp.remaining, inp.stop_ids, inp.attach_slot, inp.attach_len,
-         inp.attach_start, inp.attach_tokens]
+         inp.attach_start, inp.attach_tokens, inp.attach_tag]
   chex.assert_type(i32, jnp.int32)
   chex.assert_type([inp.temperature, inp.top_p], jnp.float32)
   chex.assert_type(inp.multi_step, jnp.bool_)
+  chex.assert_type(inp.attach_root, jnp.uint32)
+  chex.assert_shape(inp.attach_root, (max_seqs, 2))
   chex.assert_shape([inp.tokens, inp.positions, inp.token_row], (t,))
   chex.assert_shape([inp.row_slot, inp.row_q_len, inp.fork_src, inp.fork_dst,
                      inp.post_fork_src, inp.post_fork_dst], (r,))
   chex.assert_shape([inp.free_slots, inp.alloc_tokens, inp.append_tokens, inp.sample_row,
                      inp.temperature, inp.top_k, inp.top_p, inp.seed, inp.sample_index,
                      inp.remaining, inp.multi_step, inp.attach_slot, inp.attach_len,
-                     inp.attach_start], (max_seqs,))
+                     inp.attach_start, inp.attach_tag], (max_seqs,))
   chex.assert_shape(inp.stop_ids, (max_seqs, MAX_STOP_IDS))
   chex.assert_rank(inp.attach_tokens, 1)
   if not 1 <= r <= max_seqs:

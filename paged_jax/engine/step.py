@@ -12,8 +12,9 @@ and `sequence.Batch`, scheduler.py and docs/architecture.md point here.
   1. free      `free_slots`                  (preempted / dropped / aborted sequences)
   2. fork      `fork_src -> fork_dst`        (beam search: new beams share a parent's blocks)
   2b. with prefix caching: attach the longest cached prefix of newly admitted
-     prompts (`attach_*`; hits reported in `hit_tokens`), then evict LRU
-     cache-only blocks until the step's worst-case block need is free
+     prompts (`attach_*`; hits reported in `hit_tokens`), take the hit tokens out of
+     their first chunks (planned from position 0: `prefix_cache.step.skip_hits`),
+     then evict LRU cache-only blocks until the step's worst-case block need is free
   3. reserve   allocate first chunks, append later chunks (copy-on-write pairs)
      -> if any reservation fails, steps 3-9 are no-ops (frees, forks, attaches
         and evictions stand) and `ok` is False: the host commits those, preempts
@@ -237,7 +238,9 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     b, _ = bm.fork(b, inp.fork_src, inp.fork_dst)
     if ps is not None:
       ps, b, hits = prefix_step.attach(ps, b, inp.attach_slot, inp.attach_len,
-                                       inp.attach_start, inp.attach_tokens)
+                                       inp.attach_start, inp.attach_tokens, inp.attach_root,
+                                       inp.attach_tag)
+      inp = prefix_step.skip_hits(inp, hits)
       ps, b = prefix_step.evict_for(ps, b, inp, num_decode_steps=num_decode_steps,
                                     max_evict=max_evict)
     blocks = b

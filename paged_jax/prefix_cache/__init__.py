@@ -7,6 +7,7 @@ its one jitted step. Modules (imports run one way: step -> evict, core -> state)
   core   hashing, lookup / attach, register, fork_chain, counters
   evict  LRU ring: release, free, uncache, ensure_free, reset (and the
          O(num_blocks) reference order `lru_victims` the tests compare with)
+  salt   salt_key: a request's cache salt as the root of its hash chain
   step   the engine-step pieces: free, attach, evict_for, after (PrefixStepState)
 
     from paged_jax import prefix_cache as pc
@@ -20,8 +21,9 @@ from paged_jax.prefix_cache.evict import (ensure_free, free, lru_victims, releas
                                           touch, uncache)
 from paged_jax.prefix_cache.state import (HASH_MODES, ROOT_HASH, PrefixCacheState,
                                           check_states, init)
+from paged_jax.prefix_cache.salt import salt_key
 
 __all__ = ["HASH_MODES", "ROOT_HASH", "PrefixCacheState", "attach", "chain_hash",
            "check_states", "ensure_free", "fork_chain", "free", "hit_rate", "init", "lookup",
            "lru_victims", "num_cached_blocks", "num_evictable", "register", "release", "reset",
-           "touch", "uncache"]
+           "salt_key", "touch", "uncache"]

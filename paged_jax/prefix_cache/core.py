@@ -9,6 +9,12 @@ that block's current generation. So a hash collision can never share wrong
 K/V (the hash only finds candidates), and a stale child of an evicted and
 reused parent is never reachable (the parent's generation moved on).
 
+Cache salt (`SamplingParams(cache_salt=...)`, vLLM's per-tenant isolation): a
+salted request's chain starts from the salt's root hash instead of `ROOT_HASH`
+(`salt.salt_key`), and its depth-0 blocks record the salt's tag where other blocks
+record their parent's generation, so blocks of requests with different salts
+never match, even under a hash collision (the tag is compared exactly).
+
 Reference counting: the cache holds ONE reference on every cached block, on
 top of the block-table references. A cached block no sequence uses therefore
 has `ref_count == 1` (the paper's "ref count 0, content kept") and is never on
@@ -115,7 +121,7 @@ def _probe(cache: PrefixCacheState, h, tokens, depth, parent, parent_gen):
 
 # ---- lookup / attach -----------------------------------------------------------------
 
-def lookup(cache: PrefixCacheState, tokens, length):
+def lookup(cache: PrefixCacheState, tokens, length, root=None, tag=0):
   """Longest cached prefix of a prompt, in whole blocks; changes nothing.
 
   Args:
@@ -123,6 +129,7 @@ def lookup(cache: PrefixCacheState, tokens, length):
     length: i32[] prompt length. At most `(length - 1) // block_size` blocks
       can hit, so at least the last prompt token is recomputed (its logits
       are needed) and it lands in a fresh, uncached block.
+    root, tag: u32[2] / i32[], the request's salt (`salt.salt_key`; default unsalted).
   Returns:
     (num_hit_blocks i32[], block_ids i32[L // block_size], -1 past the hits,
     hashes u32[L // block_size, 2] of the hit blocks).
@@ -152,15 +159,16 @@ def lookup(cache: PrefixCacheState, tokens, length):
     return (j + ok.astype(_I32), jnp.where(ok, hit, parent),
             jnp.where(ok, cache.block_gen[hc], pgen), jnp.where(ok, h, h_par), ids, ok)
 
-  root = jnp.asarray(ROOT_HASH, _U32)
-  init_c = (jnp.zeros((), _I32), jnp.full((), -1, _I32), jnp.zeros((), _I32), root,
+  root = jnp.asarray(ROOT_HASH if root is None else root, _U32)
+  init_c = (jnp.zeros((), _I32), jnp.full((), -1, _I32), jnp.asarray(tag, _I32), root,
             jnp.full((n_max_static,), -1, _I32), jnp.ones((), jnp.bool_))
   n_hit, _, _, _, ids, _ = lax.while_loop(cond, body, init_c)
   ids = jnp.where(lax.iota(_I32, n_max_static) < n_hit, ids, -1)
   return n_hit, ids
 
 
-def attach(cache: PrefixCacheState, blocks: bm.BlockState, slot, tokens, length):
+def attach(cache: PrefixCacheState, blocks: bm.BlockState, slot, tokens, length, root=None,
+           tag=0):
   """Activates inactive `slot` holding its prompt's longest cached prefix.
 
   The hit blocks join the slot's table (ref_count += 1 each), `seq_lens[slot]
@@ -171,6 +179,8 @@ def attach(cache: PrefixCacheState, blocks: bm.BlockState, slot, tokens, length)
   Args:
     slot: i32[] in [0, max_seqs), inactive.
     tokens: i32[L] prompt ids (L >= length, static); length: i32[] in [1, max_seq_len].
+    root, tag: u32[2] / i32[], the request's salt (`salt.salt_key`; default unsalted): its
+      chain starts there, so it hits only blocks registered under the same salt.
   Returns:
     (cache, blocks, hit_tokens i32[], status i32[]): INVALID (slot out of range
     or active, length < 1 or > L), TOO_LONG (length > max_seq_len); on failure
@@ -188,7 +198,9 @@ def attach(cache: PrefixCacheState, blocks: bm.BlockState, slot, tokens, length)
   too_long = ~bad & (length > blocks.max_seq_len)
   ok = ~bad & ~too_long
   status = jnp.where(bad, INVALID, jnp.where(too_long, TOO_LONG, OK)).astype(_I32)
-  n_hit, ids = lookup(cache, tokens, jnp.where(ok, length, 0))
+  root = jnp.asarray(ROOT_HASH if root is None else root, _U32)
+  tag = jnp.asarray(tag, _I32)
+  n_hit, ids = lookup(cache, tokens, jnp.where(ok, length, 0), root, tag)
   n_hit = jnp.minimum(n_hit, p)
   ids = ids[:p] if ids.shape[0] >= p else jnp.pad(ids, (0, p - ids.shape[0]), constant_values=-1)
   ids = jnp.where(lax.iota(_I32, p) < n_hit, ids, -1)
@@ -198,7 +210,7 @@ def attach(cache: PrefixCacheState, blocks: bm.BlockState, slot, tokens, length)
   last = jnp.where(n_hit > 0, ids[jnp.maximum(n_hit - 1, 0)], -1)
   lc = jnp.clip(last, 0, nb - 1)
   queried = jnp.where(ok, jnp.clip((length - 1) // bs, 0, p), 0)
-  h_last = jnp.where(n_hit > 0, cache.block_hash[lc], jnp.asarray(ROOT_HASH, _U32))
+  h_last = jnp.where(n_hit > 0, cache.block_hash[lc], root)
   blocks = blocks.replace(
       ref_count=blocks.ref_count.at[keys].add(1, mode="drop"),
       block_tables=blocks.block_tables.at[row].set(ids, mode="drop"),
@@ -208,7 +220,7 @@ def attach(cache: PrefixCacheState, blocks: bm.BlockState, slot, tokens, length)
       last_used=cache.last_used.at[keys].set(cache.clock, mode="drop"),
       chain_block=cache.chain_block.at[row].set(last, mode="drop"),
       chain_gen=cache.chain_gen.at[row].set(
-          jnp.where(n_hit > 0, cache.block_gen[lc], 0), mode="drop"),
+          jnp.where(n_hit > 0, cache.block_gen[lc], tag), mode="drop"),
       chain_hash=cache.chain_hash.at[row].set(h_last, mode="drop"),
       chain_len=cache.chain_len.at[row].set(n_hit, mode="drop"),
       chain_ok=cache.chain_ok.at[row].set(True, mode="drop"),

@@ -68,8 +68,22 @@ def release(cache: PrefixCacheState, blocks: bm.BlockState, slot_mask):
   entries are dropped and the live ones among them evicted now: they are the
   least recently used, and no evictable block is ever lost to the ring.
   Returns (cache, blocks).
+
+  Most engine steps free no slot: they skip the work (a sort over the slots' blocks,
+  measured ~0.5 ms of a ~2.5 ms decode step of the shipped model on this project's
+  CPU machine, run twice per step) and only advance the clock, as a release of no
+  block does.
   """
   slot_mask = _slot_mask(cache, blocks, slot_mask)
+  return lax.cond(jnp.any(slot_mask), _release, _release_nothing, cache, blocks, slot_mask)
+
+
+def _release_nothing(cache: PrefixCacheState, blocks: bm.BlockState, slot_mask):
+  del slot_mask
+  return cache.replace(clock=cache.clock + 1), blocks
+
+
+def _release(cache: PrefixCacheState, blocks: bm.BlockState, slot_mask):
   nb = blocks.num_blocks
   stamp = cache.clock
   cache = touch(cache, blocks, slot_mask)

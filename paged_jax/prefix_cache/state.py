@@ -29,7 +29,8 @@ class PrefixCacheState:
     block_hash: u32[NB, 2], chained hash of each cached block.
     block_tokens: i32[NB, block_size], token ids held (exact verification).
     block_parent: i32[NB], physical parent block in the chain (-1 at depth 0).
-    block_parent_gen: i32[NB], parent's generation when this block registered.
+    block_parent_gen: i32[NB], parent's generation when this block registered
+      (depth 0: the salt tag of its request, 0 unsalted; `salt.salt_key`).
     block_gen: i32[NB], bumped on every (re)registration of the block.
     block_depth: i32[NB], logical block index within its sequence.
     cached: bool[NB], block is registered (holds the cache's reference).
@@ -37,8 +38,8 @@ class PrefixCacheState:
     table_pos: i32[NB], the block's slot in `table` (-1 when not cached).
     table: i32[H], block id per hash-table slot, -1 empty.
     chain_block, chain_gen: i32[S], canonical cached block (and its generation)
-      of the slot's last registered logical block; -1 / 0 before the first.
-    chain_hash: u32[S, 2], its hash (the root hash before the first).
+      of the slot's last registered logical block; -1 / the salt tag before the first.
+    chain_hash: u32[S, 2], its hash (the salt's root hash before the first).
     chain_len: i32[S], logical blocks of the slot registered or hit so far.
     chain_ok: bool[S], the slot may register further blocks.
     clock: i32[], logical time, advanced by every op that uses blocks.

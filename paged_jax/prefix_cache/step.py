@@ -89,7 +89,7 @@ def free(ps: PrefixStepState, blocks: bm.BlockState, free_slots):
 
 
 def attach(ps: PrefixStepState, blocks: bm.BlockState, attach_slot, attach_len,
-           attach_start, attach_tokens):
+           attach_start, attach_tokens, attach_root=None, attach_tag=None):
   """Attaches the longest cached prefix of each newly admitted prompt.
 
   Args:
@@ -97,6 +97,8 @@ def attach(ps: PrefixStepState, blocks: bm.BlockState, attach_slot, attach_len,
     attach_len: i32[A], prompt tokens to look up (>= 1 where used).
     attach_start: i32[A], offset of each prompt in `attach_tokens`.
     attach_tokens: i32[LK], the prompts packed one after the other.
+    attach_root, attach_tag: u32[A, 2] / i32[A], each prompt's cache salt
+      (`salt.salt_key`; None: every prompt unsalted).
   Returns:
     (ps, blocks, hit_tokens i32[max_seqs]): cached tokens each attached slot
     starts with (0 for other slots).
@@ -105,18 +107,62 @@ def attach(ps: PrefixStepState, blocks: bm.BlockState, attach_slot, attach_len,
   buf = jnp.concatenate([attach_tokens, jnp.zeros((max_len,), _I32)])
   num = jnp.sum((attach_slot >= 0).astype(_I32))
   lane = lax.iota(_I32, max_len)
+  if attach_root is None:
+    attach_root = jnp.broadcast_to(jnp.asarray(pc.ROOT_HASH, jnp.uint32),
+                                   attach_slot.shape + (2,))
+  if attach_tag is None:
+    attach_tag = jnp.zeros_like(attach_slot)
 
   def body(i, carry):
     cache, b, hits = carry
     n = attach_len[i]
     tok = lax.dynamic_slice(buf, (attach_start[i],), (max_len,))
     tok = jnp.where(lane < n, tok, 0)
-    cache, b, hit, _ = pc.attach(cache, b, attach_slot[i], tok, n)
+    cache, b, hit, _ = pc.attach(cache, b, attach_slot[i], tok, n, attach_root[i],
+                                 attach_tag[i])
     return cache, b, hits.at[attach_slot[i]].set(hit, mode="drop")
 
   hits = jnp.zeros((blocks.max_seqs,), _I32)
   cache, blocks, hits = lax.fori_loop(0, num, body, (ps.cache, blocks, hits))
   return ps.replace(cache=cache), blocks, hits
+
+
+def skip_hits(inputs, hits):
+  """The step's inputs with the attached prompts' hit tokens taken out of their chunks.
+
+  The host plans a newly admitted prompt's first chunk from position 0 as an
+  allocation (`alloc_tokens`), not knowing the hit; `attach` has since activated the
+  slot holding its `hits` cached tokens (maybe 0). That allocation becomes an append of the rest,
+  and the chunk's tokens at positions < hits leave their row (repacked, rows keep
+  their order; the host makes the chunk cover the whole lookup, so a row keeps at
+  least its last token). With no hit (a miss) the chunk runs as planned.
+
+  Args:
+    inputs: StepInputs (T tokens, R rows, S slots); hits: i32[S] from `attach`.
+  Returns:
+    StepInputs with alloc_tokens, append_tokens, tokens, positions, token_row and
+    row_q_len updated.
+  """
+  s_max, rows = hits.shape[0], inputs.row_slot.shape[0]
+  a = inputs.attach_slot
+  attached = jnp.zeros((s_max,), jnp.bool_).at[jnp.where(a >= 0, a, s_max)].set(True,
+                                                                                 mode="drop")
+  alloc = jnp.where(attached, 0, inputs.alloc_tokens)
+  append = jnp.where(attached & (inputs.alloc_tokens > 0),
+                     jnp.maximum(inputs.alloc_tokens - hits, 0), inputs.append_tokens)
+  tr = inputs.token_row
+  live = tr >= 0
+  tslot = jnp.where(live, inputs.row_slot[jnp.clip(tr, 0, rows - 1)], -1)
+  skip = live & (inputs.positions < hits[jnp.clip(tslot, 0, s_max - 1)])
+  order = jnp.argsort(skip, stable=True)            # kept tokens first, in order
+  keep = ~skip[order]
+  dropped = jnp.zeros((rows,), _I32).at[jnp.where(skip, tr, rows)].add(1, mode="drop")
+  return inputs.replace(
+      alloc_tokens=alloc, append_tokens=append,
+      tokens=jnp.where(keep, inputs.tokens[order], 0),
+      positions=jnp.where(keep, inputs.positions[order], 0),
+      token_row=jnp.where(keep, tr[order], -1),
+      row_q_len=inputs.row_q_len - dropped)
 
 
 def evict_for(ps: PrefixStepState, blocks: bm.BlockState, inputs, *, num_decode_steps: int,
