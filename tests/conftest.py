@@ -34,9 +34,21 @@ def _release_compiled_code():
   release_compiled()
 
 
+def _long_tier() -> set:
+  """Node ids listed in tests/long_tier.txt (comments and blank lines skipped)."""
+  path = os.path.join(os.path.dirname(__file__), "long_tier.txt")
+  with open(path, encoding="utf-8") as f:
+    return {line.split("#")[0].strip() for line in f} - {""}
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
-  """An `exhaustive` test is also `slow` (pytest.ini): it never runs in the default tier."""
+  """An `exhaustive` test is also `slow` (pytest.ini): it never runs in the default tier.
+  A test listed in tests/long_tier.txt is `long`: out of `make test`, in CI's other parts."""
+  long_ids = _long_tier()
   for item in items:
     if item.get_closest_marker("exhaustive") and not item.get_closest_marker("slow"):
       item.add_marker(pytest.mark.slow)
+    nodeid = item.nodeid if item.nodeid.startswith("tests/") else "tests/" + item.nodeid
+    if nodeid in long_ids:
+      item.add_marker(pytest.mark.long)
