@@ -12,7 +12,7 @@ returns to the free stack when its last holder lets go). The last, partially fil
 is always kept (it holds position L - 1), so copy-on-write keeps working unchanged.
 
 What this gives (vLLM v1's hybrid KV-cache manager does the same for its sliding-window
-group): a sequence's sliding layers hold at most `config.sliding_blocks_per_seq(W, bs,
+group): a sequence's sliding layers hold at most `pool_sizing.sliding_blocks_per_seq(W, bs,
 tokens_per_step)` blocks however long it grows, against cdiv(L, bs) per full layer.
 Attention reads a released entry as block 0 (`attention_tables`): those keys are out of
 every window, so the kernels give them weight exactly 0 and the result is bit-identical.

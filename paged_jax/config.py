@@ -4,7 +4,8 @@
 state, so it can be a static argument of `jax.jit`. `ModelConfig` describes a
 decoder of any supported family (Llama, Qwen2/2.5, Qwen3, Mistral, Gemma-2, Gemma-3 text);
 `ModelConfig.from_hf_config` reads a Hugging Face `config.json` dictionary (the per-family
-translation lives in `hf_config.py`).
+translation lives in `hf_config.py`). How many blocks a pool gets (from a memory budget; hybrid
+KV's sliding pool) is `pool_sizing.py`; the int checks and `cdiv` are `checks.py`.
 
 Errors name the argument and the allowed range, and are raised before any device
 work starts.
@@ -19,7 +20,12 @@ import ml_dtypes
 import numpy as np
 
 from paged_jax import hf_config
+from paged_jax import pool_sizing
+# Re-exported: callers import these from config (`checks` is the floor under config).
+from paged_jax.checks import cdiv, check_block_size, check_int  # pylint: disable=unused-import
 from paged_jax.hf_config import parse_rope_scaling
+from paged_jax.pool_sizing import (sliding_blocks_per_seq,  # pylint: disable=unused-import
+                                   sliding_pool_blocks)
 
 # Status codes returned per slot by every block-manager / engine op (int32).
 OK = 0
@@ -40,49 +46,6 @@ MODEL_DTYPES = ("float32", "bfloat16", "float16")
 
 class OutOfBlocksError(RuntimeError):
   """Raised by host-side wrappers when the cache has too few free blocks."""
-
-
-def cdiv(a, b):
-  """Ceiling of a / b for ints or int arrays (b > 0): blocks needed for `a` tokens of `b`
-  tokens per block."""
-  return -(-a // b)
-
-
-def check_int(name: str, value: Any, lo: int, hi: Optional[int] = None) -> None:
-  """The one host-side int validator: TypeError unless `value` is an int (not a bool),
-  ValueError naming `name` and the range unless lo <= value (<= hi)."""
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-  if value < lo or (hi is not None and value > hi):
-    rng = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
-    raise ValueError(f"{name} must be {rng}, got {value}")
-
-
-def sliding_blocks_per_seq(sliding_window: int, block_size: int, tokens_per_step: int) -> int:
-  """Most blocks one sequence holds in a hybrid-KV sliding pool: after a step it keeps
-  the blocks of its last `sliding_window - 1` tokens (what its next query can still see),
-  and a step adds at most `tokens_per_step` tokens before the out-of-window blocks go
-  back: cdiv(sliding_window - 1 + tokens_per_step, block_size) + 1 (a window rarely
-  starts on a block boundary)."""
-  return cdiv(sliding_window - 1 + tokens_per_step, block_size) + 1
-
-
-def sliding_pool_blocks(sliding_window: int, block_size: int, max_seqs: int,
-                        max_num_batched_tokens: int, decode_steps_per_sync: int = 1) -> int:
-  """Blocks a hybrid-KV sliding pool needs so it can never run short: sequence s holds at
-  most cdiv(W - 1, bs) + 1 + cdiv(n_s, bs) blocks (`sliding_blocks_per_seq`, n_s the
-  tokens it adds in a step), and a step adds at most `max_num_batched_tokens` tokens plus
-  `decode_steps_per_sync - 1` per sequence in all, so the pool needs
-  max_seqs * (cdiv(W - 1, bs) + 2) + (those tokens) // bs (each cdiv rounds up by < 1)."""
-  tokens = max_num_batched_tokens + max_seqs * (decode_steps_per_sync - 1)
-  return max_seqs * (cdiv(sliding_window - 1, block_size) + 2) + tokens // block_size
-
-
-def check_block_size(block_size: Any) -> None:
-  """ValueError unless `block_size` is a power of two in [1, 1024] (tokens per KV block)."""
-  check_int("block_size", block_size, 1, 1024)
-  if block_size & (block_size - 1):
-    raise ValueError(f"block_size must be a power of two in [1, 1024], got {block_size}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,33 +107,8 @@ class CacheConfig:
     if self.max_seq_len > 2**30:
       raise ValueError(
           f"max_blocks_per_seq * block_size must be <= 2**30, got {self.max_seq_len}")
-    self._check_hybrid()
-
-  def _check_hybrid(self):
-    """Hybrid KV fields: all set or all off (one-line errors naming the field)."""
-    layers = tuple(self.sliding_layers)
-    object.__setattr__(self, "sliding_layers", layers)   # hashable even when given a list
-    if not layers:
-      if self.sliding_window is not None or self.num_sliding_blocks:
-        raise ValueError("sliding_window and num_sliding_blocks need sliding_layers "
-                         "(hybrid KV); got sliding_layers=()")
-      return
-    if (any(isinstance(i, bool) or not isinstance(i, (int, np.integer)) for i in layers)
-        or list(layers) != sorted(set(layers)) or layers[0] < 0
-        or layers[-1] >= self.num_layers or len(layers) == self.num_layers):
-      raise ValueError(f"sliding_layers must be sorted distinct layer indices in "
-                       f"[0, {self.num_layers}) leaving at least one full-attention layer, "
-                       f"got {list(layers)}")
-    if self.sliding_window is None:
-      raise ValueError("sliding_window must be set (>= 1) when sliding_layers is")
-    check_int("sliding_window", self.sliding_window, 1)
-    check_int("num_sliding_blocks", self.num_sliding_blocks, 1, 2**31 - 1)
-    if self.num_sliding_blocks * self.block_size > 2**31 - 1:
-      raise ValueError(f"num_sliding_blocks * block_size must be <= 2**31 - 1, got "
-                       f"{self.num_sliding_blocks} * {self.block_size}")
-    if self.enable_prefix_caching:
-      raise ValueError("sliding_layers (hybrid KV) cannot be combined with "
-                       "enable_prefix_caching=True yet")
+    # Hybrid KV fields: all set or all off (`pool_sizing.check_sliding_fields`).
+    object.__setattr__(self, "sliding_layers", pool_sizing.check_sliding_fields(self))
 
   @property
   def max_seq_len(self) -> int:
@@ -232,56 +170,14 @@ class CacheConfig:
     return dataclasses.replace(self, **changes)
 
   @classmethod
-  def from_memory_budget(
-      cls,
-      model: "ModelConfig",
-      *,
-      block_size: int = 16,
-      kv_budget_bytes: Optional[int] = None,
-      gpu_memory_utilization: Optional[float] = None,
-      max_seqs: int = 64,
-      max_model_len: Optional[int] = None,
-      dtype: str = "auto",
-      **kwargs,
-  ) -> "CacheConfig":
-    """Sizes the block pool like a serving system.
-
-    Exactly one of `kv_budget_bytes` (bytes for K/V pages) or
-    `gpu_memory_utilization` (fraction in (0, 1] of the first device's free
-    memory; falls back to an error on devices that report no memory stats) must
-    be given. `max_model_len` defaults to the model's max positions. `dtype` is the
-    page dtype; "auto" (default) is the model's, and the pool's bytes are counted in it.
-    With `hybrid_kv=True` (passed on to `ModelConfig.cache_config`) the sliding pool's
-    bytes come off the budget first; the full-attention layers' pool gets the rest.
-    """
-    if (kv_budget_bytes is None) == (gpu_memory_utilization is None):
-      raise ValueError("give exactly one of kv_budget_bytes or gpu_memory_utilization")
-    if gpu_memory_utilization is not None:
-      if not 0.0 < gpu_memory_utilization <= 1.0:
-        raise ValueError(
-            f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-      import jax  # pylint: disable=g-import-not-at-top
-      stats = jax.devices()[0].memory_stats() or {}
-      if "bytes_limit" not in stats:
-        raise ValueError(
-            "gpu_memory_utilization needs a device that reports memory_stats(); "
-            "pass kv_budget_bytes on this backend")
-      free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-      kv_budget_bytes = int(free * gpu_memory_utilization)
-    check_int("kv_budget_bytes", int(kv_budget_bytes), 1)
-    max_model_len = max_model_len or model.max_position_embeddings
-    probe = model.cache_config(block_size=block_size, num_blocks=1, max_seqs=max_seqs,
-                               max_blocks_per_seq=max(1, cdiv(max_model_len, block_size)),
-                               dtype=dtype, **kwargs)
-    per_layer_block = probe.kv_bytes_per_token // probe.num_layers * block_size
-    # Hybrid KV: the sliding pool (sized for max_seqs) first, the rest to the full layers.
-    sliding = per_layer_block * len(probe.sliding_layers) * probe.num_sliding_blocks
-    num_blocks = (int(kv_budget_bytes) - sliding) // (per_layer_block * len(probe.full_layers))
-    if num_blocks < 1:
-      raise ValueError(
-          f"kv_budget_bytes={kv_budget_bytes} holds no block of {block_size} tokens "
-          f"({probe.kv_bytes_per_token * block_size} bytes per block)")
-    return probe.replace(num_blocks=num_blocks)
+  def from_memory_budget(cls, model: "ModelConfig", **kwargs) -> "CacheConfig":
+    """Sizes the block pool like a serving system: `model.cache_config(...)` with as many
+    blocks as a memory budget holds (`pool_sizing.from_memory_budget`). Keyword-only:
+    block_size=16, exactly one of kv_budget_bytes / gpu_memory_utilization (a fraction of
+    the first device's free memory), max_seqs=64, max_model_len=None (the model's max
+    positions), dtype="auto" (the model's), and `cache_config`'s own (hybrid_kv=True: the
+    sliding pool's bytes come off the budget first)."""
+    return pool_sizing.from_memory_budget(model, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)

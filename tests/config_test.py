@@ -163,3 +163,12 @@ def test_transformers_v5_rope_parameters():
   m = ModelConfig.from_hf_config(
       {**base, "rope_parameters": {"rope_type": "linear", "rope_theta": 77.0, "factor": 2.0}})
   assert m.rope_theta == 77.0 and dict(m.rope_scaling)["factor"] == 2.0
+
+
+def test_sizing_and_check_names_stay_importable_from_config():
+  """config re-exports the names its floor modules define (callers import them there)."""
+  from paged_jax import checks, config, pool_sizing  # pylint: disable=g-import-not-at-top
+  for name in ("cdiv", "check_int", "check_block_size"):
+    assert getattr(config, name) is getattr(checks, name)
+  for name in ("sliding_blocks_per_seq", "sliding_pool_blocks"):
+    assert getattr(config, name) is getattr(pool_sizing, name)

@@ -30,12 +30,13 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 import jax
 
 from paged_jax import executables
-from paged_jax.config import CacheConfig, ModelConfig, sliding_pool_blocks
+from paged_jax.config import CacheConfig, ModelConfig
 from paged_jax.engine.buckets import Bucket, StepBuckets, step_buckets
 from paged_jax.engine.inputs import empty_inputs, input_shapes, lookup_len
 from paged_jax.engine.options import EngineOptions
 from paged_jax.engine.step import StepInputs, init_state, make_step
 from paged_jax.engine.weights import param_shapes
+from paged_jax.pool_sizing import sliding_pool_blocks
 from paged_jax.prefix_cache import step as prefix_step
 
 log = logging.getLogger("paged_jax.engine")
