@@ -19,18 +19,12 @@
 
 set -u -o pipefail
 
-DRY_RUN=0
-if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; fi
-cd "$(dirname "$0")/.."
-OUT="${OUT:-$PWD/gpu_check_out}"
-mkdir -p "$OUT"
-PY="${PYTHON:-python3}"
-WORK="$(mktemp -d)"
-export PYTHONUNBUFFERED=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+CHECK_NAME=gpu_check STEP_WIDTH=22 SKIP_RC=
+# shellcheck source=experiments/check_lib.sh
+source "$(dirname "$0")/check_lib.sh"
+check_setup "$@"
 # Several pytest workers and the benchmarks share one GPU: allocate on demand.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-export TF_CPP_MIN_LOG_LEVEL=1
 
 if [[ $DRY_RUN == 1 ]]; then
   export JAX_PLATFORMS=cpu PAGED_JAX_TEST_COMPILED=0
@@ -49,25 +43,6 @@ else
   RB_FLAGS="${RAGGED_BENCH_FLAGS:-}"
   CAL_FLAGS="${CALIBRATE_FLAGS:---model=llama-3-8b --gpu=h200 --num_layers=4}"
 fi
-
-SUMMARY="$OUT/summary.txt"
-: > "$SUMMARY"
-FAILED=0
-
-# step NAME SECONDS LOGFILE CMD...: runs CMD under timeout, appends to LOGFILE, records rc.
-step() {
-  local name=$1 limit=$2 log=$3
-  shift 3
-  local t0=$SECONDS rc
-  echo "=== $name: $* (timeout ${limit}s)" >> "$log"
-  timeout --kill-after=10 "$limit" "$@" >> "$log" 2>&1
-  rc=$?
-  local status=ok
-  if [[ $rc == 124 || $rc == 137 ]]; then status=TIMEOUT; elif [[ $rc != 0 ]]; then status=FAIL; fi
-  if [[ $status != ok ]]; then FAILED=1; fi
-  printf '%-22s %-8s rc=%-4s %4ss\n' "$name" "$status" "$rc" "$((SECONDS - t0))" >> "$SUMMARY"
-  echo "[gpu_check] $name: $status (rc=$rc, $((SECONDS - t0))s)"
-}
 
 # 1. Environment.
 {
@@ -132,9 +107,7 @@ rm -rf "$WORK"
 # Short table last.
 echo
 echo "---- tests ----"
-grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | head -20 || true
-grep -E "(passed|failed|error)" "$OUT/tests.log" | tail -1 || true
-grep -E "(passed|failed|error)" "$OUT/mosaic_tests.log" | tail -1 || true
+tests_tail "$OUT/tests.log" "$OUT/mosaic_tests.log"
 tail -1 "$OUT/engine.log" || true
 echo "---- kernel_bench ----"
 grep -E "^\|" "$OUT/kernel_bench.log" | tail -12 || true
@@ -142,6 +115,4 @@ echo "---- ragged_bench ----"
 grep -E "^\||^variant" "$OUT/ragged_bench.log" | tail -20 || true
 echo "---- perf_calibrate ----"
 grep -E "^fit:" "$OUT/perf_calibrate.log" | tail -1 || true
-echo "---- steps ($SECONDS s total; logs and JSON in $OUT) ----"
-cat "$SUMMARY"
-exit $FAILED
+finish

@@ -18,16 +18,10 @@
 
 set -u -o pipefail
 
-DRY_RUN=0
-if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; fi
-cd "$(dirname "$0")/.."
-OUT="${OUT:-$PWD/tpu_check_out}"
-mkdir -p "$OUT"
-PY="${PYTHON:-python3}"
-WORK="$(mktemp -d)"
-export PYTHONUNBUFFERED=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export TF_CPP_MIN_LOG_LEVEL=1
+CHECK_NAME=tpu_check STEP_WIDTH=16 SKIP_RC=3
+# shellcheck source=experiments/check_lib.sh
+source "$(dirname "$0")/check_lib.sh"
+check_setup "$@"
 
 if [[ $DRY_RUN == 1 ]]; then
   export JAX_PLATFORMS=cpu PAGED_JAX_TEST_COMPILED=0
@@ -45,27 +39,6 @@ else
   ENGINE_BACKEND="pallas:tpu"
 fi
 WORKERS="${PYTEST_WORKERS:-1}"
-
-SUMMARY="$OUT/summary.txt"
-: > "$SUMMARY"
-FAILED=0
-
-# step NAME SECONDS LOGFILE CMD...: runs CMD under timeout, appends to LOGFILE, records rc.
-# Exit status 3 from CMD means "cannot run yet" (SKIP, not a failure).
-step() {
-  local name=$1 limit=$2 log=$3
-  shift 3
-  local t0=$SECONDS rc
-  echo "=== $name: $* (timeout ${limit}s)" >> "$log"
-  timeout --kill-after=10 "$limit" "$@" >> "$log" 2>&1
-  rc=$?
-  local status=ok
-  if [[ $rc == 124 || $rc == 137 ]]; then status=TIMEOUT; elif [[ $rc == 3 ]]; then
-    status=SKIP; elif [[ $rc != 0 ]]; then status=FAIL; fi
-  if [[ $status == FAIL || $status == TIMEOUT ]]; then FAILED=1; fi
-  printf '%-16s %-8s rc=%-4s %4ss\n' "$name" "$status" "$rc" "$((SECONDS - t0))" >> "$SUMMARY"
-  echo "[tpu_check] $name: $status (rc=$rc, $((SECONDS - t0))s)"
-}
 
 # 1. Environment.
 {
@@ -114,11 +87,8 @@ rm -rf "$WORK"
 # Short table last.
 echo
 echo "---- tests ----"
-grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | head -20 || true
-grep -E "(passed|failed|error)" "$OUT/tests.log" | tail -1 || true
+tests_tail "$OUT/tests.log"
 tail -1 "$OUT/engine.log" || true
 echo "---- tpu_kernel_bench ----"
 grep -E "^\|" "$OUT/kernel_bench.log" | tail -24 || true
-echo "---- steps ($SECONDS s total; logs and JSON in $OUT) ----"
-cat "$SUMMARY"
-exit $FAILED
+finish
