@@ -2,13 +2,14 @@
 
 Sequences are driven through the real block manager (attach -> append ->
 register -> free); expected hits come from a plain-Python model: the set of
-registered block-aligned prefixes (a tuple of token ids per prefix).
+registered block-aligned prefixes (a tuple of token ids per prefix). The helpers are
+tests/prefix_cache_support.py; cache salts are tests/prefix_cache_salt_test.py, the longer
+op sequences tests/prefix_cache_long_test.py.
 """
 
 import time
-from typing import Callable, NamedTuple
 
-from absl.testing import absltest, parameterized
+from absl.testing import absltest
 import chex
 import jax
 import jax.numpy as jnp
@@ -18,115 +19,9 @@ from hypothesis import given, settings, strategies as st
 
 from paged_jax import block_manager as bm
 from paged_jax import prefix_cache as pc
-from paged_jax.config import CacheConfig, INVALID, OK
-
-BS, NB, S, P = 4, 48, 4, 8
-CFG = CacheConfig(block_size=BS, num_blocks=NB, max_seqs=S, max_blocks_per_seq=P)
-L = CFG.max_seq_len
-
-
-
-class Ops(NamedTuple):
-  """The pure prefix-cache ops (and block append) under one transform: `jax.jit`, or a
-  `chex.variants` test's `self.variant` (jitted, or run eagerly)."""
-  attach: Callable
-  register: Callable
-  free: Callable
-  lookup: Callable
-  append: Callable
-  ensure_free: Callable
-  lru_victims: Callable
-  reset: Callable
-  uncache: Callable
-
-  @classmethod
-  def under(cls, transform: Callable) -> "Ops":
-    evict_kw = dict(static_argnames=("max_evict",))
-    return cls(attach=transform(pc.attach), register=transform(pc.register),
-               free=transform(pc.free), lookup=transform(pc.lookup),
-               append=transform(bm.append), ensure_free=transform(pc.ensure_free, **evict_kw),
-               lru_victims=transform(pc.lru_victims, **evict_kw), reset=transform(pc.reset),
-               uncache=transform(pc.uncache))
-
-
-JIT = Ops.under(jax.jit)
-j_attach, j_register, j_free, j_lookup, j_append, j_ensure, j_victims, j_reset, _ = JIT
-
-
-def padded(tokens):
-  buf = np.zeros((L,), np.int32)
-  buf[:len(tokens)] = tokens
-  return buf
-
-
-class Driver:
-  """Runs whole requests through the pure ops: admit, prefill the rest, register, free."""
-
-  def __init__(self, cfg=CFG, ops: Ops = JIT, **kw):
-    self.cache, self.blocks = pc.init(cfg, **kw), bm.init(cfg)
-    self.ops = ops
-
-  def admit(self, slot, tokens, salt=None):
-    """Returns hit tokens; the slot then holds all of `tokens`, full blocks registered
-    (under cache salt `salt`)."""
-    root, tag = pc.salt_key(salt)
-    self.cache, self.blocks, hit, status = self.ops.attach(self.cache, self.blocks, slot,
-                                                           padded(tokens), len(tokens),
-                                                           np.asarray(root, np.uint32), tag)
-    assert int(status) == OK
-    hit = int(hit)
-    rest = np.zeros((S,), np.int32)
-    rest[slot] = len(tokens) - hit
-    self.blocks, st_, cow = self.ops.append(self.blocks, jnp.asarray(rest > 0),
-                                            jnp.asarray(rest))
-    assert int(st_[slot]) == OK and np.all(np.asarray(cow) < 0)
-    n_full = len(tokens) // BS
-    start = hit // BS
-    items = np.full((P,), -1, np.int32)
-    blk = np.full((P,), -1, np.int32)
-    toks = np.zeros((P, BS), np.int32)
-    for i, j in enumerate(range(start, n_full)):
-      items[i], blk[i], toks[i] = slot, j, tokens[j * BS:(j + 1) * BS]
-    self.cache, self.blocks = self.ops.register(self.cache, self.blocks, items, blk, toks,
-                                                n_full - start)
-    return hit
-
-  def free(self, slot):
-    self.cache, self.blocks, status = self.ops.free(self.cache, self.blocks, np.int32(slot))
-    assert int(status) == OK
-
-  def lookup(self, tokens, salt=None):
-    root, tag = pc.salt_key(salt)
-    n, ids = self.ops.lookup(self.cache, padded(tokens), len(tokens),
-                             np.asarray(root, np.uint32), tag)
-    return int(n), np.asarray(ids)
-
-  def check_invariants(self):
-    c, b = jax.device_get(self.cache), jax.device_get(self.blocks)
-    free = set(np.asarray(b.free_stack)[:int(b.num_free)].tolist())
-    cached = set(np.nonzero(np.asarray(c.cached))[0].tolist())
-    assert not free & cached, "a cached block is on the free stack"
-    refs = np.zeros((b.ref_count.shape[0],), np.int64)
-    tables = np.asarray(b.block_tables)
-    for row in tables:
-      for blk in row[row >= 0]:
-        refs[blk] += 1
-    for blk in cached:
-      refs[blk] += 1
-    np.testing.assert_array_equal(np.asarray(b.ref_count), refs)
-    assert len(free) == int(b.num_free) and all(refs[f] == 0 for f in free)
-    table = np.asarray(c.table)
-    for blk in cached:
-      assert table[int(c.table_pos[blk])] == blk
-    assert np.sum(table >= 0) == len(cached)
-
-
-def expected_hits(model_prefixes, tokens):
-  """Plain-Python model: longest j <= (len - 1) // BS with every prefix registered."""
-  j = 0
-  while j < (len(tokens) - 1) // BS and tuple(tokens[:(j + 1) * BS]) in model_prefixes:
-    j += 1
-  return j
+from paged_jax.config import CacheConfig, INVALID
+from prefix_cache_support import (BS, CFG, L, NB, P, S, Driver, Ops, expected_hits, j_ensure,
+                                  j_free, j_victims, padded)
 
 
 def test_chain_hash_is_sensitive_to_tokens_order_and_parent():
@@ -178,25 +73,6 @@ def test_lookup_matches_python_model_of_registered_prefixes(seed, mode):
     assert int(d.cache.hit_blocks) > 0
 
 
-@pytest.mark.parametrize("mode", pc.HASH_MODES)
-def test_cache_salts_never_share_blocks_even_when_every_hash_collides(mode):
-  d = Driver(hash_mode=mode, max_probe=64)
-  a = [int(t) for t in np.random.default_rng(7).integers(0, 50, 17)]   # 4 full blocks + 1
-  assert d.admit(0, a, salt="tenant-a") == 0
-  # Same tokens: another salt and the unsalted namespace miss from the first block
-  # (in "constant" mode every hash is equal: only the exact salt tag keeps them apart).
-  assert d.lookup(a, salt="tenant-b")[0] == 0 and d.lookup(a)[0] == 0
-  assert d.lookup(a, salt="tenant-a")[0] == 4
-  assert d.admit(1, a, salt="tenant-b") == 0          # registers its own copy
-  assert d.admit(2, a, salt="tenant-a") == 16 and d.admit(3, a, salt="tenant-b") == 16
-  c = jax.device_get(d.cache)
-  depth0 = np.asarray(c.cached) & (np.asarray(c.block_depth) == 0)
-  assert depth0.sum() == 2                            # one first block per salt
-  assert d.lookup(a)[0] == 0
-  d.check_invariants()
-  assert pc.salt_key("tenant-a") != pc.salt_key("tenant-b") and pc.salt_key(None)[1] == 0
-
-
 @settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1))
 def test_ring_eviction_follows_the_reference_lru_order(seed):
@@ -237,89 +113,6 @@ def test_ring_eviction_follows_the_reference_lru_order(seed):
       live -= set(gone)
     d.check_invariants()
   assert evicted > 0
-
-
-def _prefix_shorter_than_one_block_never_hits(ops: Ops):
-  d = Driver(ops=ops)
-  for slot, toks in enumerate([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2], [1, 2, 3, 4]]):
-    assert d.admit(slot, toks) == 0        # at most (len - 1) // BS = 0 blocks can hit
-  assert int(d.cache.hit_blocks) == 0 and float(pc.hit_rate(d.cache)) == 0.0
-  d.check_invariants()
-
-
-def _last_prompt_token_is_always_recomputed(ops: Ops):
-  d = Driver(ops=ops)
-  toks = list(range(1, 13))                # exactly 3 full blocks
-  d.admit(0, toks)
-  d.free(0)
-  assert d.admit(1, toks) == 8             # blocks 0, 1 hit; block 2 is recomputed
-  assert d.admit(2, toks + [5]) == 12
-
-
-def _eviction_order_lru_then_tail_first_and_free_blocks_first(ops: Ops):
-  d = Driver(ops=ops)
-  rng = np.random.default_rng(3)
-  seqs = [[int(t) for t in rng.integers(0, 99, 13)] for _ in range(3)]   # 3 full + 1 partial
-  for slot, s in enumerate(seqs):
-    d.admit(slot, s)
-  owned = [np.asarray(d.blocks.block_tables[slot, :3]).tolist() for slot in range(3)]
-  for slot in (1, 0, 2):                   # release order = LRU order: 1, then 0, then 2
-    d.free(slot)
-  assert int(pc.num_evictable(d.cache, d.blocks)) == 9
-  victims = np.asarray(ops.lru_victims(d.cache, d.blocks, 9, max_evict=12)).tolist()
-  assert victims[:9] == owned[1][::-1] + owned[0][::-1] + owned[2][::-1]
-  assert victims[9:] == [-1] * 3
-  # Free never-cached blocks are used before any cached one.
-  free_now = int(d.blocks.num_free)
-  cache, blocks, n = ops.ensure_free(d.cache, d.blocks, free_now, max_evict=8)
-  assert int(n) == 0 and int(pc.num_cached_blocks(cache)) == 9
-  cache, blocks, n = ops.ensure_free(cache, blocks, free_now + 2, max_evict=8)
-  assert int(n) == 2 and int(blocks.num_free) == free_now + 2
-  d.cache, d.blocks = cache, blocks
-  d.check_invariants()
-  # The two evicted were slot 1's tail blocks: its head still hits, its tail not.
-  assert d.lookup(seqs[1])[0] == 1 and d.lookup(seqs[0])[0] == 3
-
-
-def _ring_overflow_evicts_oldest_and_never_loses_an_evictable_block(ops: Ops):
-  d = Driver(ops=ops)
-  r = d.cache.lru_ring.shape[0]
-  old = list(range(50, 63))                  # released once: live entries at the ring's head
-  d.admit(0, old)
-  d.free(0)
-  toks = list(range(13))                     # 3 cached blocks, re-released every round
-  for _ in range(r // 3 + 8):                # stale entries pile up past the ring's size
-    d.admit(0, toks)
-    d.free(0)
-    d.check_invariants()
-  assert int(d.cache.lru_tail) - int(d.cache.lru_head) <= r
-  assert d.lookup(toks + [1])[0] == 3        # the recently used blocks stay cached ...
-  assert d.lookup(old + [1])[0] == 0 and int(d.cache.evictions) == 3   # ... the oldest went
-  evictable = int(pc.num_evictable(d.cache, d.blocks))
-  d.cache, d.blocks, n = ops.ensure_free(d.cache, d.blocks, NB, max_evict=NB)
-  assert int(n) == evictable and int(d.blocks.num_free) == NB
-  d.check_invariants()
-
-
-def _reset_returns_unheld_blocks_and_keeps_held_ones(ops: Ops):
-  d = Driver(ops=ops)
-  d.admit(0, list(range(13)))
-  d.admit(1, list(range(100, 113)))
-  d.free(0)
-  free0 = int(d.blocks.num_free)
-  d.cache, d.blocks = ops.reset(d.cache, d.blocks)
-  assert int(pc.num_cached_blocks(d.cache)) == 0 and int(d.cache.hit_blocks) == 0
-  assert int(d.blocks.num_free) == free0 + 3          # slot 0's cached blocks
-  assert d.lookup(list(range(13)))[0] == 0
-  d.check_invariants()
-  d.free(1)
-  assert int(d.blocks.num_free) == NB
-
-
-_LONG_CASES = (_prefix_shorter_than_one_block_never_hits, _last_prompt_token_is_always_recomputed,
-               _eviction_order_lru_then_tail_first_and_free_blocks_first,
-               _ring_overflow_evicts_oldest_and_never_loses_an_evictable_block,
-               _reset_returns_unheld_blocks_and_keeps_held_ones)
 
 
 class PrefixCacheOpsTest(chex.TestCase):
@@ -420,24 +213,6 @@ class PrefixCacheOpsTest(chex.TestCase):
     for i, (op, args) in enumerate(evict_ops):
       with self.assertRaisesRegex(AssertionError, r"\[num", msg=f"evict case {i}"):
         self.variant(op, static_argnames=("max_evict",))(*args, max_evict=4)
-
-  # Longer op sequences: jitted here, eagerly in PrefixCacheOpsEagerTest (slow). Eagerly,
-  # each attach / register traces and compiles its lax loop again (~0.3 / 0.8 s of CPU).
-  @chex.variants(with_jit=True)
-  @parameterized.named_parameters((case.__name__[1:], case) for case in _LONG_CASES)
-  def test_long_case(self, case):
-    case(Ops.under(self.variant))
-
-
-@pytest.mark.slow
-class PrefixCacheOpsEagerTest(chex.TestCase):
-  """The longer cases of PrefixCacheOpsTest, run eagerly (op by op)."""
-
-  @chex.variants(without_jit=True)
-  @parameterized.named_parameters((case.__name__[1:], case) for case in _LONG_CASES)
-  def test_long_case(self, case):
-    case(Ops.under(self.variant))
-
 
 def _time_lookup(num_blocks, prompt_blocks=32, reps=20):
   cfg = CacheConfig(block_size=16, num_blocks=num_blocks, max_seqs=2,
