@@ -109,20 +109,17 @@ def _decode_kernel(
   start_tok = (jnp.int32(0) if sliding_window is None
                else jnp.maximum(end_tok - sliding_window, 0))
 
-  def page_of(logical):  # table entries past the length may be garbage: clamp
-    logical = jnp.minimum(logical, pages_per_seq - 1)
-    return jnp.clip(tables_ref[b, logical], 0, num_blocks - 1)
-
   core.attend_pages(
       scratch, q_ref.at[b, h], k_ref, v_ref, ks_ref, vs_ref, o_ref.at[b, h, split],
-      lse_ref.at[b, h, split], h=h, page_of=page_of, start_tok=start_tok, end_tok=end_tok,
+      lse_ref.at[b, h, split], h=h, page_of=core.page_lookup(tables_ref, b, num_blocks),
+      start_tok=start_tok, end_tok=end_tok,
       live_fn=lambda key: (key >= start_tok) & (key < end_tok), split=split, **pipeline)
 
 
 @functools.partial(jax.jit, static_argnames=("sem", "cfg", "interpret"))
 def _paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, *,
                      sem: checks.Semantics, cfg: TuningConfig, interpret: bool):
-  num_splits, tile_kv, num_stages = cfg.num_splits, cfg.tile_kv, cfg.num_stages
+  num_splits, tile_kv = cfg.num_splits, cfg.tile_kv
   batch, num_q_heads, head_dim = q.shape
   num_kv_heads, _, block_size, _ = k_pages.shape
   group = num_q_heads // num_kv_heads
@@ -130,15 +127,10 @@ def _paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales, v_sca
   q4 = q.reshape(batch, num_kv_heads, group, head_dim)
   q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, _Q_ROWS - group), (0, 0)))   # [B, Hkv, 64, D]
   inputs = [lengths.astype(jnp.int32), block_tables.astype(jnp.int32), q4, k_pages, v_pages]
-  kernel = functools.partial(
-      _decode_kernel, sliding_window=sem.sliding_window, num_splits=num_splits,
-      tile_kv=tile_kv, num_stages=num_stages, sm_scale=sem.sm_scale, soft_cap=sem.soft_cap,
-      interpret=interpret)
   o, lse = core.launch(
-      kernel, inputs, k_scales, v_scales, out_lead=(batch, num_kv_heads, num_splits),
-      dtype=dtype, page_dtype=k_pages.dtype, head_dim=head_dim, block_size=block_size,
-      tile_kv=tile_kv, num_stages=num_stages,
-      grid=(num_kv_heads, batch, num_splits), grid_names=("h", "b", "s"),
+      _decode_kernel, inputs, k_pages, k_scales, v_scales, sem=sem, cfg=cfg, dtype=dtype,
+      out_lead=(batch, num_kv_heads, num_splits), grid=(num_kv_heads, batch, num_splits),
+      grid_names=("h", "b", "s"),
       name=f"paged_decode_mgpu_bs{block_size}_tile{tile_kv}_splits{num_splits}",
       interpret=interpret)
 

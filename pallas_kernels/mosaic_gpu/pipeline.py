@@ -293,13 +293,35 @@ def run_kernel(body, inputs, out_shapes, scratch, *, grid, grid_names, name, int
                       grid=grid, grid_names=grid_names, **params)(*inputs)
 
 
-def launch(kernel, inputs, k_scales, v_scales, *, out_lead, dtype, page_dtype, head_dim,
-           block_size, tile_kv, num_stages, grid, grid_names, name, interpret):
-  """Runs `kernel(*inputs, ks_ref, vs_ref, o_ref, lse_ref, scratch)` via `run_kernel`.
+def page_lookup(tables_ref, row, num_blocks: int):
+  """`page_of(logical)` for `attend_pages`: the physical block of block-table row `row`'s
+  logical block. Table entries past a sequence's length may be garbage, so the logical
+  index is clamped to the table and the block id to [0, num_blocks)."""
+  pages_per_seq = tables_ref.shape[1]
 
-  The f32 scales (when quantized) follow `inputs`; ks_ref / vs_ref are None otherwise.
+  def page_of(logical):
+    logical = jnp.minimum(logical, pages_per_seq - 1)
+    return jnp.clip(tables_ref[row, logical], 0, num_blocks - 1)
+
+  return page_of
+
+
+def launch(kernel, inputs, k_pages, k_scales, v_scales, *, sem: checks.Semantics, cfg,
+           dtype, out_lead, grid, grid_names, name, interpret, **kernel_kw):
+  """Runs `kernel(*inputs, ks_ref, vs_ref, o_ref, lse_ref, scratch, **knobs)` via
+  `run_kernel`, the knobs both entries pass: `sem`'s sliding_window / sm_scale / soft_cap,
+  `cfg`'s (a TuningConfig's) num_splits / tile_kv / num_stages, interpret, `kernel_kw`.
+
+  k_pages [Hkv, NB, bs, D] (also among `inputs`) sizes the scratch. The f32 scales (when
+  quantized) follow `inputs`; ks_ref / vs_ref are None otherwise.
   Returns o dtype[*out_lead, Q_ROWS, D] and lse f32[*out_lead, Q_ROWS].
   """
+  _, _, block_size, head_dim = k_pages.shape
+  tile_kv, num_stages = cfg.tile_kv, cfg.num_stages
+  kernel = functools.partial(
+      kernel, sliding_window=sem.sliding_window, num_splits=cfg.num_splits, tile_kv=tile_kv,
+      num_stages=num_stages, sm_scale=sem.sm_scale, soft_cap=sem.soft_cap,
+      interpret=interpret, **kernel_kw)
   quantized = k_scales is not None
   inputs = list(inputs)
   if quantized:
@@ -314,7 +336,8 @@ def launch(kernel, inputs, k_scales, v_scales, *, out_lead, dtype, page_dtype, h
       body, inputs,
       (jax.ShapeDtypeStruct((*out_lead, Q_ROWS, head_dim), dtype),
        jax.ShapeDtypeStruct((*out_lead, Q_ROWS), jnp.float32)),
-      scratch_types(dtype, page_dtype, head_dim, block_size, tile_kv, num_stages, quantized),
+      scratch_types(dtype, k_pages.dtype, head_dim, block_size, tile_kv, num_stages,
+                    quantized),
       grid=grid, grid_names=grid_names, name=name, interpret=interpret)
 
 

@@ -116,14 +116,10 @@ def _ragged_kernel(
       live = live & (key > row_pos - sliding_window)
     return live
 
-  def page_of(logical):  # table entries past the length may be garbage: clamp
-    logical = jnp.minimum(logical, pages_per_seq - 1)
-    return jnp.clip(tables_ref[seq, logical], 0, num_blocks - 1)
-
   core.attend_pages(
       scratch, q_ref.at[h, j], k_ref, v_ref, ks_ref, vs_ref, o_ref.at[h, j, split],
-      lse_ref.at[h, j, split], h=h, page_of=page_of, start_tok=start_tok, end_tok=end_tok,
-      live_fn=live_fn, split=split, **pipeline)
+      lse_ref.at[h, j, split], h=h, page_of=core.page_lookup(tables_ref, seq, num_blocks),
+      start_tok=start_tok, end_tok=end_tok, live_fn=live_fn, split=split, **pipeline)
 
 
 def num_query_tiles(num_tokens: int, num_seqs_max: int, q_per_tile: int) -> int:
@@ -138,7 +134,6 @@ def _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_len
                             k_scales, v_scales, *, sem: checks.Semantics, cfg: TuningConfig,
                             interpret: bool):
   q_per_tile, num_splits = cfg.q_per_tile, cfg.num_splits
-  tile_kv, num_stages = cfg.tile_kv, cfg.num_stages
   num_tokens, num_q_heads, head_dim = q.shape
   num_kv_heads, _, block_size, _ = k_pages.shape
   group = num_q_heads // num_kv_heads
@@ -161,17 +156,12 @@ def _ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_len
 
   inputs = [kv_lens, block_tables.astype(jnp.int32), seq, n_tok, pos0, q_tiles, k_pages,
             v_pages]
-  kernel = functools.partial(
-      _ragged_kernel, group=group, sliding_window=sem.sliding_window, num_splits=num_splits,
-      tile_kv=tile_kv, num_stages=num_stages, sm_scale=sem.sm_scale, soft_cap=sem.soft_cap,
-      interpret=interpret)
   o, lse = core.launch(
-      kernel, inputs, k_scales, v_scales, out_lead=(num_kv_heads, n_max, num_splits),
-      dtype=dtype, page_dtype=k_pages.dtype, head_dim=head_dim, block_size=block_size,
-      tile_kv=tile_kv, num_stages=num_stages,
-      grid=(num_kv_heads, n_max, num_splits), grid_names=("h", "t", "s"),
+      _ragged_kernel, inputs, k_pages, k_scales, v_scales, sem=sem, cfg=cfg, dtype=dtype,
+      out_lead=(num_kv_heads, n_max, num_splits), grid=(num_kv_heads, n_max, num_splits),
+      grid_names=("h", "t", "s"),
       name=f"ragged_paged_mgpu_bs{block_size}_q{q_per_tile}_splits{num_splits}",
-      interpret=interpret)
+      interpret=interpret, group=group)
 
   # Gather each token's G rows back: [Hkv, T, G, D] -> [T, Hq, D].
   rows = tok_row[:, None] * group + jnp.arange(group, dtype=jnp.int32)[None, :]  # [T, G]
