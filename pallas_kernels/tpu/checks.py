@@ -83,6 +83,14 @@ def check_common(q, k_pages, v_pages, block_tables, *, rows_name, num_rows, sm_s
   return num_q_heads, num_kv_heads, head_dim
 
 
+def kernel_semantics(head_dim, sm_scale, soft_cap, sliding_window) -> dict:
+  """The kernels' static semantic arguments (after `check_common`): sm_scale a float
+  (1/sqrt(head_dim) when None), soft_cap a float or None, sliding_window an int or None."""
+  return dict(sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale),
+              soft_cap=None if soft_cap is None else float(soft_cap),
+              sliding_window=None if sliding_window is None else int(sliding_window))
+
+
 def check_vector(name, x, length):
   if _shape(x) != (length,):
     raise ValueError(f"{name} must have shape ({length},), got {_shape(x)}")

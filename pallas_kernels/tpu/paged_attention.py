@@ -13,7 +13,6 @@ Layout and semantics: pallas_kernels/reference.py (`paged_attention_reference`).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -79,19 +78,14 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None
   Returns:
     [B, Hq, D] in q.dtype.
   """
-  num_q_heads, num_kv_heads, head_dim = checks.check_common(
+  _, _, head_dim = checks.check_common(
       q, k_pages, v_pages, block_tables, rows_name="batch", num_rows=q.shape[0],
       sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
       k_scales=k_scales, v_scales=v_scales)
   checks.check_vector("lengths", lengths, q.shape[0])
-  tune = tuning.resolve(
-      kind="decode", num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-      head_dim=head_dim, block_size=k_pages.shape[2], pages_per_seq=block_tables.shape[1],
-      num_rows=q.shape[0], q_dtype=q.dtype, page_dtype=k_pages.dtype,
-      quantized=k_scales is not None, kv_per_tile=kv_per_tile, seqs_per_tile=seqs_per_tile,
-      heads_per_tile=heads_per_tile, vmem_limit_bytes=vmem_limit_bytes)
-  scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+  tune = tuning.resolve_call("decode", q, k_pages, block_tables, k_scales,
+                             kv_per_tile=kv_per_tile, seqs_per_tile=seqs_per_tile,
+                             heads_per_tile=heads_per_tile, vmem_limit_bytes=vmem_limit_bytes)
   return _decode(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
-                 sm_scale=scale, soft_cap=None if soft_cap is None else float(soft_cap),
-                 sliding_window=None if sliding_window is None else int(sliding_window),
+                 **checks.kernel_semantics(head_dim, sm_scale, soft_cap, sliding_window),
                  tune=tune, interpret=interpret_params(interpret))

@@ -19,7 +19,6 @@ from its first row's window start (sliding window).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -82,7 +81,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens
   if len(getattr(kv_lens, "shape", ())) != 1:
     raise ValueError(f"kv_lens must have shape (max_seqs,), got {getattr(kv_lens, 'shape', ())}")
   max_seqs = kv_lens.shape[0]
-  num_q_heads, num_kv_heads, head_dim = checks.check_common(
+  _, _, head_dim = checks.check_common(
       q, k_pages, v_pages, block_tables, rows_name="num_tokens", num_rows=max_seqs,
       sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
       k_scales=k_scales, v_scales=v_scales)
@@ -90,15 +89,10 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens
   checks.check_vector("cu_q_lens", cu_q_lens, max_seqs + 1)
   if tuple(getattr(num_seqs, "shape", ())) not in ((), (1,)):
     raise ValueError(f"num_seqs must be a scalar or shape (1,), got {num_seqs.shape}")
-  tune = tuning.resolve(
-      kind="ragged", num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-      head_dim=head_dim, block_size=k_pages.shape[2], pages_per_seq=block_tables.shape[1],
-      num_rows=q.shape[0], q_dtype=q.dtype, page_dtype=k_pages.dtype,
-      quantized=k_scales is not None, kv_per_tile=kv_per_tile, q_per_tile=q_per_tile,
-      heads_per_tile=heads_per_tile, vmem_limit_bytes=vmem_limit_bytes)
-  scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+  tune = tuning.resolve_call("ragged", q, k_pages, block_tables, k_scales,
+                             kv_per_tile=kv_per_tile, q_per_tile=q_per_tile,
+                             heads_per_tile=heads_per_tile, vmem_limit_bytes=vmem_limit_bytes)
   return _ragged(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens,
                  jnp.asarray(num_seqs, jnp.int32).reshape(()), k_scales, v_scales,
-                 sm_scale=scale, soft_cap=None if soft_cap is None else float(soft_cap),
-                 sliding_window=None if sliding_window is None else int(sliding_window),
+                 **checks.kernel_semantics(head_dim, sm_scale, soft_cap, sliding_window),
                  tune=tune, interpret=interpret_params(interpret))

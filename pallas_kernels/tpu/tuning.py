@@ -137,3 +137,13 @@ def resolve(*, kind: str, num_q_heads: int, num_kv_heads: int, head_dim: int,
     tune = dataclasses.replace(tune, vmem_limit_bytes=_pad(need(heads_per_tile) * 5 // 4,
                                                            2**20))
   return tune
+
+
+def resolve_call(kind: str, q, k_pages, block_tables, k_scales, **knobs) -> TpuTuning:
+  """`resolve` with the shapes read from an entry's checked arguments: q [rows, Hq, D],
+  k_pages [Hkv, NB, bs, D], block_tables i32[rows, P]; quantized when k_scales is given."""
+  num_kv_heads, _, block_size, head_dim = k_pages.shape
+  return resolve(kind=kind, num_q_heads=q.shape[1], num_kv_heads=num_kv_heads,
+                 head_dim=head_dim, block_size=block_size, pages_per_seq=block_tables.shape[1],
+                 num_rows=q.shape[0], q_dtype=q.dtype, page_dtype=k_pages.dtype,
+                 quantized=k_scales is not None, **knobs)
