@@ -7,6 +7,8 @@ table, PNG.
     for x in common.progress(items, desc="runs"):   # tqdm on stderr
       ...
     print(common.table(rows, headers=["name", "value"]))
+    result = common.timed_result(lambda: run(f), f)  # + "seconds", flags, versions, machine
+    common.report(result, out, "result.json", rows, headers, ["a closing line"])
     plt = common.pyplot()                           # matplotlib with the Agg backend
     fig, ax = plt.subplots(); ...; common.save_png(fig, out / "plot.png")
 
@@ -20,6 +22,7 @@ import json
 import math
 import pathlib
 import sys
+import time
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
@@ -96,6 +99,32 @@ def table(rows: Sequence[Sequence[Any]], headers: Sequence[str], digits: int = 3
   line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
   sep = "| " + " | ".join("-" * w for w in widths) + " |"
   return "\n".join([line(headers), sep] + [line(r) for r in cells])
+
+
+def timed_result(run: Callable[[], dict], settings) -> dict:
+  """`run()`'s result dict with the wall seconds it took ("seconds") and the run's flags,
+  versions, machine and code (`provenance.run_metadata(settings)`)."""
+  t0 = time.perf_counter()
+  result = run()
+  result["seconds"] = time.perf_counter() - t0
+  result.update(provenance.run_metadata(settings))
+  return result
+
+
+def report(result: dict, out: Optional[pathlib.Path], filename: str,
+           rows: Sequence[Sequence[Any]], headers: Sequence[str], lines: Iterable[str] = (),
+           *, digits: int = 3, wrote_suffix: str = "") -> Optional[pathlib.Path]:
+  """An experiment's closing output: the table of `rows`, each of `lines`, then, when there
+  is an output directory `out`, `result` written to out/filename and "wrote PATH" (+
+  `wrote_suffix`, e.g. the plot's path). Returns the JSON's path (None without `out`)."""
+  print(table(rows, headers, digits=digits))
+  for line in lines:
+    print(line)
+  if out is None:
+    return None
+  path = write_json(out / filename, result)
+  print(f"wrote {path}{wrote_suffix}")
+  return path
 
 
 def pyplot():

@@ -255,24 +255,23 @@ def _define_flags():
   flags.DEFINE_string("out", "results/compile_maps", "output directory")
 
 
+def shared_jit_line(r: Dict) -> str:
+  """One run's shared-jit and reload readings, in words."""
+  s, rl = r["shared_jit"], r["reload"]
+  return (f"jax {r['jax']}: one jit for all shapes: {s['maps']} maps for 2 shapes, "
+          f"{s['drop_compiled_objects']} back on dropping the Compiled objects, "
+          f"{s['clear_cache']} on clear_cache(); reload from disk: "
+          f"{rl['loaded']['maps'].get('total')} maps in {rl['loaded']['seconds']:.2f} s "
+          f"(compiled: {rl['compiled']['maps'].get('total')} in "
+          f"{rl['compiled']['seconds']:.2f} s), hit={rl['cache_hit']}")
+
+
 def main(f, out):
   """Runs with the parsed flags `f` into directory `out` (the `common.run_app` main)."""
-  t0 = time.perf_counter()
-  result = run(f["pythons"].value, f["settings"].value, f["shapes"].value)
-  result["seconds"] = time.perf_counter() - t0
-  result.update(common.run_metadata(f))
-  print(common.table(summary_rows(result), HEADERS, digits=1))
-  for r in result["runs"]:
-    if "shared_jit" in r:
-      s, rl = r["shared_jit"], r["reload"]
-      print(f"jax {r['jax']}: one jit for all shapes: {s['maps']} maps for 2 shapes, "
-            f"{s['drop_compiled_objects']} back on dropping the Compiled objects, "
-            f"{s['clear_cache']} on clear_cache(); reload from disk: "
-            f"{rl['loaded']['maps'].get('total')} maps in {rl['loaded']['seconds']:.2f} s "
-            f"(compiled: {rl['compiled']['maps'].get('total')} in "
-            f"{rl['compiled']['seconds']:.2f} s), hit={rl['cache_hit']}")
-  if out is not None:
-    print(f"wrote {common.write_json(out / 'compile_maps.json', result)}")
+  result = common.timed_result(
+      lambda: run(f["pythons"].value, f["settings"].value, f["shapes"].value), f)
+  common.report(result, out, "compile_maps.json", summary_rows(result), HEADERS,
+                [shared_jit_line(r) for r in result["runs"] if "shared_jit" in r], digits=1)
 
 
 if __name__ == "__main__":

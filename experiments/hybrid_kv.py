@@ -28,7 +28,6 @@ versions, machine) and prints a table.
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Dict, Optional, Tuple
 
 import jax
@@ -37,7 +36,6 @@ import numpy as np
 
 from experiments import common
 from experiments import configs
-from experiments import provenance
 from paged_jax.config import ModelConfig, cdiv, sliding_pool_blocks
 from paged_jax.engine import Engine, SamplingParams
 from paged_jax.models import init_params
@@ -171,14 +169,10 @@ def summary_rows(result: Dict):
 
 def main(f: Config, out):
   """Runs with settings `f` into directory `out` (the `common.run_app` main)."""
-  t0 = time.perf_counter()
-  result = run(f)
-  result["seconds"] = time.perf_counter() - t0
-  result.update(provenance.run_metadata(f))
-  print(common.table(summary_rows(result), HEADERS))
-  print("blocks/seq: layer-blocks (one layer's K/V block) a fully prefilled sequence holds")
-  if out is not None:
-    print(f"wrote {common.write_json(out / 'hybrid_kv.json', result)}")
+  result = common.timed_result(lambda: run(f), f)
+  common.report(result, out, "hybrid_kv.json", summary_rows(result), HEADERS,
+                ["blocks/seq: layer-blocks (one layer's K/V block) a fully prefilled sequence "
+                 "holds"])
 
 
 if __name__ == "__main__":

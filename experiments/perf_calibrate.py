@@ -154,18 +154,18 @@ def run(f: Config) -> Dict:
 
 
 def main(f: Config, out):
-  result = dict(run(f), flags=f.flags(), versions=provenance.versions(),
-                machine=provenance.machine(), code=provenance.code_version())
-  common.write_json(out / "perf_calibrate.json", result)
+  result = dict(run(f), **provenance.run_metadata(f))   # run() records its own seconds
   fit, held = result["fit"], result["held_out"]
-  print(common.table([[name, f"{v:.3g}"] for name, v in fit["efficiency"].items()
-                      if isinstance(v, float)], ["constant", "fitted"]))
-  print(f"fit: {fit['num_steps']} step groups, mean |error| {fit['mean_abs_rel_error']:.1%}; "
-        f"held out ({held['steps']} groups): fitted {held['fitted']['mean_abs_rel_error']:.1%} "
-        f"mean / {held['fitted']['max_abs_rel_error']:.1%} max, catalogue "
-        f"{held['catalog']['mean_abs_rel_error']:.1%} mean; held at the prior: "
-        f"{', '.join(fit['held']) or 'none'}")
-  print(f"wrote {out / 'perf_calibrate.json'} ({result['seconds']:.0f} s)")
+  common.report(
+      result, out, "perf_calibrate.json",
+      [[name, f"{v:.3g}"] for name, v in fit["efficiency"].items() if isinstance(v, float)],
+      ["constant", "fitted"],
+      [f"fit: {fit['num_steps']} step groups, mean |error| {fit['mean_abs_rel_error']:.1%}; "
+       f"held out ({held['steps']} groups): fitted {held['fitted']['mean_abs_rel_error']:.1%} "
+       f"mean / {held['fitted']['max_abs_rel_error']:.1%} max, catalogue "
+       f"{held['catalog']['mean_abs_rel_error']:.1%} mean; held at the prior: "
+       f"{', '.join(fit['held']) or 'none'}"],
+      wrote_suffix=f" ({result['seconds']:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """experiments.common / configs / provenance: a Config's flags, one-line errors, run metadata."""
+import json
 import os
 import subprocess
 
@@ -152,6 +153,18 @@ def test_run_metadata_records_the_config():
   assert meta["flags"]["count"] == 5 and list(meta["flags"]) == sorted(meta["flags"])
   assert "numpy" in meta["versions"] and {"machine", "code"} <= set(meta)
 
+
+
+def test_timed_result_and_report_close_a_run(tmp_path, capsys):
+  result = common.timed_result(lambda: {"rows": [1, 2]}, Settings(count=5))
+  assert result["rows"] == [1, 2] and result["seconds"] >= 0
+  assert result["flags"]["count"] == 5 and {"versions", "machine", "code"} <= set(result)
+  assert common.report(result, None, "r.json", [["a", 1]], ["name", "n"], ["closing"]) is None
+  printed = capsys.readouterr().out.splitlines()
+  assert printed[-1] == "closing" and "| a" in printed[-2]
+  path = common.report(result, tmp_path, "r.json", [], ["name"], wrote_suffix=" (plot)")
+  assert capsys.readouterr().out.splitlines()[-1] == f"wrote {path} (plot)"
+  assert json.loads(path.read_text())["rows"] == [1, 2]
 
 @dataclasses.dataclass(frozen=True)
 class WordSettings(configs.ExperimentConfig):
