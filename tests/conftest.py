@@ -42,13 +42,24 @@ def _long_tier() -> set:
 
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
   """An `exhaustive` test is also `slow` (pytest.ini): it never runs in the default tier.
-  A test listed in tests/long_tier.txt is `long`: out of `make test`, in CI's other parts."""
+  A test listed in tests/long_tier.txt is `long`: out of `make test`, in CI's other parts.
+  A listed id that a whole collected file no longer holds (a renamed test or parameter) is
+  an error: it would otherwise silently move back into make test."""
   long_ids = _long_tier()
+  seen, files = set(), set()
   for item in items:
     if item.get_closest_marker("exhaustive") and not item.get_closest_marker("slow"):
       item.add_marker(pytest.mark.slow)
     nodeid = item.nodeid if item.nodeid.startswith("tests/") else "tests/" + item.nodeid
+    files.add(nodeid.split("::")[0])
     if nodeid in long_ids:
+      seen.add(nodeid)
       item.add_marker(pytest.mark.long)
+  # Only when whole files were asked for: `pytest tests/x.py::test_y` collects part of one.
+  if any("::" in arg for arg in config.args):
+    return
+  stale = sorted(i for i in long_ids - seen if i.split("::")[0] in files)
+  if stale:
+    raise pytest.UsageError(f"tests/long_tier.txt lists tests that do not exist: {stale}")
