@@ -141,14 +141,18 @@ def test_engine_in_tpu_interpret_mode_equals_reference_wide(dtype, model):
   assert got == want
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
-def test_tpu_kv_write_stores_what_the_xla_scatter_stores(dtype):
+@pytest.mark.parametrize("dtype,rows", [("bfloat16", False), ("int8", False), ("int8", True)],
+                         ids=["bfloat16", "int8", "int8_scale_rows"])
+def test_tpu_kv_write_stores_what_the_xla_scatter_stores(dtype, rows):
   """Layer 1 of a 2-layer pool; padding slots (-1) and a partly filled page; layer 0 and
-  every untouched slot keep their bytes."""
+  every untouched slot keep their bytes; scales held as blocks (the write views them as
+  rows and back) or as scale rows (9 blocks of 16: the second row's padding stays)."""
   rng = np.random.default_rng(0)
-  cc = CacheConfig(block_size=16, num_blocks=8, max_seqs=2, max_blocks_per_seq=4,
-                   num_layers=2, num_kv_heads=2, head_dim=64, dtype=dtype)
-  pages = kv_cache.init(cc)
+  cc = CacheConfig(block_size=16, num_blocks=9 if rows else 8, max_seqs=2,
+                   max_blocks_per_seq=4, num_layers=2, num_kv_heads=2, head_dim=64,
+                   dtype=dtype)
+  pages = kv_cache.init(cc, scale_rows=rows)
+  assert pages.scale_rows == rows
   pages = jax.tree_util.tree_map(
       lambda x: jnp.asarray(rng.standard_normal(x.shape) * 4, jnp.float32).astype(x.dtype)
       if x.dtype != jnp.float32 else jnp.asarray(rng.uniform(0.01, 0.1, x.shape), x.dtype),
@@ -195,6 +199,22 @@ def test_engine_step_compiles_for_tpu_without_pool_sized_temporaries(chip, tp):
   assert row["attention"] == "pallas:tpu", row["kernels"]
   assert row["largest_temp_bytes"] < row["pool_bytes"] // 100, row
   assert row["alias_bytes"] >= row["pool_bytes"], row     # the pages updated in place
+
+
+@NO_LIBTPU
+@pytest.mark.slow
+def test_int8_engine_step_on_tpu_copies_neither_pages_nor_scales():
+  """int8 pages on v5e, tp 1: the engine holds its scales as scale rows, so no temporary
+  is a layout copy of a layer's scales (f32[8, 8192, 16] tiled to 128 lanes, 32 MiB, was
+  the largest); the largest is now no larger than the MLP's bf16[T, intermediate]
+  activation, as in the bf16 step."""
+  from paged_jax.bench import tpu_step_compile as tsc  # pylint: disable=g-import-not-at-top
+  case = tsc.StepCase("llama8b", page_dtype="int8")
+  row = tsc.measure(case)
+  mc = case.model_config()
+  assert row["attention"] == "pallas:tpu", row["kernels"]
+  assert row["alias_bytes"] >= row["pool_bytes"], row
+  assert row["largest_temp_bytes"] <= case.tokens * mc.intermediate_size * 2, row
 
 
 BUFFER_ASSIGNMENT = """\
