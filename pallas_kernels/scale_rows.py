@@ -94,8 +94,7 @@ def gather_blocks(rows, block_ids, block_size: int):
   if block_size >= LANES:
     return picked
   lanes = lax.rem(first, LANES)[:, None] + jnp.arange(block_size, dtype=jnp.int32)
-  return jnp.take_along_axis(picked, jnp.broadcast_to(lanes, picked.shape[:2] + lanes.shape[1:]),
-                             axis=2)
+  return jnp.take_along_axis(picked, jnp.broadcast_to(lanes, (heads,) + lanes.shape), axis=2)
 
 
 def set_blocks(rows, block_ids, values, num_blocks: int, block_size: int):
