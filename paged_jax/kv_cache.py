@@ -5,6 +5,8 @@ contiguously), one array per layer (`layer_stack.LayerStack`):
 
     k[l], v[l]:             [num_kv_heads, num_blocks, block_size, head_dim]
     k_scale[l], v_scale[l]: f32[num_kv_heads, num_blocks, block_size]  (int8/fp8 only)
+                        or, on the TPU kernels, the same numbers as scale rows
+                        f32[num_kv_heads, ceil(num_blocks * block_size / 128), 128]
 
 `k`, `v` (and the scales) still index like the stacked `[num_layers, ...]` arrays
 (`pages.k.shape`, `pages.k[:, :, ids]`, `np.asarray(pages.k)`), but each layer is its own
@@ -22,6 +24,13 @@ head, computed on write from that token-head's absolute maximum over
 `head_dim`: `scale = absmax / 127` (int8, values rounded and clipped to
 [-127, 127]) or `scale = absmax / 448` (e4m3's largest finite value).
 Dequantized `x = page.astype(f32) * scale[..., None]`.
+
+Where the TPU kernels run (`scale_rows_for(backend)`), `init(..., scale_rows=True)` holds
+the scales as *scale rows* (`pallas_kernels/scale_rows.py`: slot t at row t // 128, lane
+t % 128): the one shape the TPU kernels read without XLA copying the whole scale array
+before every call (for bs < 128 the blocks shape tiles to 128 lanes on a TPU). Every op
+here reads the layout from the scales' shape and keeps it; block ops move a block's scales
+as one window of the rows. Other backends keep the blocks shape, unchanged.
 
 Every op returns a new `KVPages`; call them inside a `jax.jit` that donates the
 pages (`donate_argnums`) so XLA updates the buffers in place. `write_donated`,
@@ -41,6 +50,7 @@ import numpy as np
 from paged_jax.config import CacheConfig
 from paged_jax.layer_stack import LayerStack
 from pallas_kernels import backends
+from pallas_kernels import scale_rows as rows_layout
 
 _QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
 
@@ -54,7 +64,8 @@ class KVPages:
       (indexes like [num_layers, num_kv_heads, num_blocks, block_size, head_dim]).
     v: same, values.
     k_scale: LayerStack of f32[num_kv_heads, num_blocks, block_size] per-token,
-      per-head key scales for int8 / fp8 pages; None for float pages.
+      per-head key scales for int8 / fp8 pages (or the same as scale rows f32[num_kv_heads,
+      ceil(num_blocks * block_size / 128), 128], `scale_rows`); None for float pages.
     v_scale: same for values.
   """
   k: LayerStack
@@ -98,6 +109,12 @@ class KVPages:
   def quantized(self) -> bool:
     return self.k_scale is not None
 
+  @property
+  def scale_rows(self) -> bool:
+    """Scales held as scale rows (the TPU kernels' layout), read from their shape."""
+    return self.quantized and rows_layout.is_rows(self.k_scale.layers[0], self.num_blocks,
+                                                  self.block_size)
+
 
 @flax.struct.dataclass
 class HybridPages:
@@ -126,9 +143,17 @@ class HybridPages:
     return self.full.num_layers + self.sliding.num_layers
 
 
-def init(cache_config: CacheConfig) -> KVPages:
-  """Zero-filled pages shaped by `cache_config` (scales too, when quantized). With hybrid
-  KV: the main pool's, i.e. the full-attention layers' (`init_sliding` the others')."""
+def scale_rows_for(backend: Optional[str], where=None) -> bool:
+  """Whether an engine on `backend` (an attention spelling; None: XLA) should hold its
+  scales as scale rows: where it runs the TPU kernels on the target device `where`
+  (default: the default device), as `write` decides its kernel."""
+  return backend is not None and backends.tpu_key(backend, where) is not None
+
+
+def init(cache_config: CacheConfig, *, scale_rows: bool = False) -> KVPages:
+  """Zero-filled pages shaped by `cache_config` (scales too, when quantized; as scale rows
+  when `scale_rows`, see `scale_rows_for`). With hybrid KV: the main pool's, i.e. the
+  full-attention layers' (`init_sliding` the others')."""
   if not isinstance(cache_config, CacheConfig):
     raise TypeError(f"cache_config must be a CacheConfig, got {type(cache_config).__name__}")
   c = cache_config.full_pool() if cache_config.hybrid else cache_config
@@ -137,17 +162,18 @@ def init(cache_config: CacheConfig) -> KVPages:
   stack = lambda shp, dt: LayerStack(tuple(jnp.zeros(shp, dt) for _ in range(c.num_layers)))
   k_scale = v_scale = None
   if c.quantized:
-    k_scale = stack(shape[:-1], jnp.float32)
-    v_scale = stack(shape[:-1], jnp.float32)
+    scale_shape = (rows_layout.rows_shape(*shape[:-1]) if scale_rows else shape[:-1])
+    k_scale = stack(scale_shape, jnp.float32)
+    v_scale = stack(scale_shape, jnp.float32)
   return KVPages(k=stack(shape, dtype), v=stack(shape, dtype), k_scale=k_scale,
                  v_scale=v_scale)
 
 
-def init_sliding(cache_config: CacheConfig) -> KVPages:
+def init_sliding(cache_config: CacheConfig, *, scale_rows: bool = False) -> KVPages:
   """Zero-filled pages of the sliding-window layers' pool (hybrid KV only)."""
   if not cache_config.hybrid:
     raise ValueError("init_sliding needs a hybrid-KV CacheConfig (sliding_layers set)")
-  return init(cache_config.sliding_pool())
+  return init(cache_config.sliding_pool(), scale_rows=scale_rows)
 
 
 def quantize(x: jax.Array, dtype) -> Tuple[jax.Array, jax.Array]:
@@ -182,8 +208,9 @@ def dequantize(q: jax.Array, scale: Optional[jax.Array]) -> jax.Array:
 def check_pages(pages: KVPages) -> None:
   """Pages built as `init` builds them: K and V LayerStacks of equal per-layer shapes and
   dtypes `[num_kv_heads, num_blocks, block_size, head_dim]`, and for quantized pages both
-  scales, f32 `[num_kv_heads, num_blocks, block_size]` per layer (chex: static, so inside
-  jit this runs once at trace time)."""
+  scales, f32 `[num_kv_heads, num_blocks, block_size]` per layer or all as scale rows
+  `[num_kv_heads, ceil(num_blocks * block_size / 128), 128]` (chex: static, so inside jit
+  this runs once at trace time)."""
   for name in ("k", "v"):
     if not isinstance(getattr(pages, name), LayerStack):
       raise TypeError(f"KVPages.{name} must be a LayerStack (one array per layer), got "
@@ -197,8 +224,11 @@ def check_pages(pages: KVPages) -> None:
                     "both be None")
   if pages.k_scale is not None:
     scales = list(pages.k_scale.layers) + list(pages.v_scale.layers)
-    chex.assert_shape(scales, pages.k.layers[0].shape[:-1],
-                      custom_message="KVPages scales [num_kv_heads, num_blocks, block_size]")
+    blocks = pages.k.layers[0].shape[:-1]
+    chex.assert_shape(scales, rows_layout.rows_shape(*blocks) if pages.scale_rows else blocks,
+                      custom_message="KVPages scales [num_kv_heads, num_blocks, block_size] "
+                      "(or all scale rows [num_kv_heads, ceil(num_blocks * block_size / 128),"
+                      " 128])")
     chex.assert_type(scales, jnp.float32, custom_message="KVPages scales")
     chex.assert_equal(len(scales), 2 * pages.num_layers, custom_message="KVPages scale layers")
 
@@ -251,8 +281,11 @@ def write(pages: KVPages, layer, k_new: jax.Array, v_new: jax.Array,
   if tpu is not None:
     return _write_tpu(pages, layer, k_new, v_new, slot_mapping, interpret=tpu.interpret)
   num_slots = pages.num_blocks * pages.block_size
-  # Padding (and anything out of the pool) goes to an out-of-bounds index: dropped.
-  slots = jnp.where(slot_mapping >= 0, slot_mapping, num_slots).astype(jnp.int32)
+  # Padding (and anything out of the pool) goes to an out-of-bounds index: dropped (scale
+  # rows pad the flat slots: past the pool is made past the rows, never into the padding).
+  in_pool = (slot_mapping >= 0) & (slot_mapping < num_slots)
+  past = rows_layout.num_rows(pages.num_blocks, pages.block_size) * rows_layout.LANES
+  slots = jnp.where(in_pool, slot_mapping, past).astype(jnp.int32)
   flat = (pages.num_kv_heads, num_slots)
 
   def put(stack, scale_stack, x):
@@ -261,7 +294,7 @@ def write(pages: KVPages, layer, k_new: jax.Array, v_new: jax.Array,
     if scale_stack is not None:
       x, scale = quantize(x, page.dtype)
       scale_page = scale_stack[layer]
-      scale_page = scale_page.reshape(flat).at[:, slots].set(
+      scale_page = scale_page.reshape(pages.num_kv_heads, -1).at[:, slots].set(
           scale, mode="drop").reshape(scale_page.shape)
       scale_stack = _replace_layer(scale_stack, layer, scale_page)
     page = page.reshape(flat + (pages.head_dim,)).at[:, slots].set(
@@ -276,11 +309,10 @@ def write(pages: KVPages, layer, k_new: jax.Array, v_new: jax.Array,
 def _write_tpu(pages: KVPages, index: int, k_new, v_new, slot_mapping, *, interpret):
   """`write` by the TPU kernel: the layer's pages (and scales) updated where they are."""
   from pallas_kernels import tpu  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.tpu import scales as tpu_scales  # pylint: disable=g-import-not-at-top
   k, v, ks, vs = layer(pages, index)
   nb, bs = pages.num_blocks, pages.block_size
-  if ks is not None:   # the kernel keeps scales as compact 128-lane rows (tpu/scales.py)
-    ks, vs = (tpu_scales.as_rows(s, nb, bs) for s in (ks, vs))
+  if ks is not None:   # the kernel keeps scales as scale rows (as the pages hold them on TPU)
+    ks, vs = (rows_layout.as_rows(s, nb, bs) for s in (ks, vs))
   out = tpu.write_kv(k, v, k_new, v_new, slot_mapping.astype(jnp.int32), ks, vs,
                      interpret=interpret)
   new = KVPages(k=_replace_layer(pages.k, index, out[0]),
@@ -288,7 +320,7 @@ def _write_tpu(pages: KVPages, index: int, k_new, v_new, slot_mapping, *, interp
                 v_scale=pages.v_scale)
   if ks is None:
     return new
-  back = lambda rows: rows.reshape(rows.shape[0], -1)[:, :nb * bs].reshape(-1, nb, bs)
+  back = lambda r: r if pages.scale_rows else rows_layout.as_blocks(r, nb, bs)
   return new.replace(k_scale=_replace_layer(pages.k_scale, index, back(out[2])),
                      v_scale=_replace_layer(pages.v_scale, index, back(out[3])))
 
@@ -319,23 +351,74 @@ def copy_blocks(pages: KVPages, pairs: jax.Array) -> KVPages:
   """
   check_pages(pages)
   _check_ids("pairs", pairs, 2)
-  nb = pages.num_blocks
+  nb, bs, rows = pages.num_blocks, pages.block_size, pages.scale_rows
   src, dst = pairs[:, 0], pairs[:, 1]
   valid = (src >= 0) & (dst >= 0)
   src = jnp.where(valid, src, 0)
   dst = jnp.where(valid, dst, nb)   # out of bounds: dropped
 
-  # Per layer: gather the n source blocks, scatter them (in place when donated).
-  return pages.map_layers(lambda x: x.at[:, dst].set(x[:, src], mode="drop"))
+  # Per layer: gather the n source blocks, scatter them (in place when donated); scale
+  # rows (ndim 3) move each block as its window of the rows.
+  def copy(x):
+    if rows and x.ndim == 3:
+      return rows_layout.set_blocks(x, dst, rows_layout.gather_blocks(x, src, bs), nb, bs)
+    return x.at[:, dst].set(x[:, src], mode="drop")
+
+  return pages.map_layers(copy)
 
 
 def zero_blocks(pages: KVPages, block_ids: jax.Array) -> KVPages:
   """Zeroes whole blocks (all layers, heads, scales); ids < 0 are ignored."""
   check_pages(pages)
   _check_ids("block_ids", block_ids, 1)
-  ids = jnp.where(block_ids >= 0, block_ids, pages.num_blocks)
+  nb, bs, rows = pages.num_blocks, pages.block_size, pages.scale_rows
+  ids = jnp.where(block_ids >= 0, block_ids, nb)
 
-  return pages.map_layers(lambda x: x.at[:, ids].set(0, mode="drop"))
+  def zero(x):
+    if rows and x.ndim == 3:
+      blank = jnp.zeros((x.shape[0], ids.shape[0], bs), x.dtype)
+      return rows_layout.set_blocks(x, ids, blank, nb, bs)
+    return x.at[:, ids].set(0, mode="drop")
+
+  return pages.map_layers(zero)
+
+
+def read_blocks(pages: KVPages, block_ids: jax.Array) -> dict:
+  """Whole blocks of every layer, in the blocks layout whatever the scales' layout.
+
+  Args:
+    block_ids: i32[n], each in [0, num_blocks).
+  Returns:
+    {field: [num_layers, Hkv, n, bs, D] pages, or f32[num_layers, Hkv, n, bs] scales} for
+    the fields (FIELDS) the pages have.
+  """
+  check_pages(pages)
+  _check_ids("block_ids", block_ids, 1)
+  out = {f: getattr(pages, f)[:, :, block_ids] for f in ("k", "v")}
+  for f in ("k_scale", "v_scale") if pages.quantized else ():
+    stack = getattr(pages, f)
+    out[f] = (jnp.stack([rows_layout.gather_blocks(x, block_ids, pages.block_size)
+                         for x in stack.layers]) if pages.scale_rows
+              else stack[:, :, block_ids])
+  return out
+
+
+def write_blocks(pages: KVPages, block_ids: jax.Array, blocks: dict) -> KVPages:
+  """`pages` with blocks `block_ids` i32[n] (distinct; < 0 or >= num_blocks: dropped) set
+  to `blocks` (`read_blocks`' form, cast to the pages' dtypes)."""
+  check_pages(pages)
+  _check_ids("block_ids", block_ids, 1)
+  nb, bs = pages.num_blocks, pages.block_size
+  ids = jnp.where((block_ids >= 0) & (block_ids < nb), block_ids, nb)
+  updates = {}
+  for f, x in blocks.items():
+    stack = getattr(pages, f)
+    if pages.scale_rows and f in ("k_scale", "v_scale"):
+      updates[f] = LayerStack(tuple(rows_layout.set_blocks(s, ids, x[i], nb, bs)
+                                    for i, s in enumerate(stack.layers)))
+    else:
+      updates[f] = stack.at[:, :, ids].set(x.astype(stack.dtype), mode="drop")
+  return pages.replace(**updates)
 
 
 def layer(pages: KVPages, layer_index) -> Tuple[jax.Array, jax.Array, Optional[jax.Array],
@@ -343,7 +426,9 @@ def layer(pages: KVPages, layer_index) -> Tuple[jax.Array, jax.Array, Optional[j
   """One layer's arrays for the attention kernels (the buffers themselves, no copy).
 
   Returns:
-    (k [Hkv, NB, bs, D], v [Hkv, NB, bs, D], k_scale f32[Hkv, NB, bs] | None, v_scale | None)
+    (k [Hkv, NB, bs, D], v [Hkv, NB, bs, D], k_scale f32[Hkv, NB, bs] | None, v_scale | None);
+    the scales as the pages hold them: scale rows when `pages.scale_rows` (the attention
+    entries take either shape).
   """
   layer_index = _check_layer(pages, layer_index)
   pick = lambda x: None if x is None else x[layer_index]
@@ -362,6 +447,8 @@ def gather(pages: KVPages, layer_index, block_table: jax.Array) -> Tuple[jax.Arr
   _check_ids("block_table", block_table, 1)
   k, v, ks, vs = layer(pages, layer_index)
   table = jnp.maximum(block_table, 0)
+  if ks is not None:
+    ks, vs = (rows_layout.as_blocks(s, pages.num_blocks, pages.block_size) for s in (ks, vs))
 
   def dense(x, s):
     x = dequantize(x[:, table], None if s is None else s[:, table])  # [Hkv, P, bs, D]

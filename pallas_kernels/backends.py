@@ -36,6 +36,7 @@ import logging
 from typing import Dict, NamedTuple, Optional, Tuple
 
 from pallas_kernels import checks
+from pallas_kernels import scale_rows
 from pallas_kernels import targets
 
 IMPLEMENTATIONS = ("reference", "xla", "cpu", "pallas")
@@ -236,6 +237,9 @@ def attend(op: str, backend, args: tuple, kw: dict, *, where=None):
   kwargs = _split_kwargs(key, op, kw)
   if key.implementation == "pallas":
     kwargs["interpret"] = key.interpret
+  if shapes.quantized and key.family != "tpu":   # scale rows are the TPU kernels' form
+    for name in ("k_scales", "v_scales"):
+      kwargs[name] = scale_rows.as_blocks(kwargs[name], shapes.num_blocks, shapes.block_size)
   return TABLE[key].op(op)(*args, **kwargs)
 
 

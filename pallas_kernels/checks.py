@@ -27,6 +27,8 @@ import chex
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import scale_rows
+
 # A dimension of an expected shape: (label, size) with size None for "any".
 Dim = Tuple[str, Optional[int]]
 
@@ -132,8 +134,14 @@ def _check_pool(q, k_pages, v_pages, k_scales, v_scales, q_dims: Sequence[str]):
   for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
     if s is not None:
       _expect_array(name, s)
-      expect_shape(name, s, [("num_kv_heads", num_kv_heads), ("num_blocks", num_blocks),
-                             ("block_size", block_size)], "k_pages' first three dims")
+      if not scale_rows.is_rows(s, num_blocks, block_size):   # rows: the TPU kernels' form
+        expect_shape(name, s, [("num_kv_heads", num_kv_heads), ("num_blocks", num_blocks),
+                               ("block_size", block_size)],
+                     "k_pages' first three dims (or scale rows "
+                     f"{list(scale_rows.rows_shape(num_kv_heads, num_blocks, block_size))})")
+      elif s.shape[0] != num_kv_heads:
+        raise ValueError(f"{name} has shape {tuple(s.shape)}; expected num_kv_heads="
+                         f"{num_kv_heads} scale rows")
       _expect_kind(name, s, float, "a floating dtype (float32)")
   return num_q_heads, head_dim, num_kv_heads, num_blocks, block_size
 
@@ -147,7 +155,8 @@ def _check_indices(name: str, x, dims: Sequence[Dim], context: str) -> None:
 def check_decode(q, k_pages, v_pages, block_tables, lengths, k_scales=None,
                  v_scales=None) -> AttentionShapes:
   """Checks a decode call: q [B, Hq, D], k/v_pages [Hkv, NB, bs, D] (Hkv divides Hq),
-  block_tables int[B, P >= 1], lengths int[B], k/v_scales float[Hkv, NB, bs] or None."""
+  block_tables int[B, P >= 1], lengths int[B], k/v_scales float[Hkv, NB, bs] (or the same
+  as scale rows f32[Hkv, ceil(NB * bs / 128), 128], pallas_kernels/scale_rows.py) or None."""
   num_q_heads, head_dim, num_kv_heads, num_blocks, block_size = _check_pool(
       q, k_pages, v_pages, k_scales, v_scales, ("batch", "num_q_heads", "head_dim"))
   batch = q.shape[0]

@@ -1,5 +1,7 @@
 """KVPages: write / copy_blocks / zero_blocks / gather against a numpy model, jitted and
-eagerly (chex.variants); donation; chex checks at the ops' boundaries."""
+eagerly (chex.variants), with int8 / fp8 scales in either layout (blocks, or the TPU
+kernels' scale rows: `kv_cache.init(..., scale_rows=True)`); donation; chex checks at the
+ops' boundaries."""
 
 import zlib
 
@@ -14,6 +16,7 @@ import jax.numpy as jnp
 
 from paged_jax import kv_cache
 from paged_jax.config import CacheConfig
+from pallas_kernels import scale_rows
 
 _QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
 
@@ -25,8 +28,9 @@ def _cfg(dtype="float32", **kw):
   return CacheConfig(**base)
 
 
-def _random_pages(cfg, rng):
-  """Pages filled with random data (never zeros), plus a numpy copy."""
+def _random_pages(cfg, rng, rows=False):
+  """Pages filled with random data (never zeros), plus a numpy copy (scales in the blocks
+  layout). `rows`: the pages hold their scales as scale rows (padding zero)."""
   pages = kv_cache.init(cfg)
   shape = pages.k.shape
   def rand(dt):
@@ -38,11 +42,32 @@ def _random_pages(cfg, rng):
   if cfg.quantized:
     ks = rng.uniform(0.01, 1.0, shape[:-1]).astype(np.float32)
     vs = rng.uniform(0.01, 1.0, shape[:-1]).astype(np.float32)
-  pages = kv_cache.KVPages.from_stacked(jnp.asarray(k), jnp.asarray(v),
-                                        None if ks is None else jnp.asarray(ks),
-                                        None if vs is None else jnp.asarray(vs))
+  held = lambda s: None if s is None else jnp.asarray(
+      np.stack([_np_rows(x, cfg) for x in s]) if rows else s)
+  pages = kv_cache.KVPages.from_stacked(jnp.asarray(k), jnp.asarray(v), held(ks), held(vs))
+  assert pages.scale_rows == (rows and cfg.quantized)
   model = {"k": np.array(k), "v": np.array(v), "k_scale": ks, "v_scale": vs}
   return pages, model
+
+
+def _np_rows(scales, cfg):
+  """f32[Hkv, NB, bs] -> scale rows f32[Hkv, ceil(NB * bs / 128), 128], by hand."""
+  flat = scales.reshape(scales.shape[0], -1)
+  out = np.zeros((scales.shape[0], -(-flat.shape[1] // 128) * 128), np.float32)
+  out[:, :flat.shape[1]] = flat
+  return out.reshape(scales.shape[0], -1, 128)
+
+
+def _held_scales(pages, name, cfg):
+  """A scale stack as [L, Hkv, NB, bs] numpy; rows' padding must have stayed zero."""
+  x = np.asarray(getattr(pages, name))
+  if not pages.scale_rows:
+    return x
+  assert x.shape[2:] == (scale_rows.num_rows(cfg.num_blocks, cfg.block_size), 128), x.shape
+  flat = x.reshape(x.shape[0], x.shape[1], -1)
+  n = cfg.num_blocks * cfg.block_size
+  assert not flat[..., n:].any(), "a scale row's padding was written"
+  return flat[..., :n].reshape(x.shape[:2] + (cfg.num_blocks, cfg.block_size))
 
 
 def _np_quantize(x, dtype):
@@ -72,7 +97,7 @@ def _np_write(model, cfg, layer, k_new, v_new, slots):
         model[name + "_scale"][layer, :, b, o] = s[t]
 
 
-def _assert_same(pages, model):
+def _assert_same(pages, model, cfg):
   """Float pages: bit-exact. Quantized pages: XLA may divide by the scale as a
   multiply by its reciprocal (1 ulp), so a code may sit one step away and a scale
   1e-7 relative away; anything else is a real mismatch."""
@@ -87,7 +112,7 @@ def _assert_same(pages, model):
     step = 1.0 if model[name].dtype == np.int8 else np.abs(want) / 8 + 2.0**-9
     assert np.all(np.abs(got - want) <= step), name
     assert np.mean(got != want) < 0.01, name
-    np.testing.assert_allclose(np.asarray(getattr(pages, name + "_scale")),
+    np.testing.assert_allclose(_held_scales(pages, name + "_scale", cfg),
                                model[name + "_scale"], rtol=1e-6)
 
 
@@ -95,31 +120,38 @@ class KVOpsTest(chex.TestCase):
   """The pure page ops, jitted and eagerly, against the numpy model."""
 
   @chex.variants(with_jit=True, without_jit=True)
-  @parameterized.named_parameters((d, d) for d in ("float32", "bfloat16", "int8", "float8_e4m3fn"))
-  def test_write_matches_numpy_model(self, dtype):
+  @parameterized.named_parameters(
+      *((d, d, False) for d in ("float32", "bfloat16", "int8", "float8_e4m3fn")),
+      ("int8_rows", "int8", True), ("float8_e4m3fn_rows", "float8_e4m3fn", True))
+  def test_write_matches_numpy_model(self, dtype, rows):
     rng = np.random.default_rng(zlib.crc32(dtype.encode()))
     cfg = _cfg(dtype)
-    pages, model = _random_pages(cfg, rng)
+    pages, model = _random_pages(cfg, rng, rows)
     write = self.variant(kv_cache.write, static_argnums=1)
     for step in range(4):
       num_tokens = int(rng.integers(1, 10))
       slots = rng.choice(cfg.num_slots, size=num_tokens, replace=False).astype(np.int32)
       slots[rng.random(num_tokens) < 0.3] = -1   # padding rows: skipped
+      if step == 1:   # past the pool (into a scale row's padding, were it not dropped)
+        slots[-1] = cfg.num_slots + step
       layer = int(rng.integers(0, cfg.num_layers))
       k_new = (rng.normal(size=(num_tokens, 3, 8)) * rng.uniform(0.1, 50)).astype(np.float32)
       v_new = rng.normal(size=(num_tokens, 3, 8)).astype(np.float32)
       if step == 0:
         k_new[0] = 0.0   # an all-zero token must not divide by zero
       pages = write(pages, layer, jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(slots))
-      _np_write(model, cfg, layer, k_new, v_new, slots)
-      _assert_same(pages, model)
+      _np_write(model, cfg, layer, k_new, v_new, np.where(slots < cfg.num_slots, slots, -1))
+      _assert_same(pages, model, cfg)
 
   @chex.variants(with_jit=True, without_jit=True)
-  @parameterized.named_parameters(("float32", "float32"), ("int8", "int8"))
-  def test_copy_and_zero_blocks_match_numpy_model(self, dtype):
+  @parameterized.named_parameters(
+      ("float32", "float32", False, 4), ("int8", "int8", False, 4),
+      ("int8_rows", "int8", True, 4),            # 128 / 4 blocks share a row
+      ("int8_rows_bs256", "int8", True, 256))    # a block spans two rows
+  def test_copy_and_zero_blocks_match_numpy_model(self, dtype, rows, block_size):
     rng = np.random.default_rng(3)
-    cfg = _cfg(dtype)
-    pages, model = _random_pages(cfg, rng)
+    cfg = _cfg(dtype, block_size=block_size)
+    pages, model = _random_pages(cfg, rng, rows)
     # A chain 1->2, 2->3 checks that all sources are read before any write.
     pairs = np.array([[1, 2], [2, 3], [-1, 0], [5, 4], [0, -1]], np.int32)
     pages = self.variant(kv_cache.copy_blocks)(pages, jnp.asarray(pairs))
@@ -129,23 +161,36 @@ class KVOpsTest(chex.TestCase):
         for name in model:
           if model[name] is not None:
             model[name][:, :, dst] = before[name][:, :, src]
-    _assert_same(pages, model)
+    _assert_same(pages, model, cfg)
     ids = np.array([4, -1, 0], np.int32)
     pages = self.variant(kv_cache.zero_blocks)(pages, jnp.asarray(ids))
     for name in model:
       if model[name] is not None:
         model[name][:, :, [4, 0]] = 0
-    _assert_same(pages, model)
+    _assert_same(pages, model, cfg)
+    # The swap's block reads / writes (engine/swap.py): blocks layout on the host side.
+    ids = jnp.asarray([5, 1, 3], jnp.int32)
+    got = kv_cache.read_blocks(pages, ids)
+    for name in model:
+      if model[name] is not None:
+        np.testing.assert_array_equal(np.asarray(got[name]), model[name][:, :, [5, 1, 3]])
+    pages = kv_cache.write_blocks(pages, jnp.asarray([2, -1, 6], jnp.int32), got)
+    for name in model:
+      if model[name] is not None:
+        model[name][:, :, 2] = model[name][:, :, 5]
+    _assert_same(pages, model, cfg)
 
   @chex.variants(with_jit=True, without_jit=True)
-  def test_layer_view_and_gather(self):
+  @parameterized.named_parameters(("blocks", False), ("rows", True))
+  def test_layer_view_and_gather(self, rows):
     rng = np.random.default_rng(11)
     cfg = _cfg("int8")
-    pages, model = _random_pages(cfg, rng)
+    pages, model = _random_pages(cfg, rng, rows)
     k, v, ks, vs = self.variant(kv_cache.layer, static_argnums=1)(pages, 1)
     chex.assert_shape(k, (3, 6, 4, 8))
-    chex.assert_shape([ks, vs], (3, 6, 4))
-    chex.assert_trees_all_equal((v, vs), (model["v"][1], model["v_scale"][1]), strict=True)
+    want_vs = _np_rows(model["v_scale"][1], cfg) if rows else model["v_scale"][1]
+    chex.assert_shape([ks, vs], want_vs.shape)    # as held: the kernels read either
+    chex.assert_trees_all_equal((v, vs), (model["v"][1], want_vs), strict=True)
     table = np.array([4, 0, 2], np.int32)
     kd, vd = self.variant(kv_cache.gather, static_argnums=1)(pages, 1, jnp.asarray(table))
     chex.assert_shape([kd, vd], (12, 3, 8))
@@ -243,6 +288,24 @@ def test_bad_arguments_raise_clear_errors():
     kv_cache.write(pages.replace(k=jnp.zeros(pages.k.shape)), 0, x, x, slots)
   with pytest.raises(TypeError, match="Python int"):
     kv_cache.layer(pages, jnp.int32(0))
+
+
+def test_scale_rows_are_held_where_the_tpu_kernels_run():
+  """`init(scale_rows=True)`: f32[Hkv, ceil(NB * bs / 128), 128] per layer; which
+  backends get them; pages whose K and V scales disagree on the layout are refused."""
+  cfg = _cfg("int8", num_blocks=40)                  # 160 slots: 2 rows, the second padded
+  pages = kv_cache.init(cfg, scale_rows=True)
+  assert pages.scale_rows and pages.k_scale.shape == (2, 3, 2, 128)
+  assert pages.k.shape == kv_cache.init(cfg).k.shape and not kv_cache.init(cfg).scale_rows
+  assert not kv_cache.init(_cfg(), scale_rows=True).quantized   # float pages: no scales
+  for backend in ("pallas:tpu", "pallas_interpret:tpu"):
+    assert kv_cache.scale_rows_for(backend)
+  cpu = jax.devices("cpu")[0]
+  for backend in (None, "reference", "xla", "cpu", "pallas_interpret:triton", "auto"):
+    assert not kv_cache.scale_rows_for(backend, cpu), backend
+  mixed = pages.replace(v_scale=kv_cache.init(cfg).v_scale)
+  with pytest.raises(AssertionError, match="KVPages scales"):
+    kv_cache.zero_blocks(mixed, jnp.zeros((1,), jnp.int32))
 
 
 def test_layer_stack_indexes_like_the_stacked_array():

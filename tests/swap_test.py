@@ -1,8 +1,9 @@
 """Swap of a group whose sequences share blocks (`engine/swap.py`): the host copy holds
 each shared block once, and the swap-in restores the same sharing over fresh blocks,
 checked against the plain-Python allocator (`paged_jax.testing.BlockModel.restore`),
-the allocator's invariants and the page contents; a swap-in that cannot fit or names
-a bad slot changes nothing."""
+the allocator's invariants and the page contents (int8 scales in either layout: blocks,
+or the TPU kernels' scale rows); a swap-in that cannot fit or names a bad slot changes
+nothing."""
 
 import jax
 import numpy as np
@@ -25,12 +26,14 @@ def config(dtype="float32", num_blocks=40):
                      num_layers=2, num_kv_heads=2, head_dim=8, dtype=dtype)
 
 
-def random_pages(cfg, rng) -> KVPages:
-  """Every block's pages distinct, so a mix-up of blocks shows."""
+def random_pages(cfg, rng, rows=False) -> KVPages:
+  """Every block's pages distinct, so a mix-up of blocks shows. `rows`: int8 scales held
+  as scale rows [L, Hkv, ceil(NB * BS / 128), 128] (padding zero)."""
   shape = (cfg.num_layers, cfg.num_kv_heads, cfg.num_blocks, BS, cfg.head_dim)
   if cfg.dtype == "int8":
     q = lambda: rng.integers(-127, 128, shape).astype(np.int8)
-    s = lambda: rng.random(shape[:-1]).astype(np.float32)
+    s = lambda: as_rows(rng.random(shape[:-1]).astype(np.float32)) if rows else (
+        rng.random(shape[:-1]).astype(np.float32))
     return KVPages.from_stacked(q(), q(), s(), s())
   return KVPages.from_stacked(rng.standard_normal(shape).astype(np.float32),
                               rng.standard_normal(shape).astype(np.float32))
@@ -45,14 +48,25 @@ def both(state, model, op, *args):
   return state.replace(blocks=blocks)
 
 
-def forked_group(cfg, seed):
+def as_rows(s):
+  """[L, Hkv, NB, BS] -> [L, Hkv, R, 128] (numpy, by hand)."""
+  flat = s.reshape(s.shape[:2] + (-1,))
+  out = np.zeros(s.shape[:2] + (-(-flat.shape[2] // 128) * 128,), np.float32)
+  out[..., :flat.shape[2]] = flat
+  return out.reshape(s.shape[:2] + (-1, 128))
+
+
+def forked_group(cfg, seed, rows=False):
   """A pool with an unrelated sequence and a group forked from one prompt (slot 1)
   into slots 2..4, a beam-like fork of a fork (slot 5 from 3), every member then
   appending its own tokens (copy-on-write of a shared partial last block).
   Returns (state, model, group slots, their token counts)."""
   rng = np.random.default_rng(seed)
-  state = init_state(cfg)
-  state = state.replace(pages=random_pages(cfg, rng))
+  state = init_state(cfg, scale_rows=rows)
+  pages = random_pages(cfg, rng, rows)
+  assert pages.scale_rows == rows and (jax.tree_util.tree_structure(pages)
+                                       == jax.tree_util.tree_structure(state.pages))
+  state = state.replace(pages=pages)
   model = BlockModel.from_config(cfg)
   prompt = int(rng.integers(5, 11))
   state = both(state, model, "allocate", [0, 1], [7, prompt])
@@ -69,15 +83,24 @@ def forked_group(cfg, seed):
 
 
 def pages_of(state):
-  return {f: np.asarray(x) for f, x in swap._gather(state.pages, np.arange(
-      state.blocks.num_blocks)).items()}
+  """Every field as numpy [L, Hkv, NB, BS(, D)], read from the arrays themselves (scale
+  rows by hand: their padding must stay zero)."""
+  pages, nb = state.pages, state.blocks.num_blocks
+  out = {f: np.asarray(getattr(pages, f)) for f in ("k", "v", "k_scale", "v_scale")
+         if getattr(pages, f) is not None}
+  for f in ("k_scale", "v_scale") if pages.scale_rows else ():
+    flat = out[f].reshape(out[f].shape[:2] + (-1,))
+    assert not flat[..., nb * BS:].any()
+    out[f] = flat[..., :nb * BS].reshape(flat.shape[:2] + (nb, BS))
+  return out
 
 
-@pytest.mark.parametrize("dtype", ["float32", "int8"])
+@pytest.mark.parametrize("dtype,rows", [("float32", False), ("int8", False), ("int8", True)],
+                         ids=["float32", "int8", "int8_scale_rows"])
 @pytest.mark.parametrize("seed", [0, *(pytest.param(s, marks=pytest.mark.slow) for s in (1, 2, 3))])
-def test_group_swap_keeps_sharing_blocks_and_pages(seed, dtype):
+def test_group_swap_keeps_sharing_blocks_and_pages(seed, dtype, rows):
   cfg = config(dtype)
-  state, model, slots, lens = forked_group(cfg, seed)
+  state, model, slots, lens = forked_group(cfg, seed, rows)
   old_tables = np.asarray(state.blocks.block_tables)[slots]
   old_pages = pages_of(state)
   distinct = {int(b) for row, n in zip(old_tables, lens) for b in row[:cdiv(n, BS)]}

@@ -2,7 +2,12 @@
 
 - `attention_backend="pallas_interpret:tpu"`: the whole engine (ragged prefill chunks,
   the decode kernel on pure-decode steps, the multi-step decode loop, the TPU K/V write)
-  run by the TPU interpreter gives the reference backend's greedy tokens, token for token.
+  run by the TPU interpreter gives the reference backend's greedy tokens, token for token;
+  with int8 pages it holds their scales as scale rows (`kv_cache.scale_rows_for`) through
+  a swap preemption and copy-on-write.
+- The scale-rows layout through the whole engine on the reference backend (cheap): int8
+  and fp8 pages swapped out and in and copied on write give the tokens of the blocks
+  layout in a roomy pool.
 - `kv_cache.write(..., backend=<a TPU spelling>)` (the in-place TPU kernel) stores what
   XLA's scatter stores, scales of int8 pages included.
 - "auto" is decided by the device the step is compiled for: a compile-only TPU gives the
@@ -14,6 +19,8 @@
   no TPU default device). About a minute of CPU each: slow.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +30,7 @@ from paged_jax import kv_cache
 from paged_jax.config import CacheConfig, ModelConfig
 from paged_jax.engine import Engine, SamplingParams
 from paged_jax.engine import compile as engine_compile
+from paged_jax.engine.state import init_state
 from paged_jax.models import llama
 from pallas_kernels.tpu import compile_target as ct
 
@@ -40,12 +48,38 @@ def _engine_outputs(mc, cc, backend, prompts, sps, **options):
   return [o.outputs for o in engine.generate(prompts, sps)]
 
 
-def _tiny(dtype="bfloat16", **model):
+def _engine_run(mc, cc, backend, prompts, sps, **options):
+  """(outputs in prompt order, whether the pages held scale rows, swaps, swapped blocks,
+  copy-on-write block copies), stepping the engine by hand."""
+  params = jax.tree_util.tree_map(lambda x: x * 8.0 if x.ndim == 2 else x,
+                                  llama.init_params(mc, jax.random.key(0)))
+  engine = Engine(mc, params, cc, max_num_batched_tokens=32, attention_backend=backend,
+                  **options)
+  ids = [engine.add_request(p, sp) for p, sp in zip(prompts, sps)]
+  got, cow = {}, 0
+  while engine.has_unfinished():
+    got.update((o.request_id, o.outputs) for o in engine.step())
+    cow += engine.last_step.cow_copies
+  return ([got[i] for i in ids], engine.state.pages.scale_rows, engine.num_swaps,
+          engine.stats["swapped_blocks"], cow)
+
+
+# A 17-token greedy prompt and a 3-token prompt sampled twice (n = 2: its children share
+# the prompt's block and copy it on their first write) in a pool of 4 blocks of 16: the
+# sampled group is swapped out while the first grows, and comes back.
+SWAP_PROMPTS = [list(range(3, 20)), [7, 8, 9]]
+SWAP_PARAMS = [SamplingParams(max_tokens=6, temperature=0.0),
+               SamplingParams(max_tokens=5, n=2, temperature=0.8, seed=3)]
+SWAP_POOL = dict(num_blocks=4, max_seqs=3)
+SWAP_OPTIONS = dict(preemption_mode="swap", decode_steps_per_sync=2)
+
+
+def _tiny(dtype="bfloat16", pool=None, **model):
   fields = dict(vocab_size=96, hidden_size=128, intermediate_size=128, num_layers=1,
                 num_heads=2, num_kv_heads=1, max_position_embeddings=256, dtype="bfloat16")
   mc = ModelConfig(**{**fields, **model})
-  cc = mc.cache_config(block_size=16, num_blocks=16, max_seqs=2, max_blocks_per_seq=4,
-                       dtype=dtype)
+  cc = mc.cache_config(**{**dict(block_size=16, num_blocks=16, max_seqs=2,
+                                 max_blocks_per_seq=4, dtype=dtype), **(pool or {})})
   return mc, cc
 
 
@@ -61,6 +95,23 @@ def test_engine_in_tpu_interpret_mode_equals_reference():
   assert got == want
 
 
+@pytest.mark.parametrize("dtype", ["int8", pytest.param("float8_e4m3fn", marks=pytest.mark.slow)])
+def test_scale_rows_through_swap_and_copy_on_write_keep_the_tokens(dtype):
+  """The engine holding scale rows (as on the TPU kernels; here forced, on the reference
+  backend): a swapped, copied-on-write sampling group and a greedy prompt decode what
+  the blocks layout decodes in a pool where nothing is preempted."""
+  mc, cc = _tiny(dtype, SWAP_POOL)
+  rows = functools.partial(init_state, scale_rows=True)
+  got, held_rows, swaps, swapped, cow = _engine_run(
+      mc, cc, "reference", SWAP_PROMPTS, SWAP_PARAMS, init_state=rows, **SWAP_OPTIONS)
+  assert held_rows and swaps > 0 and swapped > 0 and cow > 0, (swaps, swapped, cow)
+  mc, roomy = _tiny(dtype)
+  want, held_rows, swaps, _, _ = _engine_run(mc, roomy, "reference", SWAP_PROMPTS,
+                                             SWAP_PARAMS, **SWAP_OPTIONS)
+  assert not held_rows and swaps == 0
+  assert got == want
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype,model", [
     ("int8", {}),
@@ -68,8 +119,18 @@ def test_engine_in_tpu_interpret_mode_equals_reference():
                       layer_types=("sliding_attention", "full_attention"))),
 ], ids=["int8_pages", "softcap_window"])
 def test_engine_in_tpu_interpret_mode_equals_reference_wide(dtype, model):
-  """int8 pages (the TPU write quantizes into scale rows), and soft cap with a sliding
-  layer; a 2-step decode loop and a parallel-sampling fork (copy-on-write pages)."""
+  """int8 pages (held as scale rows: the TPU write quantizes into them, the kernels read
+  them) through a swap preemption; soft cap with a sliding layer; a 2-step decode loop
+  and a parallel-sampling fork (copy-on-write pages) in both."""
+  if dtype == "int8":
+    mc, cc = _tiny(dtype, SWAP_POOL)
+    want = _engine_run(mc, cc, "reference", SWAP_PROMPTS, SWAP_PARAMS, **SWAP_OPTIONS)
+    got = tpu_support.run_checked(_engine_run, mc, cc, "pallas_interpret:tpu",
+                                  SWAP_PROMPTS, SWAP_PARAMS, **SWAP_OPTIONS)
+    assert got[1] and not want[1]                       # rows on the TPU kernels only
+    assert got[2] > 0 and got[4] > 0, got[2:]           # swapped, copied on write
+    assert got[0] == want[0] and got[2:] == want[2:]
+    return
   mc, cc = _tiny(dtype, **model)
   prompts = [list(range(3, 20)), [7, 8, 9]]
   sps = [SamplingParams(max_tokens=6, temperature=0.0),
@@ -80,14 +141,18 @@ def test_engine_in_tpu_interpret_mode_equals_reference_wide(dtype, model):
   assert got == want
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
-def test_tpu_kv_write_stores_what_the_xla_scatter_stores(dtype):
+@pytest.mark.parametrize("dtype,rows", [("bfloat16", False), ("int8", False), ("int8", True)],
+                         ids=["bfloat16", "int8", "int8_scale_rows"])
+def test_tpu_kv_write_stores_what_the_xla_scatter_stores(dtype, rows):
   """Layer 1 of a 2-layer pool; padding slots (-1) and a partly filled page; layer 0 and
-  every untouched slot keep their bytes."""
+  every untouched slot keep their bytes; scales held as blocks (the write views them as
+  rows and back) or as scale rows (9 blocks of 16: the second row's padding stays)."""
   rng = np.random.default_rng(0)
-  cc = CacheConfig(block_size=16, num_blocks=8, max_seqs=2, max_blocks_per_seq=4,
-                   num_layers=2, num_kv_heads=2, head_dim=64, dtype=dtype)
-  pages = kv_cache.init(cc)
+  cc = CacheConfig(block_size=16, num_blocks=9 if rows else 8, max_seqs=2,
+                   max_blocks_per_seq=4, num_layers=2, num_kv_heads=2, head_dim=64,
+                   dtype=dtype)
+  pages = kv_cache.init(cc, scale_rows=rows)
+  assert pages.scale_rows == rows
   pages = jax.tree_util.tree_map(
       lambda x: jnp.asarray(rng.standard_normal(x.shape) * 4, jnp.float32).astype(x.dtype)
       if x.dtype != jnp.float32 else jnp.asarray(rng.uniform(0.01, 0.1, x.shape), x.dtype),
@@ -134,6 +199,22 @@ def test_engine_step_compiles_for_tpu_without_pool_sized_temporaries(chip, tp):
   assert row["attention"] == "pallas:tpu", row["kernels"]
   assert row["largest_temp_bytes"] < row["pool_bytes"] // 100, row
   assert row["alias_bytes"] >= row["pool_bytes"], row     # the pages updated in place
+
+
+@NO_LIBTPU
+@pytest.mark.slow
+def test_int8_engine_step_on_tpu_copies_neither_pages_nor_scales():
+  """int8 pages on v5e, tp 1: the engine holds its scales as scale rows, so no temporary
+  is a layout copy of a layer's scales (f32[8, 8192, 16] tiled to 128 lanes, 32 MiB, was
+  the largest); the largest is now no larger than the MLP's bf16[T, intermediate]
+  activation, as in the bf16 step."""
+  from paged_jax.bench import tpu_step_compile as tsc  # pylint: disable=g-import-not-at-top
+  case = tsc.StepCase("llama8b", page_dtype="int8")
+  row = tsc.measure(case)
+  mc = case.model_config()
+  assert row["attention"] == "pallas:tpu", row["kernels"]
+  assert row["alias_bytes"] >= row["pool_bytes"], row
+  assert row["largest_temp_bytes"] <= case.tokens * mc.intermediate_size * 2, row
 
 
 BUFFER_ASSIGNMENT = """\

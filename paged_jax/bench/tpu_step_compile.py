@@ -169,7 +169,7 @@ def before_after_cases() -> list:
 
 def report_cases(chips=("v5e", "v6e")) -> list:
   """The compile report's engine rows: both models, tp 1 and 4, bf16, each chip; int8
-  pages for Llama on v5e."""
+  pages for Llama on v5e, tp 1 and 4 (scale rows split by KV head)."""
   cases = [StepCase(m, chip=c, tp=tp) for c in chips for m in MODELS for tp in (1, 4)]
-  cases.append(StepCase("llama8b", page_dtype="int8"))
+  cases += [StepCase("llama8b", page_dtype="int8", tp=tp) for tp in (1, 4)]
   return cases + before_after_cases()

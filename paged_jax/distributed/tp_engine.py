@@ -87,7 +87,7 @@ def tp_step_for_compile(model_config: ModelConfig, cache_config: CacheConfig, *,
   """
   from paged_jax.engine import compile as engine_compile  # pylint: disable=g-import-not-at-top
   from paged_jax.engine.options import EngineOptions  # pylint: disable=g-import-not-at-top
-  from paged_jax.engine.state import EngineState, init_state  # pylint: disable=g-import-not-at-top
+  from paged_jax.engine.state import EngineState  # pylint: disable=g-import-not-at-top
   from paged_jax.engine.weights import param_shapes  # pylint: disable=g-import-not-at-top
   validate_tp(model_config, tp_size(mesh), cache_config)
   options = EngineOptions.of(engine_options.pop("options", None), **engine_options)
@@ -95,7 +95,7 @@ def tp_step_for_compile(model_config: ModelConfig, cache_config: CacheConfig, *,
   backend = engine_compile.step_backend(options.attention_backend, model_config,
                                         cache_config, replicated)
   tp_model = TensorParallelDecoder(model_config, mesh, attention_backend=backend)
-  pages = jax.eval_shape(lambda: init_state(cache_config)).pages
+  pages = jax.eval_shape(lambda: tp_model.init_pages(cache_config, abstract=True))
   state = EngineState(blocks=replicated, pages=named(mesh, kv_pages_specs(pages)),
                       prefix=replicated if cache_config.enable_prefix_caching else None)
   params = named(mesh, param_specs(param_shapes(model_config)))

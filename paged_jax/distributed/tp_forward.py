@@ -36,7 +36,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from paged_jax import kv_cache
 from paged_jax.attention import AttentionMetadata
@@ -97,12 +97,19 @@ class TensorParallelDecoder:
     """Places a full params tree Megatron-style on the mesh."""
     return sharding.shard_params(params, self.mesh)
 
-  def init_pages(self, cache_config: CacheConfig) -> kv_cache.KVPages:
-    """Zero pages created directly in their sharded layout (never whole on one device)."""
+  def init_pages(self, cache_config: CacheConfig, *, abstract: bool = False
+                 ) -> kv_cache.KVPages:
+    """Zero pages created directly in their sharded layout (never whole on one device);
+    int8 / fp8 scales as scale rows where the mesh runs the TPU kernels. `abstract`: only
+    their ShapeDtypeStructs (unplaced)."""
     validate_tp(self.config, self.tp, cache_config)
-    abstract = jax.eval_shape(lambda: kv_cache.init(cache_config))
-    out = sharding.named(self.mesh, sharding.kv_pages_specs(abstract))
-    return jax.jit(lambda: kv_cache.init(cache_config), out_shardings=out)()
+    rows = kv_cache.scale_rows_for(self.attention_backend, NamedSharding(self.mesh, P()))
+    init = lambda: kv_cache.init(cache_config, scale_rows=rows)
+    shapes = jax.eval_shape(init)
+    if abstract:
+      return shapes
+    out = sharding.named(self.mesh, sharding.kv_pages_specs(shapes))
+    return jax.jit(init, out_shardings=out)()
 
   def shard_pages(self, pages: kv_cache.KVPages) -> kv_cache.KVPages:
     """Places existing pages on the mesh, split by KV head."""

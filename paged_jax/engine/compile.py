@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 import jax
 
 from paged_jax import executables
+from paged_jax import kv_cache
 from paged_jax.config import CacheConfig, ModelConfig
 from paged_jax.engine.buckets import Bucket, StepBuckets, step_buckets
 from paged_jax.engine.inputs import empty_inputs, input_shapes, lookup_len
@@ -270,7 +271,9 @@ def step_for_compile(model_config: ModelConfig, cache_config: CacheConfig, *, sh
         options.attention_backend, model_config, cache_config, target))
   compiled, buckets = engine_step(model_config, cache_config, options)
   params = param_shapes(model_config)
-  state = jax.eval_shape(lambda: init_state(cache_config))
+  # The TPU kernels' scale layout when they run there (kv_cache.scale_rows_for).
+  rows = kv_cache.scale_rows_for(options.attention_backend, target)
+  state = jax.eval_shape(lambda: init_state(cache_config, scale_rows=rows))
   inputs = input_shapes(buckets.tokens[-1], cache_config.max_seqs,
                         lookup_len(cache_config, options.max_num_batched_tokens))
   args = (params, state, inputs)

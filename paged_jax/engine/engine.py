@@ -31,6 +31,7 @@ from typing import Any, Dict, List, Optional, Sequence as Seq, Union
 
 import jax
 
+from paged_jax import kv_cache
 from paged_jax.config import CacheConfig, ModelConfig
 from paged_jax.engine import report as report_lib
 from paged_jax.engine import swap
@@ -86,9 +87,12 @@ class Engine:
     self.max_model_len = min(cache_config.max_seq_len, model_config.max_position_embeddings)
     self.prefix_caching = cache_config.enable_prefix_caching
     self._lookup_len = lookup_len(cache_config, budget)
+    # On the TPU kernels int8 / fp8 scales are held as scale rows (kv_cache.py).
     self.state = (options.init_state(cache_config) if options.init_state is not None else
                   default_init_state(cache_config, max_probe=options.max_probe,
-                                     hash_mode=options.hash_mode))
+                                     hash_mode=options.hash_mode,
+                                     scale_rows=kv_cache.scale_rows_for(
+                                         options.attention_backend)))
     # The call every step dispatches: each shape bucket's own jit, from the process's
     # executable budget (bounded by its memory-map headroom; compile.CompiledStep).
     self._step = self._compiled.caller(arg_signature(self.params, self.state, self._lookup_len))

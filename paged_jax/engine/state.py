@@ -40,16 +40,18 @@ class EngineState:
   sliding_pages: Any = None
 
 
-def init_state(cache_config, **prefix_kwargs) -> EngineState:
+def init_state(cache_config, *, scale_rows: bool = False, **prefix_kwargs) -> EngineState:
   """An empty EngineState (prefix state iff `cache_config.enable_prefix_caching`; the
-  sliding pool iff hybrid KV)."""
+  sliding pool iff hybrid KV). `scale_rows`: int8 / fp8 scales held as scale rows, the
+  TPU kernels' layout (`kv_cache.scale_rows_for(attention_backend)`)."""
   prefix = (prefix_step.init(cache_config, **prefix_kwargs)
             if cache_config.enable_prefix_caching else None)
   sliding_blocks = sliding_pages = None
   if cache_config.hybrid:
     sliding_blocks = bm.init(cache_config.sliding_pool())
-    sliding_pages = kv_cache.init_sliding(cache_config)
-  return EngineState(blocks=bm.init(cache_config), pages=kv_cache.init(cache_config),
+    sliding_pages = kv_cache.init_sliding(cache_config, scale_rows=scale_rows)
+  pages = kv_cache.init(cache_config, scale_rows=scale_rows)
+  return EngineState(blocks=bm.init(cache_config), pages=pages,
                      prefix=prefix, sliding_blocks=sliding_blocks, sliding_pages=sliding_pages)
 
 

@@ -24,11 +24,11 @@ import numpy as np
 
 from paged_jax import block_manager as bm
 from paged_jax import block_rounds
+from paged_jax import kv_cache
 from paged_jax.config import INVALID, OK, OUT_OF_BLOCKS, cdiv
 from paged_jax.engine.step import EngineState, TRACE_COUNT
 from paged_jax.prefix_cache import evict
 
-_FIELDS = ("k", "v", "k_scale", "v_scale")
 _I32 = jnp.int32
 
 
@@ -43,7 +43,8 @@ class SwappedKV:
       indices into the copied blocks (0 .. num_blocks - 1); -1 past its length.
     num_blocks: distinct blocks copied (what `swap_in` allocates).
     pages: field name -> numpy [num_layers, num_kv_heads, bucket, block_size(, head_dim)],
-      the first `num_blocks` blocks valid.
+      the first `num_blocks` blocks valid (`kv_cache.read_blocks`: the blocks layout
+      whatever the device's scale layout).
   """
   num_tokens: np.ndarray
   tables: np.ndarray
@@ -62,7 +63,7 @@ def _bucket(n: int, cap: int) -> int:
 @jax.jit
 def _gather(pages, ids):
   TRACE_COUNT["swap_out"] += 1
-  return {f: getattr(pages, f)[:, :, ids] for f in _FIELDS if getattr(pages, f) is not None}
+  return kv_cache.read_blocks(pages, ids)
 
 
 def _as_list(x) -> list:
@@ -150,10 +151,8 @@ def _swap_in(state: EngineState, slots, tables, num_tokens, num_blocks, data):
   blocks, fresh, status = restore_blocks(blocks, slots, tables, num_tokens, num_blocks,
                                          width=width)
   ids = jnp.where(fresh >= 0, fresh, blocks.num_blocks)   # out of range: dropped
-  pages = state.pages
-  updates = {f: getattr(pages, f).at[:, :, ids].set(x.astype(getattr(pages, f).dtype),
-                                                    mode="drop") for f, x in data.items()}
-  return EngineState(blocks=blocks, pages=pages.replace(**updates), prefix=prefix), status
+  pages = kv_cache.write_blocks(state.pages, ids, data)
+  return EngineState(blocks=blocks, pages=pages, prefix=prefix), status
 
 
 def swap_in(state: EngineState, slots: Union[int, Sequence[int]], saved: SwappedKV):

@@ -10,7 +10,8 @@ kernel reads the same numbers as *scale rows*
                                             at rows[h, t // 128, t % 128]
 
 (the flat slot order, compact). `as_rows` makes it from the reference shape (a free
-reshape when that array is row-major; an engine on TPU should hold this shape directly).
+reshape when that array is row-major); the engine on the TPU kernels holds this shape
+(`paged_jax.kv_cache.init(..., scale_rows=True)`).
 A page's scales are one 128-lane row (bs <= 128: 128 / bs pages share it, the page at lane
 offset page * bs % 128) or bs / 128 whole rows; one DMA per page brings its row(s).
 
@@ -28,28 +29,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
-LANES = 128
-
-
-def rows_per_page(block_size: int) -> int:
-  return max(1, block_size // LANES)
-
-
-def num_rows(num_blocks: int, block_size: int) -> int:
-  return -(-num_blocks * block_size // LANES)
-
-
-def as_rows(scales, num_blocks: int, block_size: int):
-  """f32[Hkv, NB, bs] (reference) or f32[Hkv, R, 128] (rows) -> rows f32[Hkv, R, 128]."""
-  heads = scales.shape[0]
-  r = num_rows(num_blocks, block_size)
-  if tuple(scales.shape) == (heads, r, LANES):
-    return scales.astype(jnp.float32)
-  flat = scales.astype(jnp.float32).reshape(heads, num_blocks * block_size)
-  pad = r * LANES - num_blocks * block_size
-  if pad:
-    flat = jnp.pad(flat, ((0, 0), (0, pad)))
-  return flat.reshape(heads, r, LANES)
+# The layout itself (shapes, conversions, block windows) is pallas_kernels/scale_rows.py.
+from pallas_kernels.scale_rows import (  # pylint: disable=unused-import
+    LANES, as_rows, num_rows, rows_per_page)
 
 
 def first_row(page, block_size: int):
