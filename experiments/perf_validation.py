@@ -24,8 +24,11 @@ predicted dashed). Target (issue 25): |predicted / measured - 1| <= 0.15 per sys
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import functools
+import gzip
+import json
 import os
+import pathlib
 import time
 from typing import Dict, List, Tuple
 
@@ -68,6 +71,11 @@ class Config(configs.ExperimentConfig):
   slo_factor: float = configs.flag(3.0, "SLO = factor x max unloaded normalized latency",
                                    lower=1.0)
   preemption_mode: str = configs.flag("auto", "engine preemption", choices=PREEMPTION_MODES)
+  group_stat: str = configs.flag("mean", "each group of like calibration steps is fitted at "
+                                 "its mean (what a run pays) or median seconds",
+                                 choices=("mean", "median"))
+  measured_from: str = configs.flag("", "a measured.json.gz an earlier run wrote (same "
+                                    "flags): fit and predict from it, measure nothing")
   out: str = configs.flag("results/perf_validation", "output directory")
 
   def check(self) -> None:
@@ -114,19 +122,37 @@ def measured_sweep(f: Config, streams: Dict, calibration_streams: Dict
   return curves, samples, loads, late
 
 
+def _standin_engine(holder: Dict, **kw):
+  """The tiny model's engine with the stand-in forward and ONE compiled shape; `holder`
+  gets a ModelClock `to_step` charging the shapes the bucketed engine of that geometry
+  runs."""
+  from paged_jax.engine import buckets as buckets_lib  # pylint: disable=g-import-not-at-top
+  engine = engines.make_engine(standin=True, shape_buckets=False, **kw)
+  holder["to_step"] = calibration.bucketed_step(
+      buckets_lib.step_buckets(engine.cache_config, engine.max_num_batched_tokens,
+                               engine.decode_steps_per_sync), engine.cache_config.block_size)
+  return engine
+
+
 def predicted_sweep(f: Config, streams: Dict, model: perf.DeviceTimeModel) -> Dict:
-  """The same points on virtual time from the fitted model (padded shapes, as run)."""
+  """The same points on virtual time from the fitted model: the same engine and scheduler
+  with the stand-in forward (`engines.make_engine(standin=True)`: it schedules as the tiny
+  model does, and compiles once, not once per bucket), each step charged the padded shape
+  the measured engine ran it on (`calibration.bucketed_step`)."""
   from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
   curves = {}
   for system in f.systems:
     sizes = _sizes(f, system, streams[max(f.rates)])
     points = []
     for r in sorted(f.rates):
-      clock = perf.ModelClock(model, block_size=f.block_size, padding=True)
+      holder: Dict = {}
+      clock = perf.ModelClock(model, block_size=f.block_size,
+                              to_step=lambda rep, h=holder: h["to_step"](rep))
       with common.progress(total=len(streams[r]), desc=f"predicted {system} {r:g}") as bar:
         points.append(serving_sweep.run_point(
             system, streams[r], kv_budget_tokens=f.kv_budget_tokens, block_size=f.block_size,
-            sizes=sizes, clock=clock, progress=bar, preemption_mode=f.preemption_mode))
+            sizes=sizes, clock=clock, progress=bar, preemption_mode=f.preemption_mode,
+            engine_fn=functools.partial(_standin_engine, holder)))
     curves[system] = serving_sweep.curve(sorted(f.rates), points)
     release_compiled()
   return curves
@@ -155,7 +181,34 @@ def compare(measured: Dict, predicted: Dict, slo_factor: float) -> Dict:
           "predicted_slo_s_per_token": p["slo_s_per_token"]}
 
 
-def run(f: Config) -> Dict:
+MEASURED_FILE = "measured.json.gz"
+
+
+def _write_measured(path: pathlib.Path, f: Config, measured, samples, loads, late) -> None:
+  """The wall-clock half (curves, calibration steps, loads), so a fit or prediction can
+  be redone without measuring again (`--measured_from`)."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  blob = {"flags": f.flags(), "measured": measured, "loads": loads, "late": late,
+          "samples": calibration.samples_as_dicts(samples),
+          "versions": provenance.versions(), "machine": provenance.machine()}
+  with gzip.open(path, "wt") as fh:
+    json.dump(common.json_ready(blob), fh)
+
+
+def _read_measured(path: str, f: Config):
+  with gzip.open(path, "rt") as fh:
+    blob = json.load(fh)
+  ignore = ("measured_from", "group_stat", "out", "slo_factor")
+  differ = [k for k, v in f.flags().items() if k not in ignore
+            and json.loads(json.dumps(common.json_ready(v))) != blob["flags"].get(k)]
+  if differ:
+    raise ValueError(f"--measured_from={path} was measured with other flags: "
+                     f"{', '.join(differ)}")
+  return (blob["measured"], calibration.samples_from_dicts(blob["samples"]), blob["loads"],
+          blob["late"])
+
+
+def run(f: Config, out: pathlib.Path = pathlib.Path(".")) -> Dict:
   start = time.time()
   num_total = max(arrivals.arrival_times(r, f.duration_s, f.seed).size
                   for r in f.rates)
@@ -163,9 +216,14 @@ def run(f: Config) -> Dict:
                                                        num_total)
   streams = {r: stream(r, f.seed, f.duration_s) for r in f.rates}
   cal_seed = f.seed + CALIBRATION_SEED_OFFSET
-  calibration_streams = {r: stream(r, cal_seed, f.calibration_duration_s) for r in f.rates}
-  measured, samples, loads, late = measured_sweep(f, streams, calibration_streams)
-  fit = calibration.fit_cpu(engines.tiny_model()[0], samples)
+  if f.measured_from:
+    measured, samples, loads, late = _read_measured(f.measured_from, f)
+  else:
+    calibration_streams = {r: stream(r, cal_seed, f.calibration_duration_s) for r in f.rates}
+    measured, samples, loads, late = measured_sweep(f, streams, calibration_streams)
+    _write_measured(out / MEASURED_FILE, f, measured, samples, loads, late)
+  measured_s = time.time() - start
+  fit = calibration.fit_cpu(engines.tiny_model()[0], samples, stat=f.group_stat)
   predicted = predicted_sweep(f, streams, fit.model)
   result = compare(measured, predicted, f.slo_factor)
   errors = [abs(v["rel_error"]) for v in result["systems"].values() if v["rel_error"] is not None]
@@ -182,7 +240,8 @@ def run(f: Config) -> Dict:
                    if late else None, "rule": "per system and rate, one wall-clock serving "
                    "run of another seed's stream before the measured point; each step "
                    "charged what the loop paid between step ends"},
-      seconds=time.time() - start, flags=f.flags(), versions=provenance.versions(),
+      seconds=time.time() - start, measured_seconds=measured_s,
+      measured_from=f.measured_from or None, flags=f.flags(), versions=provenance.versions(),
       machine=provenance.machine(), code=provenance.code_version())
   return result
 
@@ -206,7 +265,7 @@ def plot(result: Dict, path):
 
 
 def main(f: Config, out):
-  result = run(f)
+  result = run(f, out)
   common.write_json(out / "perf_validation.json", result)
   png = plot(result, out / "perf_validation.png")
   rows = [[s, v["measured_max_rate"], v["predicted_max_rate"],
