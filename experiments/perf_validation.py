@@ -75,7 +75,8 @@ class Config(configs.ExperimentConfig):
                                  "its mean (what a run pays) or median seconds",
                                  choices=("mean", "median"))
   measured_from: str = configs.flag("", "a measured.json.gz an earlier run wrote (same "
-                                    "flags): fit and predict from it, measure nothing")
+                                    "stream flags): fit and predict from it, measuring only "
+                                    "the systems it lacks")
   out: str = configs.flag("results/perf_validation", "output directory")
 
   def check(self) -> None:
@@ -94,16 +95,22 @@ def _engine_fn(f: Config, sizes: Dict):
                                      max_seqs=sizes["max_seqs"])
 
 
-def measured_sweep(f: Config, streams: Dict, calibration_streams: Dict
-                   ) -> Tuple[Dict, List, List[float], List[float]]:
+def measured_sweep(f: Config, streams: Dict, calibration_streams: Dict, done: Dict,
+                   save=None) -> Dict:
   """The wall-clock sweep, each point preceded by a calibration point (the same system and
-  rate on another seed's stream, on a `RecordingWallClock`): (curves, calibration samples,
-  load averages read before each point, how late the calibration loops' waits woke)."""
+  rate on another seed's stream, on a `RecordingWallClock`), of every system of f.systems
+  not in `done` yet. `done` ({"measured": {system: curve}, and per system "samples"
+  (calibration steps), "loads" (load average read before each point), "late" (how late
+  the calibration loops' waits woke)}) gains each system as it finishes, and `save(done)`
+  runs then: a stopped run keeps the systems it finished."""
   from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
-  curves, samples, loads, late = {}, [], [], []
+  for key in ("measured", "samples", "loads", "late"):
+    done.setdefault(key, {})
   for system in f.systems:
+    if system in done["measured"]:
+      continue
     sizes = _sizes(f, system, streams[max(f.rates)])
-    points = []
+    points, samples, loads, late = [], [], [], []
     for r in sorted(f.rates):
       kw = dict(kv_budget_tokens=f.kv_budget_tokens, block_size=f.block_size, sizes=sizes,
                 preemption_mode=f.preemption_mode)
@@ -117,9 +124,13 @@ def measured_sweep(f: Config, streams: Dict, calibration_streams: Dict
       with common.progress(total=len(streams[r]), desc=f"measured {system} {r:g}") as bar:
         points.append(serving_sweep.run_point(system, streams[r], clock=clocks.WallClock(),
                                               progress=bar, **kw))
-    curves[system] = serving_sweep.curve(sorted(f.rates), points)
+    done["measured"][system] = serving_sweep.curve(sorted(f.rates), points)
+    done["samples"][system], done["loads"][system] = samples, loads
+    done["late"][system] = late
     release_compiled()
-  return curves, samples, loads, late
+    if save is not None:
+      save(done)
+  return done
 
 
 def _standin_engine(holder: Dict, **kw):
@@ -182,30 +193,33 @@ def compare(measured: Dict, predicted: Dict, slo_factor: float) -> Dict:
 
 
 MEASURED_FILE = "measured.json.gz"
+_SAME_FLAGS = ("workload", "rates", "duration_s", "calibration_duration_s", "seed",
+               "kv_budget_tokens", "block_size", "preemption_mode")
 
 
-def _write_measured(path: pathlib.Path, f: Config, measured, samples, loads, late) -> None:
-  """The wall-clock half (curves, calibration steps, loads), so a fit or prediction can
-  be redone without measuring again (`--measured_from`)."""
+def _write_measured(path: pathlib.Path, f: Config, done: Dict) -> None:
+  """The wall-clock half (curves, calibration steps, loads per system), so a fit or
+  prediction can be redone, or a stopped run resumed, without measuring again."""
   path.parent.mkdir(parents=True, exist_ok=True)
-  blob = {"flags": f.flags(), "measured": measured, "loads": loads, "late": late,
-          "samples": calibration.samples_as_dicts(samples),
-          "versions": provenance.versions(), "machine": provenance.machine()}
+  blob = dict(done, flags=f.flags(), versions=provenance.versions(),
+              machine=provenance.machine(),
+              samples={k: calibration.samples_as_dicts(v) for k, v in done["samples"].items()})
   with gzip.open(path, "wt") as fh:
     json.dump(common.json_ready(blob), fh)
 
 
-def _read_measured(path: str, f: Config):
+def _read_measured(path: str, f: Config) -> Dict:
+  """What `_write_measured` wrote, if measured with the same stream and engine flags."""
   with gzip.open(path, "rt") as fh:
     blob = json.load(fh)
-  ignore = ("measured_from", "group_stat", "out", "slo_factor")
-  differ = [k for k, v in f.flags().items() if k not in ignore
-            and json.loads(json.dumps(common.json_ready(v))) != blob["flags"].get(k)]
+  differ = [k for k in _SAME_FLAGS
+            if json.loads(json.dumps(common.json_ready(getattr(f, k)))) != blob["flags"][k]]
   if differ:
     raise ValueError(f"--measured_from={path} was measured with other flags: "
                      f"{', '.join(differ)}")
-  return (blob["measured"], calibration.samples_from_dicts(blob["samples"]), blob["loads"],
-          blob["late"])
+  return {"measured": blob["measured"], "loads": blob["loads"], "late": blob["late"],
+          "samples": {k: calibration.samples_from_dicts(v)
+                      for k, v in blob["samples"].items()}}
 
 
 def run(f: Config, out: pathlib.Path = pathlib.Path(".")) -> Dict:
@@ -216,12 +230,15 @@ def run(f: Config, out: pathlib.Path = pathlib.Path(".")) -> Dict:
                                                        num_total)
   streams = {r: stream(r, f.seed, f.duration_s) for r in f.rates}
   cal_seed = f.seed + CALIBRATION_SEED_OFFSET
-  if f.measured_from:
-    measured, samples, loads, late = _read_measured(f.measured_from, f)
-  else:
+  done = _read_measured(f.measured_from, f) if f.measured_from else {}
+  if any(s not in done.get("measured", {}) for s in f.systems):   # measure what is missing
     calibration_streams = {r: stream(r, cal_seed, f.calibration_duration_s) for r in f.rates}
-    measured, samples, loads, late = measured_sweep(f, streams, calibration_streams)
-    _write_measured(out / MEASURED_FILE, f, measured, samples, loads, late)
+    measured_sweep(f, streams, calibration_streams, done,
+                   save=lambda d: _write_measured(out / MEASURED_FILE, f, d))
+  measured = {s: done["measured"][s] for s in f.systems}
+  samples = [x for s in f.systems for x in done["samples"][s]]
+  loads = [x for s in f.systems for x in done["loads"][s]]
+  late = [x for s in f.systems for x in done["late"][s]]
   measured_s = time.time() - start
   fit = calibration.fit_cpu(engines.tiny_model()[0], samples, stat=f.group_stat)
   predicted = predicted_sweep(f, streams, fit.model)
