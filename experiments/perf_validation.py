@@ -74,6 +74,10 @@ class Config(configs.ExperimentConfig):
   group_stat: str = configs.flag("mean", "each group of like calibration steps is fitted at "
                                  "its mean (what a run pays) or median seconds",
                                  choices=("mean", "median"))
+  load_scope: str = configs.flag(
+      "point", "point: each predicted point's steps scaled by the measured / fitted seconds "
+      "of the calibration runs just before and after it (the machine's load then); run: "
+      "the fit alone for every point", choices=("point", "run"))
   measured_from: str = configs.flag("", "a measured.json.gz an earlier run wrote (same "
                                     "stream flags): fit and predict from it, measuring only "
                                     "the systems it lacks")
@@ -110,7 +114,7 @@ def measured_sweep(f: Config, streams: Dict, calibration_streams: Dict, done: Di
     if system in done["measured"]:
       continue
     sizes = _sizes(f, system, streams[max(f.rates)])
-    points, samples, loads, late = [], [], [], []
+    points, samples, loads, late = [], [], [], []   # samples: one list per rate
     for r in sorted(f.rates):
       kw = dict(kv_budget_tokens=f.kv_budget_tokens, block_size=f.block_size, sizes=sizes,
                 preemption_mode=f.preemption_mode)
@@ -118,14 +122,14 @@ def measured_sweep(f: Config, streams: Dict, calibration_streams: Dict, done: Di
       with common.progress(total=len(calibration_streams[r]),
                            desc=f"calibration {system} {r:g}") as bar:
         serving_sweep.run_point(system, calibration_streams[r], clock=rec, progress=bar, **kw)
-      samples += rec.samples
+      samples.append(rec.samples)
       late += rec.wake_late_s
       loads.append(os.getloadavg()[0])
       with common.progress(total=len(streams[r]), desc=f"measured {system} {r:g}") as bar:
         points.append(serving_sweep.run_point(system, streams[r], clock=clocks.WallClock(),
                                               progress=bar, **kw))
     done["measured"][system] = serving_sweep.curve(sorted(f.rates), points)
-    done["samples"][system], done["loads"][system] = samples, loads
+    done["samples"][system], done["loads"][system] = samples, loads   # samples: per rate
     done["late"][system] = late
     release_compiled()
     if save is not None:
@@ -145,26 +149,43 @@ def _standin_engine(holder: Dict, **kw):
   return engine
 
 
-def predicted_sweep(f: Config, streams: Dict, model: perf.DeviceTimeModel) -> Dict:
-  """The same points on virtual time from the fitted model: the same engine and scheduler
-  with the stand-in forward (`engines.make_engine(standin=True)`: it schedules as the tiny
-  model does, and compiles once, not once per bucket), each step charged the padded shape
-  the measured engine ran it on (`calibration.bucketed_step`)."""
+def point_factors(f: Config, model: perf.DeviceTimeModel, samples: Dict) -> Dict:
+  """{system: [factor per rate]}: `calibration.load_factor` of the calibration runs just
+  before and just after each measured point (the next rate's; the last point: before
+  only), or 1.0 for every point with --load_scope=run."""
+  out = {}
+  for system in f.systems:
+    per_rate = samples[system]
+    out[system] = [1.0 if f.load_scope == "run" else calibration.load_factor(
+        model, per_rate[i] + (per_rate[i + 1] if i + 1 < len(per_rate) else []))
+                   for i in range(len(per_rate))]
+  return out
+
+
+def predicted_sweep(f: Config, streams: Dict, model: perf.DeviceTimeModel,
+                    factors: Dict) -> Dict:
+  """The same points on virtual time from the fitted model (each point's scaled by its
+  `factors` entry): the same engine and scheduler with the stand-in forward
+  (`engines.make_engine(standin=True)`: it schedules as the tiny model does, and compiles
+  once, not once per bucket), each step charged the padded shape the measured engine ran
+  it on (`calibration.bucketed_step`)."""
   from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
   curves = {}
   for system in f.systems:
     sizes = _sizes(f, system, streams[max(f.rates)])
     points = []
-    for r in sorted(f.rates):
+    for i, r in enumerate(sorted(f.rates)):
       holder: Dict = {}
-      clock = perf.ModelClock(model, block_size=f.block_size,
+      clock = perf.ModelClock(calibration.scaled(model, factors[system][i]),
+                              block_size=f.block_size,
                               to_step=lambda rep, h=holder: h["to_step"](rep))
       with common.progress(total=len(streams[r]), desc=f"predicted {system} {r:g}") as bar:
         points.append(serving_sweep.run_point(
             system, streams[r], kv_budget_tokens=f.kv_budget_tokens, block_size=f.block_size,
             sizes=sizes, clock=clock, progress=bar, preemption_mode=f.preemption_mode,
             engine_fn=functools.partial(_standin_engine, holder)))
-    curves[system] = serving_sweep.curve(sorted(f.rates), points)
+    curves[system] = dict(serving_sweep.curve(sorted(f.rates), points),
+                          load_factor=factors[system])
     release_compiled()
   return curves
 
@@ -203,7 +224,8 @@ def _write_measured(path: pathlib.Path, f: Config, done: Dict) -> None:
   path.parent.mkdir(parents=True, exist_ok=True)
   blob = dict(done, flags=f.flags(), versions=provenance.versions(),
               machine=provenance.machine(),
-              samples={k: calibration.samples_as_dicts(v) for k, v in done["samples"].items()})
+              samples={k: [calibration.samples_as_dicts(r) for r in v]
+                       for k, v in done["samples"].items()})
   with gzip.open(path, "wt") as fh:
     json.dump(common.json_ready(blob), fh)
 
@@ -218,7 +240,7 @@ def _read_measured(path: str, f: Config) -> Dict:
     raise ValueError(f"--measured_from={path} was measured with other flags: "
                      f"{', '.join(differ)}")
   return {"measured": blob["measured"], "loads": blob["loads"], "late": blob["late"],
-          "samples": {k: calibration.samples_from_dicts(v)
+          "samples": {k: [calibration.samples_from_dicts(r) for r in v]
                       for k, v in blob["samples"].items()}}
 
 
@@ -236,12 +258,13 @@ def run(f: Config, out: pathlib.Path = pathlib.Path(".")) -> Dict:
     measured_sweep(f, streams, calibration_streams, done,
                    save=lambda d: _write_measured(out / MEASURED_FILE, f, d))
   measured = {s: done["measured"][s] for s in f.systems}
-  samples = [x for s in f.systems for x in done["samples"][s]]
+  samples = [x for s in f.systems for r in done["samples"][s] for x in r]
   loads = [x for s in f.systems for x in done["loads"][s]]
   late = [x for s in f.systems for x in done["late"][s]]
   measured_s = time.time() - start
   fit = calibration.fit_cpu(engines.tiny_model()[0], samples, stat=f.group_stat)
-  predicted = predicted_sweep(f, streams, fit.model)
+  factors = point_factors(f, fit.model, done["samples"])
+  predicted = predicted_sweep(f, streams, fit.model, factors)
   result = compare(measured, predicted, f.slo_factor)
   errors = [abs(v["rel_error"]) for v in result["systems"].values() if v["rel_error"] is not None]
   result.update(

@@ -37,7 +37,7 @@ def test_grouped_takes_the_median_or_the_mean_of_like_steps():
 def test_measured_file_round_trips_and_refuses_other_flags(tmp_path):
   f = perf_validation.Config(systems=("paged", "orca_max"), rates=(8.0,))
   curves = {"paged": {"rates": [8.0], "normalized_latency_s_per_token": [0.01]}}
-  done = {"measured": curves, "samples": {"paged": _samples()}, "loads": {"paged": [1.5]},
+  done = {"measured": curves, "samples": {"paged": [_samples()]}, "loads": {"paged": [1.5]},
           "late": {"paged": [0.001]}}
   path = tmp_path / perf_validation.MEASURED_FILE
   perf_validation._write_measured(path, f, done)
@@ -48,6 +48,38 @@ def test_measured_file_round_trips_and_refuses_other_flags(tmp_path):
   other = perf_validation.Config(systems=("paged",), rates=(16.0,), measured_from=str(path))
   with pytest.raises(ValueError, match="other flags: rates"):
     perf_validation._read_measured(str(path), other)
+
+
+def test_load_factor_scales_the_fit_to_what_the_steps_paid():
+  model = calibration.cpu_model(_tiny_config())
+  shapes = [s for s, _ in _samples()]
+  slow = [(s, 3.0 * model.step_seconds(s)) for s in shapes]      # a machine 3x slower
+  k = calibration.load_factor(model, slow)
+  assert k == pytest.approx(3.0)
+  three = calibration.scaled(model, k)
+  for s in shapes:
+    assert three.step_seconds(s) == pytest.approx(3.0 * model.step_seconds(s))
+  assert calibration.load_factor(model, []) == 1.0
+  with pytest.raises(ValueError, match="factor must be"):
+    calibration.scaled(model, 0.0)
+
+
+def test_point_factors_use_the_calibration_before_and_after_each_point():
+  model = calibration.cpu_model(_tiny_config())
+  shape = _samples()[0][0]
+  t = model.step_seconds(shape)
+  per_rate = [[(shape, 1.0 * t)], [(shape, 3.0 * t)], [(shape, 2.0 * t)]]
+  f = perf_validation.Config(systems=("paged",), rates=(1.0, 2.0, 3.0))
+  got = perf_validation.point_factors(f, model, {"paged": per_rate})["paged"]
+  assert got == pytest.approx([2.0, 2.5, 2.0])
+  run = perf_validation.Config(systems=("paged",), rates=(1.0, 2.0, 3.0), load_scope="run")
+  assert perf_validation.point_factors(run, model, {"paged": per_rate})["paged"] == [1.0] * 3
+
+
+def _tiny_config():
+  from paged_jax.config import ModelConfig
+  return ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
 
 
 @pytest.mark.slow

@@ -160,6 +160,27 @@ def cpu_model(model_config) -> perf.DeviceTimeModel:
   return perf.DeviceTimeModel(model=spec, gpu=CPU)
 
 
+def load_factor(model: perf.DeviceTimeModel, samples: Sequence[Sample]) -> float:
+  """Measured over predicted seconds, summed over `samples` (steps measured close in time):
+  how much slower than the fit the machine ran then (a loaded machine's share of the CPU
+  moves by minutes). 1.0 without samples."""
+  if not samples:
+    return 1.0
+  predicted = sum(model.step_seconds(shape) for shape, _ in samples)
+  return sum(sec for _, sec in samples) / predicted if predicted > 0 else 1.0
+
+
+def scaled(model: perf.DeviceTimeModel, factor: float) -> perf.DeviceTimeModel:
+  """`model` with every step `factor` x as long (the time is homogeneous in theta: each
+  1 / efficiency and each latency scaled by `factor`)."""
+  from paged_jax.perf import roofline  # pylint: disable=g-import-not-at-top
+  if not (factor > 0 and np.isfinite(factor)):
+    raise ValueError(f"factor must be a finite number > 0, got {factor}")
+  eff = roofline.efficiency_of(model.theta * factor,
+                               f"{model.efficiency.source}, x {factor:.3f} (load)")
+  return model.replace(efficiency=eff)
+
+
 def fit_cpu(model_config, samples: Sequence[Sample], stat: str = "median"
             ) -> perf.FitResult:
   """The device-time model fitted to `samples` grouped (`grouped`, by `stat`)."""
