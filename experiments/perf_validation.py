@@ -190,6 +190,19 @@ def predicted_sweep(f: Config, streams: Dict, model: perf.DeviceTimeModel,
   return curves
 
 
+def _step_time_errors(measured: Dict, predicted: Dict) -> List:
+  """Per point: the predicted mean step (the model clock's device seconds / steps) over
+  the measured one (seconds inside Engine.step / steps; the loop's own work, which the
+  calibration charges, excluded) - 1: how far the calibrated load was off the load the
+  point itself ran under (the two runs batch alike but not step for step)."""
+  out = []
+  for ms, mn, ps, pn in zip(measured.get("engine_step_s") or [], measured["steps"],
+                            predicted.get("device_s") or [], predicted["steps"]):
+    ok = ms and mn and ps and pn
+    out.append((ps / pn) / (ms / mn) - 1 if ok else None)
+  return out
+
+
 def compare(measured: Dict, predicted: Dict, slo_factor: float) -> Dict:
   """Per system: max rate at each sweep's own SLO, and at the measured SLO; latency errors."""
   m, p = (latency.slo_and_rates(c, slo_factor) for c in (measured, predicted))
@@ -208,6 +221,7 @@ def compare(measured: Dict, predicted: Dict, slo_factor: float) -> Dict:
               "predicted_max_rate_at_measured_slo": (at_measured_slo["interpolated"]
                                                      or at_measured_slo["swept"]),
               "latency_rel_error": (lat_p / lat_m - 1).tolist(),
+              "step_time_rel_error": _step_time_errors(measured[s], predicted[s]),
               "measured": measured[s], "predicted": predicted[s]}
   return {"systems": out, "measured_slo_s_per_token": m["slo_s_per_token"],
           "predicted_slo_s_per_token": p["slo_s_per_token"]}
@@ -262,13 +276,17 @@ def run(f: Config, out: pathlib.Path = pathlib.Path(".")) -> Dict:
   loads = [x for s in f.systems for x in done["loads"][s]]
   late = [x for s in f.systems for x in done["late"][s]]
   measured_s = time.time() - start
-  fit = calibration.fit_cpu(engines.tiny_model()[0], samples, stat=f.group_stat)
+  fit, _ = calibration.fit_cpu_runs(engines.tiny_model()[0],
+                                    [r for s in f.systems for r in done["samples"][s]],
+                                    stat=f.group_stat)
   factors = point_factors(f, fit.model, done["samples"])
   predicted = predicted_sweep(f, streams, fit.model, factors)
   result = compare(measured, predicted, f.slo_factor)
   errors = [abs(v["rel_error"]) for v in result["systems"].values() if v["rel_error"] is not None]
   result.update(
       fit=dict(fit.as_dict(), device_model=fit.model.as_dict(),
+               rule="calibration.fit_cpu_runs: every calibration run's load factored out "
+               "(3 rounds), groups of like steps at their " + f.group_stat,
                calibration_steps=len(samples),
                grouped_steps=len(calibration.grouped(samples))),
       target_rel_error=TARGET, max_abs_rel_error=max(errors) if errors else None,
