@@ -276,17 +276,15 @@ def run(f: Config, out: pathlib.Path = pathlib.Path(".")) -> Dict:
   loads = [x for s in f.systems for x in done["loads"][s]]
   late = [x for s in f.systems for x in done["late"][s]]
   measured_s = time.time() - start
-  fit, _ = calibration.fit_cpu_runs(engines.tiny_model()[0],
-                                    [r for s in f.systems for r in done["samples"][s]],
-                                    stat=f.group_stat)
+  fit = calibration.fit_cpu(engines.tiny_model()[0], samples, stat=f.group_stat)
   factors = point_factors(f, fit.model, done["samples"])
   predicted = predicted_sweep(f, streams, fit.model, factors)
   result = compare(measured, predicted, f.slo_factor)
   errors = [abs(v["rel_error"]) for v in result["systems"].values() if v["rel_error"] is not None]
   result.update(
       fit=dict(fit.as_dict(), device_model=fit.model.as_dict(),
-               rule="calibration.fit_cpu_runs: every calibration run's load factored out "
-               "(3 rounds), groups of like steps at their " + f.group_stat,
+               rule="calibration.fit_cpu: every calibration step pooled, groups of like "
+               "steps at their " + f.group_stat + " seconds",
                calibration_steps=len(samples),
                grouped_steps=len(calibration.grouped(samples))),
       target_rel_error=TARGET, max_abs_rel_error=max(errors) if errors else None,

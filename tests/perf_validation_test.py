@@ -76,24 +76,6 @@ def test_point_factors_use_the_calibration_before_and_after_each_point():
   assert perf_validation.point_factors(run, model, {"paged": per_rate})["paged"] == [1.0] * 3
 
 
-def test_fit_of_runs_factors_out_each_runs_load():
-  """Runs of the same steps on a machine 1x, 2x and 4x loaded: the pooled fit misses every
-  step by tens of percent, the load-factored one fits them and reads the loads back."""
-  model = calibration.cpu_model(_tiny_config())
-  rng = np.random.default_rng(0)
-  shapes = [perf.StepShape.from_rows([(int(n), int(n) + int(c)) for n, c in zip(
-      rng.integers(1, 64, k), rng.integers(0, 200, k))], block_size=16)
-            for k in rng.integers(1, 12, 60)]
-  runs = [[(s, k * model.step_seconds(s)) for s in shapes[i::3]]
-          for i, k in enumerate((1.0, 2.0, 4.0))]
-  pooled = calibration.fit_cpu(_tiny_config(), [x for r in runs for x in r], stat="mean")
-  fit, factors = calibration.fit_cpu_runs(_tiny_config(), runs, stat="mean")
-  assert pooled.mean_abs_rel_error > 0.2
-  assert fit.mean_abs_rel_error < 0.05
-  assert factors[1] / factors[0] == pytest.approx(2.0, rel=0.05)
-  assert factors[2] / factors[0] == pytest.approx(4.0, rel=0.05)
-
-
 def _tiny_config():
   from paged_jax.config import ModelConfig
   return ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,

@@ -188,21 +188,3 @@ def fit_cpu(model_config, samples: Sequence[Sample], stat: str = "median"
   return perf.fit_efficiency(cpu_model(model_config), [s for s, _ in steps],
                              [t for _, t in steps])
 
-
-def fit_cpu_runs(model_config, runs: Sequence[Sequence[Sample]], stat: str = "median",
-                 rounds: int = 3) -> Tuple[perf.FitResult, List[float]]:
-  """The device-time model fitted to calibration `runs` (each a list of samples measured
-  together) with each run's load factored out: fit all pooled; then `rounds` times, each
-  run's `load_factor` under the fit, and the fit again to every sample divided by its
-  run's factor (the machine's share of the CPU moves between runs; the step shapes'
-  relative costs do not). Returns (the fit, in the units of the mean run's load; the
-  factors of the last round)."""
-  runs = [list(r) for r in runs if r]
-  fit = fit_cpu(model_config, [x for r in runs for x in r], stat=stat)
-  factors = [1.0] * len(runs)
-  for _ in range(rounds):
-    factors = [load_factor(fit.model, r) for r in runs]
-    mean = float(np.exp(np.mean(np.log(factors))))    # keep the fit at the mean load
-    fit = fit_cpu(model_config, [(shape, sec * mean / k) for r, k in zip(runs, factors)
-                                 for shape, sec in r], stat=stat)
-  return fit, factors
