@@ -110,3 +110,10 @@ def test_unbucketed_standin_is_charged_the_bucketed_engines_shapes():
   assert len(shapes[True]) > 10
   assert shapes[True] == shapes[False]
   assert any(s.bucket_tokens < 256 for s in shapes[True])   # buckets below the largest
+
+
+def test_step_time_errors_compare_mean_steps_per_point():
+  measured = {"engine_step_s": [2.0, 3.0, None], "steps": [100, 100, 10]}
+  predicted = {"device_s": [1.0, 6.0, 1.0], "steps": [50, 200, 10]}
+  got = perf_validation._step_time_errors(measured, predicted)
+  assert got[0] == pytest.approx(0.0) and got[1] == pytest.approx(0.0) and got[2] is None
