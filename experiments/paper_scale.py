@@ -75,6 +75,12 @@ class Config(configs.ExperimentConfig):
                                                     "Fig. 18 block sizes", lower=1)
   fig19_block_sizes: Tuple[int, ...] = configs.flag((8, 16, 32, 64, 128, 256),
                                                     "Fig. 19 block sizes", lower=1)
+  fig13_load: float = configs.flag(1.5, "Fig. 13 rate: this x paged's Fig. 12 max rate at the "
+                                   "SLO (past every system's knee; 0: each system's highest "
+                                   "Fig. 12 point)", lower=0.0)
+  fig13_panels: Tuple[str, ...] = configs.flag(("opt-13b-sharegpt", "opt-13b-alpaca"),
+                                               "Fig. 12 panels Fig. 13 runs at one rate "
+                                               "(the paper's Fig. 13a / b)")
   fixed_load: float = configs.flag(0.9, "Fig. 18 / 19 rate: this x paged's Fig. 12 max rate",
                                    lower=0.0, lower_open=True)
   slo_factor: float = configs.flag(3.0, "SLO = factor x the unloaded normalized latency",
@@ -105,6 +111,32 @@ def fig12(f: Config, out) -> Dict:
       common.write_json(out / "fig12" / name / "serving_benchmark.json", res)
       panels[name] = res
   return panels
+
+
+def fig13(f: Config, panels: Dict, progress) -> Dict:
+  """Fig. 13: requests batched a step, every system of a panel at ONE rate, fig13_load x
+  paged's max rate at the SLO (past every system's knee, paged's the highest), as the
+  paper reads its Fig. 13 at one rate; with fig13_load 0, each system's highest Fig. 12
+  point (just past its own knee) of every panel."""
+  if not f.fig13_load:
+    return {k: paper_figures.batched_requests(v) for k, v in panels.items()}
+  missing = [p for p in f.fig13_panels if p not in panels]
+  if missing:
+    raise ValueError(f"--fig13_panels {', '.join(missing)} have no Fig. 12 run: add 12 to "
+                     f"--figs or run them into --out first")
+  out = {}
+  for name in f.fig13_panels:
+    res = panels[name]
+    model, workload = name.rsplit("-", 1)
+    knee = res["max_rate_at_slo_interpolated"].get("paged") or res["max_rate_at_slo"]["paged"]
+    rate = f.fig13_load * knee
+    out[name] = paper_figures.batched_at_rate(paper_scale.setting(model, GPU_OF[model]), res,
+                                              workload, rate=rate, seed=f.seed,
+                                              progress=progress)
+    for v in out[name].values():
+      v["rate_rule"] = (f"{f.fig13_load:g} x paged's Fig. 12 max rate at the SLO "
+                        f"({knee:.3g} req/s), every system at this one rate")
+  return out
 
 
 def fig14(f: Config) -> Dict:
@@ -176,7 +208,7 @@ def run(f: Config, out) -> Dict:
     if not panels:
       raise ValueError("--figs=13 reads Fig. 12's points: add 12 to --figs or run it into "
                        "--out first")
-    results["fig13"] = {k: paper_figures.batched_requests(v) for k, v in panels.items()}
+    timed("fig13", lambda: fig13(f, panels, progress))
   if "14" in f.figs:
     timed("fig14", lambda: fig14(f))
   if "16" in f.figs:

@@ -69,7 +69,9 @@ def summary_rows(res: Dict) -> List[List[str]]:
     model, workload = panel.rsplit("-", 1)
     for name in ("orca_oracle", "orca_max"):
       if name in r and model == "opt-13b":
-        rows.append([f"Fig. 13 {model} {workload}-like: requests batched, paged / "
+        at = (f" at {r[name]['rate']:.3g} req/s" if len({v.get("rate") for v in r.values()})
+              == 1 else "")   # one rate for every system (else each its highest point)
+        rows.append([f"Fig. 13 {model} {workload}-like{at}: requests batched, paged / "
                      f"{LABELS[name]}", f"{r[name]['paged_over']:.2f}x "
                      f"({r['paged']['mean_running']:.1f} vs {r[name]['mean_running']:.1f})",
                      PAPER[("13", name)] if workload == "sharegpt" else

@@ -24,8 +24,11 @@ predicted dashed). Target (issue 25): |predicted / measured - 1| <= 0.15 per sys
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import functools
+import gzip
+import json
 import os
+import pathlib
 import time
 from typing import Dict, List, Tuple
 
@@ -68,6 +71,16 @@ class Config(configs.ExperimentConfig):
   slo_factor: float = configs.flag(3.0, "SLO = factor x max unloaded normalized latency",
                                    lower=1.0)
   preemption_mode: str = configs.flag("auto", "engine preemption", choices=PREEMPTION_MODES)
+  group_stat: str = configs.flag("mean", "each group of like calibration steps is fitted at "
+                                 "its mean (what a run pays) or median seconds",
+                                 choices=("mean", "median"))
+  load_scope: str = configs.flag(
+      "point", "point: each predicted point's steps scaled by the measured / fitted seconds "
+      "of the calibration runs just before and after it (the machine's load then); run: "
+      "the fit alone for every point", choices=("point", "run"))
+  measured_from: str = configs.flag("", "a measured.json.gz an earlier run wrote (same "
+                                    "stream flags): fit and predict from it, measuring only "
+                                    "the systems it lacks")
   out: str = configs.flag("results/perf_validation", "output directory")
 
   def check(self) -> None:
@@ -86,16 +99,22 @@ def _engine_fn(f: Config, sizes: Dict):
                                      max_seqs=sizes["max_seqs"])
 
 
-def measured_sweep(f: Config, streams: Dict, calibration_streams: Dict
-                   ) -> Tuple[Dict, List, List[float], List[float]]:
+def measured_sweep(f: Config, streams: Dict, calibration_streams: Dict, done: Dict,
+                   save=None) -> Dict:
   """The wall-clock sweep, each point preceded by a calibration point (the same system and
-  rate on another seed's stream, on a `RecordingWallClock`): (curves, calibration samples,
-  load averages read before each point, how late the calibration loops' waits woke)."""
+  rate on another seed's stream, on a `RecordingWallClock`), of every system of f.systems
+  not in `done` yet. `done` ({"measured": {system: curve}, and per system "samples"
+  (calibration steps), "loads" (load average read before each point), "late" (how late
+  the calibration loops' waits woke)}) gains each system as it finishes, and `save(done)`
+  runs then: a stopped run keeps the systems it finished."""
   from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
-  curves, samples, loads, late = {}, [], [], []
+  for key in ("measured", "samples", "loads", "late"):
+    done.setdefault(key, {})
   for system in f.systems:
+    if system in done["measured"]:
+      continue
     sizes = _sizes(f, system, streams[max(f.rates)])
-    points = []
+    points, samples, loads, late = [], [], [], []   # samples: one list per rate
     for r in sorted(f.rates):
       kw = dict(kv_budget_tokens=f.kv_budget_tokens, block_size=f.block_size, sizes=sizes,
                 preemption_mode=f.preemption_mode)
@@ -103,33 +122,85 @@ def measured_sweep(f: Config, streams: Dict, calibration_streams: Dict
       with common.progress(total=len(calibration_streams[r]),
                            desc=f"calibration {system} {r:g}") as bar:
         serving_sweep.run_point(system, calibration_streams[r], clock=rec, progress=bar, **kw)
-      samples += rec.samples
+      samples.append(rec.samples)
       late += rec.wake_late_s
       loads.append(os.getloadavg()[0])
       with common.progress(total=len(streams[r]), desc=f"measured {system} {r:g}") as bar:
         points.append(serving_sweep.run_point(system, streams[r], clock=clocks.WallClock(),
                                               progress=bar, **kw))
-    curves[system] = serving_sweep.curve(sorted(f.rates), points)
+    done["measured"][system] = serving_sweep.curve(sorted(f.rates), points)
+    done["samples"][system], done["loads"][system] = samples, loads   # samples: per rate
+    done["late"][system] = late
     release_compiled()
-  return curves, samples, loads, late
+    if save is not None:
+      save(done)
+  return done
 
 
-def predicted_sweep(f: Config, streams: Dict, model: perf.DeviceTimeModel) -> Dict:
-  """The same points on virtual time from the fitted model (padded shapes, as run)."""
+def _standin_engine(holder: Dict, **kw):
+  """The tiny model's engine with the stand-in forward and ONE compiled shape; `holder`
+  gets a ModelClock `to_step` charging the shapes the bucketed engine of that geometry
+  runs."""
+  from paged_jax.engine import buckets as buckets_lib  # pylint: disable=g-import-not-at-top
+  engine = engines.make_engine(standin=True, shape_buckets=False, **kw)
+  holder["to_step"] = calibration.bucketed_step(
+      buckets_lib.step_buckets(engine.cache_config, engine.max_num_batched_tokens,
+                               engine.decode_steps_per_sync), engine.cache_config.block_size)
+  return engine
+
+
+def point_factors(f: Config, model: perf.DeviceTimeModel, samples: Dict) -> Dict:
+  """{system: [factor per rate]}: `calibration.load_factor` of the calibration runs just
+  before and just after each measured point (the next rate's; the last point: before
+  only), or 1.0 for every point with --load_scope=run."""
+  out = {}
+  for system in f.systems:
+    per_rate = samples[system]
+    out[system] = [1.0 if f.load_scope == "run" else calibration.load_factor(
+        model, per_rate[i] + (per_rate[i + 1] if i + 1 < len(per_rate) else []))
+                   for i in range(len(per_rate))]
+  return out
+
+
+def predicted_sweep(f: Config, streams: Dict, model: perf.DeviceTimeModel,
+                    factors: Dict) -> Dict:
+  """The same points on virtual time from the fitted model (each point's scaled by its
+  `factors` entry): the same engine and scheduler with the stand-in forward
+  (`engines.make_engine(standin=True)`: it schedules as the tiny model does, and compiles
+  once, not once per bucket), each step charged the padded shape the measured engine ran
+  it on (`calibration.bucketed_step`)."""
   from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
   curves = {}
   for system in f.systems:
     sizes = _sizes(f, system, streams[max(f.rates)])
     points = []
-    for r in sorted(f.rates):
-      clock = perf.ModelClock(model, block_size=f.block_size, padding=True)
+    for i, r in enumerate(sorted(f.rates)):
+      holder: Dict = {}
+      clock = perf.ModelClock(calibration.scaled(model, factors[system][i]),
+                              block_size=f.block_size,
+                              to_step=lambda rep, h=holder: h["to_step"](rep))
       with common.progress(total=len(streams[r]), desc=f"predicted {system} {r:g}") as bar:
         points.append(serving_sweep.run_point(
             system, streams[r], kv_budget_tokens=f.kv_budget_tokens, block_size=f.block_size,
-            sizes=sizes, clock=clock, progress=bar, preemption_mode=f.preemption_mode))
-    curves[system] = serving_sweep.curve(sorted(f.rates), points)
+            sizes=sizes, clock=clock, progress=bar, preemption_mode=f.preemption_mode,
+            engine_fn=functools.partial(_standin_engine, holder)))
+    curves[system] = dict(serving_sweep.curve(sorted(f.rates), points),
+                          load_factor=factors[system])
     release_compiled()
   return curves
+
+
+def _step_time_errors(measured: Dict, predicted: Dict) -> List:
+  """Per point: the predicted mean step (the model clock's device seconds / steps) over
+  the measured one (seconds inside Engine.step / steps; the loop's own work, which the
+  calibration charges, excluded) - 1: how far the calibrated load was off the load the
+  point itself ran under (the two runs batch alike but not step for step)."""
+  out = []
+  for ms, mn, ps, pn in zip(measured.get("engine_step_s") or [], measured["steps"],
+                            predicted.get("device_s") or [], predicted["steps"]):
+    ok = ms and mn and ps and pn
+    out.append((ps / pn) / (ms / mn) - 1 if ok else None)
+  return out
 
 
 def compare(measured: Dict, predicted: Dict, slo_factor: float) -> Dict:
@@ -150,12 +221,44 @@ def compare(measured: Dict, predicted: Dict, slo_factor: float) -> Dict:
               "predicted_max_rate_at_measured_slo": (at_measured_slo["interpolated"]
                                                      or at_measured_slo["swept"]),
               "latency_rel_error": (lat_p / lat_m - 1).tolist(),
+              "step_time_rel_error": _step_time_errors(measured[s], predicted[s]),
               "measured": measured[s], "predicted": predicted[s]}
   return {"systems": out, "measured_slo_s_per_token": m["slo_s_per_token"],
           "predicted_slo_s_per_token": p["slo_s_per_token"]}
 
 
-def run(f: Config) -> Dict:
+MEASURED_FILE = "measured.json.gz"
+_SAME_FLAGS = ("workload", "rates", "duration_s", "calibration_duration_s", "seed",
+               "kv_budget_tokens", "block_size", "preemption_mode")
+
+
+def _write_measured(path: pathlib.Path, f: Config, done: Dict) -> None:
+  """The wall-clock half (curves, calibration steps, loads per system), so a fit or
+  prediction can be redone, or a stopped run resumed, without measuring again."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  blob = dict(done, flags=f.flags(), versions=provenance.versions(),
+              machine=provenance.machine(),
+              samples={k: [calibration.samples_as_dicts(r) for r in v]
+                       for k, v in done["samples"].items()})
+  with gzip.open(path, "wt") as fh:
+    json.dump(common.json_ready(blob), fh)
+
+
+def _read_measured(path: str, f: Config) -> Dict:
+  """What `_write_measured` wrote, if measured with the same stream and engine flags."""
+  with gzip.open(path, "rt") as fh:
+    blob = json.load(fh)
+  differ = [k for k in _SAME_FLAGS
+            if json.loads(json.dumps(common.json_ready(getattr(f, k)))) != blob["flags"][k]]
+  if differ:
+    raise ValueError(f"--measured_from={path} was measured with other flags: "
+                     f"{', '.join(differ)}")
+  return {"measured": blob["measured"], "loads": blob["loads"], "late": blob["late"],
+          "samples": {k: [calibration.samples_from_dicts(r) for r in v]
+                      for k, v in blob["samples"].items()}}
+
+
+def run(f: Config, out: pathlib.Path = pathlib.Path(".")) -> Dict:
   start = time.time()
   num_total = max(arrivals.arrival_times(r, f.duration_s, f.seed).size
                   for r in f.rates)
@@ -163,14 +266,25 @@ def run(f: Config) -> Dict:
                                                        num_total)
   streams = {r: stream(r, f.seed, f.duration_s) for r in f.rates}
   cal_seed = f.seed + CALIBRATION_SEED_OFFSET
-  calibration_streams = {r: stream(r, cal_seed, f.calibration_duration_s) for r in f.rates}
-  measured, samples, loads, late = measured_sweep(f, streams, calibration_streams)
-  fit = calibration.fit_cpu(engines.tiny_model()[0], samples)
-  predicted = predicted_sweep(f, streams, fit.model)
+  done = _read_measured(f.measured_from, f) if f.measured_from else {}
+  if any(s not in done.get("measured", {}) for s in f.systems):   # measure what is missing
+    calibration_streams = {r: stream(r, cal_seed, f.calibration_duration_s) for r in f.rates}
+    measured_sweep(f, streams, calibration_streams, done,
+                   save=lambda d: _write_measured(out / MEASURED_FILE, f, d))
+  measured = {s: done["measured"][s] for s in f.systems}
+  samples = [x for s in f.systems for r in done["samples"][s] for x in r]
+  loads = [x for s in f.systems for x in done["loads"][s]]
+  late = [x for s in f.systems for x in done["late"][s]]
+  measured_s = time.time() - start
+  fit = calibration.fit_cpu(engines.tiny_model()[0], samples, stat=f.group_stat)
+  factors = point_factors(f, fit.model, done["samples"])
+  predicted = predicted_sweep(f, streams, fit.model, factors)
   result = compare(measured, predicted, f.slo_factor)
   errors = [abs(v["rel_error"]) for v in result["systems"].values() if v["rel_error"] is not None]
   result.update(
       fit=dict(fit.as_dict(), device_model=fit.model.as_dict(),
+               rule="calibration.fit_cpu: every calibration step pooled, groups of like "
+               "steps at their " + f.group_stat + " seconds",
                calibration_steps=len(samples),
                grouped_steps=len(calibration.grouped(samples))),
       target_rel_error=TARGET, max_abs_rel_error=max(errors) if errors else None,
@@ -182,7 +296,8 @@ def run(f: Config) -> Dict:
                    if late else None, "rule": "per system and rate, one wall-clock serving "
                    "run of another seed's stream before the measured point; each step "
                    "charged what the loop paid between step ends"},
-      seconds=time.time() - start, flags=f.flags(), versions=provenance.versions(),
+      seconds=time.time() - start, measured_seconds=measured_s,
+      measured_from=f.measured_from or None, flags=f.flags(), versions=provenance.versions(),
       machine=provenance.machine(), code=provenance.code_version())
   return result
 
@@ -206,7 +321,7 @@ def plot(result: Dict, path):
 
 
 def main(f: Config, out):
-  result = run(f)
+  result = run(f, out)
   common.write_json(out / "perf_validation.json", result)
   png = plot(result, out / "perf_validation.png")
   rows = [[s, v["measured_max_rate"], v["predicted_max_rate"],

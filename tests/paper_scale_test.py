@@ -178,3 +178,33 @@ def test_recording_wall_clock_charges_each_step_the_loop_time_since_the_last_mar
   assert len(clock.samples) == 2 and len(clock.wake_late_s) == 1
   assert all(0 <= t < 0.01 for _, t in clock.samples)
   assert clock.samples[0][0].new_tokens == (1, 8) and not clock.virtual
+
+
+def test_fig13_needs_its_panels_and_reads_the_highest_points_at_load_zero():
+  from experiments import paper_scale as ps
+  panel = {"systems": {"paged": {"rates": [2.0, 4.0], "mean_running": [10.0, 40.0],
+                                 "max_running": [12, 50]},
+                       "orca_max": {"rates": [1.0], "mean_running": [8.0],
+                                    "max_running": [9]}}}
+  old = ps.fig13(ps.Config(fig13_load=0.0), {"opt-66b-sharegpt": panel}, None)
+  assert old["opt-66b-sharegpt"]["orca_max"]["paged_over"] == 5.0
+  with pytest.raises(ValueError, match="--fig13_panels opt-13b-sharegpt, opt-13b-alpaca "
+                     "have no Fig. 12 run"):
+    ps.fig13(ps.Config(), {"opt-66b-sharegpt": panel}, None)
+
+
+@pytest.mark.slow
+def test_batched_at_rate_runs_every_system_at_one_rate():
+  """Fig. 13 at one rate: the same stream for both systems; Orca(Max)'s 2,048-token
+  reservations cap its batch at what its memory holds (7), paged batches more."""
+  from paged_jax.bench import paper_figures
+  s = paper_scale.setting("opt-13b", "a100-40gb")
+  kv = s.kv_budget_tokens(16)
+  panel = {"num_requests": 16, "kv_budget_tokens": kv, "systems": {"paged": {}, "orca_max": {}},
+           "sizes": {"paged": {"max_seqs": 16, "pool_tokens": kv},
+                     "orca_max": {"max_seqs": 7, "pool_tokens": kv + 7 * 16}}}
+  out = paper_figures.batched_at_rate(s, panel, "sharegpt", rate=50.0)
+  assert {v["rate"] for v in out.values()} == {50.0}
+  assert out["paged"]["requests"] == out["orca_max"]["requests"] == 16
+  assert out["orca_max"]["max_running"] <= 7 < out["paged"]["max_running"]
+  assert out["orca_max"]["paged_over"] > 1.0 and out["paged"]["paged_over"] == 1.0

@@ -93,8 +93,9 @@ SECTIONS: Dict[str, Tuple[object, Callable]] = {
     "paper_scale_rates": (_RESULTS_DIR, paper.paper_scale_rates),
     "paper_targets": (_RESULTS_DIR, paper.paper_targets),
     "paper_targets_compact": (_RESULTS_DIR, paper.paper_targets_compact),
-    # "perf_validation": ("perf_validation/perf_validation.json", paper.perf_validation):
-    # back when its JSON is committed (not yet: docs/paper_scale.md says why).
+    "perf_validation": ("perf_validation/perf_validation.json", paper.perf_validation),
+    "perf_validation_fine": ("perf_validation/fine/perf_validation.json",
+                             paper.perf_validation),
 }
 
 

@@ -17,6 +17,7 @@ the loop paid between step ends: what a serving sweep on this machine pays).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from typing import Callable, Dict, List, Sequence, Tuple
@@ -103,9 +104,13 @@ class RecordingWallClock(WallClock):
     self._mark = time.perf_counter()
 
 
-def grouped(samples: Sequence[Sample], context_quantum: int = 256) -> List[Sample]:
-  """One (shape, median seconds) per group of like steps: same padded tokens, rows and
-  real tokens, total context within `context_quantum` (medians resist a loaded machine)."""
+def grouped(samples: Sequence[Sample], context_quantum: int = 256, stat: str = "median"
+            ) -> List[Sample]:
+  """One (shape, seconds) per group of like steps: same padded tokens, rows and real
+  tokens, total context within `context_quantum`; seconds the group's median (resists a
+  loaded machine's outliers) or mean (what a run of such steps pays, outliers included)."""
+  if stat not in ("median", "mean"):
+    raise ValueError(f"stat must be 'median' or 'mean', got {stat!r}")
   groups: Dict[tuple, List[Sample]] = {}
   for shape, sec in samples:
     key = (shape.bucket_tokens, shape.num_rows, shape.num_tokens,
@@ -115,8 +120,38 @@ def grouped(samples: Sequence[Sample], context_quantum: int = 256) -> List[Sampl
   for members in groups.values():
     times = [s for _, s in members]
     med = statistics.median(times)
-    out.append((min(members, key=lambda m: abs(m[1] - med))[0], med))
+    value = med if stat == "median" else statistics.fmean(times)
+    out.append((min(members, key=lambda m: abs(m[1] - med))[0], value))
   return out
+
+
+def samples_as_dicts(samples: Sequence[Sample]) -> List[dict]:
+  """JSON-ready samples: [{"shape": StepShape fields, "seconds": s}, ...]."""
+  return [{"shape": shape.as_dict(), "seconds": float(sec)} for shape, sec in samples]
+
+
+def samples_from_dicts(rows: Sequence[dict]) -> List[Sample]:
+  """Inverse of samples_as_dicts."""
+  return [(perf.StepShape(**row["shape"]), float(row["seconds"])) for row in rows]
+
+
+def bucketed_step(buckets, block_size: int) -> Callable:
+  """A ModelClock `to_step` for an engine run WITHOUT shape buckets that charges each
+  step the padded shape the bucketed engine (`buckets`, its `StepBuckets`) would have
+  run: the same `StepBuckets.pick` over the same rows, tokens and longest row (greedy
+  requests, n = 1: a step's rows are its chunks). A stand-in engine with one compiled
+  shape then prices steps as the tiny model's bucketed engine pays them."""
+
+  def to_step(report) -> perf.StepShape:
+    shape = perf.StepShape.from_report(report, block_size=block_size, padding=False)
+    ran = bool(getattr(report, "ok", True)) and getattr(report, "dispatches", 1) > 0
+    if getattr(report, "bucket", None) is None or not ran:
+      return shape
+    new, ctx = shape.new_tokens, shape.context_lens   # no rows: a frees-only step
+    b = buckets.pick(shape.num_tokens, shape.num_rows, max(ctx, default=0),
+                     all(n == 1 for n in new))
+    return dataclasses.replace(shape, bucket_tokens=b.tokens, bucket_rows=b.rows)
+  return to_step
 
 
 def cpu_model(model_config) -> perf.DeviceTimeModel:
@@ -125,8 +160,31 @@ def cpu_model(model_config) -> perf.DeviceTimeModel:
   return perf.DeviceTimeModel(model=spec, gpu=CPU)
 
 
-def fit_cpu(model_config, samples: Sequence[Sample]) -> perf.FitResult:
-  """The device-time model fitted to `samples` grouped (`grouped`)."""
-  steps = grouped(samples)
+def load_factor(model: perf.DeviceTimeModel, samples: Sequence[Sample]) -> float:
+  """Measured over predicted seconds, summed over `samples` (steps measured close in time):
+  how much slower than the fit the machine ran then (a loaded machine's share of the CPU
+  moves by minutes). 1.0 without samples."""
+  if not samples:
+    return 1.0
+  predicted = sum(model.step_seconds(shape) for shape, _ in samples)
+  return sum(sec for _, sec in samples) / predicted if predicted > 0 else 1.0
+
+
+def scaled(model: perf.DeviceTimeModel, factor: float) -> perf.DeviceTimeModel:
+  """`model` with every step `factor` x as long (the time is homogeneous in theta: each
+  1 / efficiency and each latency scaled by `factor`)."""
+  from paged_jax.perf import roofline  # pylint: disable=g-import-not-at-top
+  if not (factor > 0 and np.isfinite(factor)):
+    raise ValueError(f"factor must be a finite number > 0, got {factor}")
+  eff = roofline.efficiency_of(model.theta * factor,
+                               f"{model.efficiency.source}, x {factor:.3f} (load)")
+  return model.replace(efficiency=eff)
+
+
+def fit_cpu(model_config, samples: Sequence[Sample], stat: str = "median"
+            ) -> perf.FitResult:
+  """The device-time model fitted to `samples` grouped (`grouped`, by `stat`)."""
+  steps = grouped(samples, stat=stat)
   return perf.fit_efficiency(cpu_model(model_config), [s for s, _ in steps],
                              [t for _, t in steps])
+

@@ -28,9 +28,16 @@ def make_engine(*, block_size: int, kv_budget_tokens: int, max_seqs: int = 64,
                 attention_backend: str = "auto",
                 max_num_batched_tokens: int = TINY.max_num_batched_tokens,
                 max_beam_width: int = TINY.max_beam_width, checkpoint: Optional[str] = None,
-                prefix_caching: bool = False):
+                prefix_caching: bool = False, standin: bool = False,
+                shape_buckets: bool = True):
   """An Engine over the tiny model whose KV pool holds `kv_budget_tokens` token slots
   (`prefix_caching`: automatic prefix caching on).
+
+  `standin`: the same engine (geometry, shape buckets, scheduler) with the model's forward
+  replaced by `models.standin` (nothing heavy to compile or run): it schedules exactly as
+  the tiny model does on greedy requests without stop ids, for runs on a virtual clock
+  that charge each step by its shape, not by what it computed. `shape_buckets=False`: one
+  compiled step (the largest shape) instead of one per bucket; the scheduling is the same.
 
   `kv_budget_tokens` must be a multiple of `block_size`. With `block_size ==
   max_len` every sequence takes one max_len-token block at admission: a
@@ -43,12 +50,25 @@ def make_engine(*, block_size: int, kv_budget_tokens: int, max_seqs: int = 64,
   if kv_budget_tokens < max_len:
     raise ValueError(f"kv_budget_tokens must be >= max_len={max_len}, got {kv_budget_tokens}")
   model_config, params = tiny_model(checkpoint)
+  extra = {}
+  if standin:
+    from paged_jax.models import standin as standin_lib  # pylint: disable=g-import-not-at-top
+    model_config, params = _standin(model_config.vocab_size,
+                                    model_config.max_position_embeddings)
+    extra = dict(model_apply=standin_lib.apply)
+    attention_backend = "reference"   # unused by the stand-in
   cache_config = model_config.cache_config(
       block_size=block_size, num_blocks=kv_budget_tokens // block_size, max_seqs=max_seqs,
       max_blocks_per_seq=-(-max_len // block_size), enable_prefix_caching=prefix_caching)
   return Engine(model_config, params, cache_config, max_num_batched_tokens=max_num_batched_tokens,
                 preemption_mode=preemption_mode, attention_backend=attention_backend,
-                max_beam_width=max_beam_width)
+                max_beam_width=max_beam_width, shape_buckets=shape_buckets, **extra)
+
+
+@functools.lru_cache(maxsize=2)
+def _standin(vocab_size: int, max_position_embeddings: int):
+  from paged_jax.models import standin  # pylint: disable=g-import-not-at-top
+  return standin.model(vocab_size, max_position_embeddings=max_position_embeddings)
 
 
 def greedy(request) -> "SamplingParams":

@@ -125,6 +125,39 @@ def swap_vs_recompute(setting: paper_scale.PaperSetting, *, block_sizes: Sequenc
   return rows
 
 
+def batched_at_rate(setting: paper_scale.PaperSetting, panel: Dict, workload: str, *,
+                    rate: float, seed: int = 0, progress: Optional[Callable] = None) -> Dict:
+  """Fig. 13 as the paper reads it: every system of a Fig. 12 `panel` (its serving_benchmark
+  JSON: the same systems, engine sizes and requests) serving one stream at ONE request
+  rate, past every system's knee; per system the mean and max requests batched a step and
+  paged's mean over each system's."""
+  from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
+  scale = setting.scale
+  reqs = sweep.rate_stream(workload, rate, None, seed, setting.max_len, panel["num_requests"],
+                           scale)
+  kv = panel["kv_budget_tokens"]
+  bar = progress or (lambda total, desc: contextlib.nullcontext())
+  out = {}
+  for system in panel["systems"]:
+    with bar(len(reqs), f"fig13 {workload} {system} {rate:.3g} req/s") as b:
+      p = sweep.run_point(system, reqs, kv_budget_tokens=kv, block_size=paper_scale.BLOCK_SIZE,
+                          max_len=setting.max_len, sizes=panel["sizes"][system],
+                          clock=setting.clock(), progress=b, preemption_mode="auto",
+                          engine_fn=setting.make_engine,
+                          max_num_batched_tokens=scale.max_num_batched_tokens)
+    release_compiled()   # the next system's engine has another geometry
+    s = p["summary"]
+    out[system] = {"rate": rate, "mean_running": p["mean_running"],
+                   "max_running": p["max_running"], "requests": s["requests"],
+                   "normalized_latency_s_per_token": s["normalized_latency_s_per_token"],
+                   "throughput_req_s": s["throughput_req_s"], "steps": p["steps"],
+                   "preemptions": p["preemptions"]}
+  if "paged" in out:
+    for v in out.values():
+      v["paged_over"] = out["paged"]["mean_running"] / v["mean_running"]
+  return out
+
+
 def batched_requests(result: Dict) -> Dict:
   """Fig. 13: per system, the mean requests batched a step at its highest rate run (past
   its knee: the batch its KV memory allows), and paged's over each other system's."""

@@ -1,0 +1,119 @@
+"""experiments.perf_validation's pieces: calibration samples survive the measured file, the
+group statistic, a refit refuses another run's measurement, and the stand-in engine without
+shape buckets is charged the shapes the bucketed engine runs (bench.calibration)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from experiments import perf_validation
+from paged_jax import perf
+from paged_jax.bench import calibration
+
+
+def _samples():
+  a = perf.StepShape.from_rows([(16, 16), (1, 40)], bucket_tokens=64, bucket_rows=8)
+  b = perf.StepShape.decode([20, 30, 31], sampled_rows=2, bucket_tokens=8, bucket_rows=8)
+  return [(a, 0.010), (a, 0.012), (a, 0.050), (b, 0.004)]
+
+
+def test_samples_round_trip_through_dicts():
+  samples = _samples()
+  back = calibration.samples_from_dicts(calibration.samples_as_dicts(samples))
+  assert back == samples
+
+
+def test_grouped_takes_the_median_or_the_mean_of_like_steps():
+  samples = _samples()
+  med = dict((s.new_tokens, t) for s, t in calibration.grouped(samples, stat="median"))
+  mean = dict((s.new_tokens, t) for s, t in calibration.grouped(samples, stat="mean"))
+  assert med[(16, 1)] == 0.012 and mean[(16, 1)] == pytest.approx(0.024)
+  assert med[(1, 1, 1)] == mean[(1, 1, 1)] == 0.004
+  with pytest.raises(ValueError, match="stat must be"):
+    calibration.grouped(samples, stat="max")
+
+
+def test_measured_file_round_trips_and_refuses_other_flags(tmp_path):
+  f = perf_validation.Config(systems=("paged", "orca_max"), rates=(8.0,))
+  curves = {"paged": {"rates": [8.0], "normalized_latency_s_per_token": [0.01]}}
+  done = {"measured": curves, "samples": {"paged": [_samples()]}, "loads": {"paged": [1.5]},
+          "late": {"paged": [0.001]}}
+  path = tmp_path / perf_validation.MEASURED_FILE
+  perf_validation._write_measured(path, f, done)
+  # Another group statistic, SLO or system list: the same measurement serves.
+  same = perf_validation.Config(systems=("paged",), rates=(8.0,), measured_from=str(path),
+                                group_stat="median", slo_factor=2.0)
+  assert perf_validation._read_measured(str(path), same) == done
+  other = perf_validation.Config(systems=("paged",), rates=(16.0,), measured_from=str(path))
+  with pytest.raises(ValueError, match="other flags: rates"):
+    perf_validation._read_measured(str(path), other)
+
+
+def test_load_factor_scales_the_fit_to_what_the_steps_paid():
+  model = calibration.cpu_model(_tiny_config())
+  shapes = [s for s, _ in _samples()]
+  slow = [(s, 3.0 * model.step_seconds(s)) for s in shapes]      # a machine 3x slower
+  k = calibration.load_factor(model, slow)
+  assert k == pytest.approx(3.0)
+  three = calibration.scaled(model, k)
+  for s in shapes:
+    assert three.step_seconds(s) == pytest.approx(3.0 * model.step_seconds(s))
+  assert calibration.load_factor(model, []) == 1.0
+  with pytest.raises(ValueError, match="factor must be"):
+    calibration.scaled(model, 0.0)
+
+
+def test_point_factors_use_the_calibration_before_and_after_each_point():
+  model = calibration.cpu_model(_tiny_config())
+  shape = _samples()[0][0]
+  t = model.step_seconds(shape)
+  per_rate = [[(shape, 1.0 * t)], [(shape, 3.0 * t)], [(shape, 2.0 * t)]]
+  f = perf_validation.Config(systems=("paged",), rates=(1.0, 2.0, 3.0))
+  got = perf_validation.point_factors(f, model, {"paged": per_rate})["paged"]
+  assert got == pytest.approx([2.0, 2.5, 2.0])
+  run = perf_validation.Config(systems=("paged",), rates=(1.0, 2.0, 3.0), load_scope="run")
+  assert perf_validation.point_factors(run, model, {"paged": per_rate})["paged"] == [1.0] * 3
+
+
+def _tiny_config():
+  from paged_jax.config import ModelConfig
+  return ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+
+
+@pytest.mark.slow
+def test_unbucketed_standin_is_charged_the_bucketed_engines_shapes():
+  """Same greedy requests on the bucketed and the one-shape stand-in engine: the same
+  steps, and `bucketed_step` gives each the padded shape the bucketed engine reports."""
+  from paged_jax.bench import engines
+  from paged_jax.engine import SamplingParams, buckets as buckets_lib
+  rng = np.random.default_rng(3)
+  prompts = [rng.integers(0, 256, int(n)).tolist() for n in (5, 40, 17, 90, 3, 60)]
+  outs = (6, 30, 12, 4, 25, 9)
+  shapes = {}
+  for bucketed in (True, False):
+    engine = engines.make_engine(block_size=16, kv_budget_tokens=256, max_seqs=8,
+                                 standin=True, shape_buckets=bucketed)
+    to_step = calibration.bucketed_step(
+        buckets_lib.step_buckets(engine.cache_config, engine.max_num_batched_tokens,
+                                 engine.decode_steps_per_sync), 16)
+    for p, n in zip(prompts, outs):
+      engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0))
+    got = []
+    while engine.has_unfinished():
+      engine.step()
+      rep = engine.last_step
+      got.append(perf.StepShape.from_report(rep, block_size=16, padding=True) if bucketed
+                 else to_step(rep))
+    shapes[bucketed] = got
+  assert len(shapes[True]) > 10
+  assert shapes[True] == shapes[False]
+  assert any(s.bucket_tokens < 256 for s in shapes[True])   # buckets below the largest
+
+
+def test_step_time_errors_compare_mean_steps_per_point():
+  measured = {"engine_step_s": [2.0, 3.0, None], "steps": [100, 100, 10]}
+  predicted = {"device_s": [1.0, 6.0, 1.0], "steps": [50, 200, 10]}
+  got = perf_validation._step_time_errors(measured, predicted)
+  assert got[0] == pytest.approx(0.0) and got[1] == pytest.approx(0.0) and got[2] is None
