@@ -41,6 +41,10 @@ class Config(configs.ExperimentConfig):
   chips: Tuple[str, ...] = configs.flag(("v5e", "v6e"), "TPU generations",
                                         choices=("v5e", "v6e"))
   only: str = configs.flag("", "substring filter on case names (empty: all)")
+  layers: int = configs.flag(2, "decoder layers of every case (2: the pool of 2 layers; 32: "
+                             "Llama-3-8B's depth, whose weights fit one v6e, not one v5e)")
+  vocab: int = configs.flag(0, "LM head size of every case (0: each case's own; 128256: "
+                            "Llama-3's)")
 
 
 def cases(config: Config) -> list:
@@ -49,6 +53,8 @@ def cases(config: Config) -> list:
     chosen = [tsc.StepCase("llama8b", chip=c, tp=tp) for c in config.chips for tp in (1, 4)]
   else:
     chosen = tsc.report_cases(config.chips)
+  chosen = [dataclasses.replace(c, layers=config.layers, vocab=config.vocab or c.vocab)
+            for c in chosen]
   chosen = [c for c in chosen if config.only in c.name]
   if not chosen:
     raise ValueError(f"--only={config.only!r} matches no case")
@@ -94,7 +100,7 @@ def main(config, out):
   from importlib import metadata  # pylint: disable=g-import-not-at-top
   result = dict(common.run_metadata(config),
                 target={"chips": list(config.chips), "jax": jax.__version__,
-                        "libtpu": metadata.version("libtpu"), "layers": tsc.LAYERS},
+                        "libtpu": metadata.version("libtpu"), "layers": config.layers},
                 rows=rows, failures=failures)
   path = common.write_json(out / "tpu_engine_compile.json", result)
   print(common.table([_cells(r) for r in rows], headers=HEADERS))

@@ -89,6 +89,11 @@ SECTIONS: Dict[str, Tuple[object, Callable]] = {
                            engine.rows_with("tpu_engine_compile")),
     "tpu_engine_compile_int8": ("tpu_engine_compile/int8/tpu_engine_compile.json",
                                 engine.rows_with("tpu_engine_compile")),
+    "tpu_engine_compile_int8_l32": ("tpu_engine_compile/int8_L32/tpu_engine_compile.json",
+                                    engine.rows_with("tpu_engine_compile")),
+    "tpu_engine_compile_int8_l32_vocab": (
+        "tpu_engine_compile/int8_L32_vocab128256/tpu_engine_compile.json",
+        engine.rows_with("tpu_engine_compile")),
     "paper_scale": ("paper_scale/summary.json", paper.paper_scale),
     "paper_scale_rates": (_RESULTS_DIR, paper.paper_scale_rates),
     "paper_targets": (_RESULTS_DIR, paper.paper_targets),

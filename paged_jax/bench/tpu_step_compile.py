@@ -73,15 +73,16 @@ class StepCase:
   context: int = 8192
   tokens: int = 256
   vocab: int = SMALL_VOCAB
+  layers: int = LAYERS
 
   @property
   def name(self) -> str:
     extra = "" if self.attention_backend == "auto" else f":{self.attention_backend}"
     return (f"{self.chip}:tp{self.tp}:{self.model}:{self.page_dtype}:bs{self.block_size}"
-            f":vocab{self.vocab}{extra}")
+            f":vocab{self.vocab}{extra}" + ("" if self.layers == LAYERS else f":L{self.layers}"))
 
   def model_config(self) -> ModelConfig:
-    return ModelConfig(vocab_size=self.vocab, num_layers=LAYERS, dtype="bfloat16",
+    return ModelConfig(vocab_size=self.vocab, num_layers=self.layers, dtype="bfloat16",
                        **MODELS[self.model])
 
   def cache_config(self):
@@ -169,7 +170,8 @@ def before_after_cases() -> list:
 
 def report_cases(chips=("v5e", "v6e")) -> list:
   """The compile report's engine rows: both models, tp 1 and 4, bf16, each chip; int8
-  pages for Llama on v5e, tp 1 and 4 (scale rows split by KV head)."""
+  pages for Llama on each chip, tp 1 and 4 (scale rows split by KV head)."""
   cases = [StepCase(m, chip=c, tp=tp) for c in chips for m in MODELS for tp in (1, 4)]
-  cases += [StepCase("llama8b", page_dtype="int8", tp=tp) for tp in (1, 4)]
+  cases += [StepCase("llama8b", chip=c, page_dtype="int8", tp=tp) for c in chips
+            for tp in (1, 4)]
   return cases + before_after_cases()
