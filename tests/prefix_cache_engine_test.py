@@ -90,6 +90,30 @@ def test_hits_skip_prefill_and_the_shared_prefix_is_stored_once():
   assert len(prefix0) == 1
 
 
+def test_a_miss_costs_no_step_and_a_chunk_inside_the_hit_computes_nothing():
+  # No shared prefix (distinct first tokens), prompts longer than the step's budget, so
+  # admissions come with chunks cut short: caching on runs the same steps as off.
+  rng = np.random.default_rng(4)
+  prompts = [[i] + [int(t) for t in rng.integers(0, VOCAB, int(n))]
+             for i, n in enumerate(rng.integers(9, 18, 4))]
+  off_eng, on_eng = make(False), make(True)
+  assert outputs(on_eng.generate(prompts, greedy(4))) == outputs(
+      off_eng.generate(prompts, greedy(4)))
+  assert on_eng.num_preemptions == off_eng.num_preemptions == 0
+  assert on_eng.prefix_stats()["hit_tokens"] == 0
+  assert on_eng.stats["steps"] == off_eng.stats["steps"]
+  # A hit (20 tokens) longer than the budget (16): the first chunk lies inside the hit,
+  # computes nothing, and the prompt resumes after the hit; outputs unchanged.
+  shared = [int(t) for t in rng.integers(0, VOCAB, 20)]
+  p2 = [shared + [1, 2, 3], shared + [4, 5, 6, 7, 8]]
+  eng = make(True)
+  assert outputs(eng.generate(p2[:1], greedy(3))) == outputs(make(False).generate(p2[:1],
+                                                                                   greedy(3)))
+  assert outputs(eng.generate(p2[1:], greedy(3)))[0][0] == dense_greedy(p2[1], 3)
+  s = eng.prefix_stats()
+  assert s["hit_tokens"] == 20 and s["prefill_tokens"] == len(p2[0]) + 5
+
+
 def test_prompts_shorter_than_one_block_never_hit():
   eng = make(True)
   prompts = [[1, 2, 3], [1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 4]]

@@ -73,6 +73,7 @@ SECTIONS: Dict[str, Tuple[object, Callable]] = {
                        engine.rows_with("prefix_caching", "serving")),
     "prefix_caching_block_size": ("prefix_caching/prefix_caching.json", engine.prefix_sweep),
     "prefix_caching_cost": ("prefix_caching/prefix_caching.json", engine.prefix_cost),
+    "prefix_miss": ("prefix_miss/prefix_miss.json", engine.rows_with("prefix_miss")),
     "prefix_caching_demo": ("prefix_caching_demo/prefix_caching_demo.json",
                             engine.rows_with("prefix_caching", "rows")),
     "host_overhead": ("host_overhead/host_overhead.json", engine.host_overhead),

@@ -5,10 +5,10 @@
                                  kv_budget_tokens=4096, max_seqs=64, max_len=1024, budget=256)
     row["hit_rate"], row["throughput_ratio"], row["outputs_identical"]
 
-The shipped tiny byte-level model (1024 positions) serves the requests twice, one after the
-other in one process, greedy: `Engine` with `enable_prefix_caching` off, then on, same KV
-budget. Each pass is timed after an untimed pass over the same requests has compiled the
-step shapes it meets.
+The shipped tiny byte-level model (1024 positions) serves the requests on two engines in
+one process, greedy: `Engine` with `enable_prefix_caching` off and on, same KV budget.
+After an untimed pass on each (it compiles the step shapes the timed ones meet), timed
+passes alternate between the engines; the ratio is the median over rounds.
 """
 
 from __future__ import annotations
@@ -34,21 +34,29 @@ def caching_engine(caching: bool, *, block_size: int, kv_budget_tokens: int, max
   return Engine(mc, params, cc, max_num_batched_tokens=budget)
 
 
-def serve_counting_blocks(engine, requests) -> Dict:
+def _prompts_params(requests):
+  from paged_jax.engine import SamplingParams  # pylint: disable=g-import-not-at-top
+  return ([[int(t) for t in r.prompt_token_ids] for r in requests],
+          [SamplingParams(max_tokens=r.output_len, temperature=0.0) for r in requests])
+
+
+def serve_counting_blocks(engine, requests, warm_up: bool = True) -> Dict:
   """Serves all requests (arriving at t = 0), greedy; counts the KV blocks held each step.
+
+  The step runs on shape buckets chosen from what is live, each compiled on first use:
+  with `warm_up` an untimed pass over the same requests first compiles the shapes the
+  timed one meets. With caching the cache is emptied before the timed pass (earlier
+  passes' prompts must not count).
 
   Returns {"seconds", "tokens_per_s", "generated_tokens", "steps", "peak_blocks",
   "mean_blocks" (blocks not free; with caching, evictable cached blocks count as free),
   "preemptions", "outputs" (sample 0 of each request, in order)}.
   """
-  from paged_jax.engine import SamplingParams  # pylint: disable=g-import-not-at-top
-  prompts = [[int(t) for t in r.prompt_token_ids] for r in requests]
-  params = [SamplingParams(max_tokens=r.output_len, temperature=0.0) for r in requests]
-  # The step runs on shape buckets chosen from what is live, each compiled on first
-  # use: an untimed pass over the same requests compiles the shapes the timed one meets.
-  engine.generate(prompts, params)
+  prompts, params = _prompts_params(requests)
+  if warm_up:
+    engine.generate(prompts, params)
   if engine.cache_config.enable_prefix_caching:
-    engine.reset_prefix_cache()          # the warm-up prompts must not count
+    engine.reset_prefix_cache()
   nb = engine.cache_config.num_blocks
   ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
   rec = LoopRecorder(engine, WallClock())
@@ -75,20 +83,35 @@ def prefix_copies(engine, prefix: np.ndarray) -> int:
   return int(hold.sum())
 
 
-def compare(name: str, prefix: np.ndarray, requests, **engine_kw) -> Dict:
+def compare(name: str, prefix: np.ndarray, requests, rounds: int = 3, **engine_kw) -> Dict:
   """Caching off vs on for one request list (`caching_engine`'s keywords); one row:
   {"workload", "prefix_len", "requests", "prompt_tokens", "hit_rate", "hit_tokens",
   "prefill_tokens_off" / "_on", "prefill_reduction", "prefix_prefill_reduction",
-  "prefix_copies_cached", "off" / "on" (`serve_counting_blocks`), "outputs_identical",
-  "throughput_ratio"}. RuntimeError if caching changed a token."""
-  off = serve_counting_blocks(caching_engine(False, **engine_kw), requests)
-  eng = caching_engine(True, **engine_kw)
-  on = serve_counting_blocks(eng, requests)
-  s = eng.prefix_stats()
+  "prefix_copies_cached", "off" / "on" (`serve_counting_blocks`, the round of median
+  seconds), "seconds_off" / "seconds_on" (every round), "outputs_identical",
+  "throughput_ratio" (median over rounds of on / off tokens/s)}.
+
+  After an untimed pass on each engine, `rounds` timed passes each, the two engines in
+  turns (who goes first alternates), so load on a shared machine hits both alike.
+  RuntimeError if caching changed a token."""
+  engines = {"off": caching_engine(False, **engine_kw), "on": caching_engine(True, **engine_kw)}
+  prompts, params = _prompts_params(requests)
+  for e in engines.values():
+    e.generate(prompts, params)
+  runs = {"off": [], "on": []}
+  for r in range(rounds):
+    for k in (("off", "on") if r % 2 == 0 else ("on", "off")):
+      runs[k].append(serve_counting_blocks(engines[k], requests, warm_up=False))
+  eng = engines["on"]
+  s = eng.prefix_stats()                 # the last pass (each pass starts empty)
   prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
-  same = off.pop("outputs") == on.pop("outputs")
+  same = all(a["outputs"] == b["outputs"] for a, b in zip(runs["off"], runs["on"]))
   if not same:
     raise RuntimeError(f"{name}: outputs differ with prefix caching on and off")
+  ratio = float(np.median([b["tokens_per_s"] / a["tokens_per_s"]
+                           for a, b in zip(runs["off"], runs["on"])]))
+  med = {k: sorted(v, key=lambda x: x["seconds"])[len(v) // 2] for k, v in runs.items()}
+  off, on = ({k: v for k, v in med[n].items() if k != "outputs"} for n in ("off", "on"))
   shared = len(prefix) * len(requests)
   return {
       "workload": name, "prefix_len": int(len(prefix)), "requests": len(requests),
@@ -100,7 +123,9 @@ def compare(name: str, prefix: np.ndarray, requests, **engine_kw) -> Dict:
           0, s["prefill_tokens"] - (prompt_tokens - shared)) / shared,
       "prefix_copies_cached": prefix_copies(eng, prefix),
       "off": off, "on": on, "outputs_identical": same,
-      "throughput_ratio": on["tokens_per_s"] / off["tokens_per_s"],
+      "seconds_off": [x["seconds"] for x in runs["off"]],
+      "seconds_on": [x["seconds"] for x in runs["on"]],
+      "throughput_ratio": ratio,
   }
 
 

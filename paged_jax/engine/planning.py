@@ -22,8 +22,8 @@ Policy (vLLM's, arXiv:2309.06180 sec. 4.5):
     of the group (`group_need`: a recomputed group's samples too; plus the decode
     loop's when its chunk samples) and token budget are available; with prefix
     caching an admitted leader is attached to its longest cached prefix in the step
-    that admits it (`Batch.attaches`), which also prefills the rest when the whole
-    prompt fits the step's token budget (else the rest prefills from the next step).
+    that admits it (`Batch.attaches`), which also runs its first chunk (the step
+    skips the chunk's hit tokens; a chunk inside the hit computes nothing).
 Groups with several sequences re-enter by prefilling the prompt once on their
 leader and forking it (`post_forks`) so the prompt blocks are shared again.
 """
@@ -160,27 +160,20 @@ class Planner:
       # 45 requests in the Fig. 14 run at 8 req/s). A chunk that samples also
       # holds its decode loop's blocks, as running groups do in step 1.
       chunks = self._chunks_for(group, budget, batch.forks)
-      if self.prefix_caching:
-        # The whole lookup fits this step's budget: attach and prefill in the same step
-        # (the step skips the hit tokens of the chunk, which starts at 0), so a miss
-        # costs no step. Otherwise attach only: the hit is known after this step and
-        # the rest prefills from the next (a chunk cut short could lie inside the hit).
-        n = self.lookup_len(group)
-        whole = any(c.seq is group.leader and c.num_tokens >= n for c in chunks)
-        chunks = chunks if whole else []
       need = self.group_need(group) + self.lookahead_need(group, chunks)
       if need > free:
         break
       if self.prefix_caching:
+        # Attach and prefill in the same step: the chunk is planned from 0 and the
+        # step skips its hit tokens (`prefix_cache.step.skip_hits`), so a miss costs
+        # no step. A chunk cut short by the budget may lie wholly inside the hit: it
+        # then computes nothing, and the sequence resumes after the hit.
+        n = self.lookup_len(group)
         if n > lookups:
           break
         lookups -= n
         batch.attaches.append(group.leader)
-        # Paced like an admission that prefills: a prompt admitted later hits
-        # what earlier ones registered, instead of all missing at once.
-        budget -= self._take(group, batch, chunks) if chunks else min(n, budget)
-      else:
-        budget -= self._take(group, batch, chunks)
+      budget -= self._take(group, batch, chunks)
       self._admit(self.waiting, group, batch)
       free -= need
 

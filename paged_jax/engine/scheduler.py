@@ -246,8 +246,8 @@ class Scheduler(Planner):
     batch.attach_hits = [int(outputs.hit_tokens[seq.slot]) for seq in batch.attaches]
     for seq, hit in zip(batch.attaches, batch.attach_hits):
       seq.on_device = True
-      # With a chunk that ran, the chunk (planned from 0, its hit tokens skipped on
-      # device) covers the hit; its tokens are counted computed below.
+      # With a chunk that ran (planned from 0, its hit tokens skipped on device) the
+      # sequence has computed max(chunk end, hit): counted below and in _append_tokens.
       seq.num_computed = 0 if id(seq) in chunked else hit
     for _, child in batch.forks:
       child.on_device = True
@@ -263,7 +263,7 @@ class Scheduler(Planner):
       seq, nc = ch.seq, ch.seq.num_computed
       nc_run = max(nc, hit_of.get(id(seq), 0))     # the hit tokens were not computed
       stats["prefill_tokens"] += max(0, min(nc + ch.num_tokens, seq.prompt_len) - nc_run)
-      stats["computed_tokens"] += nc + ch.num_tokens - nc_run
+      stats["computed_tokens"] += max(0, nc + ch.num_tokens - nc_run)
       seq.on_device = True
       seq.last_block_shared = False
     stats["prefix_hit_tokens"] += sum(batch.attach_hits)
@@ -274,7 +274,11 @@ class Scheduler(Planner):
       shared = leader.prompt_len % self.block_size != 0
       child.last_block_shared = leader.last_block_shared = shared
       child.share_id = leader.share_id = leader.seq_id
-    return self._append_tokens(batch, outputs)
+    finished = self._append_tokens(batch, outputs)
+    for seq, hit in zip(batch.attaches, batch.attach_hits):
+      if id(seq) in chunked:           # a chunk inside the hit computed nothing
+        seq.num_computed = max(seq.num_computed, hit)
+    return finished
 
   def _append_tokens(self, batch: Batch, out) -> List[RequestOutput]:
     """Sampled tokens onto their sequences; finishes on stop id / max_tokens (the

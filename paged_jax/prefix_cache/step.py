@@ -7,8 +7,8 @@ The engine step calls, in this order, all pure and without a host sync:
       is now) and frees the slots;
   attach(ps, blocks, attach_slot, attach_len, attach_tokens)
       newly admitted prompts take their longest cached prefix (hit blocks join
-      their block tables); the hit token counts go back to the host, which
-      prefills the rest from the next step on;
+      their block tables); `skip_hits` then takes the hit tokens out of the
+      prompts' first chunks; the hit token counts go back to the host;
   evict_for(ps, blocks, inputs, ...)
       evicts least-recently-used cache-only blocks until the step's worst-case
       block need fits on the free stack;
@@ -132,16 +132,18 @@ def skip_hits(inputs, hits):
 
   The host plans a newly admitted prompt's first chunk from position 0 as an
   allocation (`alloc_tokens`), not knowing the hit; `attach` has since activated the
-  slot holding its `hits` cached tokens (maybe 0). That allocation becomes an append of the rest,
-  and the chunk's tokens at positions < hits leave their row (repacked, rows keep
-  their order; the host makes the chunk cover the whole lookup, so a row keeps at
-  least its last token). With no hit (a miss) the chunk runs as planned.
+  slot holding its `hits` cached tokens (maybe 0). That allocation becomes an append of the
+  rest, and the chunk's tokens at positions < hits leave their row (repacked, rows keep
+  their order). A chunk cut short by the step's budget may lie wholly inside the hit:
+  its row is left empty and dropped (`row_slot` -1, like a padding row); it never
+  samples, since a lookup never hits the block of the last prompt token. With no hit
+  (a miss) the chunk runs as planned.
 
   Args:
     inputs: StepInputs (T tokens, R rows, S slots); hits: i32[S] from `attach`.
   Returns:
-    StepInputs with alloc_tokens, append_tokens, tokens, positions, token_row and
-    row_q_len updated.
+    StepInputs with alloc_tokens, append_tokens, tokens, positions, token_row,
+    row_q_len and row_slot updated.
   """
   s_max, rows = hits.shape[0], inputs.row_slot.shape[0]
   a = inputs.attach_slot
@@ -157,12 +159,13 @@ def skip_hits(inputs, hits):
   order = jnp.argsort(skip, stable=True)            # kept tokens first, in order
   keep = ~skip[order]
   dropped = jnp.zeros((rows,), _I32).at[jnp.where(skip, tr, rows)].add(1, mode="drop")
+  q_len = inputs.row_q_len - dropped
   return inputs.replace(
       alloc_tokens=alloc, append_tokens=append,
       tokens=jnp.where(keep, inputs.tokens[order], 0),
       positions=jnp.where(keep, inputs.positions[order], 0),
       token_row=jnp.where(keep, tr[order], -1),
-      row_q_len=inputs.row_q_len - dropped)
+      row_q_len=q_len, row_slot=jnp.where((dropped > 0) & (q_len == 0), -1, inputs.row_slot))
 
 
 def evict_for(ps: PrefixStepState, blocks: bm.BlockState, inputs, *, num_decode_steps: int,
