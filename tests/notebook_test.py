@@ -1,13 +1,11 @@
 """The block-size notebook: paired with its jupytext .md, and it runs (tiny sizes) via nbclient."""
 
-import pathlib
-
 import jupytext
 import nbformat
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-NB_DIR = ROOT / "experiments" / "notebooks"
+from notebook_support import NB_DIR, png_outputs, run_with_parameters, sources, stream_text
+
 IPYNB = NB_DIR / "block_size_sweep.ipynb"
 MD = NB_DIR / "block_size_sweep.md"
 
@@ -23,14 +21,8 @@ MAX_TOKENS = 12
 """
 
 
-def _sources(nb):
-  return [(c.cell_type, c.source.strip()) for c in nb.cells]
-
-
 def test_ipynb_and_md_are_the_same_notebook():
-  ipynb = nbformat.read(IPYNB, as_version=4)
-  md = jupytext.read(MD)
-  assert _sources(ipynb) == _sources(md)
+  assert sources(nbformat.read(IPYNB, as_version=4)) == sources(jupytext.read(MD))
 
 
 def test_ipynb_keeps_outputs_md_has_none():
@@ -38,9 +30,8 @@ def test_ipynb_keeps_outputs_md_has_none():
   code = [c for c in ipynb.cells if c.cell_type == "code"]
   # Cells 0-1 set parameters and import; every later cell shows a result.
   assert all(c.outputs for c in code[2:]), "every code cell after the imports has output"
-  assert any("image/png" in o.get("data", {}) for c in code for o in c.outputs)
-  assert "identical: True" in "".join(
-      o.get("text", "") for c in code for o in c.outputs if o.output_type == "stream")
+  assert png_outputs(ipynb)
+  assert "identical: True" in stream_text(ipynb)
   assert "execution_count" not in MD.read_text() and "image/png" not in MD.read_text()
 
 
@@ -52,18 +43,9 @@ def test_cells_define_no_functions_or_classes():
 
 @pytest.mark.slow
 def test_notebook_executes_at_tiny_sizes():
-  from nbclient import NotebookClient
-  nb = jupytext.read(MD)
-  index = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
-  nb.cells.insert(index + 1, nbformat.v4.new_code_cell(TINY))
-  client = NotebookClient(nb, timeout=600, kernel_name="python3",
-                          resources={"metadata": {"path": str(ROOT)}})
-  client.execute()
-  text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
-                 for o in c.outputs if o.output_type == "stream")
+  nb = run_with_parameters(MD, TINY, timeout_s=600)
+  text = stream_text(nb)
   assert "identical: True" in text
   for bs in (4, 16, 64):
     assert f"| alpaca   | {bs} " in text.replace(f"| {bs}  ", f"| {bs} ")
-  images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
-            if "image/png" in o.get("data", {})]
-  assert images, "the figure cell displays a PNG"
+  assert png_outputs(nb), "the figure cell displays a PNG"
