@@ -173,6 +173,14 @@ class ExperimentConfig:
     return {name: getattr(self, name) for name in fields(type(self))}
 
 
+def check_multiple(config: ExperimentConfig, name: str, of: str) -> None:
+  """ValueError unless flag `name` is a multiple of flag `of` (a KV budget of whole blocks:
+  `check_multiple(self, "kv_budget_tokens", "block_size")` in a Config's `check`)."""
+  value, unit = getattr(config, name), getattr(config, of)
+  if value % unit:
+    raise ValueError(f"--{name} must be a multiple of --{of}={unit}, got {value}")
+
+
 # ---- absl ------------------------------------------------------------------------------
 def _flag_default(value, kind: _Kind):
   if value is None or kind.container == "":

@@ -69,9 +69,7 @@ class Config(configs.ExperimentConfig):
     """ValueError naming the flag for values the simulation cannot take."""
     if self.block_size & (self.block_size - 1):
       raise ValueError(f"--block_size must be a power of two in [1, 1024], got {self.block_size}")
-    if self.kv_budget_tokens % self.block_size:
-      raise ValueError(f"--kv_budget_tokens must be a multiple of --block_size="
-                       f"{self.block_size}, got {self.kv_budget_tokens}")
+    configs.check_multiple(self, "kv_budget_tokens", "block_size")
     if self.kv_budget_tokens < self.max_len:
       raise ValueError(f"--kv_budget_tokens must be >= --max_len={self.max_len}, got "
                        f"{self.kv_budget_tokens}")

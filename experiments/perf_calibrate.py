@@ -62,9 +62,7 @@ class Config(configs.ExperimentConfig):
   out: str = configs.flag("results/perf_calibrate", "output directory")
 
   def check(self) -> None:
-    if self.kv_budget_tokens % self.block_size:
-      raise ValueError(f"--kv_budget_tokens must be a multiple of --block_size="
-                       f"{self.block_size}, got {self.kv_budget_tokens}")
+    configs.check_multiple(self, "kv_budget_tokens", "block_size")
     grid = DRY_GRID if self.dry_run else GRID
     need = max(n * -(-(p + t) // self.block_size) for n, p, t in grid) * self.block_size
     if self.kv_budget_tokens < need:

@@ -66,9 +66,7 @@ class Config(configs.ExperimentConfig):
   out: str = configs.flag("results/prefix_caching", "output directory")
 
   def check(self) -> None:
-    if self.kv_budget_tokens % self.block_size:
-      raise ValueError(f"--kv_budget_tokens must be a multiple of --block_size="
-                       f"{self.block_size}, got {self.kv_budget_tokens}")
+    configs.check_multiple(self, "kv_budget_tokens", "block_size")
 
 
 def compare(name: str, prefix, requests, **engine_kw) -> Dict:

@@ -66,9 +66,7 @@ class Config(configs.ExperimentConfig):
     if self.max_prompt < self.min_prompt:
       raise ValueError(f"--max_prompt must be >= --min_prompt={self.min_prompt}, "
                        f"got {self.max_prompt}")
-    if self.kv_budget_tokens % self.block_size:
-      raise ValueError(f"--kv_budget_tokens must be a multiple of --block_size="
-                       f"{self.block_size}, got {self.kv_budget_tokens}")
+    configs.check_multiple(self, "kv_budget_tokens", "block_size")
     if (self.rounds + 1) * self.num_requests > 256 * 256:
       raise ValueError(f"--rounds x --num_requests must stay under 65,536 (each prompt's "
                        f"two opening tokens are unique), got {self.rounds} x "
