@@ -175,7 +175,10 @@ def sweep(f, systems: Sequence[str], rates, duration_s: float, mode: Dict) -> Di
             block_size=f.block_size, max_len=d["max_len"], mode=mode, clock_fn=d["clock_fn"],
             headroom=f.max_seqs_headroom, max_seqs_cap=d["max_seqs_cap"],
             preemption_mode=f.preemption_mode, scale=d["scale"], engine_fn=d["engine_fn"],
-            progress=lambda total, desc: common.progress(total=total, desc=desc))
+            progress=lambda total, desc: common.progress(total=total, desc=desc),
+            # paged holds a cached shared prefix once: its slots and the request count
+            shared_prefix_tokens=(serving_sweep.shared_prefix_tokens(f.workload)
+                                  if f.prefix_caching else 0))
   if tuple(rates) == ("auto",):
     return rate_search.sweep_auto(systems, num_requests=f.num_requests,
                                   slo_factor=f.slo_factor, max_points=f.max_points, **kw)

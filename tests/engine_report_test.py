@@ -96,3 +96,27 @@ def test_decode_loop_rows_preemptions_and_swaps_sum_to_the_engine_counters():
   # once per decode row and once per prompt's last chunk (its first token).
   first_forward = sum(r.generated_tokens - sum(r.decode_loop_rows) for r in reps)
   assert first_forward == sum(len(r.first_token_ids) + len(r.decode_rows) for r in reps)
+
+
+def test_prefill_work_leaves_out_prefix_cache_hits():
+  # B shares A's first 40 tokens: two whole 16-token blocks (32 tokens) hit once A has
+  # run. B's first chunk (8 tokens, planned from 0) lies inside the hit and computes
+  # nothing; its work is the 13 tokens past the hit, in chunks that end where they read.
+  prefix = random_prompts(5, 1, lo=40, hi=40)[0]
+  a, b = random_prompts(6, 2, lo=3, hi=5, prefix=prefix)
+  engine = make_engine(caching=True)
+  engine.add_request(a, greedy(2))
+  reps_a = [r for _, r, _ in run(engine)]
+  engine.add_request(b, greedy(2))
+  reps_b = [r for _, r, _ in run(engine)]
+  hit = 16 * (len(prefix) // 16)
+  assert sum(r.prefix_hit_tokens for r in reps_a) == 0
+  assert sum(r.prefix_hit_tokens for r in reps_b) == hit
+  assert sum(n for r in reps_a for n, _ in r.prefill_chunks) == len(a)
+  chunks_b = [c for r in reps_b for c in r.prefill_chunks]
+  assert sum(n for n, _ in chunks_b) == len(b) - hit
+  # Each chunk reads the context up to its end, contiguous from the hit to the prompt end.
+  ends = [ctx for _, ctx in chunks_b]
+  assert ends[-1] == len(b) and ends == sorted(ends)
+  assert [ctx - n for n, ctx in chunks_b] == [hit] + ends[:-1]
+  assert engine.stats["prefill_tokens"] == len(a) + len(b) - hit

@@ -145,7 +145,7 @@ def sweep_auto(systems: Sequence[str], *, workload: str, seed: int, num_requests
                mode: Optional[Dict] = None, clock_fn: Callable, headroom: float = 1.5,
                max_seqs_cap: int = 256, preemption_mode: str = "recompute",
                progress: Optional[Callable] = None, scale: HarnessScale,
-               engine_fn, max_points: int = 6) -> Dict:
+               engine_fn, max_points: int = 6, shared_prefix_tokens: int = 0) -> Dict:
   """`sweep.sweep_systems` with each system's rates found by `search_systems`.
 
   Every point serves the first `num_requests` of one seeded stream (its lengths at
@@ -154,8 +154,9 @@ def sweep_auto(systems: Sequence[str], *, workload: str, seed: int, num_requests
   e.g. prefix caching for paged only). num_requests 0: REQUESTS_PER_SLOT x the most
   requests any system's KV memory holds at once (at least MIN_REQUESTS), so a run is long
   against a request's life (counting at most max_seqs_cap, the most any system runs at
-  once). Returns {"systems": {NAME: sweep.curve(...) over the rates run}, "sizes",
-  "num_requests", and `search_systems`' keys but "points"}.
+  once; a prefix paged caches counted once: `shared_prefix_tokens`). Returns
+  {"systems": {NAME: sweep.curve(...) over the rates run}, "sizes", "num_requests", and
+  `search_systems`' keys but "points"}.
   """
   from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
   mode = mode or {}
@@ -164,7 +165,8 @@ def sweep_auto(systems: Sequence[str], *, workload: str, seed: int, num_requests
     sample = sweep.rate_stream(workload, 1.0, None, seed, max_len, MIN_REQUESTS, scale)
     conc = min(max_seqs_cap, max(sweep.system_sizes(
         s, sample, kv_budget_tokens=kv_budget_tokens, block_size=block_size, max_len=max_len,
-        num_seqs=num_seqs, max_seqs_cap=max_seqs_cap)["memory_concurrency"] for s in systems))
+        num_seqs=num_seqs, max_seqs_cap=max_seqs_cap,
+        shared_prefix_tokens=shared_prefix_tokens)["memory_concurrency"] for s in systems))
     num_requests = max(MIN_REQUESTS, math.ceil(REQUESTS_PER_SLOT * conc))
   base = sweep.rate_stream(workload, 1.0, None, seed, max_len, num_requests, scale)
   bar = progress or (lambda total, desc: contextlib.nullcontext())
@@ -175,7 +177,8 @@ def sweep_auto(systems: Sequence[str], *, workload: str, seed: int, num_requests
     if system not in sizes:
       sizes[system] = sweep.system_sizes(
           system, base, kv_budget_tokens=kv_budget_tokens, block_size=block_size,
-          max_len=max_len, num_seqs=num_seqs, headroom=headroom, max_seqs_cap=max_seqs_cap)
+          max_len=max_len, num_seqs=num_seqs, headroom=headroom, max_seqs_cap=max_seqs_cap,
+          shared_prefix_tokens=shared_prefix_tokens)
     return sizes[system]
 
   def run(system: str, rate: float, n: int) -> Dict:

@@ -25,7 +25,9 @@ Sizing `max_seqs` (the engine's slot count; the step runs on shape buckets of wh
 live, so `max_seqs` bounds the row buckets, and the shapes warm-up compiles): each system gets
 `headroom` x the concurrency its KV memory holds for the stream's MEAN request,
 rounded up to a multiple of 4: paged `budget / mean(prompt + output / 2 + block/2)`
-(the tokens a request holds on average over its life), Orca `budget / mean(reservation)`;
+(the tokens a request holds on average over its life; with a prefix every request shares
+and paged caches, the prefix's whole blocks are held once: `(budget - shared) /
+mean(prompt - shared + ...)`), Orca `budget / mean(reservation)`;
 Orca(Max) exactly `budget // (max_len * sequences)` (its reservation is fixed), all
 capped at `max_seqs_cap`. So no system gets slots its memory cannot fill.
 """
@@ -61,21 +63,25 @@ def check_system(system: str) -> str:
 
 def system_sizes(system: str, requests: Sequence, *, kv_budget_tokens: int, block_size: int,
                  max_len: int = TINY.max_len, num_seqs: int = 1,
-                 headroom: float = 1.5, max_seqs_cap: int = 64) -> Dict:
+                 headroom: float = 1.5, max_seqs_cap: int = 64,
+                 shared_prefix_tokens: int = 0) -> Dict:
   """{"max_seqs", "pool_tokens", "memory_concurrency"} of `system` (module docstring).
 
   Args:
     requests: the stream (prompt_len / output_len / total_len), to size from its means.
     num_seqs: sequences per request (n or beam width).
+    shared_prefix_tokens: a prompt prefix every request shares that paged's prefix cache
+      holds once (its whole blocks); 0: none. Orca systems never share.
   """
   check_system(system)
   if kv_budget_tokens % block_size or kv_budget_tokens < max_len:
     raise ValueError(f"kv_budget_tokens must be a multiple of block_size={block_size} and "
                      f">= max_len={max_len}, got {kv_budget_tokens}")
   if system == "paged":
-    held = np.mean([r.prompt_len + num_seqs * (r.output_len / 2 + block_size / 2)
+    shared = (shared_prefix_tokens // block_size) * block_size
+    held = np.mean([r.prompt_len - shared + num_seqs * (r.output_len / 2 + block_size / 2)
                     for r in requests])
-    conc = kv_budget_tokens / held
+    conc = (kv_budget_tokens - shared) / held
   elif system == "orca_max":
     conc = kv_budget_tokens // (max_len * num_seqs)
     if conc < 1:
@@ -174,6 +180,11 @@ def sampling(mode: Dict) -> Callable:
 FEW_SHOT = {"fewshot-1": 1, "fewshot-5": 5}
 
 
+def shared_prefix_tokens(workload: str) -> int:
+  """Tokens every request of `workload` begins with (FEW_SHOT's prefix), else 0."""
+  return workloads.FEW_SHOT_PREFIX_LEN[FEW_SHOT[workload]] if workload in FEW_SHOT else 0
+
+
 def rate_stream(workload: str, rate: float, duration_s: Optional[float], seed: int,
                 max_len: int, num_total: int, scale: HarnessScale = TINY
                 ) -> List[workloads.Request]:
@@ -210,13 +221,14 @@ def sweep_systems(systems: Sequence[str], rates: Sequence[float], *, workload: s
                   clock_fn: Callable = WallClock, headroom: float = 1.5,
                   max_seqs_cap: int = 64, preemption_mode: str = "recompute",
                   progress: Optional[Callable] = None, scale: HarnessScale = TINY,
-                  engine_fn=engines.make_engine) -> Dict:
+                  engine_fn=engines.make_engine, shared_prefix_tokens: int = 0) -> Dict:
   """Every system at every rate: {"systems": {NAME: curve(...)}, "sizes": {NAME: sizes}}.
 
   Args:
     mode: sampling mode (`sampling`; default greedy).
     clock_fn: () -> a fresh clock for each point.
-    headroom, max_seqs_cap: `system_sizes`' (sized on the highest rate's stream).
+    headroom, max_seqs_cap, shared_prefix_tokens: `system_sizes`' (sized on the highest
+      rate's stream).
     progress: (total, desc) -> a context manager with `update(n)` (a tqdm bar), per point.
     scale: stream lengths and the step's token budget (`HarnessScale`).
     engine_fn: builds each point's engine (`run_point`); or {system: fn}.
@@ -233,7 +245,8 @@ def sweep_systems(systems: Sequence[str], rates: Sequence[float], *, workload: s
   for system in systems:
     sizes[system] = system_sizes(system, streams[max(rates)], kv_budget_tokens=kv_budget_tokens,
                                  block_size=block_size, max_len=max_len, num_seqs=num_seqs,
-                                 headroom=headroom, max_seqs_cap=max_seqs_cap)
+                                 headroom=headroom, max_seqs_cap=max_seqs_cap,
+                                 shared_prefix_tokens=shared_prefix_tokens)
     points = []
     for r in rates:
       with bar(len(streams[r]), f"{system} {r:g} req/s") as b:

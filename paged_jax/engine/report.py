@@ -74,16 +74,31 @@ class StepReport:
     return len(self.decode_loop_rows)
 
 
-def chunk_work(batch: Batch) -> Tuple[Work, Work]:
-  """(prefill_chunks, decode_rows) of a planned batch, before its outputs are applied.
+def chunk_work(batch: Batch, hits: Optional[Dict[int, int]] = None,
+               starts: Optional[List[int]] = None) -> Tuple[Work, Work]:
+  """(prefill_chunks, decode_rows) of a planned batch.
 
-  A decode row feeds one generated token (`num_computed >= prompt_len`); everything
-  else (prompt chunks, recomputation of generated tokens) is prefill."""
+  A decode row feeds one generated token (it starts at or past its prompt); everything
+  else (prompt chunks, recomputation of generated tokens) is prefill.
+
+  Args:
+    hits: {id(seq): prompt tokens attached from the prefix cache in this step}. The
+      planner plans such a prompt's first chunk from 0 and the device skips the hit
+      tokens (`prefix_cache.step.skip_hits`), so the chunk computes only its tokens past
+      the hit; one wholly inside the hit computes nothing and is left out.
+    starts: each chunk's sequence's num_computed as planned (None: as it is now, i.e.
+      before `Scheduler.update` applies the step).
+  """
   prefill, decode = [], []
-  for ch in batch.chunks:
+  for i, ch in enumerate(batch.chunks):
     q = ch.seq
-    work = (ch.num_tokens, q.num_computed + ch.num_tokens)
-    (decode if ch.num_tokens == 1 and q.num_computed >= q.prompt_len else prefill).append(work)
+    planned = q.num_computed if starts is None else starts[i]
+    end = planned + ch.num_tokens
+    start = max(planned, (hits or {}).get(id(q), 0))
+    if start >= end:
+      continue
+    work = (end - start, end)
+    (decode if ch.num_tokens == 1 and planned >= q.prompt_len else prefill).append(work)
   return tuple(prefill), tuple(decode)
 
 
@@ -96,14 +111,13 @@ class Before:
   """What a report needs from before `Scheduler.update` applies a step."""
   running: List[Group]
   not_started: set
-  prefill_chunks: Work
-  decode_rows: Work
+  starts: List[int]   # num_computed of each chunk's sequence as planned
 
   @classmethod
   def of(cls, batch: Batch, scheduler) -> "Before":
-    prefill, decode = chunk_work(batch)
     return cls(list(scheduler.running),
-               {g.request_id for g in scheduler.running if not _started(g)}, prefill, decode)
+               {g.request_id for g in scheduler.running if not _started(g)},
+               [ch.seq.num_computed for ch in batch.chunks])
 
   def parts(self, batch: Batch, outputs, finished, bucket: Bucket) -> Dict[str, Any]:
     """The StepReport fields of the step once `update` applied `outputs`."""
@@ -111,13 +125,15 @@ class Before:
     preempted = batch.preempted + [g for g in self.running
                                    if g.status in (GroupStatus.WAITING, GroupStatus.SWAPPED)]
     ok = bool(outputs.ok)
+    # The chunks as planned, less the prefix-cache hits `update` learnt.
+    hits = {id(q): h for q, h in zip(batch.attaches, batch.attach_hits)}
+    prefill, decode = chunk_work(batch, hits, self.starts) if ok else ((), ())
     return dict(
         ok=ok, bucket=bucket, finished_ids=tuple(done),
         first_token_ids=tuple(g.request_id for g in self.running if g.request_id in
                               self.not_started and (g.request_id in done or _started(g))),
         preempted_ids=tuple(g.request_id for g in preempted),
-        prefill_chunks=self.prefill_chunks if ok else (),
-        decode_rows=self.decode_rows if ok else (),
+        prefill_chunks=prefill, decode_rows=decode,
         prefix_hit_tokens=sum(batch.attach_hits) if ok else 0,
         cow_copies=int(outputs.cow_copies),
         decode_loop_rows=tuple(int(v) for v in np.asarray(outputs.valid)[1:].sum(axis=1))
