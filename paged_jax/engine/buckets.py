@@ -49,9 +49,10 @@ class Bucket(NamedTuple):
 
   @property
   def step_kw(self) -> dict:
-    """The step's static keywords for this bucket (T and R come with the inputs)."""
-    return dict(width=self.width, decode_only=self.decode_only, all_greedy=self.all_greedy,
-                prefix_light=self.prefix_light)
+    """The step's static keywords for this bucket (T and R come with the inputs);
+    `prefix_light` only when set, so a step without prefix caching never sees it."""
+    kw = dict(width=self.width, decode_only=self.decode_only, all_greedy=self.all_greedy)
+    return dict(kw, prefix_light=True) if self.prefix_light else kw
 
 
 @dataclasses.dataclass(frozen=True)
