@@ -196,7 +196,7 @@ def test_no_retracing_over_hundreds_of_steps_of_changing_traffic():
   assert sum(step_lib.TRACE_COUNT.values()) - before == len(new)
   b = engine.buckets
   assert len(new) <= b.max_variants
-  assert all(r in b.rows and w in b.widths for _, r, w, _, _ in new), (new, b)
+  assert all(s.rows in b.rows and s.width in b.widths for s in new), (new, b)
   assert engine.num_preemptions > 0       # traffic really changed shape
 
 

@@ -36,12 +36,23 @@ class Bucket(NamedTuple):
     width: W, block-table columns attention reads (the step's static `width=`).
     decode_only: every row has one new token: the decode kernel runs.
     all_greedy: every running request is greedy: sampling is an argmax.
+    prefix_light: with prefix caching, the step admits, frees and forks nothing (the
+      host knows): it runs without the prefix cache's lookup, first release and fork
+      copies (`step.make_step`); always False without caching.
   """
   tokens: int
   rows: int
   width: int
   decode_only: bool
   all_greedy: bool = False
+  prefix_light: bool = False
+
+  @property
+  def step_kw(self) -> dict:
+    """The step's static keywords for this bucket (T and R come with the inputs);
+    `prefix_light` only when set, so a step without prefix caching never sees it."""
+    kw = dict(width=self.width, decode_only=self.decode_only, all_greedy=self.all_greedy)
+    return dict(kw, prefix_light=True) if self.prefix_light else kw
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +65,8 @@ class StepBuckets:
   decode loop included). Each (T, R, W, decode_only) compiles once; a decode-only
   step (every row one new token) runs the decode kernel with T = R.
   `enabled=False` pins every step to the largest bucket (T = budget, R = S,
-  W = max_blocks_per_seq, ragged attention): the unbucketed step.
+  W = max_blocks_per_seq, ragged attention): the unbucketed step. With
+  `prefix_caching` each shape also has its `prefix_light` variant.
   """
   tokens: Tuple[int, ...]
   rows: Tuple[int, ...]
@@ -62,13 +74,15 @@ class StepBuckets:
   block_size: int
   decode_steps: int
   enabled: bool = True
+  prefix_caching: bool = False
 
   @classmethod
   def make(cls, *, max_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int,
-           block_size: int, decode_steps: int, enabled: bool = True) -> "StepBuckets":
+           block_size: int, decode_steps: int, enabled: bool = True,
+           prefix_caching: bool = False) -> "StepBuckets":
     if not enabled:
       return cls((max_num_batched_tokens,), (max_seqs,), (max_blocks_per_seq,), block_size,
-                 decode_steps, enabled=False)
+                 decode_steps, enabled=False, prefix_caching=prefix_caching)
     # Tokens by 4x (a prefill chunk's cost is mostly the model's matmuls, and a
     # busy engine fills its budget); rows by 2x to 16, then 1.5x / 2x alternately (8, 16, 24,
     # 32, 48, ...: every decode step's matmuls, attention and sampling scale with R, and
@@ -78,18 +92,20 @@ class StepBuckets:
     return cls(_geometric(max_num_batched_tokens, min(16, max_num_batched_tokens), 4),
                _geometric(max_seqs, min(8, max_seqs), 2, halfway_from=16),
                _geometric(max_blocks_per_seq, min(4, max_blocks_per_seq), 2),
-               block_size, decode_steps)
+               block_size, decode_steps, prefix_caching=prefix_caching)
 
   @property
   def max_variants(self) -> int:
     """Upper bound on distinct compiled steps: mixed (T, R, W) + decode-only (R, W),
-    each with sampling or all-greedy."""
-    return (len(self.tokens) + self.enabled) * len(self.rows) * len(self.widths) * 2
+    each with sampling or all-greedy (and, with prefix caching, full or light)."""
+    return ((len(self.tokens) + self.enabled) * len(self.rows) * len(self.widths) * 2
+            * (1 + self.prefix_caching))
 
   def pick(self, num_tokens: int, num_rows: int, max_len: int, decode_only: bool,
-           all_greedy: bool = False) -> Bucket:
+           all_greedy: bool = False, prefix_light: bool = False) -> Bucket:
     """The Bucket for a step with `num_tokens` new tokens, `num_rows` rows / sampled
-    slots, and `max_len` tokens in its longest row after the step."""
+    slots, and `max_len` tokens in its longest row after the step (`prefix_light`:
+    kept only with prefix caching)."""
     up = lambda sizes, n: next((b for b in sizes if b >= n), sizes[-1])
     rows = up(self.rows, num_rows)
     if self.decode_steps > 1:
@@ -97,7 +113,8 @@ class StepBuckets:
     width = up(self.widths, cdiv(max(max_len, 1), self.block_size))
     decode_only = decode_only and self.enabled
     tokens = rows if decode_only else up(self.tokens, num_tokens)
-    return Bucket(tokens, rows, width, decode_only, bool(all_greedy))
+    return Bucket(tokens, rows, width, decode_only, bool(all_greedy),
+                  bool(prefix_light) and self.prefix_caching)
 
 
 def step_buckets(cache_config: CacheConfig, max_num_batched_tokens: int,
@@ -107,7 +124,8 @@ def step_buckets(cache_config: CacheConfig, max_num_batched_tokens: int,
                           max_num_batched_tokens=max_num_batched_tokens,
                           max_blocks_per_seq=cache_config.max_blocks_per_seq,
                           block_size=cache_config.block_size,
-                          decode_steps=decode_steps_per_sync, enabled=shape_buckets)
+                          decode_steps=decode_steps_per_sync, enabled=shape_buckets,
+                          prefix_caching=cache_config.enable_prefix_caching)
 
 
 def reachable_buckets(buckets: StepBuckets, *, max_rows: int, max_len: int,

@@ -66,8 +66,7 @@ class CompiledStep:
     releases least recently used ones when the memory-map headroom is short; the
     state stays donated (argument 1)."""
     return executables.BUDGET.get((self, signature, bucket), functools.partial(
-        executables.shape_jit, self.plain, donate_argnums=(1,), width=bucket.width,
-        decode_only=bucket.decode_only, all_greedy=bucket.all_greedy))
+        executables.shape_jit, self.plain, donate_argnums=(1,), **bucket.step_kw))
 
   def caller(self, signature: int) -> "StepCall":
     """What an engine whose arguments have `signature` dispatches (see StepCall)."""
@@ -79,7 +78,8 @@ class CompiledStep:
       return False
     self.seen.add(bucket)
     log.info("paged_jax engine: compiling step shape tokens=%d rows=%d width=%d blocks "
-             "decode_only=%s all_greedy=%s (%d shapes so far, at most %d)", *bucket,
+             "decode_only=%s all_greedy=%s prefix_light=%s (%d shapes so far, at most %d)",
+             *bucket,
              len(self.seen), buckets.max_variants)
     return True
 
@@ -94,10 +94,12 @@ class CompiledStep:
     `executable(...).trace(abstract args).lower().compile()` fills the jit the engine's
     calls use, so no step of those shapes traces or compiles later (JAX 0.10 and 0.11)
     while the budget holds it (more shapes than the process can map release the
-    first ones again). Nothing runs on the device. At most `max_shapes` steps (else
-    ValueError). Returns {"compiled", "already", "seconds"}."""
-    shapes = list(dict.fromkeys(Bucket(*tuple(s)[:4], bool(g)) for s in shapes
-                                for g in dict.fromkeys(all_greedy)))
+    first ones again). Nothing runs on the device. With prefix caching (`state.prefix`)
+    each shape also compiles its `prefix_light` variant. At most `max_shapes` steps
+    (else ValueError). Returns {"compiled", "already", "seconds"}."""
+    lights = (False, True) if state.prefix is not None else (False,)
+    shapes = list(dict.fromkeys(Bucket(*tuple(s)[:4], bool(g), light) for s in shapes
+                                for g in dict.fromkeys(all_greedy) for light in lights))
     if len(shapes) > max_shapes:
       raise ValueError(f"{len(shapes)} shapes to compile, more than the bound {max_shapes}")
     abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
@@ -116,7 +118,8 @@ class CompiledStep:
       self.seen.add(bucket)
       compiled += 1
       log.info("paged_jax engine: compiled step shape tokens=%d rows=%d width=%d blocks "
-               "decode_only=%s all_greedy=%s ahead of time in %.2f s (%d of %d)", *bucket,
+               "decode_only=%s all_greedy=%s prefix_light=%s ahead of time in %.2f s "
+               "(%d of %d)", *bucket,
                time.perf_counter() - t1, compiled + already, len(shapes))
     seconds = time.perf_counter() - t0
     log.info("paged_jax engine: %d step shapes compiled ahead of time (%d already) in %.1f s",
@@ -126,17 +129,17 @@ class CompiledStep:
 
 class StepCall:
   """An engine's step call: `(params, state, inputs, *, width=None, decode_only=False,
-  all_greedy=False) -> (state, outputs)`, as the jitted step takes it, run by the
-  bucket's own jit (`CompiledStep.executable`); `lower` / `trace` are the jitted
-  step's, with the bucket's fields as static keywords."""
+  all_greedy=False, prefix_light=False) -> (state, outputs)`, as the jitted step takes it,
+  run by the bucket's own jit (`CompiledStep.executable`); `lower` / `trace` are the
+  jitted step's, with the bucket's fields as static keywords."""
 
   def __init__(self, compiled: CompiledStep, signature: int):
     self.compiled, self.signature = compiled, signature
 
   def __call__(self, params, state, inputs: StepInputs, *, width=None, decode_only=False,
-               all_greedy=False):
+               all_greedy=False, prefix_light=False):
     bucket = Bucket(inputs.tokens.shape[0], inputs.row_slot.shape[0], width, decode_only,
-                    all_greedy)
+                    all_greedy, prefix_light and state.prefix is not None)
     return self.compiled.executable(self.signature, bucket)(params, state, inputs)
 
   def lower(self, *args, **kwargs):

@@ -266,9 +266,7 @@ class Engine:
           self.state = swap.copy_in(self.state, group, self.stats)
         self._compiled.note(bucket, self._buckets)   # logs a shape's first (compiling) call
         t0 = time.perf_counter()
-        self.state, out = self._step(self.params, self.state, inputs, width=bucket.width,
-                                     decode_only=bucket.decode_only,
-                                     all_greedy=bucket.all_greedy)
+        self.state, out = self._step(self.params, self.state, inputs, **bucket.step_kw)
       except BaseException:
         if any(getattr(x, "is_deleted", lambda: False)()
                for x in jax.tree_util.tree_leaves(self.state)):

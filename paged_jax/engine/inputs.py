@@ -59,8 +59,9 @@ def build_inputs(batch: Batch, running: Seq[Group], *, buckets: StepBuckets, max
                  lookup_len: int, vocab_size: int, idle_all_greedy: bool = True):
   """Fills the step's arrays from the batch (chunks, frees, forks, attaches).
 
-  Returns (StepInputs, Bucket); pass its last three fields to the step as `width=`,
-  `decode_only=`, `all_greedy=`. all_greedy: every running
+  Returns (StepInputs, Bucket); pass `bucket.step_kw` to the step (`width=`,
+  `decode_only=`, `all_greedy=`, `prefix_light=`: with prefix caching, a step that
+  admits, frees, forks and swaps nothing skips that prefix work). all_greedy: every running
   request has temperature 0; `idle_all_greedy` when none runs (a frees-only step
   samples nothing: the engine passes its previous step's, so no new variant compiles).
   """
@@ -73,8 +74,10 @@ def build_inputs(batch: Batch, running: Seq[Group], *, buckets: StepBuckets, max
   # multi-step decode loop samples the others too.
   all_greedy = (all(g.params.temperature == 0 for g in running) if running
                 else bool(idle_all_greedy))
+  light = not (batch.attaches or batch.frees or batch.forks or batch.post_forks
+                or batch.swap_in or batch.swap_out)
   bucket = buckets.pick(batch.num_tokens, max(len(chunks), num_sampled, len(batch.forks)),
-                        max_len, all(ch.num_tokens == 1 for ch in chunks), all_greedy)
+                        max_len, all(ch.num_tokens == 1 for ch in chunks), all_greedy, light)
   a = empty_inputs(bucket.tokens, max_seqs, lookup_len, num_rows=bucket.rows)
 
   def sampling_row(seq: Sequence, group: Group, row: int):

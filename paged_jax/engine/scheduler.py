@@ -244,11 +244,15 @@ class Scheduler(Planner):
     ok = bool(outputs.ok)
     chunked = {id(ch.seq) for ch in batch.chunks} if ok else set()
     batch.attach_hits = [int(outputs.hit_tokens[seq.slot]) for seq in batch.attaches]
+    hit_of = dict(zip(map(id, batch.attaches), batch.attach_hits))
     for seq, hit in zip(batch.attaches, batch.attach_hits):
       seq.on_device = True
-      # With a chunk that ran (planned from 0, its hit tokens skipped on device) the
-      # sequence has computed max(chunk end, hit): counted below and in _append_tokens.
-      seq.num_computed = 0 if id(seq) in chunked else hit
+      # An attached prompt comes from the waiting queue (num_computed 0). Attached
+      # alone, it resumes after its hit; with a chunk that ran (planned from 0, its hit
+      # tokens skipped on device) it has computed max(chunk end, hit), set once in
+      # _append_tokens (a chunk inside the hit computed nothing).
+      if id(seq) not in chunked:
+        seq.num_computed = hit
     for _, child in batch.forks:
       child.on_device = True
     if not ok:   # a reservation failed on device: nothing ran
@@ -258,7 +262,6 @@ class Scheduler(Planner):
     stats = self.stats
     stats["steps"] += bool(batch.chunks or batch.attaches or batch.swap_in)   # not frees-only
     stats["loop_out_of_blocks"] += int(outputs.loop_out_of_blocks)
-    hit_of = {id(q): h for q, h in zip(batch.attaches, batch.attach_hits)}
     for ch in batch.chunks:
       seq, nc = ch.seq, ch.seq.num_computed
       nc_run = max(nc, hit_of.get(id(seq), 0))     # the hit tokens were not computed
@@ -274,21 +277,18 @@ class Scheduler(Planner):
       shared = leader.prompt_len % self.block_size != 0
       child.last_block_shared = leader.last_block_shared = shared
       child.share_id = leader.share_id = leader.seq_id
-    finished = self._append_tokens(batch, outputs)
-    for seq, hit in zip(batch.attaches, batch.attach_hits):
-      if id(seq) in chunked:           # a chunk inside the hit computed nothing
-        seq.num_computed = max(seq.num_computed, hit)
-    return finished
+    return self._append_tokens(batch, outputs, hit_of)
 
-  def _append_tokens(self, batch: Batch, out) -> List[RequestOutput]:
+  def _append_tokens(self, batch: Batch, out, hit_of) -> List[RequestOutput]:
     """Sampled tokens onto their sequences; finishes on stop id / max_tokens (the
-    device freed those slots itself: `StepOutputs.finished`); beam selection."""
+    device freed those slots itself: `StepOutputs.finished`); beam selection.
+    `hit_of`: id(seq) -> hit tokens of this step's attaches (their chunks ran from 0)."""
     finished: List[RequestOutput] = []
     device_freed = []
     owner = {id(q): g for g in self.running for q in g.seqs}
     sampled = [ch.seq for ch in batch.chunks if ch.samples]
     for ch in batch.chunks:
-      ch.seq.num_computed += ch.num_tokens
+      ch.seq.num_computed = max(ch.seq.num_computed + ch.num_tokens, hit_of.get(id(ch.seq), 0))
     sampled += [c for _, c in batch.post_forks if len(c.tokens) == c.prompt_len]
     beam_groups = []
     for seq in sampled:

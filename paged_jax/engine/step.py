@@ -211,9 +211,13 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
 
   Returns:
     step(params, state: EngineState, inputs: StepInputs, *, width=None,
-    decode_only=False, all_greedy=False) -> (EngineState, StepOutputs), jitted with
-    `state` donated and `width` / `decode_only` / `all_greedy` static (`all_greedy`:
-    every running request is greedy, so sampling is an argmax). The shape bucket of a
+    decode_only=False, all_greedy=False, prefix_light=False) -> (EngineState,
+    StepOutputs), jitted with `state` donated and the keywords static (`all_greedy`:
+    every running request is greedy, so sampling is an argmax; `prefix_light`: with
+    prefix caching, the host planned no free, fork, post-fork or admission, so the
+    step leaves out the first release, the forks and their history copies, the
+    lookup and `skip_hits`, all no-ops then but for the clock; eviction,
+    registration and the finished slots' release still run). The shape bucket of a
     call is (T tokens, R rows: `inputs.row_slot.shape`, W = `width` block-table columns
     attention reads, default max_blocks_per_seq; `decode_only`: every row has one new
     token, so attention runs the decode kernel). Prefix caching runs iff `state.prefix`
@@ -221,7 +225,7 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
   """
 
   def step(params, state: EngineState, inp: StepInputs, width=None, decode_only=False,
-           all_greedy=False):
+           all_greedy=False, prefix_light=False):
     TRACE_COUNT[name] += 1
     blocks, pages, ps = state.blocks, state.pages, state.prefix
     sb, spg = state.sliding_blocks, state.sliding_pages
@@ -231,16 +235,18 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
 
     # 1-2. frees, beam forks (and prefix attach / eviction): these always stand.
     hits = jnp.zeros((s_max,), _I32)
+    light = ps is not None and prefix_light   # no free, fork or admission: skip them
     if ps is None:
       b, _ = bm.free(blocks, inp.free_slots)
-    else:
+    elif not light:
       ps, b = prefix_step.free(ps, blocks, inp.free_slots)
-    b, _ = bm.fork(b, inp.fork_src, inp.fork_dst)
-    if ps is not None:
+    b = blocks if light else bm.fork(b, inp.fork_src, inp.fork_dst)[0]
+    if ps is not None and not light:
       ps, b, hits = prefix_step.attach(ps, b, inp.attach_slot, inp.attach_len,
                                        inp.attach_start, inp.attach_tokens, inp.attach_root,
                                        inp.attach_tag)
       inp = prefix_step.skip_hits(inp, hits)
+    if ps is not None:
       ps, b = prefix_step.evict_for(ps, b, inp, num_decode_steps=num_decode_steps,
                                     max_evict=max_evict)
     blocks = b
@@ -372,7 +378,7 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
       b, _ = bm.free(b, done_slots)
       out = out.replace(num_free=b.num_free, available=b.num_free, sole_blocks=sole_blocks(b))
     else:
-      ps, b, _ = prefix_step.after(ps, b, inp, out, max_items=max_evict)
+      ps, b, _ = prefix_step.after(ps, b, inp, out, max_items=max_evict, forks=not light)
       ps, b = prefix_step.free(ps, b, done_slots)
       evictable = prefix_core.num_evictable(ps.cache, b)
       out = out.replace(num_free=b.num_free, available=b.num_free + evictable,
@@ -384,5 +390,5 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
 
   if not jit:
     return step
-  return jax.jit(step, donate_argnums=(1,), static_argnames=("width", "decode_only",
-                                                                "all_greedy"))
+  return jax.jit(step, donate_argnums=(1,), static_argnames=(
+      "width", "decode_only", "all_greedy", "prefix_light"))

@@ -187,7 +187,8 @@ def _copy_rows(ps: PrefixStepState, src, dst) -> PrefixStepState:
 
 
 def after(ps: PrefixStepState, blocks: bm.BlockState, inputs, outputs, *,
-          max_items: int) -> Tuple[PrefixStepState, bm.BlockState, jax.Array]:
+          max_items: int, forks: bool = True
+          ) -> Tuple[PrefixStepState, bm.BlockState, jax.Array]:
   """Records the step's tokens and registers the blocks it filled.
 
   Args:
@@ -195,6 +196,8 @@ def after(ps: PrefixStepState, blocks: bm.BlockState, inputs, outputs, *,
     inputs: the step's StepInputs; outputs: its StepOutputs (`ok` False: the
       step changed nothing, and neither does this).
     max_items: static bound on blocks registered per call (`max_new_blocks`).
+    forks: False when the step has no beam fork and no post-fork (static): their
+      history and chain copies are left out.
   Returns:
     (ps, blocks, available i32[]: free blocks plus evictable cached blocks).
   """
@@ -206,7 +209,8 @@ def after(ps: PrefixStepState, blocks: bm.BlockState, inputs, outputs, *,
   slots = lax.iota(_I32, s_max)
   # Beam forks happened before the chunks (they stand even when reservations
   # failed): the child starts as its parent.
-  ps = _copy_rows(ps, inputs.fork_src, inputs.fork_dst)
+  if forks:
+    ps = _copy_rows(ps, inputs.fork_src, inputs.fork_dst)
   # This step's chunk tokens at their positions.
   tr = inputs.token_row
   tslot = jnp.where(tr >= 0, inputs.row_slot[jnp.clip(tr, 0, s_max - 1)], -1)
@@ -215,7 +219,8 @@ def after(ps: PrefixStepState, blocks: bm.BlockState, inputs, outputs, *,
       inputs.tokens, mode="drop")
   ps = ps.replace(history=hist)
   # Parallel-sampling children share the leader's prompt after the prefill.
-  ps = _copy_rows(ps, jnp.where(ok, inputs.post_fork_src, -1), inputs.post_fork_dst)
+  if forks:
+    ps = _copy_rows(ps, jnp.where(ok, inputs.post_fork_src, -1), inputs.post_fork_dst)
   # Decode-loop tokens: outputs.tokens[k, s] sits at position L1 + k, where L1
   # is the slot's length after the first forward; it was computed iff
   # valid[k + 1, s].
