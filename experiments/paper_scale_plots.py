@@ -71,9 +71,14 @@ def summary_rows(res: Dict) -> List[List[str]]:
       if name in r and model == "opt-13b":
         at = (f" at {r[name]['rate']:.3g} req/s" if len({v.get("rate") for v in r.values()})
               == 1 else "")   # one rate for every system (else each its highest point)
+        waiting = ("" if "paged_over_while_waiting" not in r[name] else
+                   f"; while requests wait {r[name]['paged_over_while_waiting']:.2f}x "
+                   f"({r['paged']['mean_running_while_waiting']:.1f} vs "
+                   f"{r[name]['mean_running_while_waiting']:.1f})")
         rows.append([f"Fig. 13 {model} {workload}-like{at}: requests batched, paged / "
-                     f"{LABELS[name]}", f"{r[name]['paged_over']:.2f}x "
-                     f"({r['paged']['mean_running']:.1f} vs {r[name]['mean_running']:.1f})",
+                     f"{LABELS[name]}", f"all steps {r[name]['paged_over']:.2f}x "
+                     f"({r['paged']['mean_running']:.1f} vs {r[name]['mean_running']:.1f})"
+                     + waiting,
                      PAPER[("13", name)] if workload == "sharegpt" else
                      "Fig. 13b (no figure in the text)"])
   basic = res.get("fig12", {}).get("opt-13b-alpaca")
