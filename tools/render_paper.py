@@ -38,6 +38,16 @@ def paper_scale_rates(results_dir: str) -> str:
         cells.append("-" if r is None else f"{r:.3g}")
       rows.append([f"Fig. {fig[3:5]} {panel}", f"{dm['tp']} x {dm['gpu']['name']}",
                    f"{res['kv_budget_tokens']:,}", f"{res['slo_s_per_token']:.3f}", *cells])
+  fig14 = os.path.join(results_dir, PAPER_SCALE, "fig14.json")
+  if os.path.exists(fig14):   # OPT-13B on one A100-40GB (experiments.paper_scale.fig14)
+    for mode, res in load(os.path.dirname(fig14), "fig14.json").items():
+      rates = res["max_rate_at_slo_interpolated"]
+      cells = [("-" if r is None else f"{'' if rates.get(name) else '>='}{r:.3g}")
+               for name in ("paged", "orca_oracle")
+               for r in [rates.get(name) or res["max_rate_at_slo"].get(name)]]
+      rows.append([f"Fig. 14 opt-13b-alpaca {mode}", "1 x a100-40gb",
+                   f"{res['sizes']['paged']['pool_tokens']:,}",
+                   f"{res['slo_s_per_token']:.3f}", *cells, "-", "-"])
   if not rows:
     raise FileNotFoundError(f"{results_dir}/{PAPER_SCALE}/fig12: no committed result "
                             f"(run experiments.paper_scale)")
@@ -219,6 +229,11 @@ _SHORT = (("Alpaca-like, paged's edge over Orca(Oracle) smaller at OPT-175B than
            "Alpaca paged / Oracle lower at 175B than 13B"),
           (": max rate paged / ", ": paged / "),
           ("requests batched, paged / ", "batched, paged / "),
+          ("requests batched while requests wait, paged / ", "batched while queued, paged / "),
+          ("OPT-13B Alpaca-like: max rate paged / Orca(Oracle), beam width 6",
+           "OPT-13B Alpaca beam 6: paged / Oracle"),
+          ("OPT-13B Alpaca-like: paged / Orca(Oracle) grows with ", "OPT-13B Alpaca: paged / "
+           "Oracle grows with "),
           ("max rate paged (prefix cached) / ", "paged+cache / "),
           (" (latency within 1% of the lowest)", ""), ("-sharegpt", " ShareGPT"),
           ("-alpaca", " Alpaca"), ("Fig. ", ""), ("Orca(Oracle)", "Oracle"),
