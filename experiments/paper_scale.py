@@ -71,6 +71,10 @@ class Config(configs.ExperimentConfig):
   fig14_modes: Tuple[str, ...] = configs.flag(("n2", "n4", "n6", "beam2", "beam4", "beam6"),
                                               "Fig. 14 sampling modes",
                                               choices=tuple(serving_sweep.FIG14_MODES))
+  fig14_preemption: str = configs.flag(
+      "recompute", "Fig. 14 preemption mode ('auto', vLLM V0's swap for groups of several "
+      "sequences, livelocks in this engine on a full pool: see docs/paper_scale.md)",
+      choices=("recompute", "swap", "auto"))
   fig18_block_sizes: Tuple[int, ...] = configs.flag((1, 2, 4, 8, 16, 32, 64, 128, 256),
                                                     "Fig. 18 block sizes", lower=1)
   fig19_block_sizes: Tuple[int, ...] = configs.flag((8, 16, 32, 64, 128, 256),
@@ -149,7 +153,8 @@ def fig14(f: Config, out=None) -> Dict:
   the modes it already holds that this run does not redo are kept (the figure may run in
   parts: --fig14_modes=n2,n4,n6, then beam2,beam4,beam6)."""
   from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
-  cfg = _sb(f, model="opt-13b", gpu=GPU_OF["opt-13b"], workload="alpaca")
+  cfg = dataclasses.replace(_sb(f, model="opt-13b", gpu=GPU_OF["opt-13b"], workload="alpaca"),
+                            preemption_mode=f.fig14_preemption)
   before = committed(out).get("fig14", {}) if out is not None else {}
   modes = {m: v for m, v in before.items() if m not in f.fig14_modes}
   try:
