@@ -271,7 +271,10 @@ def main(f: Config, out):
               "flags": f.flags()}
   before = _read(out / "summary.json") if (out / "summary.json").exists() else {}
   # A figure's last run counts; earlier runs of only figures run again drop out.
-  runs = [p for p in before.get("runs", []) if set(p["figs"]) - set(f.figs)] + [this_run]
+  # (Fig. 14 may run in parts by mode: a run of other modes stays.)
+  runs = [p for p in before.get("runs", []) if set(p["figs"]) - set(f.figs) or (
+      p["figs"] == ["14"] and set(p["flags"].get("fig14_modes", ())) - set(f.fig14_modes))]
+  runs.append(this_run)
   summary = {"rows": rows, "seconds": dict(before.get("seconds", {}), **r["seconds"]),
              "total_seconds": sum(p["seconds"] for p in runs), "runs": runs,
              "load_avg": {"start": min(p["load_avg"]["start"] for p in runs),
