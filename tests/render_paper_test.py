@@ -71,3 +71,18 @@ def test_fig13_checks_the_mean_while_requests_wait_and_fig14_beam6(tmp_path):
   assert rows[grows + "parallel sampling n"][1:] == ["2: 1.40x, 4: 1.30x", "NOT met"]
   assert rows["Fig. 14 OPT-13B Alpaca-like: max rate paged / Orca(Oracle), beam width 6"][
       1:] == ["2.50x", "met"]
+
+
+def test_rates_table_lists_each_fig14_mode(tmp_path):
+  _write(tmp_path, "fig12/opt-13b-sharegpt/serving_benchmark.json",
+         dict(_panel(3.0, 1.5, 0.6), device_model={"tp": 1, "gpu": {"name": "a100-40gb"}},
+              kv_budget_tokens=15792, slo_s_per_token=0.067))
+  mode = dict(_panel(60.0, 30.0, 1.0, crossed=("orca_oracle",)), slo_s_per_token=0.07,
+              sizes={"paged": {"pool_tokens": 15792}})
+  _write(tmp_path, "fig14.json", {"n2": mode})
+  rows = [l for l in render_paper.paper_scale_rates(str(tmp_path)).splitlines()
+          if "Fig. 14" in l]
+  cells = [c.strip() for c in rows[0].strip("|").split("|")]
+  # paged never crossed the SLO in this mode: its rate is a floor.
+  assert cells == ["Fig. 14 opt-13b-alpaca n2", "1 x a100-40gb", "15,792", "0.070", ">=60",
+                   "30", "-", "-"]
