@@ -71,6 +71,10 @@ class Config(configs.ExperimentConfig):
   fig14_modes: Tuple[str, ...] = configs.flag(("n2", "n4", "n6", "beam2", "beam4", "beam6"),
                                               "Fig. 14 sampling modes",
                                               choices=tuple(serving_sweep.FIG14_MODES))
+  fig14_preemption: str = configs.flag(
+      "recompute", "Fig. 14 preemption mode ('auto', vLLM V0's swap for groups of several "
+      "sequences, livelocks in this engine on a full pool: see docs/paper_scale.md)",
+      choices=("recompute", "swap", "auto"))
   fig18_block_sizes: Tuple[int, ...] = configs.flag((1, 2, 4, 8, 16, 32, 64, 128, 256),
                                                     "Fig. 18 block sizes", lower=1)
   fig19_block_sizes: Tuple[int, ...] = configs.flag((8, 16, 32, 64, 128, 256),
@@ -139,14 +143,37 @@ def fig13(f: Config, panels: Dict, progress) -> Dict:
   return out
 
 
-def fig14(f: Config) -> Dict:
-  cfg = _sb(f, model="opt-13b", gpu=GPU_OF["opt-13b"], workload="alpaca")
-  modes = {}
-  for mode in f.fig14_modes:
-    kw = serving_sweep.FIG14_MODES[mode]
-    res = sb.rated(sb.sweep(cfg, ["paged", "orca_oracle"], ("auto",), 0.0, kw), cfg, ())
-    res["paged_rate_ratio"] = latency.rate_ratios(res["max_rate_at_slo"])
-    modes[mode] = dict(res, mode=kw)
+def fig14(f: Config, out=None) -> Dict:
+  """Fig. 14: paged vs Orca(Oracle) max rate at the SLO per sampling mode, OPT-13B
+  Alpaca-like. Every engine of the figure has one of two geometries (the KV pool: paged's
+  budget or Orca's with its slack; max_seqs 256, the cap, in every mode; one compiled
+  step for n and beam width up to 6), so the compiled steps stay across systems and modes
+  and are dropped once at the end. Each mode records its wall and CPU seconds; with
+  `out`, fig14.json is written after each mode (a stopped run keeps the modes done), and
+  the modes it already holds that this run does not redo are kept (the figure may run in
+  parts: --fig14_modes=n2,n4,n6, then beam2,beam4,beam6)."""
+  from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
+  cfg = dataclasses.replace(_sb(f, model="opt-13b", gpu=GPU_OF["opt-13b"], workload="alpaca"),
+                            preemption_mode=f.fig14_preemption)
+  before = committed(out).get("fig14", {}) if out is not None else {}
+  modes = {m: v for m, v in before.items() if m not in f.fig14_modes}
+  try:
+    for mode in f.fig14_modes:
+      kw = serving_sweep.FIG14_MODES[mode]
+      t0, c0 = time.time(), time.process_time()
+      res = sb.rated(sb.sweep(cfg, ["paged", "orca_oracle"], ("auto",), 0.0, kw,
+                              release=False), cfg, ())
+      res["paged_rate_ratio"] = latency.rate_ratios(res["max_rate_at_slo"])
+      points = sum(len(c["rates"]) for c in res["systems"].values())
+      res["cost"] = {"wall_s": time.time() - t0, "cpu_s": time.process_time() - c0,
+                     "points": points, "load_avg_end": os.getloadavg()[0]}
+      modes[mode] = dict(res, mode=kw)
+      order = list(serving_sweep.FIG14_MODES)
+      modes = dict(sorted(modes.items(), key=lambda kv: order.index(kv[0])))
+      if out is not None:
+        common.write_json(out / "fig14.json", modes)
+  finally:
+    release_compiled()
   return modes
 
 
@@ -209,7 +236,7 @@ def run(f: Config, out) -> Dict:
                        "--out first")
     timed("fig13", lambda: fig13(f, panels, progress))
   if "14" in f.figs:
-    timed("fig14", lambda: fig14(f))
+    timed("fig14", lambda: fig14(f, out))
   if "16" in f.figs:
     timed("fig16", lambda: fig16(f, out))
   if "18" in f.figs:
@@ -243,7 +270,10 @@ def main(f: Config, out):
               "flags": f.flags()}
   before = _read(out / "summary.json") if (out / "summary.json").exists() else {}
   # A figure's last run counts; earlier runs of only figures run again drop out.
-  runs = [p for p in before.get("runs", []) if set(p["figs"]) - set(f.figs)] + [this_run]
+  # (Fig. 14 may run in parts by mode: a run of other modes stays.)
+  runs = [p for p in before.get("runs", []) if set(p["figs"]) - set(f.figs) or (
+      p["figs"] == ["14"] and set(p["flags"].get("fig14_modes", ())) - set(f.fig14_modes))]
+  runs.append(this_run)
   summary = {"rows": rows, "seconds": dict(before.get("seconds", {}), **r["seconds"]),
              "total_seconds": sum(p["seconds"] for p in runs), "runs": runs,
              "load_avg": {"start": min(p["load_avg"]["start"] for p in runs),

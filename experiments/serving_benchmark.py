@@ -167,9 +167,11 @@ def deployment(f: Config) -> Dict:
   return d
 
 
-def sweep(f, systems: Sequence[str], rates, duration_s: float, mode: Dict) -> Dict:
+def sweep(f, systems: Sequence[str], rates, duration_s: float, mode: Dict, *,
+          release: bool = True) -> Dict:
   """One sampling mode over `rates` (or ("auto",)): {"systems": {NAME: curve}, "sizes":
-  {NAME: sizes}}, with the SLO and max rates when the rates were searched."""
+  {NAME: sizes}}, with the SLO and max rates when the rates were searched (`release`:
+  `rate_search.sweep_auto`'s)."""
   d = deployment(f)
   kw = dict(workload=f.workload, seed=f.seed, kv_budget_tokens=d["kv_budget_tokens"],
             block_size=f.block_size, max_len=d["max_len"], mode=mode, clock_fn=d["clock_fn"],
@@ -181,7 +183,8 @@ def sweep(f, systems: Sequence[str], rates, duration_s: float, mode: Dict) -> Di
                                   if f.prefix_caching else 0))
   if tuple(rates) == ("auto",):
     return rate_search.sweep_auto(systems, num_requests=f.num_requests,
-                                  slo_factor=f.slo_factor, max_points=f.max_points, **kw)
+                                  slo_factor=f.slo_factor, max_points=f.max_points,
+                                  release=release, **kw)
   return serving_sweep.sweep_systems(systems, sorted(rates), duration_s=duration_s, **kw)
 
 

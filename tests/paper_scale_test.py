@@ -8,6 +8,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from paged_jax import perf
@@ -208,3 +209,53 @@ def test_batched_at_rate_runs_every_system_at_one_rate():
   assert out["paged"]["requests"] == out["orca_max"]["requests"] == 16
   assert out["orca_max"]["max_running"] <= 7 < out["paged"]["max_running"]
   assert out["orca_max"]["paged_over"] > 1.0 and out["paged"]["paged_over"] == 1.0
+  for v in out.values():   # the per-step counts behind both means
+    run, wait = v["running_per_step"], v["waiting_per_step"]
+    assert len(run) == len(wait) == v["steps"]
+    assert sum(run) / len(run) == pytest.approx(v["mean_running"])
+    assert v["steps_waiting"] == sum(w > 0 for w in wait)
+  # Orca(Max) is full (7) whenever a request waits (16 arrive within a second, each long);
+  # paged's memory holds all 16: nothing waits once they are in.
+  assert out["orca_max"]["steps_waiting"] > 0
+  assert out["orca_max"]["mean_running_while_waiting"] == pytest.approx(7, abs=0.5)
+  assert out["paged"]["steps_waiting"] < out["orca_max"]["steps_waiting"]
+
+
+def test_saturated_batch_is_the_mean_over_steps_with_a_queue():
+  from paged_jax.bench import paper_figures
+  rng = np.random.default_rng(8)
+  run, wait = rng.integers(0, 9, 200), rng.integers(0, 3, 200) * rng.integers(0, 2, 200)
+  got = paper_figures.saturated_batch(run, wait)
+  busy = [r for r, w in zip(run.tolist(), wait.tolist()) if w > 0]
+  assert got["steps_waiting"] == len(busy)
+  assert got["mean_running_while_waiting"] == pytest.approx(sum(busy) / len(busy))
+  assert got["mean_waiting"] == pytest.approx(sum(wait.tolist()) / 200)
+  assert math.isnan(paper_figures.saturated_batch([3, 4], [0, 0])["mean_running_while_waiting"])
+
+
+def test_fig14_keeps_compiled_steps_across_modes_and_merges_earlier_modes(tmp_path,
+                                                                          monkeypatch):
+  """Fig. 14 runs every mode without dropping the compiled steps in between (its engines
+  share two geometries), drops them once at the end, records each mode's cost, writes
+  fig14.json after each mode and keeps an earlier run's modes it does not redo."""
+  from experiments import paper_scale as ps
+  from paged_jax import engine as engine_lib
+  calls, releases = [], []
+
+  def fake_sweep(cfg, systems, rates, duration_s, mode, *, release=True):
+    calls.append((tuple(systems), dict(mode), release))
+    return {"systems": {s: {"rates": [1.0, 2.0]} for s in systems},
+            "max_rate_at_slo": {"paged": 4.0, "orca_oracle": 2.0}, "slo_s_per_token": 0.1}
+
+  monkeypatch.setattr(ps.sb, "sweep", fake_sweep)
+  monkeypatch.setattr(engine_lib, "release_compiled", lambda: releases.append(1))
+  (tmp_path / "fig14.json").write_text(json.dumps({"beam2": {"old": True},
+                                                   "n2": {"old": True}}))
+  out = ps.fig14(ps.Config(fig14_modes=("n2", "n4")), tmp_path)
+  assert [c[1] for c in calls] == [{"n": 2}, {"n": 4}]
+  assert all(c == (("paged", "orca_oracle"), c[1], False) for c in calls)
+  assert releases == [1]
+  assert list(out) == ["n2", "n4", "beam2"] and out["beam2"] == {"old": True}
+  assert out["n4"]["paged_rate_ratio"]["paged_over_orca_oracle"] == 2.0
+  assert out["n4"]["cost"]["points"] == 4 and out["n4"]["cost"]["cpu_s"] >= 0
+  assert json.loads((tmp_path / "fig14.json").read_text())["n4"]["mode"] == {"n": 4}

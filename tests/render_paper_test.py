@@ -53,3 +53,36 @@ def test_targets_met_missed_and_bounds(tmp_path):
   best = rows["Fig. 18 OPT-13B sharegpt-like: best block size (latency within 1% of the "
               "lowest)"]
   assert best[1:] == ["16, 64", "met"]
+
+
+def test_fig13_checks_the_mean_while_requests_wait_and_fig14_beam6(tmp_path):
+  _write(tmp_path, "fig13.json", {"opt-13b-sharegpt": {
+      "orca_oracle": {"paged_over": 1.5, "paged_over_while_waiting": 2.0},
+      "orca_max": {"paged_over": 3.0, "paged_over_while_waiting": 5.6}}})
+  beam = lambda paged: _panel(paged, 2.0, 1.0)
+  _write(tmp_path, "fig14.json", {"beam2": beam(3.0), "beam4": beam(4.0), "beam6": beam(5.0),
+                                  "n2": beam(2.8), "n4": beam(2.6)})
+  rows = _rows(tmp_path)
+  fig13 = "Fig. 13 opt-13b-sharegpt: requests batched while requests wait, paged / "
+  assert rows[fig13 + "Orca(Oracle)"][1:] == ["2.00x", "met"]      # within 25% of 2.2
+  assert rows[fig13 + "Orca(Max)"][1:] == ["5.60x", "NOT met"]     # 4.3 +25% = 5.4
+  grows = "Fig. 14 OPT-13B Alpaca-like: paged / Orca(Oracle) grows with "
+  assert rows[grows + "beam width"][1:] == ["2: 1.50x, 4: 2.00x, 6: 2.50x", "met"]
+  assert rows[grows + "parallel sampling n"][1:] == ["2: 1.40x, 4: 1.30x", "NOT met"]
+  assert rows["Fig. 14 OPT-13B Alpaca-like: max rate paged / Orca(Oracle), beam width 6"][
+      1:] == ["2.50x", "met"]
+
+
+def test_rates_table_lists_each_fig14_mode(tmp_path):
+  _write(tmp_path, "fig12/opt-13b-sharegpt/serving_benchmark.json",
+         dict(_panel(3.0, 1.5, 0.6), device_model={"tp": 1, "gpu": {"name": "a100-40gb"}},
+              kv_budget_tokens=15792, slo_s_per_token=0.067))
+  mode = dict(_panel(60.0, 30.0, 1.0, crossed=("orca_oracle",)), slo_s_per_token=0.07,
+              sizes={"paged": {"pool_tokens": 15792}})
+  _write(tmp_path, "fig14.json", {"n2": mode})
+  rows = [l for l in render_paper.paper_scale_rates(str(tmp_path)).splitlines()
+          if "Fig. 14" in l]
+  cells = [c.strip() for c in rows[0].strip("|").split("|")]
+  # paged never crossed the SLO in this mode: its rate is a floor.
+  assert cells == ["Fig. 14 opt-13b-alpaca n2", "1 x a100-40gb", "15,792", "0.070", ">=60",
+                   "30", "-", "-"]

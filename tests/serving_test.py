@@ -327,6 +327,48 @@ def test_serve_online_counts_the_engines_work_and_running_requests():
   assert 2.5 < res["mean_running"] <= 3
 
 
+class MetricsEngine(FakeEngine):
+  """FakeEngine with Engine.metrics()'s queue counts."""
+
+  def metrics(self):
+    return {"num_waiting": len(self.waiting), "num_swapped": 0}
+
+
+@pytest.mark.parametrize("engine_cls", [FakeEngine, MetricsEngine])
+def test_serve_online_counts_running_and_waiting_per_step(engine_cls):
+  reqs = _requests(40, rate=60.0, seed=7)
+  eng = engine_cls(max_running=3)
+  res = serving.serve_online(eng, reqs, gate_lib.OpenGate(), clock=clocks.StepClock(0.01))
+  run, wait = res["running_per_step"], res["waiting_per_step"]
+  assert run.shape == wait.shape == (res["steps"],)
+  assert run.mean() == pytest.approx(res["mean_running"])
+  # Reference: replay the same loop by hand (FCFS admission of at most 3, one token a
+  # step, arrivals added before the step that starts at or after them).
+  arrival = sorted(r.arrival_time for r in reqs)
+  left = {r.request_id: r.output_len for r in reqs}
+  order = [r.request_id for r in sorted(reqs, key=lambda r: r.arrival_time)]
+  t, nxt, queue, running, ref_run, ref_wait = 0.0, 0, [], [], [], []
+  while len(ref_run) < res["steps"]:
+    while nxt < len(arrival) and arrival[nxt] <= t:
+      queue.append(order[nxt])
+      nxt += 1
+    if not queue and not running:
+      t = arrival[nxt]
+      continue
+    while queue and len(running) < 3:
+      running.append(queue.pop(0))
+    for rid in list(running):
+      left[rid] -= 1
+      if left[rid] == 0:
+        running.remove(rid)
+    t += 0.01
+    ref_run.append(len(running))
+    ref_wait.append(len(queue))
+  np.testing.assert_array_equal(run, ref_run)
+  np.testing.assert_array_equal(wait, ref_wait)
+  assert wait.max() > 0 and run[wait > 0].mean() > run.mean()   # saturated: fuller batches
+
+
 def test_loop_recorder_refuses_what_is_not_an_engine_or_a_clock():
   with pytest.raises(TypeError, match="EngineLike"):
     recorder.LoopRecorder(object(), clocks.StepClock(0.1))

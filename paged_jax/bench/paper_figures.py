@@ -19,7 +19,10 @@ budget of the setting in whole blocks of each block size.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Callable, Dict, Optional, Sequence
+
+import numpy as np
 
 from paged_jax import perf
 from paged_jax.bench import paper_scale
@@ -129,8 +132,9 @@ def batched_at_rate(setting: paper_scale.PaperSetting, panel: Dict, workload: st
                     rate: float, seed: int = 0, progress: Optional[Callable] = None) -> Dict:
   """Fig. 13 as the paper reads it: every system of a Fig. 12 `panel` (its serving_benchmark
   JSON: the same systems, engine sizes and requests) serving one stream at ONE request
-  rate, past every system's knee; per system the mean and max requests batched a step and
-  paged's mean over each system's."""
+  rate, past every system's knee; per system the mean and max requests batched a step,
+  the mean over the steps while requests wait (`saturated_batch`), both per-step counts,
+  and paged's means over each system's ("paged_over", "paged_over_while_waiting")."""
   from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
   scale = setting.scale
   reqs = sweep.rate_stream(workload, rate, None, seed, setting.max_len, panel["num_requests"],
@@ -151,11 +155,29 @@ def batched_at_rate(setting: paper_scale.PaperSetting, panel: Dict, workload: st
                    "max_running": p["max_running"], "requests": s["requests"],
                    "normalized_latency_s_per_token": s["normalized_latency_s_per_token"],
                    "throughput_req_s": s["throughput_req_s"], "steps": p["steps"],
-                   "preemptions": p["preemptions"]}
+                   "preemptions": p["preemptions"],
+                   **saturated_batch(p["running_per_step"], p["waiting_per_step"]),
+                   "running_per_step": p["running_per_step"].tolist(),
+                   "waiting_per_step": p["waiting_per_step"].tolist()}
   if "paged" in out:
     for v in out.values():
       v["paged_over"] = out["paged"]["mean_running"] / v["mean_running"]
+      v["paged_over_while_waiting"] = (out["paged"]["mean_running_while_waiting"]
+                                       / v["mean_running_while_waiting"])
   return out
+
+
+def saturated_batch(running, waiting) -> Dict:
+  """The batch while requests wait (the saturated regime, past ramp-up and before the
+  drain): {"mean_running_while_waiting" (mean of `running` over the steps whose
+  `waiting` > 0; nan when none), "steps_waiting" (those steps), "mean_waiting" (over
+  every step)}. running / waiting: i32[steps], requests in each step's batch / arrived
+  and not in it (`serving.serve_online`'s per-step counts)."""
+  running, waiting = np.asarray(running), np.asarray(waiting)
+  busy = waiting > 0
+  return {"mean_running_while_waiting": float(running[busy].mean()) if busy.any() else math.nan,
+          "steps_waiting": int(busy.sum()),
+          "mean_waiting": float(waiting.mean()) if waiting.size else 0.0}
 
 
 def batched_requests(result: Dict) -> Dict:

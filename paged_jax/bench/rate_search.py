@@ -145,7 +145,8 @@ def sweep_auto(systems: Sequence[str], *, workload: str, seed: int, num_requests
                mode: Optional[Dict] = None, clock_fn: Callable, headroom: float = 1.5,
                max_seqs_cap: int = 256, preemption_mode: str = "recompute",
                progress: Optional[Callable] = None, scale: HarnessScale,
-               engine_fn, max_points: int = 6, shared_prefix_tokens: int = 0) -> Dict:
+               engine_fn, max_points: int = 6, shared_prefix_tokens: int = 0,
+               release: bool = True) -> Dict:
   """`sweep.sweep_systems` with each system's rates found by `search_systems`.
 
   Every point serves the first `num_requests` of one seeded stream (its lengths at
@@ -154,9 +155,11 @@ def sweep_auto(systems: Sequence[str], *, workload: str, seed: int, num_requests
   e.g. prefix caching for paged only). num_requests 0: REQUESTS_PER_SLOT x the most
   requests any system's KV memory holds at once (at least MIN_REQUESTS), so a run is long
   against a request's life (counting at most max_seqs_cap, the most any system runs at
-  once; a prefix paged caches counted once: `shared_prefix_tokens`). Returns
-  {"systems": {NAME: sweep.curve(...) over the rates run}, "sizes", "num_requests", and
-  `search_systems`' keys but "points"}.
+  once; a prefix paged caches counted once: `shared_prefix_tokens`). `release`: drop the
+  compiled steps when the system changes and at the end (False: the caller bounds them,
+  e.g. a figure whose engines share two geometries keeps them across its sampling modes).
+  Returns {"systems": {NAME: sweep.curve(...) over the rates run}, "sizes",
+  "num_requests", and `search_systems`' keys but "points"}.
   """
   from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
   mode = mode or {}
@@ -182,7 +185,7 @@ def sweep_auto(systems: Sequence[str], *, workload: str, seed: int, num_requests
     return sizes[system]
 
   def run(system: str, rate: float, n: int) -> Dict:
-    if current[0] not in (None, system):
+    if release and current[0] not in (None, system):
       release_compiled()   # the next system's engine has other shapes
     current[0] = system
     reqs = sweep.rate_stream(workload, rate, None, seed, max_len, n, scale)
@@ -201,7 +204,8 @@ def sweep_auto(systems: Sequence[str], *, workload: str, seed: int, num_requests
 
   found = search_systems(systems, run, num_requests=num_requests, slo_factor=slo_factor,
                          max_points=max_points, start_hint=hint)
-  release_compiled()
+  if release:
+    release_compiled()
   points = found.pop("points")
   found["unloaded_point"] = found["unloaded_point"]["summary"]
   curves = {s: sweep.curve(found["rates"][s], points[s]) for s in systems}

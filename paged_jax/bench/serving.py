@@ -117,6 +117,17 @@ def serve(engine, requests: Sequence, params_fn: Callable = greedy, *,
   return result
 
 
+def _queued(engine, unaccounted: int) -> int:
+  """Requests in `engine` that wait to run (queued, preempted or swapped out) after its
+  last step, from `engine.metrics()` where it has one; else `unaccounted` (arrived,
+  not returned, not running and not at the gate)."""
+  metrics = getattr(engine, "metrics", None)
+  if metrics is None:
+    return max(0, unaccounted)
+  m = metrics()
+  return int(m["num_waiting"] + m.get("num_swapped", 0))
+
+
 def serve_online(engine: EngineLike, requests: Sequence, gate, params_fn: Callable = greedy, *,
                  clock: Optional[Clock] = None, progress=None) -> Dict:
   """Feeds `requests` to a running `engine` at their arrival times, through `gate`.
@@ -138,6 +149,10 @@ def serve_online(engine: EngineLike, requests: Sequence, gate, params_fn: Callab
     {"summary": latency.summarize(...), "arrival", "first_token", "finish" (f64[n], s),
     "output_len" (i32[n]), "steps", "mean_running", "max_running", "preemptions",
     "swaps" (preemptions by swap), "swapped_blocks" (blocks copied out and in),
+    "running_per_step" / "waiting_per_step" (i32[steps]: requests running after each
+    step; requests waiting then: queued at the gate, queued, preempted or swapped out in
+    the engine (`Engine.metrics()`; an engine without it: arrived, not returned and not
+    running)),
     "ttft_observed" (True: first tokens were read from the engine), "step_traces_in_run"
     (engine step traces while serving: 0 after a complete `warm_up`), "engine_step_s" /
     "device_s" (wall s in engine.step / in its jitted call)}.
@@ -148,7 +163,7 @@ def serve_online(engine: EngineLike, requests: Sequence, gate, params_fn: Callab
   arrivals = sorted(requests, key=lambda r: r.arrival_time)
   params = {r.request_id: params_fn(r) for r in requests}
   rec = LoopRecorder(engine, clock or WallClock(), progress)   # arrivals count from here
-  nxt = 0
+  nxt, running, waiting = 0, [], []
   while len(rec.finish) < len(reqs):
     now = rec.clock.now()
     while nxt < len(arrivals) and arrivals[nxt].arrival_time <= now:
@@ -164,6 +179,9 @@ def serve_online(engine: EngineLike, requests: Sequence, gate, params_fn: Callab
       continue
     for out in rec.step():
       gate.release(out.request_id)
+    running.append(engine.last_step.num_running_groups)
+    gated = gate.num_waiting
+    waiting.append(gated + _queued(engine, nxt - gated - len(rec.finish) - running[-1]))
   t = rec.close()
   ids = [r.request_id for r in requests]
   first, finish = rec.timestamps(ids)
@@ -176,4 +194,6 @@ def serve_online(engine: EngineLike, requests: Sequence, gate, params_fn: Callab
           "preemptions": t["preemptions"], "swaps": t["swaps"],
           "swapped_blocks": t["swapped_blocks"], "ttft_observed": True,
           "step_traces_in_run": t["step_traces_in_run"],
-          "engine_step_s": t["engine_step_s"], "device_s": t["device_s"]}
+          "engine_step_s": t["engine_step_s"], "device_s": t["device_s"],
+          "running_per_step": np.array(running, np.int32),
+          "waiting_per_step": np.array(waiting, np.int32)}

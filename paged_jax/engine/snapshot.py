@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import signal
 import threading
 from typing import Any, List, Tuple
@@ -24,23 +25,35 @@ from typing import Any, List, Tuple
 _Saved = List[Tuple[str, Any, str, Any]]   # (field, object, how, contents)
 
 
+@functools.lru_cache(maxsize=None)
+def _plan(cls) -> Tuple[Tuple[str, bool], ...]:
+  """(field name, append_only) of the fields of dataclass `cls` that `save` keeps: read
+  from `dataclasses.fields` once per class (a step saves hundreds of records)."""
+  return tuple((f.name, bool(f.metadata.get("append_only")))
+               for f in dataclasses.fields(cls) if not f.metadata.get("fixed"))
+
+
+@functools.lru_cache(maxsize=None)
+def _is_record(cls) -> bool:
+  """A mutable dataclass type (saved field by field)."""
+  return dataclasses.is_dataclass(cls) and not cls.__dataclass_params__.frozen
+
+
 def save(record) -> _Saved:
   """The state fields of a dataclass `record`, to hand to `restore`."""
   out = []
-  for f in dataclasses.fields(record):
-    if f.metadata.get("fixed"):
-      continue
-    v = getattr(record, f.name)
-    if f.metadata.get("append_only"):
-      out.append((f.name, v, "len", len(v)))
+  for name, append_only in _plan(type(record)):
+    v = getattr(record, name)
+    if append_only:
+      out.append((name, v, "len", len(v)))
     elif isinstance(v, list):
-      out.append((f.name, v, "list", list(v)))
+      out.append((name, v, "list", list(v)))
     elif isinstance(v, dict):
-      out.append((f.name, v, "dict", dict(v)))
-    elif dataclasses.is_dataclass(v) and not type(v).__dataclass_params__.frozen:
-      out.append((f.name, v, "record", save(v)))
+      out.append((name, v, "dict", dict(v)))
+    elif _is_record(type(v)):
+      out.append((name, v, "record", save(v)))
     else:
-      out.append((f.name, v, "value", None))
+      out.append((name, v, "value", None))
   return out
 
 
