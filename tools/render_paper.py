@@ -234,6 +234,12 @@ _SHORT = (("Alpaca-like, paged's edge over Orca(Oracle) smaller at OPT-175B than
            "OPT-13B Alpaca beam 6: paged / Oracle"),
           ("OPT-13B Alpaca-like: paged / Orca(Oracle) grows with ", "OPT-13B Alpaca: paged / "
            "Oracle grows with "),
+          ("OPT-13B Alpaca-like: paged / Orca(Oracle), beam width 6",
+           "OPT-13B Alpaca beam 6: paged / Oracle"),
+          ("grows with parallel sampling n", "grows with n"),
+          ("grows with beam width", "grows with beam"),
+          ("recompute / swap seconds, smallest block; largest over block sizes",
+           "recompute / swap, smallest block; largest"),
           ("max rate paged (prefix cached) / ", "paged+cache / "),
           (" (latency within 1% of the lowest)", ""), ("-sharegpt", " ShareGPT"),
           ("-alpaca", " Alpaca"), ("Fig. ", ""), ("Orca(Oracle)", "Oracle"),
