@@ -125,6 +125,48 @@ class RecordingCpuClock(CpuClock):
       self.samples.append((shape, self.cpu_s[-1]))
 
 
+class WallClockWithCpu(WallClock):
+  """The wall clock, keeping each step's wall and CPU seconds (`wall_s`, `cpu_s`) as
+  `clocks.CpuClock` does."""
+
+  def start(self) -> None:
+    super().start()
+    self._both = CpuClock()
+
+  @property
+  def wall_s(self) -> List[float]:
+    return self._both.wall_s
+
+  @property
+  def cpu_s(self) -> List[float]:
+    return self._both.cpu_s
+
+  def stepped(self, step: StepSample) -> None:
+    self._both.stepped(step)
+
+  def wait_until(self, t: float) -> None:
+    super().wait_until(t)
+    self._both.wait_until(0.0)   # restarts the step span
+
+
+TRUTHS = ("cpu", "wall")
+
+
+def truth_clock(truth: str):
+  """A fresh clock of a measured serving run keeping wall_s / cpu_s per step: "cpu"
+  (`clocks.CpuClock`) or "wall" (`WallClockWithCpu`)."""
+  if truth not in TRUTHS:
+    raise ValueError(f"truth must be one of {TRUTHS}, got {truth!r}")
+  return CpuClock() if truth == "cpu" else WallClockWithCpu()
+
+
+def recording_clock(truth: str, block_size: int):
+  """A fresh calibration clock on that truth, recording (shape, seconds) per step."""
+  if truth not in TRUTHS:
+    raise ValueError(f"truth must be one of {TRUTHS}, got {truth!r}")
+  return (RecordingCpuClock if truth == "cpu" else RecordingWallClock)(block_size)
+
+
 def grouped(samples: Sequence[Sample], context_quantum: int = 256, stat: str = "median"
             ) -> List[Sample]:
   """One (shape, seconds) per group of like steps: same padded tokens, rows and real
