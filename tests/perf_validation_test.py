@@ -156,3 +156,15 @@ def test_truth_clocks_keep_wall_and_cpu_seconds_per_step():
   assert isinstance(calibration.recording_clock("wall", 16), clocks.WallClock)
   with pytest.raises(ValueError, match="truth must be one of"):
     calibration.truth_clock("gpu")
+
+
+def test_compare_marks_a_curve_still_under_the_slo_at_the_highest_rate():
+  rates = [8.0, 16.0, 32.0]
+  mk = lambda lat: {"rates": rates, "normalized_latency_s_per_token": lat, "steps": [9] * 3}
+  measured = {"a": mk([0.01, 0.02, 0.05]), "b": mk([0.01, 0.012, 0.02])}   # SLO 0.03
+  predicted = {"a": mk([0.01, 0.02, 0.025]), "b": mk([0.01, 0.02, 0.04])}
+  got = perf_validation.compare(measured, predicted, 3.0)["systems"]
+  assert got["a"]["predicted_censored"] and not got["a"]["measured_censored"]
+  assert got["a"]["predicted_max_rate"] == 32.0 and got["a"]["rel_error"] > 0
+  assert got["b"]["measured_censored"] and got["b"]["rel_error"] is None
+  assert not got["b"]["predicted_censored"] and got["b"]["predicted_max_rate"] < 32.0

@@ -56,8 +56,11 @@ def perf_validation(res) -> str:
     at_slo = v.get("predicted_max_rate_at_measured_slo")
     factors = v["predicted"].get("load_factor") or [1.0]
     spread = [x for x in v.get("measured_repeat_spread") or [] if x is not None]
-    rows.append([_LABEL.get(name, name), f"{v['measured_max_rate']:.3g}",
-                 f"{v['predicted_max_rate']:.3g}", "-" if err is None else f"{err:+.0%}",
+    m_cens, p_cens = v.get("measured_censored"), v.get("predicted_censored")
+    rows.append([_LABEL.get(name, name),   # >= x: still under the SLO at the highest rate
+                 f"{'>= ' if m_cens else ''}{v['measured_max_rate']:.3g}",
+                 f"{'>= ' if p_cens else ''}{v['predicted_max_rate']:.3g}",
+                 "-" if err is None else f"{'>= ' if p_cens and err > 0 else ''}{err:+.0%}",
                  "-" if at_slo is None else f"{at_slo:.3g}",
                  f"{max(spread):.0%}" if spread else "-",
                  f"{min(factors):.2f}-{max(factors):.2f}"])
