@@ -325,8 +325,10 @@ def _read_measured(path: str, f: Config) -> Dict:
   """What `_write_measured` wrote, if measured with the same stream and engine flags."""
   with gzip.open(path, "rt") as fh:
     blob = json.load(fh)
+  before = {"truth": "wall", "repeats": 1}   # what files written before those flags hold
   differ = [k for k in _SAME_FLAGS
-            if json.loads(json.dumps(common.json_ready(getattr(f, k)))) != blob["flags"][k]]
+            if json.loads(json.dumps(common.json_ready(getattr(f, k))))
+            != blob["flags"].get(k, before.get(k))]
   if differ:
     raise ValueError(f"--measured_from={path} was measured with other flags: "
                      f"{', '.join(differ)}")

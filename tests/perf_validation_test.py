@@ -168,3 +168,22 @@ def test_compare_marks_a_curve_still_under_the_slo_at_the_highest_rate():
   assert got["a"]["predicted_max_rate"] == 32.0 and got["a"]["rel_error"] > 0
   assert got["b"]["measured_censored"] and got["b"]["rel_error"] is None
   assert not got["b"]["predicted_censored"] and got["b"]["predicted_max_rate"] < 32.0
+
+
+def test_a_measured_file_from_before_the_truth_flag_reads_as_wall_one_run(tmp_path):
+  import gzip
+  import json
+  f = perf_validation.Config(systems=("paged",), rates=(8.0,))
+  done = {"measured": {"paged": {"rates": [8.0]}}, "samples": {"paged": [_samples()]},
+          "loads": {"paged": [1.0]}, "late": {"paged": []}}
+  path = tmp_path / perf_validation.MEASURED_FILE
+  perf_validation._write_measured(path, f, done)
+  with gzip.open(path, "rt") as fh:
+    blob = json.load(fh)
+  del blob["flags"]["truth"], blob["flags"]["repeats"]
+  with gzip.open(path, "wt") as fh:
+    json.dump(blob, fh)
+  old = perf_validation.Config(systems=("paged",), rates=(8.0,), truth="wall", repeats=1)
+  assert perf_validation._read_measured(str(path), old)["loads"] == {"paged": [1.0]}
+  with pytest.raises(ValueError, match="other flags: truth, repeats"):
+    perf_validation._read_measured(str(path), f)
