@@ -5,6 +5,7 @@ and the recording clock keeps (shape, CPU seconds) of the steps that ran."""
 from __future__ import annotations
 
 import time
+import types
 
 from paged_jax.bench import calibration
 from paged_jax.bench import clocks
@@ -19,12 +20,12 @@ def _burn(cpu_s: float) -> None:
     x += 1
 
 
-class _Report:
-  def __init__(self, ok=True, dispatches=1):
-    self.ok, self.dispatches, self.bucket = ok, dispatches, None
-    self.prefill_chunks, self.decode_rows, self.decode_loop_rows = ((8, 8),), ((1, 20),), ()
-    self.cow_copies = self.swapped_blocks = 0
-    self.generated_tokens = 2
+def _report(ok=True):
+  """What RecordingCpuClock reads of a StepReport: one 8-token prefill chunk, one decode
+  row at context 20."""
+  return types.SimpleNamespace(ok=ok, dispatches=1, bucket=None, prefill_chunks=((8, 8),),
+                               decode_rows=((1, 20),), decode_loop_rows=(), cow_copies=0,
+                               swapped_blocks=0, generated_tokens=2)
 
 
 def test_cpu_clock_charges_cpu_seconds_not_sleeps():
@@ -61,8 +62,8 @@ def test_cpu_clock_waits_jump_ahead_and_restart_the_step_span():
 def test_recording_cpu_clock_keeps_the_steps_that_ran():
   clock = calibration.RecordingCpuClock(16)
   _burn(0.02)
-  clock.stepped(StepSample(0, report=_Report()))
-  clock.stepped(StepSample(0, report=_Report(ok=False)))   # ran nothing: not a sample
+  clock.stepped(StepSample(0, report=_report()))
+  clock.stepped(StepSample(0, report=_report(ok=False)))   # ran nothing: not a sample
   clock.stepped(StepSample(0, report=None))
   assert len(clock.samples) == 1 and len(clock.cpu_s) == 3
   shape, sec = clock.samples[0]
