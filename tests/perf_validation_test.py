@@ -117,3 +117,73 @@ def test_step_time_errors_compare_mean_steps_per_point():
   predicted = {"device_s": [1.0, 6.0, 1.0], "steps": [50, 200, 10]}
   got = perf_validation._step_time_errors(measured, predicted)
   assert got[0] == pytest.approx(0.0) and got[1] == pytest.approx(0.0) and got[2] is None
+
+
+def test_median_curve_takes_each_points_median_and_keeps_the_repeats():
+  runs = [{"rates": [8.0, 16.0], "normalized_latency_s_per_token": [v, 10 * v],
+           "steps": [s, s], "step_cpu_s": [0.004, 0.005], "max_seqs": 7, "note": ["a", "b"]}
+          for v, s in ((0.01, 100), (0.03, 300), (0.02, 200))]
+  got = perf_validation.median_curve(runs)
+  assert got["normalized_latency_s_per_token"] == pytest.approx([0.02, 0.2])
+  assert got["steps"] == [200.0, 200.0] and got["rates"] == [8.0, 16.0]
+  assert got["max_seqs"] == 7 and got["note"] == ["a", "b"]
+  assert [r["normalized_latency_s_per_token"][0] for r in got["repeats"]] == [0.01, 0.03, 0.02]
+  spread = perf_validation.repeat_spread(got)
+  assert spread == pytest.approx([2.0, 2.0])            # 0.03 / 0.01 - 1 at both points
+  assert perf_validation.repeat_spread(perf_validation.median_curve(runs[:1])) == [None] * 2
+
+
+def test_step_time_errors_use_the_truths_mean_step_when_there():
+  measured = {"step_s": [0.002, 0.004], "steps": [100, 100],
+              "engine_step_s": [9.0, 9.0]}                # ignored: step_s is the truth's
+  predicted = {"device_s": [0.3, 0.4], "steps": [100, 100]}
+  got = perf_validation._step_time_errors(measured, predicted)
+  assert got == pytest.approx([0.5, 0.0])
+
+
+def test_truth_clocks_keep_wall_and_cpu_seconds_per_step():
+  from paged_jax.bench import clocks
+  from paged_jax.bench.clocks import StepSample
+  for truth, name in (("cpu", "cpu"), ("wall", "wall")):
+    clock = calibration.truth_clock(truth)
+    assert clock.name == name and not clock.virtual
+    clock.start()
+    clock.stepped(StepSample())
+    clock.wait_until(clock.now() + 0.001)
+    clock.stepped(StepSample())
+    assert len(clock.wall_s) == len(clock.cpu_s) == 2
+  assert isinstance(calibration.recording_clock("cpu", 16), clocks.CpuClock)
+  assert isinstance(calibration.recording_clock("wall", 16), clocks.WallClock)
+  with pytest.raises(ValueError, match="truth must be one of"):
+    calibration.truth_clock("gpu")
+
+
+def test_compare_marks_a_curve_still_under_the_slo_at_the_highest_rate():
+  rates = [8.0, 16.0, 32.0]
+  mk = lambda lat: {"rates": rates, "normalized_latency_s_per_token": lat, "steps": [9] * 3}
+  measured = {"a": mk([0.01, 0.02, 0.05]), "b": mk([0.01, 0.012, 0.02])}   # SLO 0.03
+  predicted = {"a": mk([0.01, 0.02, 0.025]), "b": mk([0.01, 0.02, 0.04])}
+  got = perf_validation.compare(measured, predicted, 3.0)["systems"]
+  assert got["a"]["predicted_censored"] and not got["a"]["measured_censored"]
+  assert got["a"]["predicted_max_rate"] == 32.0 and got["a"]["rel_error"] > 0
+  assert got["b"]["measured_censored"] and got["b"]["rel_error"] is None
+  assert not got["b"]["predicted_censored"] and got["b"]["predicted_max_rate"] < 32.0
+
+
+def test_a_measured_file_from_before_the_truth_flag_reads_as_wall_one_run(tmp_path):
+  import gzip
+  import json
+  f = perf_validation.Config(systems=("paged",), rates=(8.0,))
+  done = {"measured": {"paged": {"rates": [8.0]}}, "samples": {"paged": [_samples()]},
+          "loads": {"paged": [1.0]}, "late": {"paged": []}}
+  path = tmp_path / perf_validation.MEASURED_FILE
+  perf_validation._write_measured(path, f, done)
+  with gzip.open(path, "rt") as fh:
+    blob = json.load(fh)
+  del blob["flags"]["truth"], blob["flags"]["repeats"]
+  with gzip.open(path, "wt") as fh:
+    json.dump(blob, fh)
+  old = perf_validation.Config(systems=("paged",), rates=(8.0,), truth="wall", repeats=1)
+  assert perf_validation._read_measured(str(path), old)["loads"] == {"paged": [1.0]}
+  with pytest.raises(ValueError, match="other flags: truth, repeats"):
+    perf_validation._read_measured(str(path), f)

@@ -9,9 +9,11 @@ The same `perf.DeviceTimeModel` that prices a GPU step prices a CPU one when giv
 CPU's nominal peaks (`CPU`: round figures, not measurements) and efficiencies fitted to
 measured steps: wall seconds of `Engine.step()` against the work its `StepReport` says
 it did, padding included (`StepShape.from_report(padding=True)`: a CPU step costs its
-shape bucket's tokens). Two ways to measure: `measure_steps` (batches stepped in a tight
-loop) and `RecordingWallClock` (the steps of a wall-clock serve loop, each charged what
-the loop paid between step ends: what a serving sweep on this machine pays).
+shape bucket's tokens). Three ways to measure: `measure_steps` (batches stepped in a tight
+loop), `RecordingWallClock` (the steps of a wall-clock serve loop, each charged what the
+loop paid between step ends: what a serving sweep on this machine pays) and
+`RecordingCpuClock` (the same span in this process's CPU seconds: what a sweep on
+`clocks.CpuClock` pays, and what other tenants of the machine barely move).
 `perf_validation` predicts a wall-clock serving sweep from the fit and runs it.
 """
 
@@ -25,7 +27,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import numpy as np
 
 from paged_jax import perf
-from paged_jax.bench.clocks import StepSample, WallClock
+from paged_jax.bench.clocks import CpuClock, StepSample, WallClock
 
 # Nominal peaks of a 2-core x86 machine (assumed round figures: one AVX2 core does ~50
 # GFLOP/s f32 peak, a laptop-class memory system ~20 GB/s). The fit scales each by an
@@ -102,6 +104,67 @@ class RecordingWallClock(WallClock):
     super().wait_until(t)
     self.wake_late_s.append(max(0.0, self.now() - t))
     self._mark = time.perf_counter()
+
+
+class RecordingCpuClock(CpuClock):
+  """`clocks.CpuClock` that also records each step as (StepShape with padding, CPU seconds
+  from the end of the previous step or wait to the end of this step), as
+  `RecordingWallClock` does on the wall clock."""
+
+  def __init__(self, block_size: int):
+    self.block_size = block_size
+    self.samples: List[Sample] = []
+    self.wake_late_s: List[float] = []   # waits are jumps on this clock: never late
+    super().__init__()
+
+  def stepped(self, step: StepSample) -> None:
+    super().stepped(step)
+    report = step.report
+    if report is not None and report.dispatches == 1 and report.ok:
+      shape = perf.StepShape.from_report(report, block_size=self.block_size, padding=True)
+      self.samples.append((shape, self.cpu_s[-1]))
+
+
+class WallClockWithCpu(WallClock):
+  """The wall clock, keeping each step's wall and CPU seconds (`wall_s`, `cpu_s`) as
+  `clocks.CpuClock` does."""
+
+  def start(self) -> None:
+    super().start()
+    self._both = CpuClock()
+
+  @property
+  def wall_s(self) -> List[float]:
+    return self._both.wall_s
+
+  @property
+  def cpu_s(self) -> List[float]:
+    return self._both.cpu_s
+
+  def stepped(self, step: StepSample) -> None:
+    self._both.stepped(step)
+
+  def wait_until(self, t: float) -> None:
+    super().wait_until(t)
+    self._both.wait_until(0.0)   # restarts the step span
+
+
+TRUTHS = ("cpu", "wall")
+
+
+def truth_clock(truth: str):
+  """A fresh clock of a measured serving run keeping wall_s / cpu_s per step: "cpu"
+  (`clocks.CpuClock`) or "wall" (`WallClockWithCpu`)."""
+  if truth not in TRUTHS:
+    raise ValueError(f"truth must be one of {TRUTHS}, got {truth!r}")
+  return CpuClock() if truth == "cpu" else WallClockWithCpu()
+
+
+def recording_clock(truth: str, block_size: int):
+  """A fresh calibration clock on that truth, recording (shape, seconds) per step."""
+  if truth not in TRUTHS:
+    raise ValueError(f"truth must be one of {TRUTHS}, got {truth!r}")
+  return (RecordingCpuClock if truth == "cpu" else RecordingWallClock)(block_size)
 
 
 def grouped(samples: Sequence[Sample], context_quantum: int = 256, stat: str = "median"

@@ -2,6 +2,7 @@
 
     clock = clocks.WallClock()              # real time: perf_counter, waiting sleeps
     clock = clocks.StepClock(0.01)          # virtual: 10 ms per step whatever it holds
+    clock = clocks.CpuClock()               # this process's CPU seconds per step
     clock.start(); ...; clock.stepped(clocks.StepSample(swapped_tokens=32)); clock.now()
 
 Every clock follows the `Clock` protocol, so a loop (`paged_jax.bench.serving`) never asks
@@ -111,3 +112,52 @@ class StepClock:
 
   def wait_until(self, t: float) -> None:
     self._t = max(self._t, t)
+
+
+class CpuClock:
+  """Time that advances by the CPU seconds THIS process spent (`time.process_time`: every
+  thread of it, XLA's included) from the end of the previous step or wait to the end of
+  each step; waiting jumps ahead, as on the step clock.
+
+  Other tenants of a shared machine take wall time from a step (the process waits for a
+  core) but little of its CPU time, so a run on this clock repeats where a wall-clock run
+  does not. On a machine to itself it reads what the wall clock reads for a process that
+  keeps one core busy per thread it runs; it reads MORE than the wall clock where a step
+  runs threads in parallel (two cores busy: twice its wall seconds) and LESS where the
+  process waits on something else (sleeps, I/O). `experiments.perf_validation` measures
+  the ratio on this machine. It is not virtual: it sees compile time, so a loop warms up
+  first. `wall_s` / `cpu_s` keep both clocks' seconds of every step.
+
+  Attributes:
+    wall_s: wall seconds of each step (same span as its CPU seconds).
+    cpu_s: CPU seconds of each step.
+  """
+
+  name = "cpu"
+  virtual = False
+
+  def __init__(self):
+    self.wall_s: list = []
+    self.cpu_s: list = []
+    self.start()
+
+  def start(self) -> None:
+    self._t = 0.0
+    self._mark()
+
+  def _mark(self) -> None:
+    self._cpu0, self._wall0 = time.process_time(), time.perf_counter()
+
+  def now(self) -> float:
+    return self._t
+
+  def stepped(self, step: StepSample) -> None:
+    cpu, wall = time.process_time() - self._cpu0, time.perf_counter() - self._wall0
+    self._t += cpu
+    self.cpu_s.append(cpu)
+    self.wall_s.append(wall)
+    self._mark()
+
+  def wait_until(self, t: float) -> None:
+    self._t = max(self._t, t)
+    self._mark()
