@@ -35,7 +35,7 @@ import json
 import os
 import pathlib
 import time
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, Tuple
 
 import numpy as np
 
@@ -45,10 +45,9 @@ from experiments import provenance
 from paged_jax import perf
 from paged_jax.bench import arrivals
 from paged_jax.bench import calibration
-from paged_jax.bench import clocks
 from paged_jax.bench import engines
-from paged_jax.bench import latency
 from paged_jax.bench import sweep as serving_sweep
+from paged_jax.bench.validation import compare, median_curve
 from paged_jax.bench.scale import TINY
 from paged_jax.engine import PREEMPTION_MODES
 
@@ -118,33 +117,6 @@ def _point_steps(clock) -> Dict:
   n = max(len(clock.wall_s), 1)
   return {"step_wall_s": wall / n, "step_cpu_s": cpu / n,
           "cpu_over_wall": cpu / wall if wall > 0 else None}
-
-
-def median_curve(curves: Sequence[Dict]) -> Dict:
-  """The point-by-point median of like curves (each numeric list entry; others from the
-  first), with "repeats": every curve's normalized latency and per-step seconds."""
-  out = dict(curves[0])
-  for k, v in curves[0].items():
-    if k != "rates" and isinstance(v, list) and all(
-        isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
-      if all(len(c[k]) == len(v) for c in curves):
-        out[k] = [float(np.median([c[k][i] for c in curves])) for i in range(len(v))]
-  keep = ("normalized_latency_s_per_token", "step_wall_s", "step_cpu_s", "cpu_over_wall",
-          "load_avg")
-  out["repeats"] = [{k: c[k] for k in keep if k in c} for c in curves]
-  return out
-
-
-def repeat_spread(curve: Dict, key: str = "normalized_latency_s_per_token") -> List:
-  """Per point: max / min - 1 of `key` over the repeated runs (None with one run)."""
-  reps = curve.get("repeats") or []
-  if len(reps) < 2:
-    return [None] * len(curve["rates"])
-  out = []
-  for vals in zip(*(r[key] for r in reps)):
-    ok = all(v is not None and v > 0 for v in vals)
-    out.append(max(vals) / min(vals) - 1 if ok else None)
-  return out
 
 
 def measured_sweep(f: Config, streams: Dict, calibration_streams: Dict, done: Dict,
@@ -248,60 +220,6 @@ def predicted_sweep(f: Config, streams: Dict, model: perf.DeviceTimeModel,
                           load_factor=factors[system])
     release_compiled()
   return curves
-
-
-def _step_time_errors(measured: Dict, predicted: Dict) -> List:
-  """Per point: the predicted mean step (the model clock's device seconds / steps) over
-  the measured one (seconds inside Engine.step / steps; the loop's own work, which the
-  calibration charges, excluded) - 1: how far the calibrated load was off the load the
-  point itself ran under (the two runs batch alike but not step for step)."""
-  out = []
-  if measured.get("step_s"):   # the truth clock's mean step, the loop's work included
-    per_step = measured["step_s"]
-    steps = [1] * len(per_step)
-  else:
-    per_step, steps = measured.get("engine_step_s") or [], measured["steps"]
-  for ms, mn, ps, pn in zip(per_step, steps, predicted.get("device_s") or [],
-                            predicted["steps"]):
-    ok = ms and mn and ps and pn
-    out.append((ps / pn) / (ms / mn) - 1 if ok else None)
-  return out
-
-
-def _censored(curve: Dict, slo: float) -> bool:
-  """True when the curve is under the SLO at its highest rate (its max rate is beyond)."""
-  rates, lat = curve["rates"], curve["normalized_latency_s_per_token"]
-  return bool(lat[rates.index(max(rates))] <= slo)
-
-
-def compare(measured: Dict, predicted: Dict, slo_factor: float) -> Dict:
-  """Per system: max rate at each sweep's own SLO, and at the measured SLO; latency errors."""
-  m, p = (latency.slo_and_rates(c, slo_factor) for c in (measured, predicted))
-  out = {}
-  for s in measured:
-    rate = lambda res, s=s: (res["max_rate_at_slo_interpolated"][s]
-                             or res["max_rate_at_slo"][s])
-    at_measured_slo = latency.max_rate_at_slo(predicted[s]["rates"],
-                                              predicted[s]["normalized_latency_s_per_token"],
-                                              m["slo_s_per_token"])
-    mv, pv = rate(m), rate(p)
-    # A curve still under its SLO at the highest rate gives that rate as its max: a lower
-    # bound only. A measured one cannot be judged; a predicted one's error is a bound.
-    m_cens, p_cens = (_censored(c[s], res["slo_s_per_token"])
-                      for c, res in ((measured, m), (predicted, p)))
-    lat_m = np.array(measured[s]["normalized_latency_s_per_token"])
-    lat_p = np.array(predicted[s]["normalized_latency_s_per_token"])
-    out[s] = {"measured_max_rate": mv, "predicted_max_rate": pv,
-              "rel_error": pv / mv - 1 if mv and not m_cens else None,
-              "measured_censored": m_cens, "predicted_censored": p_cens,
-              "predicted_max_rate_at_measured_slo": (at_measured_slo["interpolated"]
-                                                     or at_measured_slo["swept"]),
-              "latency_rel_error": (lat_p / lat_m - 1).tolist(),
-              "step_time_rel_error": _step_time_errors(measured[s], predicted[s]),
-              "measured_repeat_spread": repeat_spread(measured[s]),
-              "measured": measured[s], "predicted": predicted[s]}
-  return {"systems": out, "measured_slo_s_per_token": m["slo_s_per_token"],
-          "predicted_slo_s_per_token": p["slo_s_per_token"]}
 
 
 MEASURED_FILE = "measured.json.gz"

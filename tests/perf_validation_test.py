@@ -10,6 +10,7 @@ import pytest
 from experiments import perf_validation
 from paged_jax import perf
 from paged_jax.bench import calibration
+from paged_jax.bench import validation
 
 
 def _samples():
@@ -115,7 +116,7 @@ def test_unbucketed_standin_is_charged_the_bucketed_engines_shapes():
 def test_step_time_errors_compare_mean_steps_per_point():
   measured = {"engine_step_s": [2.0, 3.0, None], "steps": [100, 100, 10]}
   predicted = {"device_s": [1.0, 6.0, 1.0], "steps": [50, 200, 10]}
-  got = perf_validation._step_time_errors(measured, predicted)
+  got = validation.step_time_errors(measured, predicted)
   assert got[0] == pytest.approx(0.0) and got[1] == pytest.approx(0.0) and got[2] is None
 
 
@@ -123,21 +124,21 @@ def test_median_curve_takes_each_points_median_and_keeps_the_repeats():
   runs = [{"rates": [8.0, 16.0], "normalized_latency_s_per_token": [v, 10 * v],
            "steps": [s, s], "step_cpu_s": [0.004, 0.005], "max_seqs": 7, "note": ["a", "b"]}
           for v, s in ((0.01, 100), (0.03, 300), (0.02, 200))]
-  got = perf_validation.median_curve(runs)
+  got = validation.median_curve(runs)
   assert got["normalized_latency_s_per_token"] == pytest.approx([0.02, 0.2])
   assert got["steps"] == [200.0, 200.0] and got["rates"] == [8.0, 16.0]
   assert got["max_seqs"] == 7 and got["note"] == ["a", "b"]
   assert [r["normalized_latency_s_per_token"][0] for r in got["repeats"]] == [0.01, 0.03, 0.02]
-  spread = perf_validation.repeat_spread(got)
+  spread = validation.repeat_spread(got)
   assert spread == pytest.approx([2.0, 2.0])            # 0.03 / 0.01 - 1 at both points
-  assert perf_validation.repeat_spread(perf_validation.median_curve(runs[:1])) == [None] * 2
+  assert validation.repeat_spread(validation.median_curve(runs[:1])) == [None] * 2
 
 
 def test_step_time_errors_use_the_truths_mean_step_when_there():
   measured = {"step_s": [0.002, 0.004], "steps": [100, 100],
               "engine_step_s": [9.0, 9.0]}                # ignored: step_s is the truth's
   predicted = {"device_s": [0.3, 0.4], "steps": [100, 100]}
-  got = perf_validation._step_time_errors(measured, predicted)
+  got = validation.step_time_errors(measured, predicted)
   assert got == pytest.approx([0.5, 0.0])
 
 
@@ -163,7 +164,7 @@ def test_compare_marks_a_curve_still_under_the_slo_at_the_highest_rate():
   mk = lambda lat: {"rates": rates, "normalized_latency_s_per_token": lat, "steps": [9] * 3}
   measured = {"a": mk([0.01, 0.02, 0.05]), "b": mk([0.01, 0.012, 0.02])}   # SLO 0.03
   predicted = {"a": mk([0.01, 0.02, 0.025]), "b": mk([0.01, 0.02, 0.04])}
-  got = perf_validation.compare(measured, predicted, 3.0)["systems"]
+  got = validation.compare(measured, predicted, 3.0)["systems"]
   assert got["a"]["predicted_censored"] and not got["a"]["measured_censored"]
   assert got["a"]["predicted_max_rate"] == 32.0 and got["a"]["rel_error"] > 0
   assert got["b"]["measured_censored"] and got["b"]["rel_error"] is None
