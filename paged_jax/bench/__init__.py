@@ -6,12 +6,17 @@ Not part of the serving path: nothing under `paged_jax.engine` imports it.
   workloads       Request; seeded ShareGPT-like / Alpaca-like streams, scaled, shared-prefix
   sharegpt_trace  the real ShareGPT trace (optional extra) as request streams
   arrivals        the one seeded Poisson arrival generator
-  clocks          the Clock protocol: wall time, a fixed cost per step
+  clocks          the Clock protocol: wall time, a fixed cost per step, CPU seconds
   engines         the tiny-model engine on a KV budget; warm-up of its step shapes
   recorder        EngineLike (what the loops drive) and the one loop recorder
   serving         serve (all at t = 0) and serve_online (arrivals into a running engine)
   sweep           request-rate sweeps over systems at equal KV memory (Fig. 12 / 14)
   latency         normalized latency, TTFT / TPOT percentiles, the max rate under an SLO
+  rate_search     each system's rate at the SLO found by bracketing and bisection
+  paper_scale     the paper's deployments: stand-in engine, model clock, KV budget
+  paper_figures   Fig. 13 / 18 / 19 points at paper scale
+  calibration     step-time recordings for fitting the device-time model
+  validation      a measured sweep beside its prediction: medians, censoring, errors
   memory          where the KV budget goes (utilization, fragmentation, sharing, tables)
   baselines/      Orca Max / Pow2 / Oracle: contiguous arena, admission gates, simulation
   timing          interleaved timing samples, copy bandwidth
@@ -22,4 +27,5 @@ Not part of the serving path: nothing under `paged_jax.engine` imports it.
   host_overhead   host work per token: in-jit allocation vs a Python allocator
   hf_peer         paged_jax beside transformers' continuous batching (optional extra)
   tp_scaling      tensor-parallel KV memory per device, served and timed
+  tpu_step_compile  the engine step compiled for TPU topologies (libtpu, deviceless)
 """
