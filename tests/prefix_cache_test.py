@@ -200,10 +200,10 @@ class PrefixCacheOpsTest(chex.TestCase):
         (pc.release, (cache, blocks, jnp.ones((S,), jnp.int32)), r"slot_mask"),
         (pc.free, (cache, blocks, jnp.array([0.0])), r"\[slot\]"),
         (pc.uncache, (cache, blocks, jnp.int32(3)), r"victims"),
-        (pc.fork_chain, (cache.replace(chain_len=jnp.zeros((S + 1,), jnp.int32)), 0, 1),
-         r"PrefixCacheState.chain_"),
-        (pc.lookup, (cache.replace(block_hash=cache.block_hash.astype(jnp.int32)), toks, 5),
-         r"PrefixCacheState.block_hash"),
+        (pc.fork_chain, (cache.replace(chain=cache.chain[:, :-1]), 0, 1),
+         r"PrefixCacheState.chain"),
+        (pc.lookup, (cache.replace(block_meta=cache.block_meta.astype(jnp.uint32)), toks, 5),
+         r"PrefixCacheState.block_meta"),
     ]
     for i, (op, args, pattern) in enumerate(cases):
       with self.assertRaisesRegex(AssertionError, pattern, msg=f"case {i}"):

@@ -62,6 +62,7 @@ import jax.numpy as jnp
 
 from paged_jax import block_manager as bm
 from paged_jax.config import INVALID, OK, TOO_LONG
+from paged_jax.prefix_cache import state as st
 from paged_jax.prefix_cache.state import ROOT_HASH, PrefixCacheState, check_states
 
 _I32, _U32 = jnp.int32, jnp.uint32
@@ -111,11 +112,12 @@ def _window(cache: PrefixCacheState, h):
 def _probe(cache: PrefixCacheState, h, tokens, depth, parent, parent_gen):
   """The cached block equal to (h, tokens, depth, parent, parent_gen), or -1."""
   cand = cache.table[_window(cache, h)]
-  c = jnp.clip(cand, 0, cache.num_blocks - 1)
-  match = ((cand >= 0) & cache.cached[c] & jnp.all(cache.block_hash[c] == h, axis=-1)
-           & (cache.block_depth[c] == depth)
-           & (cache.block_parent[c] == parent) & (cache.block_parent_gen[c] == parent_gen)
-           & jnp.all(cache.block_tokens[c] == tokens[None, :], axis=-1))
+  m = cache.block_meta[jnp.clip(cand, 0, cache.num_blocks - 1)]    # [max_probe, K]
+  match = ((cand >= 0) & (m[:, st.CACHED] != 0)
+           & jnp.all(m[:, st.HASH:st.HASH + 2] == st.as_i32(h), axis=-1)
+           & (m[:, st.DEPTH] == depth)
+           & (m[:, st.PARENT] == parent) & (m[:, st.PARENT_GEN] == parent_gen)
+           & jnp.all(m[:, st.TOKENS:] == tokens[None, :], axis=-1))
   return jnp.where(jnp.any(match), cand[jnp.argmax(match)], -1)
 
 
@@ -157,7 +159,7 @@ def lookup(cache: PrefixCacheState, tokens, length, root=None, tag=0):
     hc = jnp.clip(hit, 0, cache.num_blocks - 1)
     ids = ids.at[j].set(hit)
     return (j + ok.astype(_I32), jnp.where(ok, hit, parent),
-            jnp.where(ok, cache.block_gen[hc], pgen), jnp.where(ok, h, h_par), ids, ok)
+            jnp.where(ok, cache.block_meta[hc, st.GEN], pgen), jnp.where(ok, h, h_par), ids, ok)
 
   root = jnp.asarray(ROOT_HASH if root is None else root, _U32)
   init_c = (jnp.zeros((), _I32), jnp.full((), -1, _I32), jnp.asarray(tag, _I32), root,
@@ -210,20 +212,19 @@ def attach(cache: PrefixCacheState, blocks: bm.BlockState, slot, tokens, length,
   last = jnp.where(n_hit > 0, ids[jnp.maximum(n_hit - 1, 0)], -1)
   lc = jnp.clip(last, 0, nb - 1)
   queried = jnp.where(ok, jnp.clip((length - 1) // bs, 0, p), 0)
-  h_last = jnp.where(n_hit > 0, cache.block_hash[lc], root)
+  last_meta = cache.block_meta[lc]
+  h_last = jnp.where(n_hit > 0, last_meta[st.HASH:st.HASH + 2], st.as_i32(root))
+  chain_row = jnp.concatenate([                       # the `chain` columns, in order
+      jnp.stack([last, jnp.where(n_hit > 0, last_meta[st.GEN], tag)]), h_last,
+      jnp.stack([n_hit, jnp.ones((), _I32)])])
   blocks = blocks.replace(
       ref_count=blocks.ref_count.at[keys].add(1, mode="drop"),
       block_tables=blocks.block_tables.at[row].set(ids, mode="drop"),
       seq_lens=blocks.seq_lens.at[row].set(n_hit * bs, mode="drop"),
       active=blocks.active.at[row].set(True, mode="drop"))
   cache = cache.replace(
-      last_used=cache.last_used.at[keys].set(cache.clock, mode="drop"),
-      chain_block=cache.chain_block.at[row].set(last, mode="drop"),
-      chain_gen=cache.chain_gen.at[row].set(
-          jnp.where(n_hit > 0, cache.block_gen[lc], tag), mode="drop"),
-      chain_hash=cache.chain_hash.at[row].set(h_last, mode="drop"),
-      chain_len=cache.chain_len.at[row].set(n_hit, mode="drop"),
-      chain_ok=cache.chain_ok.at[row].set(True, mode="drop"),
+      block_meta=cache.block_meta.at[keys, st.LAST_USED].set(cache.clock, mode="drop"),
+      chain=cache.chain.at[row].set(chain_row, mode="drop"),
       clock=cache.clock + ok.astype(_I32),
       hit_blocks=cache.hit_blocks + n_hit,
       query_blocks=cache.query_blocks + queried)
@@ -266,43 +267,38 @@ def register(cache: PrefixCacheState, blocks: bm.BlockState, item_slot, item_blo
     c, b = carry
     s, j, tok = item_slot[i], item_block[i], item_tokens[i]
     sc, jc = jnp.clip(s, 0, s_max - 1), jnp.clip(j, 0, p - 1)
-    parent, pgen = c.chain_block[sc], c.chain_gen[sc]
-    pc = jnp.clip(parent, 0, nb - 1)
-    parent_live = (parent < 0) | (c.cached[pc] & (c.block_gen[pc] == pgen))
-    go = ((s >= 0) & (s < s_max) & b.active[sc] & c.chain_ok[sc] & (j == c.chain_len[sc])
+    ch = c.chain[sc]                                   # the slot's chain row [6]
+    parent, pgen = ch[st.C_BLOCK], ch[st.C_GEN]
+    pm = c.block_meta[jnp.clip(parent, 0, nb - 1)]
+    parent_live = (parent < 0) | ((pm[st.CACHED] != 0) & (pm[st.GEN] == pgen))
+    go = ((s >= 0) & (s < s_max) & b.active[sc] & (ch[st.C_OK] != 0) & (j == ch[st.C_LEN])
           & (j < p) & (j < b.seq_lens[sc] // bs) & parent_live)
-    h = chain_hash(c.chain_hash[sc], tok, c.hash_mode)
+    h = chain_hash(st.as_u32(ch[st.C_HASH:st.C_HASH + 2]), tok, c.hash_mode)
     same = _probe(c, h, tok, j, parent, pgen)
     own = b.block_tables[sc, jc]
     oc = jnp.clip(own, 0, nb - 1)
+    om = c.block_meta[oc]
     win = _window(c, h)
     empty = c.table[win] < 0
     pos = win[jnp.argmax(empty)]
-    insert = go & (same < 0) & (own >= 0) & ~c.cached[oc] & jnp.any(empty)
+    insert = go & (same < 0) & (own >= 0) & (om[st.CACHED] == 0) & jnp.any(empty)
     link = jnp.where(same >= 0, same, own)
-    lc = jnp.clip(link, 0, nb - 1)
     linked = go & ((same >= 0) | insert)
     put = jnp.where(insert, oc, nb)
-    gen = c.block_gen[oc] + 1
+    gen = om[st.GEN] + 1
+    h32 = st.as_i32(h)
+    # The whole row of the inserted block, in `block_meta`'s column order: one scatter.
+    meta_row = jnp.concatenate([h32, jnp.stack([parent, pgen, gen, j, c.clock, 1, pos]), tok])
+    meta = c.block_meta.at[put].set(meta_row, mode="drop")
+    new_gen = meta[jnp.clip(link, 0, nb - 1), st.GEN]
+    chain_row = jnp.concatenate([
+        jnp.stack([jnp.where(linked, link, parent), jnp.where(linked, new_gen, pgen)]),
+        jnp.where(linked, h32, ch[st.C_HASH:st.C_HASH + 2]),
+        jnp.stack([ch[st.C_LEN] + linked.astype(_I32), linked.astype(_I32)])])
     c = c.replace(
-        block_hash=c.block_hash.at[put].set(h, mode="drop"),
-        block_tokens=c.block_tokens.at[put].set(tok, mode="drop"),
-        block_parent=c.block_parent.at[put].set(parent, mode="drop"),
-        block_parent_gen=c.block_parent_gen.at[put].set(pgen, mode="drop"),
-        block_gen=c.block_gen.at[put].set(gen, mode="drop"),
-        block_depth=c.block_depth.at[put].set(j, mode="drop"),
-        cached=c.cached.at[put].set(True, mode="drop"),
-        table_pos=c.table_pos.at[put].set(pos, mode="drop"),
+        block_meta=meta,
         table=c.table.at[jnp.where(insert, pos, c.table_size)].set(own, mode="drop"),
-        last_used=c.last_used.at[put].set(c.clock, mode="drop"))
-    new_gen = c.block_gen[lc]
-    row = jnp.where(go, sc, s_max)
-    c = c.replace(
-        chain_block=c.chain_block.at[row].set(jnp.where(linked, link, parent), mode="drop"),
-        chain_gen=c.chain_gen.at[row].set(jnp.where(linked, new_gen, pgen), mode="drop"),
-        chain_hash=c.chain_hash.at[row].set(jnp.where(linked, h, c.chain_hash[sc]), mode="drop"),
-        chain_len=c.chain_len.at[row].add(linked.astype(_I32), mode="drop"),
-        chain_ok=c.chain_ok.at[row].set(linked, mode="drop"))
+        chain=c.chain.at[jnp.where(go, sc, s_max)].set(chain_row, mode="drop"))
     b = b.replace(ref_count=b.ref_count.at[put].add(1, mode="drop"))
     return c, b
 
@@ -324,9 +320,7 @@ def fork_chain(cache: PrefixCacheState, src_slot, dst_slot):
   ok = (src >= 0) & (src < s_max) & (dst >= 0) & (dst < s_max)
   sc = jnp.clip(src, 0, s_max - 1)
   row = jnp.where(ok, dst, s_max)
-  return cache.replace(**{
-      name: getattr(cache, name).at[row].set(getattr(cache, name)[sc], mode="drop")
-      for name in ("chain_block", "chain_gen", "chain_hash", "chain_len", "chain_ok")})
+  return cache.replace(chain=cache.chain.at[row].set(cache.chain[sc], mode="drop"))
 
 
 # ---- counters ------------------------------------------------------------------------

@@ -22,9 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import block_manager as bm
-from paged_jax.prefix_cache.state import ROOT_HASH, PrefixCacheState, check_states
+from paged_jax.prefix_cache import state as st
+from paged_jax.prefix_cache.state import PrefixCacheState, check_states
 
-_I32, _U32 = jnp.int32, jnp.uint32
+_I32 = jnp.int32
 
 _INT_MAX = np.iinfo(np.int32).max
 
@@ -43,9 +44,8 @@ def touch(cache: PrefixCacheState, blocks: bm.BlockState, slot_mask):
   slot_mask = _slot_mask(cache, blocks, slot_mask)
   nb = blocks.num_blocks
   held = jnp.where(slot_mask[:, None] & (blocks.block_tables >= 0), blocks.block_tables, nb)
-  return cache.replace(last_used=cache.last_used.at[held.reshape(-1)].set(cache.clock,
-                                                                          mode="drop"),
-                       clock=cache.clock + 1)
+  return cache.replace(block_meta=cache.block_meta.at[held.reshape(-1), st.LAST_USED].set(
+      cache.clock, mode="drop"), clock=cache.clock + 1)
 
 
 def _live(cache: PrefixCacheState, blocks: bm.BlockState, idx):
@@ -54,8 +54,10 @@ def _live(cache: PrefixCacheState, blocks: bm.BlockState, idx):
   r, nb = cache.lru_ring.shape[0], blocks.num_blocks
   blk = cache.lru_ring[idx & (r - 1)]
   bc = jnp.clip(blk, 0, nb - 1)
-  return blk, ((idx >= cache.lru_head) & (idx < cache.lru_tail) & (blk >= 0) & cache.cached[bc]
-               & (cache.last_used[bc] == cache.lru_stamp[idx & (r - 1)])
+  m = cache.block_meta[bc]
+  return blk, ((idx >= cache.lru_head) & (idx < cache.lru_tail) & (blk >= 0)
+               & (m[..., st.CACHED] != 0)
+               & (m[..., st.LAST_USED] == cache.lru_stamp[idx & (r - 1)])
                & (blocks.ref_count[bc] == 1))
 
 
@@ -95,7 +97,7 @@ def _release(cache: PrefixCacheState, blocks: bm.BlockState, lanes):
   tables = jnp.where((lanes < s_max)[:, None], blocks.block_tables[jnp.clip(lanes, 0, s_max - 1)],
                      -1)                                               # [n, P]
   held = jnp.where(tables >= 0, tables, nb).reshape(-1)
-  cache = cache.replace(last_used=cache.last_used.at[held].set(stamp, mode="drop"),
+  cache = cache.replace(block_meta=cache.block_meta.at[held, st.LAST_USED].set(stamp, mode="drop"),
                         clock=stamp + 1)                                # `touch`
   # Column-major from the last column: depth-descending order.
   ids = tables[:, ::-1].T.reshape(-1)
@@ -137,7 +139,8 @@ def free(cache: PrefixCacheState, blocks: bm.BlockState, slot):
   cache, blocks = release(cache, blocks, mask & blocks.active,
                           num_lanes=min(slots.shape[0], s_max))
   blocks, status = bm.free(blocks, slot)
-  cache = cache.replace(chain_ok=cache.chain_ok & ~mask)
+  cache = cache.replace(chain=cache.chain.at[:, st.C_OK].set(
+      jnp.where(mask, 0, cache.chain[:, st.C_OK])))
   return cache, blocks, status
 
 
@@ -161,8 +164,9 @@ def uncache(cache: PrefixCacheState, blocks: bm.BlockState, victims):
   blocks = blocks.replace(ref_count=ref,
                           free_stack=blocks.free_stack.at[push_at].set(victims, mode="drop"),
                           num_free=blocks.num_free + n_push)
-  cache = cache.replace(cached=cache.cached.at[v].set(False, mode="drop"),
-                        table_pos=cache.table_pos.at[v].set(-1, mode="drop"),
+  # CACHED and TABLE_POS are adjacent columns: one scatter clears both.
+  cache = cache.replace(block_meta=cache.block_meta.at[v, st.CACHED:st.TABLE_POS + 1].set(
+                            jnp.asarray([0, -1], _I32), mode="drop"),
                         table=cache.table.at[tpos].set(-1, mode="drop"),
                         evictions=cache.evictions + jnp.sum(live.astype(_I32)))
   return cache, blocks, n_push
@@ -249,11 +253,7 @@ def reset(cache: PrefixCacheState, blocks: bm.BlockState):
   cleared and the counters zeroed. Generations keep counting."""
   nb = blocks.num_blocks
   cache, blocks, _ = uncache(cache, blocks, jnp.where(cache.cached, lax.iota(_I32, nb), -1))
-  s = cache.chain_len.shape[0]
   return cache.replace(
-      table=jnp.full_like(cache.table, -1), chain_block=jnp.full((s,), -1, _I32),
-      chain_gen=jnp.zeros((s,), _I32),
-      chain_hash=jnp.broadcast_to(jnp.asarray(ROOT_HASH, _U32), (s, 2)),
-      chain_len=jnp.zeros((s,), _I32), chain_ok=jnp.zeros((s,), jnp.bool_),
+      table=jnp.full_like(cache.table, -1), chain=st.empty_chain(cache.chain.shape[0]),
       hit_blocks=jnp.zeros((), _I32), query_blocks=jnp.zeros((), _I32),
       evictions=jnp.zeros((), _I32), lru_head=cache.lru_tail), blocks

@@ -1,6 +1,12 @@
 """The prefix cache's state: `PrefixCacheState`, `init`, and the chex checks every op runs
 at its boundary (`check_states`). The ops live in `core` (lookup, attach, register) and
 `evict` (LRU release and eviction); see the package docstring.
+
+Per-block fields live as columns of one i32[NB, 9 + block_size] array (`block_meta`) and
+per-slot chain fields as columns of one i32[S, 6] array (`chain`), so registering a block
+is one row scatter into each (not ten and five), and the engine's step passes two arrays
+where it passed fifteen. Read-only properties name the columns (`cache.block_parent`,
+`cache.cached`, ...); the ops write columns through the column indices below.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from typing import Optional
 import chex
 import flax
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
@@ -20,28 +27,50 @@ _I32, _U32 = jnp.int32, jnp.uint32
 HASH_MODES = ("chained", "constant")
 ROOT_HASH = (0x2545F491, 0x6A09E667)          # parent hash of a depth-0 block
 
+# Columns of `block_meta` (i32[NB, 9 + block_size]); HASH is two columns, TOKENS the rest.
+HASH, PARENT, PARENT_GEN, GEN, DEPTH, LAST_USED, CACHED, TABLE_POS, TOKENS = (
+    0, 2, 3, 4, 5, 6, 7, 8, 9)
+# Columns of `chain` (i32[S, 6]); C_HASH is two columns.
+C_BLOCK, C_GEN, C_HASH, C_LEN, C_OK = 0, 1, 2, 4, 5
+CHAIN_COLS = 6
+
+
+def as_i32(x):
+  """i32 with the same bits as u32 `x` (hash lanes stored in an int32 array)."""
+  return lax.bitcast_convert_type(x, _I32)
+
+
+def as_u32(x):
+  """u32 with the same bits as i32 `x`."""
+  return lax.bitcast_convert_type(x, _U32)
+
 
 @flax.struct.dataclass
 class PrefixCacheState:
   """Prefix-cache metadata beside a `BlockState` (NB blocks, S slots, H table slots).
 
   Attributes:
-    block_hash: u32[NB, 2], chained hash of each cached block.
-    block_tokens: i32[NB, block_size], token ids held (exact verification).
-    block_parent: i32[NB], physical parent block in the chain (-1 at depth 0).
-    block_parent_gen: i32[NB], parent's generation when this block registered
-      (depth 0: the salt tag of its request, 0 unsalted; `salt.salt_key`).
-    block_gen: i32[NB], bumped on every (re)registration of the block.
-    block_depth: i32[NB], logical block index within its sequence.
-    cached: bool[NB], block is registered (holds the cache's reference).
-    last_used: i32[NB], `clock` value of the last hit / register / release.
-    table_pos: i32[NB], the block's slot in `table` (-1 when not cached).
+    block_meta: i32[NB, 9 + block_size], one row per block; columns (read them through
+      the properties of the same names):
+        block_hash (HASH, 2 columns, u32 bits): chained hash of each cached block;
+        block_parent (PARENT): physical parent block in the chain (-1 at depth 0);
+        block_parent_gen (PARENT_GEN): parent's generation when this block registered
+          (depth 0: the salt tag of its request, 0 unsalted; `salt.salt_key`);
+        block_gen (GEN): bumped on every (re)registration of the block;
+        block_depth (DEPTH): logical block index within its sequence;
+        last_used (LAST_USED): `clock` value of the last hit / register / release;
+        cached (CACHED, 0 / 1): block is registered (holds the cache's reference);
+        table_pos (TABLE_POS): the block's slot in `table` (-1 when not cached);
+        block_tokens (TOKENS.., block_size columns): token ids held (exact verification).
     table: i32[H], block id per hash-table slot, -1 empty.
-    chain_block, chain_gen: i32[S], canonical cached block (and its generation)
-      of the slot's last registered logical block; -1 / the salt tag before the first.
-    chain_hash: u32[S, 2], its hash (the salt's root hash before the first).
-    chain_len: i32[S], logical blocks of the slot registered or hit so far.
-    chain_ok: bool[S], the slot may register further blocks.
+    chain: i32[S, 6], per slot; columns (properties of the same names):
+        chain_block, chain_gen (C_BLOCK, C_GEN): canonical cached block (and its
+          generation) of the slot's last registered logical block; -1 / the salt tag
+          before the first;
+        chain_hash (C_HASH, 2 columns, u32 bits): its hash (the salt's root hash before
+          the first);
+        chain_len (C_LEN): logical blocks of the slot registered or hit so far;
+        chain_ok (C_OK, 0 / 1): the slot may register further blocks.
     clock: i32[], logical time, advanced by every op that uses blocks.
     hit_blocks, query_blocks: i32[], blocks hit / looked up by `attach`.
     evictions: i32[], cached blocks evicted so far.
@@ -51,21 +80,9 @@ class PrefixCacheState:
     lru_head, lru_tail: i32[], ring counters (index = counter & (R - 1)).
     block_size, max_probe, hash_mode: static.
   """
-  block_hash: jax.Array
-  block_tokens: jax.Array
-  block_parent: jax.Array
-  block_parent_gen: jax.Array
-  block_gen: jax.Array
-  block_depth: jax.Array
-  cached: jax.Array
-  last_used: jax.Array
-  table_pos: jax.Array
+  block_meta: jax.Array
   table: jax.Array
-  chain_block: jax.Array
-  chain_gen: jax.Array
-  chain_hash: jax.Array
-  chain_len: jax.Array
-  chain_ok: jax.Array
+  chain: jax.Array
   clock: jax.Array
   hit_blocks: jax.Array
   query_blocks: jax.Array
@@ -80,11 +97,35 @@ class PrefixCacheState:
 
   @property
   def num_blocks(self) -> int:
-    return self.cached.shape[0]
+    return self.block_meta.shape[0]
 
   @property
   def table_size(self) -> int:
     return self.table.shape[0]
+
+  # Views of `block_meta`'s columns: [NB] (block_hash u32[NB, 2], block_tokens [NB, bs]).
+  block_hash = property(lambda self: as_u32(self.block_meta[:, HASH:HASH + 2]))
+  block_parent = property(lambda self: self.block_meta[:, PARENT])
+  block_parent_gen = property(lambda self: self.block_meta[:, PARENT_GEN])
+  block_gen = property(lambda self: self.block_meta[:, GEN])
+  block_depth = property(lambda self: self.block_meta[:, DEPTH])
+  last_used = property(lambda self: self.block_meta[:, LAST_USED])
+  cached = property(lambda self: self.block_meta[:, CACHED] != 0)
+  table_pos = property(lambda self: self.block_meta[:, TABLE_POS])
+  block_tokens = property(lambda self: self.block_meta[:, TOKENS:])
+  # Views of `chain`'s columns: [S] (chain_hash u32[S, 2]).
+  chain_block = property(lambda self: self.chain[:, C_BLOCK])
+  chain_gen = property(lambda self: self.chain[:, C_GEN])
+  chain_hash = property(lambda self: as_u32(self.chain[:, C_HASH:C_HASH + 2]))
+  chain_len = property(lambda self: self.chain[:, C_LEN])
+  chain_ok = property(lambda self: self.chain[:, C_OK] != 0)
+
+
+def empty_chain(num_slots: int, root=ROOT_HASH, tag=0):
+  """i32[num_slots, 6]: chains before any block (block -1, the salt's tag and root hash)."""
+  row = jnp.concatenate([jnp.asarray([-1, tag], _I32), as_i32(jnp.asarray(root, _U32)),
+                         jnp.zeros((2,), _I32)])
+  return jnp.broadcast_to(row, (num_slots, CHAIN_COLS))
 
 
 def init(cache_config: CacheConfig, *, max_probe: int = 16, table_factor: int = 2,
@@ -109,41 +150,32 @@ def init(cache_config: CacheConfig, *, max_probe: int = 16, table_factor: int = 
   h = 1 << max(int(np.ceil(np.log2(table_factor * nb))), int(np.ceil(np.log2(max_probe))), 1)
   ring = 1 << int(np.ceil(np.log2(max(2 * nb, 2 * s * cache_config.max_blocks_per_seq, 2))))
   z = lambda *shape: jnp.zeros(shape, _I32)
+  meta = np.zeros((nb, TOKENS + bs), np.int32)
+  meta[:, [PARENT, TABLE_POS]] = -1
   return PrefixCacheState(
-      block_hash=jnp.zeros((nb, 2), _U32), block_tokens=z(nb, bs),
-      block_parent=jnp.full((nb,), -1, _I32), block_parent_gen=z(nb), block_gen=z(nb),
-      block_depth=z(nb), cached=jnp.zeros((nb,), jnp.bool_), last_used=z(nb),
-      table_pos=jnp.full((nb,), -1, _I32), table=jnp.full((h,), -1, _I32),
-      chain_block=jnp.full((s,), -1, _I32), chain_gen=z(s),
-      chain_hash=jnp.broadcast_to(jnp.asarray(ROOT_HASH, _U32), (s, 2)),
-      chain_len=z(s), chain_ok=jnp.zeros((s,), jnp.bool_), clock=z(), hit_blocks=z(),
-      query_blocks=z(), evictions=z(), lru_ring=jnp.full((ring,), -1, _I32),
-      lru_stamp=z(ring), lru_head=z(), lru_tail=z(), block_size=bs, max_probe=max_probe,
-      hash_mode=hash_mode)
+      block_meta=jnp.asarray(meta), table=jnp.full((h,), -1, _I32), chain=empty_chain(s),
+      clock=z(), hit_blocks=z(), query_blocks=z(), evictions=z(),
+      lru_ring=jnp.full((ring,), -1, _I32), lru_stamp=z(ring), lru_head=z(), lru_tail=z(),
+      block_size=bs, max_probe=max_probe, hash_mode=hash_mode)
 
 
-# Fields by shape: [num_blocks], [max_seqs], scalar counters; dtypes other than int32.
-_PER_BLOCK = ("block_parent", "block_parent_gen", "block_gen", "block_depth", "cached",
-              "last_used", "table_pos")
-_PER_SLOT = ("chain_block", "chain_gen", "chain_len", "chain_ok")
 _COUNTERS = ("clock", "hit_blocks", "query_blocks", "evictions", "lru_head", "lru_tail")
-_DTYPES = dict(block_hash=_U32, chain_hash=_U32, cached=jnp.bool_, chain_ok=jnp.bool_)
 
 
 def check_states(cache: PrefixCacheState, blocks: Optional[bm.BlockState] = None) -> None:
   """chex: every array of `cache` has the shape and dtype `init` gives it and, with
   `blocks`, both were built for the same pool (blocks, slots, block size). Shapes and
   dtypes are static: inside jit this runs once at trace time and costs nothing."""
-  nb, bs, s = cache.cached.shape[0], cache.block_size, cache.chain_len.shape[0]
+  chex.assert_rank([cache.block_meta, cache.chain], 2, custom_message="PrefixCacheState")
   chex.assert_rank([cache.table, cache.lru_ring], 1, custom_message="PrefixCacheState")
-  shapes = dict(block_hash=(nb, 2), block_tokens=(nb, bs), chain_hash=(s, 2),
-                table=cache.table.shape, lru_ring=cache.lru_ring.shape,
-                lru_stamp=cache.lru_ring.shape, **dict.fromkeys(_PER_BLOCK, (nb,)),
-                **dict.fromkeys(_PER_SLOT, (s,)), **dict.fromkeys(_COUNTERS, ()))
+  nb, bs, s = cache.block_meta.shape[0], cache.block_size, cache.chain.shape[0]
+  shapes = dict(block_meta=(nb, TOKENS + bs), chain=(s, CHAIN_COLS), table=cache.table.shape,
+                lru_ring=cache.lru_ring.shape, lru_stamp=cache.lru_ring.shape,
+                **dict.fromkeys(_COUNTERS, ()))
   for name, shape in shapes.items():
     x = getattr(cache, name)
     chex.assert_shape(x, shape, custom_message=f"PrefixCacheState.{name}")
-    chex.assert_type(x, _DTYPES.get(name, _I32), custom_message=f"PrefixCacheState.{name}")
+    chex.assert_type(x, _I32, custom_message=f"PrefixCacheState.{name}")
   if blocks is not None:
     bm.check_state(blocks)
     chex.assert_shape(blocks.ref_count, (nb,),
