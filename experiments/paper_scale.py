@@ -72,8 +72,8 @@ class Config(configs.ExperimentConfig):
                                               "Fig. 14 sampling modes",
                                               choices=tuple(serving_sweep.FIG14_MODES))
   fig14_preemption: str = configs.flag(
-      "recompute", "Fig. 14 preemption mode ('auto', vLLM V0's swap for groups of several "
-      "sequences, livelocks in this engine on a full pool: see docs/paper_scale.md)",
+      "recompute", "Fig. 14 preemption mode ('auto': vLLM V0's swap for groups of several "
+      "sequences; the committed figure ran recompute: see docs/paper_scale.md)",
       choices=("recompute", "swap", "auto"))
   fig18_block_sizes: Tuple[int, ...] = configs.flag((1, 2, 4, 8, 16, 32, 64, 128, 256),
                                                     "Fig. 18 block sizes", lower=1)

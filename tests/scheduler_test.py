@@ -190,6 +190,37 @@ def test_a_group_swapped_after_a_failed_step_returns_once_copied():
   drain(sched, dev, [], max_steps=50)
 
 
+def test_the_plan_after_a_failed_step_serves_only_the_running_groups():
+  # After a device OUT_OF_BLOCKS the counts still show the room the failed plan trusted:
+  # the retry swaps nothing in and admits nothing (else it can bring the shortage
+  # straight back, every step); the plan after it does both.
+  sched = Scheduler(block_size=4, max_seqs=4, max_num_batched_tokens=16,
+                    preemption_mode="swap")
+  dev = FakeDevice(32, 4)
+  groups = [make_group(0, 6, 8), make_group(1, 5, 8)]
+  for g in groups:
+    sched.add(g)
+  log = []
+  run_step(sched, dev, log)
+  late = make_group(2, 3, 4)
+  sched.add(late)
+  victim = sched.preempt_newest()
+  carry = sched.take_carry()   # the engine's flush: the copy out, the frees
+  for group, _ in carry.swap_out:
+    group.leader.swapped_kv = types.SimpleNamespace(
+        num_blocks=sum(cdiv(q.num_computed, dev.bs) for q in group.seqs))
+  for slot in carry.frees:
+    del dev.lens[slot]
+  assert victim is groups[1] and victim.leader.swapped_kv is not None
+  batch = run_step(sched, dev, log)
+  assert not batch.swap_in and not batch.preempted
+  assert {id(c.seq) for c in batch.chunks} == {id(groups[0].leader)}
+  assert late.status == GroupStatus.WAITING
+  batch = run_step(sched, dev, log)
+  assert batch.swap_in == [victim] and late in sched.running
+  drain(sched, dev, [], max_steps=50)
+
+
 def test_bad_preemption_mode():
   with pytest.raises(ValueError, match="preemption_mode"):
     Scheduler(block_size=4, max_seqs=2, max_num_batched_tokens=8, preemption_mode="drop")

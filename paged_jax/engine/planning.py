@@ -17,7 +17,9 @@ Policy (vLLM's, arXiv:2309.06180 sec. 4.5):
     always, "auto" only groups of several sequences, vLLM V0's default). A group
     caught mid-fork (samples not yet forked, beams with a fork or a selection
     pending) is recomputed: its device rows are not yet what its records say;
-  * swapped groups come back (oldest first) only in steps without preemption;
+  * swapped groups come back (oldest first) only in steps without preemption, and
+    not in the plan right after a step that failed on device; a swap-in is weighed
+    with its first step's exact need (its restored rows append, copy-on-write too);
   * waiting groups are admitted strictly FCFS when slots, blocks for every sequence
     of the group (`group_need`: a recomputed group's samples too; plus the decode
     loop's when its chunk samples) and token budget are available; with prefix
@@ -38,8 +40,11 @@ from paged_jax.engine.sequence import Batch, Chunk, Group, GroupStatus
 class Planner:
   """The planning half of `Scheduler` (its queues, slots and counts are the state)."""
 
-  def _chunks_for(self, group: Group, budget: int, forks=()) -> List[Chunk]:
-    """This step's chunks for a group (leader capped at the prompt while forks pend)."""
+  def _chunks_for(self, group: Group, budget: int, forks=(),
+                  resident: bool = False) -> List[Chunk]:
+    """This step's chunks for a group (leader capped at the prompt while forks pend).
+    resident: plan them as if the group's rows were on device already (a swap-in
+    being weighed: restored rows append, with copy-on-write of a shared last block)."""
     chunks = []
     pending = len(group.seqs) > 1 and any(s.pending_fork for s in group.seqs)
     for seq in group.seqs:
@@ -55,7 +60,7 @@ class Planner:
       budget -= n
       forked = any(c is seq for _, c in forks)
       chunks.append(Chunk(seq, n, samples=seq.num_computed + n == len(seq.tokens),
-                          allocate=not seq.on_device and not forked))
+                          allocate=not (seq.on_device or resident) and not forked))
     return chunks
 
   def _take(self, group: Group, batch: Batch, chunks: List[Chunk]) -> int:
@@ -120,8 +125,11 @@ class Planner:
       budget -= self._take(group, batch, chunks)
       free -= need
       i += 1
-    # 2. Swapped groups come back only when nothing was preempted.
-    if not batch.preempted:
+    # 2. Swapped groups come back only when nothing was preempted, nor right after a
+    # failed step (its victim was preempted outside any plan): that plan serves the
+    # running groups alone, so whatever the planning missed, the retry fits.
+    hold, self.after_failed_step = bool(batch.preempted) or self.after_failed_step, False
+    if not hold:
       while self.swapped and budget > 0:
         group = self.swapped[0]
         if group.leader.swapped_kv is None:
@@ -129,7 +137,10 @@ class Planner:
           # after this plan, before the step frees its slots. It returns from the next.
           break
         need = group.leader.swapped_kv.num_blocks   # its distinct blocks, copied once
-        plan = self._chunks_for(group, budget, batch.forks)   # as once swapped in
+        # As once swapped in: rows restored with their sharing, so two samples writing
+        # into their shared last block take a copy-on-write block (planned as fresh
+        # allocations those copies went uncounted, and the step ran out on device).
+        plan = self._chunks_for(group, budget, batch.forks, resident=True)
         step_need = self.chunks_need(group, plan) + self.lookahead_need(group, plan)
         if (len(self._slots_free(batch.frees)) < group.slots_needed
             or need + step_need > free or need > swap_room):
@@ -142,7 +153,7 @@ class Planner:
         swap_room -= need
         budget -= self._take(group, batch, self._chunks_for(group, budget, batch.forks))
     # 3. Waiting groups, strict FCFS.
-    if not batch.preempted:
+    if not hold:
       self._admit_waiting(batch, budget, free)
     return batch
 

@@ -14,7 +14,8 @@ reserves, and the device also reports, per slot, the blocks that slot alone refe
 those of the slots freed in a step count for that step's reservations. When a running
 group does not fit, the newest groups are preempted until it does, and the step goes on
 with everyone older (vLLM's rule). Should a reservation still fail on device (a status,
-never a spin), `update` preempts the newest group and the next plan re-plans.
+never a spin), `update` preempts the newest group and the next plan re-plans with the
+running groups alone (no swap-in, no admission), so a retry never brings the shortage back.
 
 A sequence that finishes on device (stop id, max_tokens) is freed by that same step;
 only host decisions (beam selection, preemption after a failed step) leave work for the
@@ -72,6 +73,8 @@ class Scheduler(Planner):
     carry: what the last update left for the next step (beam forks, frees of dropped
       or finished beams, a swap-out after a failed step); `schedule()` starts from it.
     counts: the last step's DeviceCounts (None: `schedule` needs them passed).
+    after_failed_step: the last step ran out of blocks on device; the next plan swaps
+      in and admits nothing (`schedule` clears it).
     stats: counters (steps, tokens, retries, ...); num_preemptions, num_swaps.
   """
   block_size: int = dataclasses.field(metadata=FIXED)
@@ -87,6 +90,7 @@ class Scheduler(Planner):
   groups: Dict[Any, Group] = _new(dict)
   carry: Batch = _new(Batch)
   counts: Optional[DeviceCounts] = None
+  after_failed_step: bool = False
   stats: collections.Counter = _new(collections.Counter)
   num_preemptions: int = 0
   num_swaps: int = 0
@@ -231,7 +235,8 @@ class Scheduler(Planner):
       raise RuntimeError("OUT_OF_BLOCKS with no running group to preempt")
     victim = max(self.running, key=lambda g: g.arrival)
     self.preempt(victim, self.carry)   # its frees (and swap-out) go to the next step,
-    self.carry.preempted.clear()       # which plans as usual: it preempted nothing itself
+    self.carry.preempted.clear()       # which preempted nothing itself (its report)
+    self.after_failed_step = True      # and serves only the running groups
     return victim
 
   # ---- update: a step's outputs applied, in one place -----------------------------------
