@@ -150,11 +150,15 @@ def paper_targets(results_dir: str) -> str:
   base = os.path.join(results_dir, PAPER_SCALE)
   rows = []
   panels = {}
-  for fig in ("fig12", "fig12_real"):   # fig12_real: the ShareGPT trace (sharegpt-real)
+  # fig12_real: the ShareGPT trace (sharegpt-real); fig12_long: a panel rerun on a longer
+  # stream (its request count in the row's name).
+  for fig in ("fig12", "fig12_real", "fig12_long"):
     d = os.path.join(base, fig)
     if os.path.isdir(d):
-      panels.update({p: load(d, os.path.join(p, "serving_benchmark.json"))
-                     for p in sorted(os.listdir(d))})
+      for p in sorted(os.listdir(d)):
+        res = load(d, os.path.join(p, "serving_benchmark.json"))
+        key = p if fig != "fig12_long" else f"{p}, {res['num_requests']:,} requests a point"
+        panels[key] = res
   for panel, res in panels.items():
     if "-sharegpt" not in panel:
       continue
@@ -251,7 +255,7 @@ _SHORT = (("Alpaca-like, paged's edge over Orca(Oracle) smaller at OPT-175B than
            "recompute / swap, smallest block; largest"),
           ("max rate paged (prefix cached) / ", "paged+cache / "),
           (" (latency within 1% of the lowest)", ""), ("-sharegpt", " ShareGPT"),
-          ("-alpaca", " Alpaca"), ("Fig. ", ""), ("Orca(Oracle)", "Oracle"),
+          ("-alpaca", " Alpaca"), (" requests a point", " req/point"), ("Fig. ", ""), ("Orca(Oracle)", "Oracle"),
           ("Orca(Max)", "Max"), ("LLaMA-13B ", ""))
 
 
