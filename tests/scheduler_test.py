@@ -169,18 +169,24 @@ def test_preemption_newest_first_and_everything_completes(mode, seed, report_sol
         "a recomputed request re-prefills prompt + generated tokens")
 
 
-def test_a_group_swapped_after_a_failed_step_returns_once_copied():
-  # The engine's path after a device OUT_OF_BLOCKS: preempt_newest() swaps the newest
-  # group outside any plan; its copy is made after the NEXT plan (before that step frees
-  # its slot), so that plan must not bring it back, and a later one does.
+def _two_groups_after_one_step(max_tokens):
+  """A swap-mode scheduler on a 32-block fake device, two groups run for one step."""
   sched = Scheduler(block_size=4, max_seqs=4, max_num_batched_tokens=16,
                     preemption_mode="swap")
   dev = FakeDevice(32, 4)
-  groups = [make_group(0, 6, 4), make_group(1, 5, 4)]
+  groups = [make_group(0, 6, max_tokens), make_group(1, 5, max_tokens)]
   for g in groups:
     sched.add(g)
   log = []
   run_step(sched, dev, log)
+  return sched, dev, groups, log
+
+
+def test_a_group_swapped_after_a_failed_step_returns_once_copied():
+  # The engine's path after a device OUT_OF_BLOCKS: preempt_newest() swaps the newest
+  # group outside any plan; its copy is made after the NEXT plan (before that step frees
+  # its slot), so that plan must not bring it back, and a later one does.
+  sched, dev, groups, log = _two_groups_after_one_step(max_tokens=4)
   victim = sched.preempt_newest()
   assert victim is groups[1] and victim.leader.swapped_kv is None
   batch = run_step(sched, dev, log)
@@ -194,14 +200,7 @@ def test_the_plan_after_a_failed_step_serves_only_the_running_groups():
   # After a device OUT_OF_BLOCKS the counts still show the room the failed plan trusted:
   # the retry swaps nothing in and admits nothing (else it can bring the shortage
   # straight back, every step); the plan after it does both.
-  sched = Scheduler(block_size=4, max_seqs=4, max_num_batched_tokens=16,
-                    preemption_mode="swap")
-  dev = FakeDevice(32, 4)
-  groups = [make_group(0, 6, 8), make_group(1, 5, 8)]
-  for g in groups:
-    sched.add(g)
-  log = []
-  run_step(sched, dev, log)
+  sched, dev, groups, log = _two_groups_after_one_step(max_tokens=8)
   late = make_group(2, 3, 4)
   sched.add(late)
   victim = sched.preempt_newest()
