@@ -126,8 +126,7 @@ class Before:
                                    if g.status in (GroupStatus.WAITING, GroupStatus.SWAPPED)]
     ok = bool(outputs.ok)
     # The chunks as planned, less the prefix-cache hits `update` learnt.
-    hits = {id(q): h for q, h in zip(batch.attaches, batch.attach_hits)}
-    prefill, decode = chunk_work(batch, hits, self.starts) if ok else ((), ())
+    prefill, decode = chunk_work(batch, batch.hit_of, self.starts) if ok else ((), ())
     return dict(
         ok=ok, bucket=bucket, finished_ids=tuple(done),
         first_token_ids=tuple(g.request_id for g in self.running if g.request_id in

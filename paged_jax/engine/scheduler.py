@@ -249,7 +249,7 @@ class Scheduler(Planner):
     ok = bool(outputs.ok)
     chunked = {id(ch.seq) for ch in batch.chunks} if ok else set()
     batch.attach_hits = [int(outputs.hit_tokens[seq.slot]) for seq in batch.attaches]
-    hit_of = dict(zip(map(id, batch.attaches), batch.attach_hits))
+    hit_of = batch.hit_of
     for seq, hit in zip(batch.attaches, batch.attach_hits):
       seq.on_device = True
       # An attached prompt comes from the waiting queue (num_computed 0). Attached

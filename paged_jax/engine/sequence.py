@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -119,6 +119,11 @@ class Batch:
   @property
   def num_tokens(self) -> int:
     return sum(c.num_tokens for c in self.chunks)
+
+  @property
+  def hit_of(self) -> Dict[int, int]:
+    """id(sequence) -> hit tokens of its attach (after `Scheduler.update` set them)."""
+    return dict(zip(map(id, self.attaches), self.attach_hits))
 
   @property
   def runs_nothing(self) -> bool:
