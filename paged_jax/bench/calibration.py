@@ -152,18 +152,21 @@ class WallClockWithCpu(WallClock):
 TRUTHS = ("cpu", "wall")
 
 
+def _check_truth(truth: str) -> None:
+  if truth not in TRUTHS:
+    raise ValueError(f"truth must be one of {TRUTHS}, got {truth!r}")
+
+
 def truth_clock(truth: str):
   """A fresh clock of a measured serving run keeping wall_s / cpu_s per step: "cpu"
   (`clocks.CpuClock`) or "wall" (`WallClockWithCpu`)."""
-  if truth not in TRUTHS:
-    raise ValueError(f"truth must be one of {TRUTHS}, got {truth!r}")
+  _check_truth(truth)
   return CpuClock() if truth == "cpu" else WallClockWithCpu()
 
 
 def recording_clock(truth: str, block_size: int):
   """A fresh calibration clock on that truth, recording (shape, seconds) per step."""
-  if truth not in TRUTHS:
-    raise ValueError(f"truth must be one of {TRUTHS}, got {truth!r}")
+  _check_truth(truth)
   return (RecordingCpuClock if truth == "cpu" else RecordingWallClock)(block_size)
 
 
