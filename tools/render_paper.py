@@ -159,6 +159,9 @@ def paper_targets(results_dir: str) -> str:
         res = load(d, os.path.join(p, "serving_benchmark.json"))
         key = p if fig != "fig12_long" else f"{p}, {res['num_requests']:,} requests a point"
         panels[key] = res
+        # experiments.rate_points: the same panel with points added near its crossings.
+        if os.path.exists(os.path.join(d, p, "refined", "rate_points.json")):
+          panels[f"{key}, refined"] = load(d, os.path.join(p, "refined", "rate_points.json"))
   for panel, res in panels.items():
     if "-sharegpt" not in panel:
       continue
