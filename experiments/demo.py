@@ -34,10 +34,16 @@ class DemoSizes:
   sweep_engine_block_sizes: tuple = (4, 16, 64, 256)
   sweep_engine_requests: int = 32
   throughput_requests: int = 48
-  # Enough requests that the pool (4,096 token slots) bounds the batch without caching
-  # (the full experiment's memory-bound regime): with 24 every request fit at once, so
-  # caching could not raise the batch and the rows measured only its per-step cost.
-  prefix_requests: int = 64
+  # Prefix caching's memory-bound regime (docs/notes/prefix_cache_miss.md, "The demo's
+  # prefix rows"): 4x more requests than the 64 sequence slots, so without caching the
+  # 4,096-slot pool bounds the batch through the whole run (~10 5-shot / ~28 1-shot
+  # requests at once) and caching lets up to 64 run (with 64 requests the run was mostly
+  # the ramp and the longest outputs' tail).
+  prefix_requests: int = 256
+  # Tokens a step computes: the model's context (1,024), as vLLM v0.1 (the paper's) needs
+  # max_num_batched_tokens >= max_model_len. A cached prompt's hit tokens still count
+  # against it when it is admitted, so at 256 the 5-shot rows admitted one prompt a step.
+  prefix_batched_tokens: int = 1024
   sharing_requests: int = 8
   sharing_widths: tuple = (2, 4, 6)
   paper_scale_requests: int = 60
@@ -132,27 +138,42 @@ def _paper_scale(out, num_requests: int) -> Dict:
   return {"rows": rows}
 
 
-def _prefix_caching(out, num_requests: int):
+def _prefix_caching(out, num_requests: int, budget: int = DemoSizes.prefix_batched_tokens):
   """Shared-prefix speed-up: `experiments.prefix_caching.compare` (caching off vs on, same
   engine and budget, outputs checked identical) on `bench.prefix_serving`'s few-shot
-  requests for the paper's 1-shot (80-token) and 5-shot (341-token) prefixes.
+  requests for the paper's 1-shot (80-token) and 5-shot (341-token) prefixes, all
+  arriving at once, on a 4,096-slot pool with 64 sequence slots and `budget` tokens a
+  step. Writes prefix_caching_demo/prefix_caching_demo.json (rows, engine settings,
+  versions, machine with the load average at the end, "load_avg_start", "seconds",
+  "executables": the compiled step shapes held, made and released in the process).
   Returns {"rows": [...], "summary_rows": [[what, ours, paper]]}.
   """
+  import os  # pylint: disable=g-import-not-at-top
   from experiments import prefix_caching as module  # pylint: disable=g-import-not-at-top
+  from paged_jax import executables  # pylint: disable=g-import-not-at-top
   from paged_jax.bench import prefix_serving  # pylint: disable=g-import-not-at-top
-  engine_kw = dict(block_size=16, kv_budget_tokens=4096, max_seqs=64, max_len=1024, budget=256)
+  from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
+  start, load_start = time.time(), list(os.getloadavg())
+  engine_kw = dict(block_size=16, kv_budget_tokens=4096, max_seqs=64, max_len=1024,
+                   budget=budget)
   rows, summary = [], []
   for shots in (1, 5):
     prefix, requests = prefix_serving.few_shot_requests(num_requests, shots, 0)
     row = module.compare(f"{shots}-shot", prefix, requests, **engine_kw)
     rows.append(row)
+    # The two rows meet ~27 step shapes each (off and on engines): drop one row's before
+    # the next, so the process holds ~27 executables, not ~46 (~1,000 memory maps each).
+    release_compiled()
     paper = module.PAPER_SPEEDUP.get(f"{shots}-shot")
     summary.append([f"shared-prefix throughput, caching on / off, {shots}-shot "
                     f"({len(prefix)}-token prefix, {num_requests} requests; hit rate "
                     f"{100 * row['hit_rate']:.0f}%)", f"{row['throughput_ratio']:.2f}x",
                     f"{paper}x" if paper else ""])
   common.write_json(out / "prefix_caching_demo" / "prefix_caching_demo.json",
-                    {"rows": rows, "engine": engine_kw})
+                    {"rows": rows, "engine": engine_kw, "seconds": time.time() - start,
+                     "load_avg_start": load_start, "versions": provenance.versions(),
+                     "machine": provenance.machine(), "code": provenance.code_version(),
+                     "executables": executables.BUDGET.stats()})
   return {"rows": rows, "summary_rows": summary}
 
 
@@ -230,7 +251,8 @@ def run_all(out, sizes: DemoSizes = DemoSizes(), show_progress=None) -> Dict:
   seconds["paper_scale"] = time.time() - t
 
   t = stage("prefix caching (1-shot / 5-shot shared prefix, caching on vs off)")
-  results["prefix_caching"] = _prefix_caching(out, sizes.prefix_requests)
+  results["prefix_caching"] = _prefix_caching(out, sizes.prefix_requests,
+                                              sizes.prefix_batched_tokens)
   for row in results["prefix_caching"].get("summary_rows") or []:
     print(" | ".join(row))
   seconds["prefix_caching"] = time.time() - t
