@@ -18,19 +18,39 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import operator
 import signal
 import threading
-from typing import Any, List, Tuple
+from typing import Any, Callable, List, NamedTuple, Tuple
 
-_Saved = List[Tuple[str, Any, str, Any]]   # (field, object, how, contents)
+# (record, values of its plain fields, its append-only lists, their lengths, copies of
+# the contents of its mutable plain fields: (index in values, how, contents))
+_Saved = Tuple[Any, Tuple[Any, ...], Tuple[Any, ...], Tuple[int, ...],
+               List[Tuple[int, str, Any]]]
+
+
+class _Plan(NamedTuple):
+  names: Tuple[str, ...]          # saved whole (their contents too when mutable)
+  get: Callable[[Any], Tuple[Any, ...]]
+  appends: Tuple[str, ...]        # append-only lists: saved by length
+  get_appends: Callable[[Any], Tuple[Any, ...]]
+
+
+def _getter(names: Tuple[str, ...]) -> Callable[[Any], Tuple[Any, ...]]:
+  """record -> the tuple of its `names` fields, in one C call (attrgetter)."""
+  if len(names) == 1:
+    return lambda r, n=names[0]: (getattr(r, n),)
+  return operator.attrgetter(*names) if names else lambda r: ()
 
 
 @functools.lru_cache(maxsize=None)
-def _plan(cls) -> Tuple[Tuple[str, bool], ...]:
-  """(field name, append_only) of the fields of dataclass `cls` that `save` keeps: read
-  from `dataclasses.fields` once per class (a step saves hundreds of records)."""
-  return tuple((f.name, bool(f.metadata.get("append_only")))
-               for f in dataclasses.fields(cls) if not f.metadata.get("fixed"))
+def _plan(cls) -> _Plan:
+  """What `save` keeps of dataclass `cls`: read from `dataclasses.fields` once per class
+  (a step saves hundreds of records)."""
+  kept = [f for f in dataclasses.fields(cls) if not f.metadata.get("fixed")]
+  names = tuple(f.name for f in kept if not f.metadata.get("append_only"))
+  appends = tuple(f.name for f in kept if f.metadata.get("append_only"))
+  return _Plan(names, _getter(names), appends, _getter(appends))
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,37 +59,61 @@ def _is_record(cls) -> bool:
   return dataclasses.is_dataclass(cls) and not cls.__dataclass_params__.frozen
 
 
+# Types whose values are saved by reference (no contents to copy): learned as met, so
+# a record whose fields all hold such values (most sequences) is saved in C calls.
+_VALUE_TYPES = {type(None), bool, int, float, str, tuple}
+
+
+def _how(cls) -> str:
+  """How a field value of type `cls` is saved: its contents copied ("list", "dict"),
+  field by field ("record"), or by reference ("value")."""
+  if issubclass(cls, list):
+    return "list"
+  if issubclass(cls, dict):
+    return "dict"
+  if _is_record(cls):
+    return "record"
+  _VALUE_TYPES.add(cls)
+  return "value"
+
+
 def save(record) -> _Saved:
   """The state fields of a dataclass `record`, to hand to `restore`."""
-  out = []
-  for name, append_only in _plan(type(record)):
-    v = getattr(record, name)
-    if append_only:
-      out.append((name, v, "len", len(v)))
-    elif isinstance(v, list):
-      out.append((name, v, "list", list(v)))
-    elif isinstance(v, dict):
-      out.append((name, v, "dict", dict(v)))
-    elif _is_record(type(v)):
-      out.append((name, v, "record", save(v)))
-    else:
-      out.append((name, v, "value", None))
-  return out
+  plan = _plan(type(record))
+  values = plan.get(record)
+  appends = plan.get_appends(record)
+  lengths = tuple(map(len, appends))
+  contents = []
+  if not _VALUE_TYPES.issuperset(map(type, values)):
+    for i, v in enumerate(values):
+      how = "value" if type(v) in _VALUE_TYPES else _how(type(v))
+      if how == "list":
+        contents.append((i, how, list(v)))
+      elif how == "dict":
+        contents.append((i, how, dict(v)))
+      elif how == "record":
+        contents.append((i, how, save(v)))
+  return record, values, appends, lengths, contents
 
 
-def restore(record, saved: _Saved) -> None:
-  """Puts `record`'s fields back as `save` found them (same objects, same contents)."""
-  for name, v, how, contents in saved:
+def restore(saved: _Saved) -> None:
+  """Puts a record's fields back as `save` found them (same objects, same contents)."""
+  record, values, appends, lengths, contents = saved
+  plan = _plan(type(record))
+  for name, v in zip(plan.names, values):
     setattr(record, name, v)
-    if how == "len":
-      del v[contents:]
-    elif how == "list":
-      v[:] = contents
+  for name, lst, n in zip(plan.appends, appends, lengths):
+    setattr(record, name, lst)
+    del lst[n:]
+  for i, how, c in contents:
+    v = values[i]
+    if how == "list":
+      v[:] = c
     elif how == "dict":
       v.clear()
-      v.update(contents)
-    elif how == "record":
-      restore(v, contents)
+      v.update(c)
+    else:
+      restore(c)
 
 
 class Snapshot:
@@ -80,15 +124,16 @@ class Snapshot:
   """
 
   def __init__(self, sched):
-    self.saved = [(sched, save(sched))]
+    self.saved = saved = [save(sched)]
     touched = sched.running + sched.swapped + sched.waiting[:len(sched.free_slots) + 1]
     for g in touched:
-      self.saved.append((g, save(g)))
-      self.saved.extend((q, save(q)) for q in g.seqs + g.finished)
+      saved.append(save(g))
+      saved.extend(map(save, g.seqs))
+      saved.extend(map(save, g.finished))
 
   def restore(self) -> None:
-    for record, saved in self.saved:
-      restore(record, saved)
+    for saved in self.saved:
+      restore(saved)
 
   @contextlib.contextmanager
   def on_error(self):
