@@ -91,19 +91,21 @@ def layout_of(record) -> Layout:
   return type(record), tuple(fields)
 
 
-def _flat(x, xp):
-  if x.dtype == xp.bool_:
-    return x.reshape(-1).astype(xp.int32)
-  if x.dtype == xp.int32:
+def _flat(x):
+  if x.dtype == jnp.bool_:
+    return x.reshape(-1).astype(jnp.int32)
+  if x.dtype == jnp.int32:
     return x.reshape(-1)
-  return x.reshape(-1).view(np.int32) if xp is np else lax.bitcast_convert_type(
-      x, jnp.int32).reshape(-1)
+  return lax.bitcast_convert_type(x, jnp.int32).reshape(-1)
 
 
 def pack(record) -> Packed:
   """Traced (inside jit): `record`'s leaves as one i32 buffer."""
   leaves = [jnp.asarray(getattr(record, n)) for n in record.__dataclass_fields__]
-  return Packed(jnp.concatenate([_flat(x, jnp) for x in leaves]), layout_of(record))
+  return Packed(jnp.concatenate([_flat(x) for x in leaves]), layout_of(record))
+
+
+_HOST_LAYOUTS = {}   # (class, leaf shapes and dtypes) -> Layout: built once per shape
 
 
 def pack_inputs(inputs):
@@ -112,7 +114,13 @@ def pack_inputs(inputs):
   leaves = [getattr(inputs, n) for n in inputs.__dataclass_fields__]
   if not all(type(x) is np.ndarray for x in leaves):
     return inputs
-  return Packed(np.concatenate([_flat(x, np) for x in leaves]), layout_of(inputs))
+  key = (type(inputs), *[(x.shape, x.dtype) for x in leaves])
+  layout = _HOST_LAYOUTS.get(key)
+  if layout is None:
+    layout = _HOST_LAYOUTS[key] = layout_of(inputs)
+  flat = [x.reshape(-1) if f[4] == "int32" else x.reshape(-1).astype(np.int32)
+          if f[4] == "bool" else x.reshape(-1).view(np.int32) for x, f in zip(leaves, layout[1])]
+  return Packed(np.concatenate(flat), layout)
 
 
 def abstract_inputs(inputs) -> Packed:

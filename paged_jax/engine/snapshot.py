@@ -21,7 +21,7 @@ import functools
 import operator
 import signal
 import threading
-from typing import Any, Callable, List, NamedTuple, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Tuple
 
 # (record, values of its plain fields, its append-only lists, their lengths, copies of
 # the contents of its mutable plain fields: (index in values, how, contents))
@@ -43,14 +43,18 @@ def _getter(names: Tuple[str, ...]) -> Callable[[Any], Tuple[Any, ...]]:
   return operator.attrgetter(*names) if names else lambda r: ()
 
 
-@functools.lru_cache(maxsize=None)
+_PLANS = {}   # class -> _Plan
+
+
 def _plan(cls) -> _Plan:
   """What `save` keeps of dataclass `cls`: read from `dataclasses.fields` once per class
   (a step saves hundreds of records)."""
-  kept = [f for f in dataclasses.fields(cls) if not f.metadata.get("fixed")]
-  names = tuple(f.name for f in kept if not f.metadata.get("append_only"))
-  appends = tuple(f.name for f in kept if f.metadata.get("append_only"))
-  return _Plan(names, _getter(names), appends, _getter(appends))
+  if cls not in _PLANS:
+    kept = [f for f in dataclasses.fields(cls) if not f.metadata.get("fixed")]
+    names = tuple(f.name for f in kept if not f.metadata.get("append_only"))
+    appends = tuple(f.name for f in kept if f.metadata.get("append_only"))
+    _PLANS[cls] = _Plan(names, _getter(names), appends, _getter(appends))
+  return _PLANS[cls]
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,40 +63,38 @@ def _is_record(cls) -> bool:
   return dataclasses.is_dataclass(cls) and not cls.__dataclass_params__.frozen
 
 
-# Types whose values are saved by reference (no contents to copy): learned as met, so
-# a record whose fields all hold such values (most sequences) is saved in C calls.
-_VALUE_TYPES = {type(None), bool, int, float, str, tuple}
+# How a field value is saved, by its type: "list" / "dict" (its contents copied),
+# "record" (field by field) or "" (by reference). Learned as types are met, so a record
+# whose fields all hold scalars (most sequences) is saved in a few C calls.
+_HOW = {t: "" for t in (type(None), bool, int, float, str, tuple)}
+
+
+_COPY = {"list": list, "dict": dict}
+# the field types of a record -> (index, how) of its fields whose contents are copied
+_MUTABLE: Dict[Tuple[type, ...], Tuple[Tuple[int, str], ...]] = {}
 
 
 def _how(cls) -> str:
-  """How a field value of type `cls` is saved: its contents copied ("list", "dict"),
-  field by field ("record"), or by reference ("value")."""
-  if issubclass(cls, list):
-    return "list"
-  if issubclass(cls, dict):
-    return "dict"
-  if _is_record(cls):
-    return "record"
-  _VALUE_TYPES.add(cls)
-  return "value"
+  if cls not in _HOW:
+    _HOW[cls] = ("list" if issubclass(cls, list) else "dict" if issubclass(cls, dict)
+                 else "record" if _is_record(cls) else "")
+  return _HOW[cls]
 
 
 def save(record) -> _Saved:
   """The state fields of a dataclass `record`, to hand to `restore`."""
-  plan = _plan(type(record))
+  plan = _PLANS.get(type(record)) or _plan(type(record))
   values = plan.get(record)
   appends = plan.get_appends(record)
   lengths = tuple(map(len, appends))
-  contents = []
-  if not _VALUE_TYPES.issuperset(map(type, values)):
-    for i, v in enumerate(values):
-      how = "value" if type(v) in _VALUE_TYPES else _how(type(v))
-      if how == "list":
-        contents.append((i, how, list(v)))
-      elif how == "dict":
-        contents.append((i, how, dict(v)))
-      elif how == "record":
-        contents.append((i, how, save(v)))
+  types = tuple(map(type, values))
+  mutable = _MUTABLE.get(types)
+  if mutable is None:   # a combination of field types not met before
+    mutable = _MUTABLE[types] = tuple((i, _how(t)) for i, t in enumerate(types) if _how(t))
+  if not mutable:
+    return record, values, appends, lengths, ()
+  contents = [(i, how, save(values[i]) if how == "record" else _COPY[how](values[i]))
+              for i, how in mutable]
   return record, values, appends, lengths, contents
 
 
