@@ -36,6 +36,7 @@ from paged_jax.engine.buckets import Bucket, StepBuckets, step_buckets
 from paged_jax.engine.inputs import empty_inputs, input_shapes, lookup_len
 from paged_jax.engine.options import EngineOptions
 from paged_jax.engine.step import StepInputs, init_state, make_step
+from paged_jax.engine.packing import abstract_inputs, pack_inputs, packing
 from paged_jax.engine.weights import param_shapes
 from paged_jax.pool_sizing import sliding_pool_blocks
 from paged_jax.prefix_cache import step as prefix_step
@@ -47,8 +48,9 @@ class CompiledStep:
   """One engine step, its per-shape jits and the record of what was compiled for it.
 
   Attributes:
-    plain: the step function (`step.make_step(..., jit=False)`); each shape bucket runs
-      on a jit of it of its own (`executable`).
+    plain: the step function (`step.make_step(..., jit=False)`, its outputs packed into
+      one buffer by `packing.packing`); each shape bucket runs on a jit of it of
+      its own (`executable`).
     fn: the step jitted with the bucket's fields static (`step.make_step`), for lowering
       without arrays (`step_for_compile`, cost analysis); None where not needed.
     seen: Buckets the step was called or compiled with (their first call compiles).
@@ -114,7 +116,8 @@ class CompiledStep:
       inputs = StepInputs(**{k: abstract(v) for k, v in empty_inputs(
           bucket.tokens, max_seqs, lookup_tokens, num_rows=bucket.rows).items()})
       t1 = time.perf_counter()
-      self.executable(signature, bucket).trace(params, state, inputs).lower().compile()
+      self.executable(signature, bucket).trace(params, state,
+                                               abstract_inputs(inputs)).lower().compile()
       self.seen.add(bucket)
       compiled += 1
       log.info("paged_jax engine: compiled step shape tokens=%d rows=%d width=%d blocks "
@@ -130,8 +133,10 @@ class CompiledStep:
 class StepCall:
   """An engine's step call: `(params, state, inputs, *, width=None, decode_only=False,
   all_greedy=False, prefix_light=False) -> (state, outputs)`, as the jitted step takes it,
-  run by the bucket's own jit (`CompiledStep.executable`); `lower` / `trace` are the
-  jitted step's, with the bucket's fields as static keywords."""
+  run by the bucket's own jit (`CompiledStep.executable`) with numpy inputs sent as one
+  buffer and `outputs` a `packing.Packed` StepOutputs (`packing.fetch` brings it to
+  the host in one transfer; its fields read as the StepOutputs'); `lower` / `trace`
+  are the unpacked jitted step's, with the bucket's fields as static keywords."""
 
   def __init__(self, compiled: CompiledStep, signature: int):
     self.compiled, self.signature = compiled, signature
@@ -140,7 +145,8 @@ class StepCall:
                all_greedy=False, prefix_light=False):
     bucket = Bucket(inputs.tokens.shape[0], inputs.row_slot.shape[0], width, decode_only,
                     all_greedy, prefix_light and state.prefix is not None)
-    return self.compiled.executable(self.signature, bucket)(params, state, inputs)
+    return self.compiled.executable(self.signature, bucket)(params, state,
+                                                            pack_inputs(inputs))
 
   def lower(self, *args, **kwargs):
     return self.compiled.fn.lower(*args, **kwargs)
@@ -230,7 +236,8 @@ def engine_step(model_config: ModelConfig, cache_config: CacheConfig,
                          options.shape_buckets)
   kw = dict(num_decode_steps=steps, num_candidates=candidates, max_evict=max_evict,
             sliding_window=window, sliding_layers=sliding_layers)
-  make = lambda apply, **more: CompiledStep(make_step(apply, jit=False, **more, **kw),
+  # Dispatches send and fetch one buffer each (packing.py).
+  make = lambda apply, **more: CompiledStep(packing(make_step(apply, jit=False, **more, **kw)),
                                             make_step(apply, **more, **kw))
   if model_apply is not None:  # e.g. the tensor-parallel forward (paged_jax.distributed)
     name = getattr(model_apply, "__qualname__", "custom").replace(".", "_")

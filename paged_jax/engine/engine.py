@@ -6,8 +6,8 @@
 
 One step (`_advance`) reads: `Scheduler.schedule()` -> `inputs.build_inputs` -> the jitted
 step (`step.make_step`; its docstring gives the order of its device effects) ->
-`jax.device_get` (the one host sync) -> `Scheduler.update(batch, outputs)`, the one place
-outputs are applied. `last_step` reports what the step did (`report.StepReport`).
+`packing.fetch` (the one host sync, one buffer) -> `Scheduler.update(batch, outputs)`, the
+one place outputs are applied. `last_step` reports what the step did (`report.StepReport`).
 
 Failure safety: a step changes host bookkeeping only once its outputs are on the host.
 An exception (KeyboardInterrupt included) before the dispatch undoes the plan
@@ -44,6 +44,7 @@ from paged_jax.engine.requests import prepare_group
 from paged_jax.engine.scheduler import Scheduler
 from paged_jax.engine.sequence import Batch, DeviceCounts, Group
 from paged_jax.engine.snapshot import Snapshot, sigint_deferred
+from paged_jax.engine.packing import fetch
 from paged_jax.engine.step import EngineState, init_state as default_init_state
 from paged_jax.engine.weights import check_params
 from paged_jax.prefix_cache import step as prefix_step
@@ -284,7 +285,7 @@ class Engine:
     if self._in_flight is None:
       return
     batch, out, t0, bucket, report = self._in_flight
-    out = jax.device_get(out)
+    out = fetch(out)   # one transfer: the outputs come packed in one buffer
     self.timing["device_s"] += time.perf_counter() - t0
     sched = self.scheduler
     with Snapshot(sched).on_error():

@@ -18,19 +18,43 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import operator
 import signal
 import threading
-from typing import Any, List, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Tuple
 
-_Saved = List[Tuple[str, Any, str, Any]]   # (field, object, how, contents)
+# (record, values of its plain fields, its append-only lists, their lengths, copies of
+# the contents of its mutable plain fields: (index in values, how, contents))
+_Saved = Tuple[Any, Tuple[Any, ...], Tuple[Any, ...], Tuple[int, ...],
+               List[Tuple[int, str, Any]]]
 
 
-@functools.lru_cache(maxsize=None)
-def _plan(cls) -> Tuple[Tuple[str, bool], ...]:
-  """(field name, append_only) of the fields of dataclass `cls` that `save` keeps: read
-  from `dataclasses.fields` once per class (a step saves hundreds of records)."""
-  return tuple((f.name, bool(f.metadata.get("append_only")))
-               for f in dataclasses.fields(cls) if not f.metadata.get("fixed"))
+class _Plan(NamedTuple):
+  names: Tuple[str, ...]          # saved whole (their contents too when mutable)
+  get: Callable[[Any], Tuple[Any, ...]]
+  appends: Tuple[str, ...]        # append-only lists: saved by length
+  get_appends: Callable[[Any], Tuple[Any, ...]]
+
+
+def _getter(names: Tuple[str, ...]) -> Callable[[Any], Tuple[Any, ...]]:
+  """record -> the tuple of its `names` fields, in one C call (attrgetter)."""
+  if len(names) == 1:
+    return lambda r, n=names[0]: (getattr(r, n),)
+  return operator.attrgetter(*names) if names else lambda r: ()
+
+
+_PLANS = {}   # class -> _Plan
+
+
+def _plan(cls) -> _Plan:
+  """What `save` keeps of dataclass `cls`: read from `dataclasses.fields` once per class
+  (a step saves hundreds of records)."""
+  if cls not in _PLANS:
+    kept = [f for f in dataclasses.fields(cls) if not f.metadata.get("fixed")]
+    names = tuple(f.name for f in kept if not f.metadata.get("append_only"))
+    appends = tuple(f.name for f in kept if f.metadata.get("append_only"))
+    _PLANS[cls] = _Plan(names, _getter(names), appends, _getter(appends))
+  return _PLANS[cls]
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,37 +63,59 @@ def _is_record(cls) -> bool:
   return dataclasses.is_dataclass(cls) and not cls.__dataclass_params__.frozen
 
 
+# How a field value is saved, by its type: "list" / "dict" (its contents copied),
+# "record" (field by field) or "" (by reference). Learned as types are met, so a record
+# whose fields all hold scalars (most sequences) is saved in a few C calls.
+_HOW = {t: "" for t in (type(None), bool, int, float, str, tuple)}
+
+
+_COPY = {"list": list, "dict": dict}
+# the field types of a record -> (index, how) of its fields whose contents are copied
+_MUTABLE: Dict[Tuple[type, ...], Tuple[Tuple[int, str], ...]] = {}
+
+
+def _how(cls) -> str:
+  if cls not in _HOW:
+    _HOW[cls] = ("list" if issubclass(cls, list) else "dict" if issubclass(cls, dict)
+                 else "record" if _is_record(cls) else "")
+  return _HOW[cls]
+
+
 def save(record) -> _Saved:
   """The state fields of a dataclass `record`, to hand to `restore`."""
-  out = []
-  for name, append_only in _plan(type(record)):
-    v = getattr(record, name)
-    if append_only:
-      out.append((name, v, "len", len(v)))
-    elif isinstance(v, list):
-      out.append((name, v, "list", list(v)))
-    elif isinstance(v, dict):
-      out.append((name, v, "dict", dict(v)))
-    elif _is_record(type(v)):
-      out.append((name, v, "record", save(v)))
-    else:
-      out.append((name, v, "value", None))
-  return out
+  plan = _PLANS.get(type(record)) or _plan(type(record))
+  values = plan.get(record)
+  appends = plan.get_appends(record)
+  lengths = tuple(map(len, appends))
+  types = tuple(map(type, values))
+  mutable = _MUTABLE.get(types)
+  if mutable is None:   # a combination of field types not met before
+    mutable = _MUTABLE[types] = tuple((i, _how(t)) for i, t in enumerate(types) if _how(t))
+  if not mutable:
+    return record, values, appends, lengths, ()
+  contents = [(i, how, save(values[i]) if how == "record" else _COPY[how](values[i]))
+              for i, how in mutable]
+  return record, values, appends, lengths, contents
 
 
-def restore(record, saved: _Saved) -> None:
-  """Puts `record`'s fields back as `save` found them (same objects, same contents)."""
-  for name, v, how, contents in saved:
+def restore(saved: _Saved) -> None:
+  """Puts a record's fields back as `save` found them (same objects, same contents)."""
+  record, values, appends, lengths, contents = saved
+  plan = _plan(type(record))
+  for name, v in zip(plan.names, values):
     setattr(record, name, v)
-    if how == "len":
-      del v[contents:]
-    elif how == "list":
-      v[:] = contents
+  for name, lst, n in zip(plan.appends, appends, lengths):
+    setattr(record, name, lst)
+    del lst[n:]
+  for i, how, c in contents:
+    v = values[i]
+    if how == "list":
+      v[:] = c
     elif how == "dict":
       v.clear()
-      v.update(contents)
-    elif how == "record":
-      restore(v, contents)
+      v.update(c)
+    else:
+      restore(c)
 
 
 class Snapshot:
@@ -80,15 +126,16 @@ class Snapshot:
   """
 
   def __init__(self, sched):
-    self.saved = [(sched, save(sched))]
+    self.saved = saved = [save(sched)]
     touched = sched.running + sched.swapped + sched.waiting[:len(sched.free_slots) + 1]
     for g in touched:
-      self.saved.append((g, save(g)))
-      self.saved.extend((q, save(q)) for q in g.seqs + g.finished)
+      saved.append(save(g))
+      saved.extend(map(save, g.seqs))
+      saved.extend(map(save, g.finished))
 
   def restore(self) -> None:
-    for record, saved in self.saved:
-      restore(record, saved)
+    for saved in self.saved:
+      restore(saved)
 
   @contextlib.contextmanager
   def on_error(self):
