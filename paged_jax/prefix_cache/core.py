@@ -45,6 +45,7 @@ arguments' shapes and dtypes with chex (`state.check_states`: at trace time unde
   init(cache_config, ...)                      -> PrefixCacheState
   lookup(cache, tokens, length)                -> (num_hit_blocks i32[], block_ids i32[P])
   attach(cache, blocks, slot, tokens, length)  -> (cache, blocks, hit_tokens, status)
+      = attach_reads (-> AttachWrites, hit_tokens, status) + attach_write
   register(cache, blocks, item_slot, item_block, item_tokens, num_items) -> (cache, blocks)
   fork_chain(cache, src_slot, dst_slot)        -> cache
   release(cache, blocks, slot_mask)            -> (cache, blocks)  LRU time now, onto the ring
