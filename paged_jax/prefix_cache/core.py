@@ -45,6 +45,7 @@ arguments' shapes and dtypes with chex (`state.check_states`: at trace time unde
   init(cache_config, ...)                      -> PrefixCacheState
   lookup(cache, tokens, length)                -> (num_hit_blocks i32[], block_ids i32[P])
   attach(cache, blocks, slot, tokens, length)  -> (cache, blocks, hit_tokens, status)
+      = attach_reads (-> AttachWrites, hit_tokens, status) + attach_write
   register(cache, blocks, item_slot, item_block, item_tokens, num_items) -> (cache, blocks)
   fork_chain(cache, src_slot, dst_slot)        -> cache
   release(cache, blocks, slot_mask)            -> (cache, blocks)  LRU time now, onto the ring
@@ -56,7 +57,10 @@ arguments' shapes and dtypes with chex (`state.check_states`: at trace time unde
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import chex
+import jax
 from jax import lax
 import jax.numpy as jnp
 
@@ -188,6 +192,17 @@ def attach(cache: PrefixCacheState, blocks: bm.BlockState, slot, tokens, length,
     or active, length < 1 or > L), TOO_LONG (length > max_seq_len); on failure
     both states are returned unchanged.
   """
+  writes, hit_tokens, status = attach_reads(cache, blocks, slot, tokens, length, root, tag)
+  cache, blocks = attach_write(cache, blocks, writes)
+  return cache, blocks, hit_tokens, status
+
+
+def attach_reads(cache: PrefixCacheState, blocks: bm.BlockState, slot, tokens, length,
+                 root=None, tag=0):
+  """`attach`'s lookup, without writing: (AttachWrites, hit_tokens i32[], status i32[]);
+  `attach_write` applies the writes. A loop over prompts applies one prompt's writes at the
+  start of the next iteration (`prefix_cache.step.attach`), so XLA updates the states in
+  place instead of copying them each iteration."""
   check_states(cache, blocks)
   slot = bm.int_arg(slot, "slot", max_rank=0)
   tokens = bm.int_arg(tokens, "tokens")
@@ -217,18 +232,51 @@ def attach(cache: PrefixCacheState, blocks: bm.BlockState, slot, tokens, length,
   chain_row = jnp.concatenate([                       # the `chain` columns, in order
       jnp.stack([last, jnp.where(n_hit > 0, last_meta[st.GEN], tag)]), h_last,
       jnp.stack([n_hit, jnp.ones((), _I32)])])
+  writes = AttachWrites(keys=keys, row=row, ids=ids, chain_row=chain_row, stamp=cache.clock,
+                        ok=ok.astype(_I32), n_hit=n_hit, queried=queried)
+  return writes, jnp.where(ok, n_hit * bs, 0), status
+
+
+class AttachWrites(NamedTuple):
+  """What one `attach` writes, computed from the states before it (`attach_write` applies
+  it): `keys` i32[P] hit blocks (num_blocks pads), `row` the slot (max_seqs: none),
+  `ids` i32[P] its block-table row, `chain_row` i32[6], `stamp` the hits' LAST_USED,
+  `ok` / `n_hit` / `queried` i32[] the clock, hit and query counter increments."""
+  keys: jax.Array
+  row: jax.Array
+  ids: jax.Array
+  chain_row: jax.Array
+  stamp: jax.Array
+  ok: jax.Array
+  n_hit: jax.Array
+  queried: jax.Array
+
+  @classmethod
+  def idle(cls, cache: PrefixCacheState, blocks: bm.BlockState) -> "AttachWrites":
+    """Writes nothing (every index out of range, increments 0)."""
+    z = jnp.zeros((), _I32)
+    p = blocks.max_blocks_per_seq
+    return cls(keys=jnp.full((p,), blocks.num_blocks, _I32), row=jnp.full((), blocks.max_seqs,
+               _I32), ids=jnp.full((p,), -1, _I32), chain_row=cache.chain[0], stamp=z, ok=z,
+               n_hit=z, queried=z)
+
+
+def attach_write(cache: PrefixCacheState, blocks: bm.BlockState, w: AttachWrites):
+  """Applies `w` (from `attach`'s reads) to both states: the hit blocks gain a reference
+  and their LAST_USED, the slot its table row, length, chain and activity."""
+  bs = cache.block_size
   blocks = blocks.replace(
-      ref_count=blocks.ref_count.at[keys].add(1, mode="drop"),
-      block_tables=blocks.block_tables.at[row].set(ids, mode="drop"),
-      seq_lens=blocks.seq_lens.at[row].set(n_hit * bs, mode="drop"),
-      active=blocks.active.at[row].set(True, mode="drop"))
+      ref_count=blocks.ref_count.at[w.keys].add(1, mode="drop"),
+      block_tables=blocks.block_tables.at[w.row].set(w.ids, mode="drop"),
+      seq_lens=blocks.seq_lens.at[w.row].set(w.n_hit * bs, mode="drop"),
+      active=blocks.active.at[w.row].set(True, mode="drop"))
   cache = cache.replace(
-      block_meta=cache.block_meta.at[keys, st.LAST_USED].set(cache.clock, mode="drop"),
-      chain=cache.chain.at[row].set(chain_row, mode="drop"),
-      clock=cache.clock + ok.astype(_I32),
-      hit_blocks=cache.hit_blocks + n_hit,
-      query_blocks=cache.query_blocks + queried)
-  return cache, blocks, jnp.where(ok, n_hit * bs, 0), status
+      block_meta=cache.block_meta.at[w.keys, st.LAST_USED].set(w.stamp, mode="drop"),
+      chain=cache.chain.at[w.row].set(w.chain_row, mode="drop"),
+      clock=cache.clock + w.ok,
+      hit_blocks=cache.hit_blocks + w.n_hit,
+      query_blocks=cache.query_blocks + w.queried)
+  return cache, blocks
 
 
 # ---- register ------------------------------------------------------------------------
@@ -263,8 +311,13 @@ def register(cache: PrefixCacheState, blocks: bm.BlockState, item_slot, item_blo
   bs, s_max, nb, p = cache.block_size, blocks.max_seqs, blocks.num_blocks, blocks.max_blocks_per_seq
   num_items = jnp.minimum(num_items, item_slot.shape[0])
 
-  def body(i, carry):
-    c, b = carry
+  # Software-pipelined: iteration i first applies item i - 1's row writes, then reads
+  # and computes item i's. Each array then gets one in-place row update per iteration,
+  # ordered before every read of the iteration; writing at the end instead (reads of
+  # `block_meta` feeding the `chain` write and back) made XLA:CPU copy `block_meta` and
+  # `chain` twice per item. An idle write puts a row's own value back.
+  def rows(c, b, i):
+    """Item i's writes: (row index, new row) for block_meta, table, chain, ref_count."""
     s, j, tok = item_slot[i], item_block[i], item_tokens[i]
     sc, jc = jnp.clip(s, 0, s_max - 1), jnp.clip(j, 0, p - 1)
     ch = c.chain[sc]                                   # the slot's chain row [6]
@@ -284,25 +337,35 @@ def register(cache: PrefixCacheState, blocks: bm.BlockState, item_slot, item_blo
     insert = go & (same < 0) & (own >= 0) & (om[st.CACHED] == 0) & jnp.any(empty)
     link = jnp.where(same >= 0, same, own)
     linked = go & ((same >= 0) | insert)
-    put = jnp.where(insert, oc, nb)
     gen = om[st.GEN] + 1
     h32 = st.as_i32(h)
-    # The whole row of the inserted block, in `block_meta`'s column order: one scatter.
+    # The whole row of the inserted block, in `block_meta`'s column order.
     meta_row = jnp.concatenate([h32, jnp.stack([parent, pgen, gen, j, c.clock, 1, pos]), tok])
-    meta = c.block_meta.at[put].set(meta_row, mode="drop")
-    new_gen = meta[jnp.clip(link, 0, nb - 1), st.GEN]
+    # The link's generation (an inserted block's is `gen`; `same` is not written).
+    new_gen = jnp.where(insert, gen, c.block_meta[jnp.clip(same, 0, nb - 1), st.GEN])
     chain_row = jnp.concatenate([
         jnp.stack([jnp.where(linked, link, parent), jnp.where(linked, new_gen, pgen)]),
         jnp.where(linked, h32, ch[st.C_HASH:st.C_HASH + 2]),
         jnp.stack([ch[st.C_LEN] + linked.astype(_I32), linked.astype(_I32)])])
-    c = c.replace(
-        block_meta=meta,
-        table=c.table.at[jnp.where(insert, pos, c.table_size)].set(own, mode="drop"),
-        chain=c.chain.at[jnp.where(go, sc, s_max)].set(chain_row, mode="drop"))
-    b = b.replace(ref_count=b.ref_count.at[put].add(1, mode="drop"))
-    return c, b
+    return ((oc, jnp.where(insert, meta_row, om)), (pos, jnp.where(insert, own, c.table[pos])),
+            (sc, jnp.where(go, chain_row, ch)), (oc, b.ref_count[oc] + insert.astype(_I32)))
 
-  cache, blocks = lax.fori_loop(0, num_items, body, (cache, blocks))
+  def write(c, b, w):
+    (mi, mr), (ti, tr), (ci, cr), (ri, rr) = w
+    c = c.replace(block_meta=st.put_row(c.block_meta, mi, mr), table=st.put_row(c.table, ti, tr),
+                  chain=st.put_row(c.chain, ci, cr))
+    return c, b.replace(ref_count=st.put_row(b.ref_count, ri, rr))
+
+  def body(i, carry):
+    c, b, w = carry
+    c, b = write(c, b, w)
+    return c, b, rows(c, b, i)
+
+  zero = jnp.zeros((), _I32)
+  idle = ((zero, cache.block_meta[0]), (zero, cache.table[0]), (zero, cache.chain[0]),
+          (zero, blocks.ref_count[0]))
+  cache, blocks, last = lax.fori_loop(0, num_items, body, (cache, blocks, idle))
+  cache, blocks = write(cache, blocks, last)
   return cache.replace(clock=cache.clock + 1), blocks
 
 

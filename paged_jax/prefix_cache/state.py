@@ -121,6 +121,14 @@ class PrefixCacheState:
   chain_ok = property(lambda self: self.chain[:, C_OK] != 0)
 
 
+def put_row(x, i, row):
+  """`x` with row `i` (i32[], in range) set to `row`: a dynamic-update-slice, which XLA
+  does in place inside loops (`x.at[i].set(row, mode="drop")` with an out-of-range `i`
+  for "no write" lowers to a bounds select that makes XLA:CPU copy `x`). Callers pass
+  the old row where nothing is to be written."""
+  return lax.dynamic_update_index_in_dim(x, jnp.asarray(row, x.dtype), i, 0)
+
+
 def empty_chain(num_slots: int, root=ROOT_HASH, tag=0):
   """i32[num_slots, 6]: chains before any block (block -1, the salt's tag and root hash)."""
   row = jnp.concatenate([jnp.asarray([-1, tag], _I32), as_i32(jnp.asarray(root, _U32)),

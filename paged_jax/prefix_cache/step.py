@@ -113,17 +113,22 @@ def attach(ps: PrefixStepState, blocks: bm.BlockState, attach_slot, attach_len,
   if attach_tag is None:
     attach_tag = jnp.zeros_like(attach_slot)
 
+  # Software-pipelined: prompt i's lookup reads the states after prompt i - 1's writes,
+  # applied at the top of its iteration (`core.attach_reads`).
   def body(i, carry):
-    cache, b, hits = carry
+    cache, b, hits, w = carry
+    cache, b = pc.attach_write(cache, b, w)
     n = attach_len[i]
     tok = lax.dynamic_slice(buf, (attach_start[i],), (max_len,))
     tok = jnp.where(lane < n, tok, 0)
-    cache, b, hit, _ = pc.attach(cache, b, attach_slot[i], tok, n, attach_root[i],
-                                 attach_tag[i])
-    return cache, b, hits.at[attach_slot[i]].set(hit, mode="drop")
+    w, hit, _ = pc.attach_reads(cache, b, attach_slot[i], tok, n, attach_root[i],
+                                attach_tag[i])
+    return cache, b, hits.at[attach_slot[i]].set(hit, mode="drop"), w
 
   hits = jnp.zeros((blocks.max_seqs,), _I32)
-  cache, blocks, hits = lax.fori_loop(0, num, body, (ps.cache, blocks, hits))
+  cache, blocks, hits, w = lax.fori_loop(0, num, body, (ps.cache, blocks, hits,
+                                                        pc.AttachWrites.idle(ps.cache, blocks)))
+  cache, blocks = pc.attach_write(cache, blocks, w)
   return ps.replace(cache=cache), blocks, hits
 
 
