@@ -33,6 +33,7 @@ from experiments import configs
 from experiments import provenance
 from experiments import serving_benchmark as sb
 from paged_jax.bench import latency
+from paged_jax.bench import rate_search
 from paged_jax.bench import sweep as serving_sweep
 
 
@@ -101,17 +102,12 @@ def _panel_config(panel: Dict) -> sb.Config:
 def run_point(panel: Dict, f: sb.Config, system: str, rate: float) -> Dict:
   """`rate_search.sweep_auto`'s point: the panel's stream, sizes, engine and clock."""
   d = sb.deployment(f)
-  reqs = serving_sweep.rate_stream(f.workload, rate, None, f.seed, d["max_len"],
-                                   panel["num_requests"], d["scale"])
-  with common.progress(total=len(reqs), desc=f"{system} {rate:.4g} req/s") as bar:
-    res = serving_sweep.run_point(
-        system, reqs, kv_budget_tokens=d["kv_budget_tokens"], block_size=f.block_size,
-        max_len=d["max_len"], sizes=panel["sizes"][system],
-        params_fn=serving_sweep.sampling({}), clock=d["clock_fn"](), progress=bar,
-        preemption_mode=f.preemption_mode,
-        engine_fn=serving_sweep.engine_for(d["engine_fn"], system),
-        max_num_batched_tokens=d["scale"].max_num_batched_tokens)
-  return res
+  return rate_search.serve_point(
+      system, rate, panel["num_requests"], workload=f.workload, seed=f.seed,
+      max_len=d["max_len"], scale=d["scale"], kv_budget_tokens=d["kv_budget_tokens"],
+      block_size=f.block_size, sizes=panel["sizes"][system], clock=d["clock_fn"](),
+      preemption_mode=f.preemption_mode, engine_fn=d["engine_fn"],
+      progress=lambda total, desc: common.progress(total=total, desc=desc))
 
 
 def run(f: Config) -> Dict:

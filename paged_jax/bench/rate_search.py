@@ -140,6 +140,27 @@ def search_systems(systems: Sequence[str], run: Callable[[str, float, int], Dict
           "points": points, "unloaded_rate": calm, "unloaded_point": unloaded_point}
 
 
+def serve_point(system: str, rate: float, num_requests: int, *, workload: str, seed: int,
+                max_len: int, scale: HarnessScale, kv_budget_tokens: int, block_size: int,
+                sizes: Dict, clock, preemption_mode: str, engine_fn,
+                mode: Optional[Dict] = None, progress: Optional[Callable] = None) -> Dict:
+  """One point of a `--rates=auto` search: `system` serves the first `num_requests` of the
+  seeded `workload` stream (lengths at `scale`) arriving at `rate` req/s, on a fresh engine
+  from `engine_fn` (one for all, or {system: fn}) sized by `sizes` (`sweep.system_sizes`),
+  on `clock`. `progress(total, desc)`: a context manager bar (None: none).
+  Returns `sweep.run_point`'s dict. `sweep_auto` runs its points with it, and
+  `experiments.rate_points` reruns a committed panel's points with it."""
+  reqs = sweep.rate_stream(workload, rate, None, seed, max_len, num_requests, scale)
+  bar = progress or (lambda total, desc: contextlib.nullcontext())
+  with bar(len(reqs), f"{system} {rate:.4g} req/s") as b:
+    return sweep.run_point(system, reqs, kv_budget_tokens=kv_budget_tokens,
+                           block_size=block_size, max_len=max_len, sizes=sizes,
+                           params_fn=sweep.sampling(mode or {}), clock=clock, progress=b,
+                           preemption_mode=preemption_mode,
+                           engine_fn=sweep.engine_for(engine_fn, system),
+                           max_num_batched_tokens=scale.max_num_batched_tokens)
+
+
 def sweep_auto(systems: Sequence[str], *, workload: str, seed: int, num_requests: int,
                kv_budget_tokens: int, block_size: int, max_len: int, slo_factor: float,
                mode: Optional[Dict] = None, clock_fn: Callable, headroom: float = 1.5,
@@ -172,7 +193,7 @@ def sweep_auto(systems: Sequence[str], *, workload: str, seed: int, num_requests
         shared_prefix_tokens=shared_prefix_tokens)["memory_concurrency"] for s in systems))
     num_requests = max(MIN_REQUESTS, math.ceil(REQUESTS_PER_SLOT * conc))
   base = sweep.rate_stream(workload, 1.0, None, seed, max_len, num_requests, scale)
-  bar = progress or (lambda total, desc: contextlib.nullcontext())
+  bar = progress
   sizes: Dict[str, Dict] = {}
   current = [None]
 
@@ -188,14 +209,10 @@ def sweep_auto(systems: Sequence[str], *, workload: str, seed: int, num_requests
     if release and current[0] not in (None, system):
       release_compiled()   # the next system's engine has other shapes
     current[0] = system
-    reqs = sweep.rate_stream(workload, rate, None, seed, max_len, n, scale)
-    fn = sweep.engine_for(engine_fn, system)
-    with bar(len(reqs), f"{system} {rate:.3g} req/s") as b:
-      return sweep.run_point(system, reqs, kv_budget_tokens=kv_budget_tokens,
-                             block_size=block_size, max_len=max_len, sizes=size(system),
-                             params_fn=sweep.sampling(mode), clock=clock_fn(), progress=b,
-                             preemption_mode=preemption_mode, engine_fn=fn,
-                             max_num_batched_tokens=scale.max_num_batched_tokens)
+    return serve_point(system, rate, n, workload=workload, seed=seed, max_len=max_len,
+                       scale=scale, kv_budget_tokens=kv_budget_tokens, block_size=block_size,
+                       sizes=size(system), mode=mode, clock=clock_fn(),
+                       preemption_mode=preemption_mode, engine_fn=engine_fn, progress=bar)
 
   def hint(system: str, first_rate: float) -> float:
     """The first system's rate scaled by the requests each one's KV memory holds."""
