@@ -115,9 +115,17 @@ def test_unbucketed_standin_is_charged_the_bucketed_engines_shapes():
 
 def test_step_time_errors_compare_mean_steps_per_point():
   measured = {"engine_step_s": [2.0, 3.0, None], "steps": [100, 100, 10]}
-  predicted = {"device_s": [1.0, 6.0, 1.0], "steps": [50, 200, 10]}
+  predicted = {"model_s": [1.0, 6.0, 1.0], "steps": [50, 200, 10]}
   got = validation.step_time_errors(measured, predicted)
   assert got[0] == pytest.approx(0.0) and got[1] == pytest.approx(0.0) and got[2] is None
+
+
+def test_step_time_errors_never_read_the_standins_own_wall_time():
+  # A predicted point's "device_s" is the stand-in engine's wall time in its jitted call
+  # (run_point's engine timing), not the model clock's seconds: no error from it.
+  measured = {"step_s": [0.002, 0.004], "steps": [100, 100]}
+  got = validation.step_time_errors(measured, {"device_s": [0.2, 0.4], "steps": [100, 100]})
+  assert got == [None, None]
 
 
 def test_median_curve_takes_each_points_median_and_keeps_the_repeats():
@@ -137,7 +145,7 @@ def test_median_curve_takes_each_points_median_and_keeps_the_repeats():
 def test_step_time_errors_use_the_truths_mean_step_when_there():
   measured = {"step_s": [0.002, 0.004], "steps": [100, 100],
               "engine_step_s": [9.0, 9.0]}                # ignored: step_s is the truth's
-  predicted = {"device_s": [0.3, 0.4], "steps": [100, 100]}
+  predicted = {"model_s": [0.3, 0.4], "device_s": [9.0, 9.0], "steps": [100, 100]}
   got = validation.step_time_errors(measured, predicted)
   assert got == pytest.approx([0.5, 0.0])
 

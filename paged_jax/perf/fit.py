@@ -23,8 +23,11 @@ from paged_jax.perf.roofline import PARAMS, DeviceTimeModel, StepWork, efficienc
 from paged_jax.perf.step import StepShape
 
 # Which of two inseparable parameters is fitted: the earlier here.
+# row_host_s before elementwise_bandwidth: where every row samples, the sampler's logits and
+# the host's per-row work grow alike, and the host's is the larger (a CPU's 256-logit rows
+# take microseconds; its Python per row ~0.1 ms: docs/paper_scale.md).
 PRIORITY = ("pass_overhead_s", "linear_flops", "weight_bandwidth", "kv_bandwidth",
-            "attention_flops", "elementwise_bandwidth", "pcie", "nvlink",
+            "attention_flops", "row_host_s", "elementwise_bandwidth", "pcie", "nvlink",
             "swap_copy_latency_s", "allreduce_latency_s")
 _THETA_MIN = 1e-6   # efficiencies stay finite (<= 1e6 of the nominal peak)
 
