@@ -287,7 +287,8 @@ def run(f: Config, out: pathlib.Path = pathlib.Path(".")) -> Dict:
   result.update(
       fit=dict(fit.as_dict(), device_model=fit.model.as_dict(),
                rule="calibration.fit_cpu: every calibration step pooled, groups of like "
-               "steps at their " + f.group_stat + " seconds",
+               "steps at their " + f.group_stat + " seconds, each group's relative error "
+               "weighed by its steps",
                calibration_steps=len(samples),
                grouped_steps=len(calibration.grouped(samples))),
       truth={"clock": f.truth, "repeats": f.repeats,

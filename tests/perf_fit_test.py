@@ -152,3 +152,26 @@ def test_a_per_row_host_cost_is_fitted_not_spread_over_the_device_terms():
                                 params=[n for n in perf.PARAMS if n != "row_host_s"])
   assert without.model.efficiency.row_host_s == 0.0
   assert without.max_abs_rel_error > 0.03
+
+
+def test_weights_pull_the_fit_toward_the_heavier_steps_and_bad_ones_are_refused():
+  # Two copies of the same decode steps measured 20% apart: the fit lands between them,
+  # nearer the copy that weighs more.
+  rng = np.random.default_rng(8)
+  steps = [perf.StepShape.decode(rng.integers(16, 2048, size=b)) for b in (1, 4, 16, 64, 256)]
+  truth = perf.DeviceTimeModel.named("opt-13b", "a100-40gb", efficiency=TRUTH)
+  t = perf.predict(truth, steps)
+  start = perf.DeviceTimeModel.named("opt-13b", "a100-40gb")
+  both = steps + steps
+  measured = np.concatenate([t, 1.2 * t])
+  def mean_ratio(weights):
+    fit = perf.fit_efficiency(start, both, measured, weights=weights,
+                              params=["weight_bandwidth", "kv_bandwidth"])
+    return float(np.mean(perf.predict(fit.model, steps) / t))
+  even, low, high = mean_ratio(None), mean_ratio([9.0] * 5 + [1.0] * 5), mean_ratio(
+      [1.0] * 5 + [9.0] * 5)
+  assert 1.05 < even < 1.15 and low < 1.04 and high > 1.16
+  assert mean_ratio([2.0] * 10) == pytest.approx(even, rel=1e-9)   # only ratios count
+  for bad in ([1.0] * 9, [1.0] * 9 + [-1.0], [0.0] * 10, [1.0] * 9 + [float("nan")]):
+    with pytest.raises(ValueError, match="weights must hold"):
+      perf.fit_efficiency(start, both, measured, weights=bad)

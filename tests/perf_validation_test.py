@@ -33,6 +33,33 @@ def test_grouped_takes_the_median_or_the_mean_of_like_steps():
   assert med[(1, 1, 1)] == mean[(1, 1, 1)] == 0.004
   with pytest.raises(ValueError, match="stat must be"):
     calibration.grouped(samples, stat="max")
+  assert calibration.group_sizes(samples) == [3, 1]     # grouped's order: a, then b
+
+
+def test_fit_cpu_weighs_each_group_by_its_steps():
+  # Steps of a CPU-like cost (3 ms a step + 100 us a row) measured 10% dear at one row,
+  # in 200 steps, and right at 4-32 rows, one step each. Weighed by steps the fit follows
+  # the 200 (0.3% here); weighed by groups, the one-step groups pull it further off (1.3%).
+  from paged_jax.config import ModelConfig
+  cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                    num_heads=4, num_kv_heads=2, dtype="float32")
+  truth = calibration.cpu_model(cfg)
+  truth = truth.replace(efficiency=truth.efficiency.replace(pass_overhead_s=3e-3,
+                                                            row_host_s=100e-6))
+  rng = np.random.default_rng(7)
+  samples = []
+  for rows, copies, dear in ((1, 200, 1.1), (4, 1, 1.0), (8, 1, 1.0), (16, 1, 1.0),
+                             (24, 1, 1.0), (32, 1, 1.0), (12, 1, 1.0), (20, 1, 1.0)):
+    shape = perf.StepShape.decode(rng.integers(16, 200, size=rows), bucket_tokens=32)
+    samples += [(shape, dear * truth.step_seconds(shape))] * copies
+  one = samples[0][0]
+  by_steps = calibration.fit_cpu(cfg, samples, stat="mean")
+  by_groups = calibration.fit_cpu(cfg, samples, stat="mean", weigh="groups")
+  measured_one = 1.1 * truth.step_seconds(one)
+  err = lambda fit: abs(fit.model.step_seconds(one) / measured_one - 1)
+  assert err(by_steps) < 0.005 and err(by_groups) > 2 * err(by_steps)
+  with pytest.raises(ValueError, match="weigh must be one of"):
+    calibration.fit_cpu(cfg, samples, weigh="time")
 
 
 def test_measured_file_round_trips_and_refuses_other_flags(tmp_path):
