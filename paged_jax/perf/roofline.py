@@ -15,8 +15,8 @@ A roofline per part of the step, summed (the parts run one after another as kern
 Every figure is per GPU under Megatron-style tensor parallelism (weights, heads and K/V
 split tp ways). The time is positively homogeneous and piecewise linear in the parameter
 vector theta = (1/e_lf, 1/e_wb, 1/e_af, 1/e_kv, 1/e_el, 1/e_pcie, 1/e_nv, pass_overhead_s,
-allreduce_latency_s, swap_copy_latency_s, row_host_s): `StepWork` holds the step's coefficients, which
-is what `fit.py` fits theta with.
+allreduce_latency_s, swap_copy_latency_s, row_host_s): `StepWork` holds the step's
+coefficients, which is what `fit.py` fits theta with.
 """
 
 from __future__ import annotations
