@@ -216,7 +216,10 @@ def predicted_sweep(f: Config, streams: Dict, model: perf.DeviceTimeModel,
             system, streams[r], kv_budget_tokens=f.kv_budget_tokens, block_size=f.block_size,
             sizes=sizes, clock=clock, progress=bar, preemption_mode=f.preemption_mode,
             engine_fn=functools.partial(_standin_engine, holder)))
+      # The clock's seconds: the point's "device_s" is the stand-in's own wall time.
+      points[-1]["model_s"] = clock.device_s + clock.host_s
     curves[system] = dict(serving_sweep.curve(sorted(f.rates), points),
+                          model_s=[p["model_s"] for p in points],
                           load_factor=factors[system])
     release_compiled()
   return curves
@@ -284,7 +287,8 @@ def run(f: Config, out: pathlib.Path = pathlib.Path(".")) -> Dict:
   result.update(
       fit=dict(fit.as_dict(), device_model=fit.model.as_dict(),
                rule="calibration.fit_cpu: every calibration step pooled, groups of like "
-               "steps at their " + f.group_stat + " seconds",
+               "steps at their " + f.group_stat + " seconds, each group's relative error "
+               "weighed by its steps",
                calibration_steps=len(samples),
                grouped_steps=len(calibration.grouped(samples))),
       truth={"clock": f.truth, "repeats": f.repeats,

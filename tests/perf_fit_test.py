@@ -4,12 +4,13 @@ import numpy as np
 import pytest
 
 from paged_jax import perf
+from paged_jax.config import ModelConfig
 from paged_jax.perf import catalog
 
 TRUTH = catalog.DEFAULT_EFFICIENCY.replace(
     linear_flops=0.55, weight_bandwidth=0.7, attention_flops=0.5, kv_bandwidth=0.45,
     elementwise_bandwidth=0.6, pcie=0.7, nvlink=0.6, pass_overhead_s=2.5e-3,
-    allreduce_latency_s=15e-6, swap_copy_latency_s=8e-6, source="truth")
+    allreduce_latency_s=15e-6, swap_copy_latency_s=8e-6, row_host_s=40e-6, source="truth")
 
 
 def _steps(rng, n=80):
@@ -119,3 +120,58 @@ def test_bad_inputs_are_one_line_errors():
     perf.fit_efficiency(dm, steps, [0.1], params=["hbm"])
   with pytest.raises(ValueError, match="prior_weight"):
     perf.fit_efficiency(dm, steps, [0.1], prior_weight=-1.0)
+
+
+def test_a_per_row_host_cost_is_fitted_not_spread_over_the_device_terms():
+  # A small model on a CPU-like device: decode batches of 1-48 rows on padded buckets
+  # (8, 16, 24, 32, 48 tokens, as the engine runs them), each paying the host 100 us a
+  # row. With row_host_s the fit gets it back and prices every step; without it (the
+  # model before the term) no device term grows by the row: the projections step with
+  # the bucket, the sampler of a 256-byte vocabulary is ~0 and held near its prior, and
+  # the K/V reads follow the rows only through their contexts, so the steps are off.
+  cfg = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=352, num_layers=2,
+                    num_heads=4, num_kv_heads=2, dtype="float32")
+  cpu = perf.GpuSpec(name="cpu", hbm_bytes=1 << 34, hbm_bandwidth=20e9, tensor_flops=100e9,
+                     nvlink_bandwidth=10e9, pcie_bandwidth=10e9)
+  rng = np.random.default_rng(6)
+  steps = []
+  for rows in (1, 1, 2, 3, 4, 6, 8, 9, 12, 16, 17, 20, 24, 28, 32, 40, 48):
+    bucket = min(b for b in (8, 16, 24, 32, 48) if b >= rows)
+    steps.append(perf.StepShape.decode(rng.integers(16, 256, size=rows), bucket_tokens=bucket))
+  steps.append(perf.StepShape.prefill([200], bucket_tokens=256))
+  truth = perf.DeviceTimeModel(model=perf.ModelSpec.from_model_config(cfg), gpu=cpu,
+                               efficiency=TRUTH.replace(pass_overhead_s=3e-3,
+                                                        row_host_s=100e-6))
+  start = truth.replace(efficiency=catalog.DEFAULT_EFFICIENCY)
+  measured = perf.predict(truth, steps)
+  with_term = perf.fit_efficiency(start, steps, measured)
+  assert "row_host_s" in with_term.fitted
+  assert with_term.model.efficiency.row_host_s == pytest.approx(100e-6, rel=0.05)
+  assert with_term.max_abs_rel_error < 0.005
+  without = perf.fit_efficiency(start, steps, measured,
+                                params=[n for n in perf.PARAMS if n != "row_host_s"])
+  assert without.model.efficiency.row_host_s == 0.0
+  assert without.max_abs_rel_error > 0.03
+
+
+def test_weights_pull_the_fit_toward_the_heavier_steps_and_bad_ones_are_refused():
+  # Two copies of the same decode steps measured 20% apart: the fit lands between them,
+  # nearer the copy that weighs more.
+  rng = np.random.default_rng(8)
+  steps = [perf.StepShape.decode(rng.integers(16, 2048, size=b)) for b in (1, 4, 16, 64, 256)]
+  truth = perf.DeviceTimeModel.named("opt-13b", "a100-40gb", efficiency=TRUTH)
+  t = perf.predict(truth, steps)
+  start = perf.DeviceTimeModel.named("opt-13b", "a100-40gb")
+  both = steps + steps
+  measured = np.concatenate([t, 1.2 * t])
+  def mean_ratio(weights):
+    fit = perf.fit_efficiency(start, both, measured, weights=weights,
+                              params=["weight_bandwidth", "kv_bandwidth"])
+    return float(np.mean(perf.predict(fit.model, steps) / t))
+  even, low, high = mean_ratio(None), mean_ratio([9.0] * 5 + [1.0] * 5), mean_ratio(
+      [1.0] * 5 + [9.0] * 5)
+  assert 1.05 < even < 1.15 and low < 1.04 and high > 1.16
+  assert mean_ratio([2.0] * 10) == pytest.approx(even, rel=1e-9)   # only ratios count
+  for bad in ([1.0] * 9, [1.0] * 9 + [-1.0], [0.0] * 10, [1.0] * 9 + [float("nan")]):
+    with pytest.raises(ValueError, match="weights must hold"):
+      perf.fit_efficiency(start, both, measured, weights=bad)

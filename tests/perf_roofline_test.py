@@ -153,3 +153,14 @@ def test_step_shape_validation():
   s = perf.StepShape.decode(np.array([3, 4]))
   assert s.new_tokens == (1, 1) and s.context_lens == (3, 4) and hash(s) == hash(
       perf.StepShape.decode([3, 4]))
+
+
+def test_the_host_row_cost_is_one_term_per_row_and_off_by_default():
+  model = perf.DeviceTimeModel.named("opt-13b", "a100-40gb")
+  step = perf.StepShape.from_rows([(1, 100), (1, 300), (64, 64)], decode_iterations=3)
+  assert model.breakdown(step)["row_host"] == 0.0     # the catalog's GPU figures: none
+  timed = model.replace(efficiency=model.efficiency.replace(row_host_s=50e-6))
+  got, base = timed.breakdown(step), model.breakdown(step)
+  assert got["row_host"] == pytest.approx(3 * 50e-6)  # once per row per step, not per pass
+  assert got["total"] == pytest.approx(base["total"] + 3 * 50e-6)
+  assert timed.breakdown(perf.StepShape())["total"] == 0.0   # a step with no rows

@@ -33,6 +33,33 @@ def test_grouped_takes_the_median_or_the_mean_of_like_steps():
   assert med[(1, 1, 1)] == mean[(1, 1, 1)] == 0.004
   with pytest.raises(ValueError, match="stat must be"):
     calibration.grouped(samples, stat="max")
+  assert calibration.group_sizes(samples) == [3, 1]     # grouped's order: a, then b
+
+
+def test_fit_cpu_weighs_each_group_by_its_steps():
+  # Steps of a CPU-like cost (3 ms a step + 100 us a row) measured 10% dear at one row,
+  # in 200 steps, and right at 4-32 rows, one step each. Weighed by steps the fit follows
+  # the 200 (0.3% here); weighed by groups, the one-step groups pull it further off (1.3%).
+  from paged_jax.config import ModelConfig
+  cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                    num_heads=4, num_kv_heads=2, dtype="float32")
+  truth = calibration.cpu_model(cfg)
+  truth = truth.replace(efficiency=truth.efficiency.replace(pass_overhead_s=3e-3,
+                                                            row_host_s=100e-6))
+  rng = np.random.default_rng(7)
+  samples = []
+  for rows, copies, dear in ((1, 200, 1.1), (4, 1, 1.0), (8, 1, 1.0), (16, 1, 1.0),
+                             (24, 1, 1.0), (32, 1, 1.0), (12, 1, 1.0), (20, 1, 1.0)):
+    shape = perf.StepShape.decode(rng.integers(16, 200, size=rows), bucket_tokens=32)
+    samples += [(shape, dear * truth.step_seconds(shape))] * copies
+  one = samples[0][0]
+  by_steps = calibration.fit_cpu(cfg, samples, stat="mean")
+  by_groups = calibration.fit_cpu(cfg, samples, stat="mean", weigh="groups")
+  measured_one = 1.1 * truth.step_seconds(one)
+  err = lambda fit: abs(fit.model.step_seconds(one) / measured_one - 1)
+  assert err(by_steps) < 0.005 and err(by_groups) > 2 * err(by_steps)
+  with pytest.raises(ValueError, match="weigh must be one of"):
+    calibration.fit_cpu(cfg, samples, weigh="time")
 
 
 def test_measured_file_round_trips_and_refuses_other_flags(tmp_path):
@@ -115,9 +142,17 @@ def test_unbucketed_standin_is_charged_the_bucketed_engines_shapes():
 
 def test_step_time_errors_compare_mean_steps_per_point():
   measured = {"engine_step_s": [2.0, 3.0, None], "steps": [100, 100, 10]}
-  predicted = {"device_s": [1.0, 6.0, 1.0], "steps": [50, 200, 10]}
+  predicted = {"model_s": [1.0, 6.0, 1.0], "steps": [50, 200, 10]}
   got = validation.step_time_errors(measured, predicted)
   assert got[0] == pytest.approx(0.0) and got[1] == pytest.approx(0.0) and got[2] is None
+
+
+def test_step_time_errors_never_read_the_standins_own_wall_time():
+  # A predicted point's "device_s" is the stand-in engine's wall time in its jitted call
+  # (run_point's engine timing), not the model clock's seconds: no error from it.
+  measured = {"step_s": [0.002, 0.004], "steps": [100, 100]}
+  got = validation.step_time_errors(measured, {"device_s": [0.2, 0.4], "steps": [100, 100]})
+  assert got == [None, None]
 
 
 def test_median_curve_takes_each_points_median_and_keeps_the_repeats():
@@ -137,7 +172,7 @@ def test_median_curve_takes_each_points_median_and_keeps_the_repeats():
 def test_step_time_errors_use_the_truths_mean_step_when_there():
   measured = {"step_s": [0.002, 0.004], "steps": [100, 100],
               "engine_step_s": [9.0, 9.0]}                # ignored: step_s is the truth's
-  predicted = {"device_s": [0.3, 0.4], "steps": [100, 100]}
+  predicted = {"model_s": [0.3, 0.4], "device_s": [9.0, 9.0], "steps": [100, 100]}
   got = validation.step_time_errors(measured, predicted)
   assert got == pytest.approx([0.5, 0.0])
 

@@ -170,6 +170,17 @@ def recording_clock(truth: str, block_size: int):
   return (RecordingCpuClock if truth == "cpu" else RecordingWallClock)(block_size)
 
 
+def _groups(samples: Sequence[Sample], context_quantum: int) -> List[List[Sample]]:
+  """Samples by like steps (same padded tokens, rows and real tokens, total context within
+  `context_quantum`), in order of first appearance."""
+  groups: Dict[tuple, List[Sample]] = {}
+  for shape, sec in samples:
+    key = (shape.bucket_tokens, shape.num_rows, shape.num_tokens,
+           sum(shape.context_lens) // context_quantum)
+    groups.setdefault(key, []).append((shape, sec))
+  return list(groups.values())
+
+
 def grouped(samples: Sequence[Sample], context_quantum: int = 256, stat: str = "median"
             ) -> List[Sample]:
   """One (shape, seconds) per group of like steps: same padded tokens, rows and real
@@ -177,18 +188,18 @@ def grouped(samples: Sequence[Sample], context_quantum: int = 256, stat: str = "
   loaded machine's outliers) or mean (what a run of such steps pays, outliers included)."""
   if stat not in ("median", "mean"):
     raise ValueError(f"stat must be 'median' or 'mean', got {stat!r}")
-  groups: Dict[tuple, List[Sample]] = {}
-  for shape, sec in samples:
-    key = (shape.bucket_tokens, shape.num_rows, shape.num_tokens,
-           sum(shape.context_lens) // context_quantum)
-    groups.setdefault(key, []).append((shape, sec))
   out = []
-  for members in groups.values():
+  for members in _groups(samples, context_quantum):
     times = [s for _, s in members]
     med = statistics.median(times)
     value = med if stat == "median" else statistics.fmean(times)
     out.append((min(members, key=lambda m: abs(m[1] - med))[0], value))
   return out
+
+
+def group_sizes(samples: Sequence[Sample], context_quantum: int = 256) -> List[int]:
+  """Steps in each of `grouped`'s groups, in its order."""
+  return [len(m) for m in _groups(samples, context_quantum)]
 
 
 def samples_as_dicts(samples: Sequence[Sample]) -> List[dict]:
@@ -247,10 +258,24 @@ def scaled(model: perf.DeviceTimeModel, factor: float) -> perf.DeviceTimeModel:
   return model.replace(efficiency=eff)
 
 
-def fit_cpu(model_config, samples: Sequence[Sample], stat: str = "median"
-            ) -> perf.FitResult:
-  """The device-time model fitted to `samples` grouped (`grouped`, by `stat`)."""
+WEIGHINGS = ("steps", "groups")
+
+
+def fit_cpu(model_config, samples: Sequence[Sample], stat: str = "median",
+            weigh: str = "steps") -> perf.FitResult:
+  """The device-time model fitted to `samples` grouped (`grouped`, by `stat`).
+
+  weigh: "steps" (each group's relative error weighs as many steps as it holds: the fit
+  minimises every recorded step's error, the grouping only compresses) or "groups" (each
+  group once, the rule before: a shape seen in 2 steps weighs as much as one seen in
+  2,000). Measured on perf_validation's committed calibration (23,653 steps, 710 groups):
+  weighed by groups, the fitted step is 5% dear at 0-3 rows and 10% cheap at 16-19 rows
+  against the same run's steps; by steps, 1% dear and 3% cheap.
+  """
+  if weigh not in WEIGHINGS:
+    raise ValueError(f"weigh must be one of {WEIGHINGS}, got {weigh!r}")
   steps = grouped(samples, stat=stat)
+  weights = group_sizes(samples) if weigh == "steps" else None
   return perf.fit_efficiency(cpu_model(model_config), [s for s, _ in steps],
-                             [t for _, t in steps])
+                             [t for _, t in steps], weights=weights)
 

@@ -44,18 +44,19 @@ def repeat_spread(curve: Dict, key: str = "normalized_latency_s_per_token") -> L
 
 
 def step_time_errors(measured: Dict, predicted: Dict) -> List:
-  """Per point: the predicted mean step (the model clock's device seconds / steps) over
-  the measured one (seconds inside Engine.step / steps; the loop's own work, which the
-  calibration charges, excluded) - 1: how far the calibrated load was off the load the
-  point itself ran under (the two runs batch alike but not step for step)."""
+  """Per point: the predicted mean step (the model clock's seconds, "model_s", / steps)
+  over the measured one (the truth clock's mean step "step_s", else seconds inside
+  Engine.step / steps) - 1. A predicted curve without "model_s" (written before it was
+  kept) has no such figure: its "device_s" is the stand-in engine's own wall time inside
+  its jitted call, not the model's, so every entry is None."""
   out = []
   if measured.get("step_s"):   # the truth clock's mean step, the loop's work included
     per_step = measured["step_s"]
     steps = [1] * len(per_step)
   else:
     per_step, steps = measured.get("engine_step_s") or [], measured["steps"]
-  for ms, mn, ps, pn in zip(per_step, steps, predicted.get("device_s") or [],
-                            predicted["steps"]):
+  model_s = predicted.get("model_s") or [None] * len(predicted["steps"])
+  for ms, mn, ps, pn in zip(per_step, steps, model_s, predicted["steps"]):
     ok = ms and mn and ps and pn
     out.append((ps / pn) / (ms / mn) - 1 if ok else None)
   return out

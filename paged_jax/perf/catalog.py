@@ -108,7 +108,8 @@ MODELS: Dict[str, ModelSpec] = {
 DEFAULT_EFFICIENCY = Efficiency(
     linear_flops=0.67, weight_bandwidth=0.80, attention_flops=0.40, kv_bandwidth=0.65,
     elementwise_bandwidth=0.80, pcie=0.80, nvlink=0.80, pass_overhead_s=1.0e-3,
-    allreduce_latency_s=10e-6, swap_copy_latency_s=5e-6, source="catalog defaults")
+    allreduce_latency_s=10e-6, swap_copy_latency_s=5e-6, row_host_s=0.0,
+    source="catalog defaults")
 
 EFFICIENCY_SOURCES: Dict[str, str] = {
     "linear_flops": "kipply 2022 FasterTransformer 13B prefill, 512 tokens in 63.17 ms on "
@@ -131,6 +132,12 @@ EFFICIENCY_SOURCES: Dict[str, str] = {
                        "decode figure above cannot separate it from weight_bandwidth",
     "allreduce_latency_s": "assumption: ~10 us NCCL small-message all-reduce on NVLink; "
                            "checked out of sample against kipply's 2-GPU decode (13.5 ms)",
+    "row_host_s": "assumption: 0 on a GPU (not separated from pass_overhead_s by the "
+                  "figures above); the host's per-request work is real there too (vLLM's "
+                  "profile of v0.5.3, Llama 3 8B on one H100: 29% of the time in scheduling "
+                  "and input preparation; vLLM blog 'vLLM v0.6.0: 2.7x Throughput "
+                  "Improvement', 2024-09-05). Fitted where measured: ~0.1 ms a row for the "
+                  "tiny model on this CPU (experiments.perf_validation)",
     "swap_copy_latency_s": "assumption: ~5 us per cudaMemcpyAsync of one block of one "
                            "layer's K or V (vLLM v0 swaps block by block, csrc "
                            "swap_blocks), so small blocks swap slowly as the paper's Fig. 19a",

@@ -23,8 +23,11 @@ from paged_jax.perf.roofline import PARAMS, DeviceTimeModel, StepWork, efficienc
 from paged_jax.perf.step import StepShape
 
 # Which of two inseparable parameters is fitted: the earlier here.
+# row_host_s before elementwise_bandwidth: where every row samples, the sampler's logits and
+# the host's per-row work grow alike, and the host's is the larger (a CPU's 256-logit rows
+# take microseconds; its Python per row ~0.1 ms: docs/paper_scale.md).
 PRIORITY = ("pass_overhead_s", "linear_flops", "weight_bandwidth", "kv_bandwidth",
-            "attention_flops", "elementwise_bandwidth", "pcie", "nvlink",
+            "attention_flops", "row_host_s", "elementwise_bandwidth", "pcie", "nvlink",
             "swap_copy_latency_s", "allreduce_latency_s")
 _THETA_MIN = 1e-6   # efficiencies stay finite (<= 1e6 of the nominal peak)
 
@@ -129,13 +132,14 @@ def _independent(cols: np.ndarray, order: Sequence[int], tol: float = 1e-6) -> l
   return chosen
 
 
-def _solve(works, measured, theta, prior, free, prior_weight):
+def _solve(works, measured, theta, prior, free, prior_weight, root_w):
   """One Gauss-Newton step from theta: (new theta, indices fitted)."""
   g = np.stack([w.gradient(theta) for w in works]) / measured[:, None]   # relative rows
   order = [PARAMS.index(n) for n in PRIORITY if PARAMS.index(n) in free]
   chosen = _independent(g, order)
   held = [j for j in range(len(PARAMS)) if j not in chosen]
-  b = 1.0 - g[:, held] @ prior[held]   # held parameters sit at the prior
+  g = g * root_w[:, None]
+  b = root_w - g[:, held] @ prior[held]   # held parameters sit at the prior
   a = g[:, chosen]
   weights = [j for j in chosen if prior[j] > 0]
   if prior_weight > 0 and weights:   # prior: prior_weight * ((theta - prior) / prior)^2
@@ -150,24 +154,24 @@ def _solve(works, measured, theta, prior, free, prior_weight):
   return new, chosen
 
 
-def _loss(works, measured, theta, prior, prior_weight) -> float:
-  """Sum of squared relative errors plus the prior's term."""
+def _loss(works, measured, theta, prior, prior_weight, root_w) -> float:
+  """Weighted sum of squared relative errors plus the prior's term."""
   pred = np.array([w.seconds(theta) for w in works])
   pos = prior > 0
   pull = prior_weight * np.sum(((theta[pos] - prior[pos]) / prior[pos]) ** 2)
-  return float(np.sum((pred / measured - 1.0) ** 2) + pull)
+  return float(np.sum((root_w * (pred / measured - 1.0)) ** 2) + pull)
 
 
-def _descend(works, measured, theta, prior, free, prior_weight, max_iter):
+def _descend(works, measured, theta, prior, free, prior_weight, max_iter, root_w):
   k = len(Efficiency.FRACTIONS)   # fractions come first in PARAMS
-  loss, chosen, it = _loss(works, measured, theta, prior, prior_weight), [], 0
+  loss, chosen, it = _loss(works, measured, theta, prior, prior_weight, root_w), [], 0
   for it in range(1, max_iter + 1):
-    target, chosen = _solve(works, measured, theta, prior, free, prior_weight)
+    target, chosen = _solve(works, measured, theta, prior, free, prior_weight, root_w)
     target[:k] = np.maximum(target[:k], _THETA_MIN)
     step, improved = 1.0, False
     for _ in range(12):   # damped: the regimes may change along the step
       cand = theta + step * (target - theta)
-      cand_loss = _loss(works, measured, cand, prior, prior_weight)
+      cand_loss = _loss(works, measured, cand, prior, prior_weight, root_w)
       if cand_loss < loss * (1 - 1e-12):
         theta, loss, improved = cand, cand_loss, True
         break
@@ -193,7 +197,8 @@ def _rel_std_errors(works, measured, theta, chosen) -> Dict[str, float]:
 def fit_efficiency(model: DeviceTimeModel, steps: Sequence[StepShape],
                    measured_s: Sequence[float], *, params: Optional[Sequence[str]] = None,
                    prior_weight: float = 1e-4, max_iter: int = 60,
-                   source: Optional[str] = None) -> FitResult:
+                   source: Optional[str] = None,
+                   weights: Optional[Sequence[float]] = None) -> FitResult:
   """Fits `model`'s efficiencies to measured step seconds (least squares on relative error).
 
   Args:
@@ -207,8 +212,20 @@ def fit_efficiency(model: DeviceTimeModel, steps: Sequence[StepShape],
       part leave it near the prior; 0 fits the data alone.
     max_iter: Gauss-Newton iterations per start.
     source: text recorded as the fitted efficiency's source.
+    weights: per step, the weight of its squared relative error (None: 1 each), e.g.
+      how many measured steps a grouped step stands for, or its seconds (an error of
+      x% on a long step costs a run more than on a short one). Finite, >= 0, one > 0.
   """
   measured = _check_measured(steps, measured_s)
+  if weights is None:
+    root_w = np.ones(measured.size)
+  else:
+    w = np.asarray(weights, dtype=np.float64).reshape(-1)
+    if w.size != measured.size or not (np.all(np.isfinite(w)) and np.all(w >= 0)
+                                       and np.any(w > 0)):
+      raise ValueError(f"weights must hold one finite number >= 0 per step (one > 0), got "
+                       f"{w.size} for {measured.size} steps")
+    root_w = np.sqrt(w / w.mean())
   if not (np.isfinite(prior_weight) and prior_weight >= 0):
     raise ValueError(f"prior_weight must be a finite number >= 0, got {prior_weight}")
   if int(max_iter) < 1:
@@ -225,12 +242,12 @@ def fit_efficiency(model: DeviceTimeModel, steps: Sequence[StepShape],
     start = prior.copy()
     start[list(free)] *= factor
     theta, loss, chosen, it = _descend(works, measured, start, prior, free, prior_weight,
-                                       max_iter)
+                                       max_iter, root_w)
     held = [j for j in range(len(PARAMS)) if j not in chosen]
     if np.any(theta[held] != prior[held]):   # a damped step left a held one off its prior
       theta[held] = prior[held]
       theta, loss, chosen, more = _descend(works, measured, theta, prior, free,
-                                           prior_weight, max_iter)
+                                           prior_weight, max_iter, root_w)
       it += more
     if best is None or loss < best[1]:
       best = (theta, loss, chosen, it)

@@ -8,14 +8,15 @@ A roofline per part of the step, summed (the parts run one after another as kern
          + logits bytes / (HBM * e_el)                                         sampler
          + all-reduce ring bytes / (NVLink * e_nv) + count * allreduce_latency (tp > 1)
          + pass_overhead
+       + rows * row_host_s                                                   host, per row
        + copy-on-write bytes / (HBM * e_el)
        + swap bytes / (PCIe * e_pcie) + copies * swap_copy_latency
 
 Every figure is per GPU under Megatron-style tensor parallelism (weights, heads and K/V
 split tp ways). The time is positively homogeneous and piecewise linear in the parameter
 vector theta = (1/e_lf, 1/e_wb, 1/e_af, 1/e_kv, 1/e_el, 1/e_pcie, 1/e_nv, pass_overhead_s,
-allreduce_latency_s, swap_copy_latency_s): `StepWork` holds the step's coefficients, which
-is what `fit.py` fits theta with.
+allreduce_latency_s, swap_copy_latency_s, row_host_s): `StepWork` holds the step's
+coefficients, which is what `fit.py` fits theta with.
 """
 
 from __future__ import annotations
@@ -31,14 +32,16 @@ from paged_jax.perf import catalog
 from paged_jax.perf.specs import Efficiency, GpuSpec, ModelSpec, dtype_bytes
 from paged_jax.perf.step import StepShape
 
-# theta's entries, in order: the seven efficiencies (as 1 / efficiency), then three latencies.
+# theta's entries, in order: the seven efficiencies (as 1 / efficiency), then four latencies.
 PARAMS = Efficiency.FRACTIONS + Efficiency.LATENCIES
 _I = {name: i for i, name in enumerate(PARAMS)}
 
 COMBINATION = ("sum over the step's parts (kernels run one after another) of each part's "
-               "max(compute time, memory time); per forward pass, plus copy-on-write and swap")
+               "max(compute time, memory time); per forward pass, plus the host's per-row "
+               "work, copy-on-write and swap")
 
-PARTS = ("linear", "attention", "sampler", "allreduce", "overhead", "copy_on_write", "swap")
+PARTS = ("linear", "attention", "sampler", "allreduce", "overhead", "row_host", "copy_on_write",
+         "swap")
 
 
 def theta_of(eff: Efficiency) -> np.ndarray:
@@ -164,6 +167,8 @@ class DeviceTimeModel:
       live = rows_new.size
       if live or step.bucket_rows:
         self._pass(work, rows_new, rows_ctx + i, max(live, step.bucket_rows), live)
+    if step.num_rows:   # the host plans, packs and updates each row once per step
+      work.terms.append(("row_host", _I["row_host_s"], float(step.num_rows)))
     kvb = self.kv_bytes_per_token
     if step.cow_blocks:  # read and write each block
       bytes_ = 2.0 * step.cow_blocks * step.block_size * kvb

@@ -203,6 +203,9 @@ class Efficiency:
     pass_overhead_s: fixed seconds per forward pass (launches, host sync, scheduling).
     allreduce_latency_s: fixed seconds per all-reduce (tp > 1).
     swap_copy_latency_s: fixed seconds per host<->device copy (one per block, layer, K/V).
+    row_host_s: host seconds per row of a step (a prefill chunk or a decode sequence): the
+      engine's scheduling, input packing and output update for it, serial with the
+      device (one host sync per step). 0 unless fitted (catalog.EFFICIENCY_SOURCES).
     source: where these values come from (the catalog's defaults, or a fit).
   """
 
@@ -216,11 +219,12 @@ class Efficiency:
   pass_overhead_s: float
   allreduce_latency_s: float
   swap_copy_latency_s: float
+  row_host_s: float = 0.0
   source: str = ""
 
   FRACTIONS = ("linear_flops", "weight_bandwidth", "attention_flops", "kv_bandwidth",
                "elementwise_bandwidth", "pcie", "nvlink")
-  LATENCIES = ("pass_overhead_s", "allreduce_latency_s", "swap_copy_latency_s")
+  LATENCIES = ("pass_overhead_s", "allreduce_latency_s", "swap_copy_latency_s", "row_host_s")
 
   def __post_init__(self):
     for field in self.FRACTIONS:
