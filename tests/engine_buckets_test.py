@@ -2,16 +2,19 @@
 decode_only) bucket that holds what is live. Outputs must equal the unbucketed
 engine's (`shape_buckets=False`: every step at the largest shape, ragged
 attention) token for token, and greedy ones the dense oracle's; each bucket
-traces once and their number stays within the bucket set."""
+traces once and their number stays within the bucket set. The unbucketed engine
+with `decode_shape` runs decode-only steps on one decode shape (T = R = max_seqs):
+step for step the same state and outputs as the largest shape's."""
 
 import functools
 
+import jax
 import numpy as np
 import pytest
 
 from paged_jax.engine import SamplingParams
 from paged_jax.engine import step as step_lib
-from paged_jax.engine.buckets import StepBuckets
+from paged_jax.engine.buckets import Bucket, StepBuckets, reachable_buckets
 
 from engine_oracle import (ORACLE_LEN, PARAMS, dense_greedy, oracle_engine, random_prompts,
                            record_buckets)
@@ -40,6 +43,76 @@ def test_row_buckets_bound_padding(max_seqs):
     assert rows < max(2 * n, 8 + 1), (n, rows, b.rows)
     if n >= 16:
       assert rows <= 1.5 * n, (n, rows, b.rows)
+
+
+@pytest.mark.parametrize("decode_shape", [False, True])
+def test_unbucketed_decode_shape_picks_the_decode_shape_for_decode_only_steps(decode_shape):
+  # 12 slots, 40 tokens a step, 6-block tables: the largest shape (40, 12, 6) for every
+  # step, and with decode_shape a decode-only step (however few rows, or a frees-only
+  # step) on (12, 12, 6, decode kernel) instead.
+  b = StepBuckets.make(max_seqs=12, max_num_batched_tokens=40, max_blocks_per_seq=6,
+                       block_size=4, decode_steps=2, enabled=False, decode_shape=decode_shape)
+  mixed, decode = Bucket(40, 12, 6, False), Bucket(12, 12, 6, True)
+  for tokens, rows, max_len in [(30, 5, 9), (2, 1, 1), (40, 12, 24)]:
+    assert b.pick(tokens, rows, max_len, False) == mixed
+  for rows, max_len in [(0, 0), (1, 1), (5, 9), (12, 24)]:
+    assert b.pick(rows, rows, max_len, True) == (decode if decode_shape else mixed)
+  assert b.pick(3, 3, 7, True, all_greedy=True).all_greedy
+  assert reachable_buckets(b, max_rows=12, max_len=24) == [mixed] + [decode] * decode_shape
+  assert b.max_variants == 2 * (1 + decode_shape)          # x sampling / all-greedy
+  # Bucketed engines always have their decode buckets: the option changes nothing.
+  kw = dict(max_seqs=12, max_num_batched_tokens=40, max_blocks_per_seq=6, block_size=4,
+            decode_steps=1)
+  assert StepBuckets.make(**kw, decode_shape=True) == StepBuckets.make(**kw)
+
+
+def _device_state(engine):
+  """The allocator's arrays (tables, lengths, free stack, ref counts) and the KV pages."""
+  return [np.asarray(x) for x in jax.tree_util.tree_leaves(
+      (engine.state.blocks, engine.state.pages.k, engine.state.pages.v))]
+
+
+def test_unbucketed_decode_shape_steps_equal_the_largest_shapes():
+  # Two unbucketed engines in lockstep on the same seeded traffic (greedy prompts of
+  # mixed lengths, an n=2 group, 40 blocks: it preempts and recomputes), one
+  # with the decode shape: before every step both hold the same state (block tables,
+  # lengths, free stack exactly; KV pages to float rounding), so each step's report,
+  # outputs and next state must agree,
+  # while the decode-only steps of the first run on the decode shape and the second's
+  # on the largest one.
+  # Greedy only (one sampling variant to compile: the test stays cheap); n=2 gives a
+  # step more sampled lanes than rows.
+  reqs = [(p, SamplingParams(max_tokens=int(6 + 4 * i), temperature=0.0))
+          for i, p in enumerate(prompts_of(21, 6, 2, 30))]
+  reqs.append((prompts_of(22, 1, 10, 10)[0], SamplingParams(max_tokens=14, n=2,
+                                                            temperature=0.0)))
+  fast, full = (make_engine(shape_buckets=False, decode_shape=d) for d in (True, False))
+  for engine in (fast, full):
+    for i, (p, sp) in enumerate(reqs):
+      engine.add_request(p, sp, request_id=i)
+  done, kinds = {}, set()
+  while fast.has_unfinished() or full.has_unfinished():
+    outs = [{o.request_id: o.outputs for o in e.step()} for e in (fast, full)]
+    a, b = fast.last_step, full.last_step
+    assert outs[0] == outs[1]
+    done.update(outs[0])
+    assert (a.prefill_chunks, a.decode_rows, a.generated_tokens, a.preempted_ids) == (
+        b.prefill_chunks, b.decode_rows, b.generated_tokens, b.preempted_ids)
+    if b.bucket is not None:
+      assert b.bucket[:4] == (BUDGET, MAX_SEQS, ORACLE_LEN // BLOCK_SIZE, False)
+      decode_only = bool(a.decode_rows) and not a.prefill_chunks
+      assert a.bucket[:4] == ((MAX_SEQS, MAX_SEQS, ORACLE_LEN // BLOCK_SIZE, True)
+                              if decode_only else b.bucket[:4])
+      kinds.add(decode_only)
+    for x, y in zip(_device_state(fast), _device_state(full), strict=True):
+      if np.issubdtype(x.dtype, np.floating):  # K/V: matmuls of T vs 32 rows round apart
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
+      else:
+        np.testing.assert_array_equal(x, y)
+  assert kinds == {False, True} and fast.num_preemptions > 0
+  assert sorted(done) == list(range(len(reqs)))
+  for i, (p, sp) in enumerate(reqs[:-1]):
+    assert done[i][0] == dense_greedy(PARAMS, p, sp.max_tokens)
 
 
 def mixed_requests():

@@ -27,6 +27,7 @@ CC = MC.cache_config(block_size=16, num_blocks=12, max_seqs=8, max_blocks_per_se
     (dict(max_probe=0), r"max_probe must be an int in \[1, 1024\]"),
     (dict(hash_mode="md5"), "hash_mode"),
     (dict(shape_buckets=1), "shape_buckets"),
+    (dict(decode_shape="yes"), "decode_shape must be True or False"),
     (dict(model_apply=3), "model_apply"),
     (dict(init_state="x"), "init_state"),
 ])

@@ -60,6 +60,18 @@ def test_reachable_buckets_equal_brute_force(max_seqs, budget, width, decode_ste
   assert set(got) == brute_force(b, max_rows, max_len, lanes)
 
 
+@pytest.mark.parametrize("decode_steps,max_rows,lanes", [(1, 16, 1), (4, 5, 2)])
+def test_reachable_unbucketed_decode_shape_equal_brute_force(decode_steps, max_rows, lanes):
+  # Unbucketed with the decode shape: the largest shape and the decode one, both
+  # reachable by any run (a frees-only step is decode-only).
+  b = StepBuckets.make(max_seqs=16, max_num_batched_tokens=64, max_blocks_per_seq=8,
+                       block_size=16, decode_steps=decode_steps, enabled=False,
+                       decode_shape=True)
+  got = reachable_buckets(b, max_rows=max_rows, max_len=64, lanes_per_row=lanes)
+  assert len(got) == len(set(got)) == 2 <= b.max_variants
+  assert set(got) == brute_force(b, max_rows, 64, lanes)
+
+
 def test_reachable_buckets_reject_bad_bounds():
   b = StepBuckets.make(max_seqs=8, max_num_batched_tokens=32, max_blocks_per_seq=4,
                        block_size=4, decode_steps=1)

@@ -78,7 +78,12 @@ class PaperSetting:
                   max_num_batched_tokens: int = PAPER.max_num_batched_tokens,
                   max_beam_width: int = PAPER.max_beam_width, prefix_caching: bool = False):
     """The real Engine with the stand-in forward on a `kv_budget_tokens`-slot pool
-    (`engines.make_engine`'s keywords; attention_backend is unused by the stand-in)."""
+    (`engines.make_engine`'s keywords; attention_backend is unused by the stand-in).
+
+    Unbucketed with the decode shape (`EngineOptions.decode_shape`): a mixed step runs
+    the largest shape, a decode-only step T = R = max_seqs (two compiled shapes per
+    geometry, not one per bucket). The model clock charges what a step computed, not its
+    shape, so the shapes change host seconds only, never a latency."""
     from paged_jax.engine import Engine  # pylint: disable=g-import-not-at-top
     from paged_jax.models import standin  # pylint: disable=g-import-not-at-top
     del attention_backend
@@ -93,7 +98,7 @@ class PaperSetting:
     return Engine(config, params, cache, max_num_batched_tokens=max_num_batched_tokens,
                   preemption_mode=preemption_mode, attention_backend="reference",
                   max_beam_width=max_beam_width, model_apply=standin.apply,
-                  shape_buckets=False)
+                  shape_buckets=False, decode_shape=True)
 
   def clock(self, block_size: int = BLOCK_SIZE, *, host_time: bool = False) -> perf.ModelClock:
     """Virtual time from the device-time model (deterministic unless host_time)."""

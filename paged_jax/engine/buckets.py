@@ -65,8 +65,11 @@ class StepBuckets:
   decode loop included). Each (T, R, W, decode_only) compiles once; a decode-only
   step (every row one new token) runs the decode kernel with T = R.
   `enabled=False` pins every step to the largest bucket (T = budget, R = S,
-  W = max_blocks_per_seq, ragged attention): the unbucketed step. With
-  `prefix_caching` each shape also has its `prefix_light` variant.
+  W = max_blocks_per_seq, ragged attention): the unbucketed step; with `decode_shape`
+  besides, a decode-only step runs on one decode shape (T = R = S, W =
+  max_blocks_per_seq, the decode kernel) instead, so an unbucketed engine has two
+  shapes (a paper-scale sweep's decodes then skip the budget-sized token arrays).
+  With `prefix_caching` each shape also has its `prefix_light` variant.
   """
   tokens: Tuple[int, ...]
   rows: Tuple[int, ...]
@@ -75,14 +78,18 @@ class StepBuckets:
   decode_steps: int
   enabled: bool = True
   prefix_caching: bool = False
+  decode_shape: bool = False
 
   @classmethod
   def make(cls, *, max_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int,
            block_size: int, decode_steps: int, enabled: bool = True,
-           prefix_caching: bool = False) -> "StepBuckets":
+           prefix_caching: bool = False, decode_shape: bool = False) -> "StepBuckets":
+    """The buckets of an engine's geometry; `decode_shape` counts only when not
+    `enabled` (bucketed steps always have their decode-only shapes)."""
     if not enabled:
       return cls((max_num_batched_tokens,), (max_seqs,), (max_blocks_per_seq,), block_size,
-                 decode_steps, enabled=False, prefix_caching=prefix_caching)
+                 decode_steps, enabled=False, prefix_caching=prefix_caching,
+                 decode_shape=bool(decode_shape))
     # Tokens by 4x (a prefill chunk's cost is mostly the model's matmuls, and a
     # busy engine fills its budget); rows by 2x to 16, then 1.5x / 2x alternately (8, 16, 24,
     # 32, 48, ...: every decode step's matmuls, attention and sampling scale with R, and
@@ -95,10 +102,16 @@ class StepBuckets:
                block_size, decode_steps, prefix_caching=prefix_caching)
 
   @property
+  def decode_shapes(self) -> bool:
+    """Decode-only steps run on decode shapes (T = R, the decode kernel): bucketed, or
+    unbucketed with `decode_shape`."""
+    return self.enabled or self.decode_shape
+
+  @property
   def max_variants(self) -> int:
     """Upper bound on distinct compiled steps: mixed (T, R, W) + decode-only (R, W),
     each with sampling or all-greedy (and, with prefix caching, full or light)."""
-    return ((len(self.tokens) + self.enabled) * len(self.rows) * len(self.widths) * 2
+    return ((len(self.tokens) + self.decode_shapes) * len(self.rows) * len(self.widths) * 2
             * (1 + self.prefix_caching))
 
   def pick(self, num_tokens: int, num_rows: int, max_len: int, decode_only: bool,
@@ -111,21 +124,24 @@ class StepBuckets:
     if self.decode_steps > 1:
       max_len += self.decode_steps - 1          # the decode loop's tokens
     width = up(self.widths, cdiv(max(max_len, 1), self.block_size))
-    decode_only = decode_only and self.enabled
+    decode_only = decode_only and self.decode_shapes
     tokens = rows if decode_only else up(self.tokens, num_tokens)
     return Bucket(tokens, rows, width, decode_only, bool(all_greedy),
                   bool(prefix_light) and self.prefix_caching)
 
 
 def step_buckets(cache_config: CacheConfig, max_num_batched_tokens: int,
-                 decode_steps_per_sync: int, shape_buckets: bool = True) -> StepBuckets:
-  """The step's shape buckets for an engine (tokens, rows, block-table widths)."""
+                 decode_steps_per_sync: int, shape_buckets: bool = True,
+                 decode_shape: bool = False) -> StepBuckets:
+  """The step's shape buckets for an engine (tokens, rows, block-table widths;
+  `shape_buckets` / `decode_shape`: the `EngineOptions` fields)."""
   return StepBuckets.make(max_seqs=cache_config.max_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,
                           max_blocks_per_seq=cache_config.max_blocks_per_seq,
                           block_size=cache_config.block_size,
                           decode_steps=decode_steps_per_sync, enabled=shape_buckets,
-                          prefix_caching=cache_config.enable_prefix_caching)
+                          prefix_caching=cache_config.enable_prefix_caching,
+                          decode_shape=decode_shape)
 
 
 def reachable_buckets(buckets: StepBuckets, *, max_rows: int, max_len: int,
@@ -137,13 +153,17 @@ def reachable_buckets(buckets: StepBuckets, *, max_rows: int, max_len: int,
   `lanes_per_row` > 1 (parallel sampling: n children sample from their leader's row)
   lets the sampled lanes outnumber the chunks; with 1, a mixed step of T tokens has
   at most T - 1 rows (one chunk has >= 2 tokens), which drops (T, R) pairs with
-  R > T. A frees-only step is decode_only at the smallest row bucket.
+  R > T. A frees-only step is decode_only at the smallest row bucket. Unbucketed: the
+  largest shape, and with `decode_shape` the one decode shape (every run can reach it:
+  a frees-only step lands there).
   """
   if max_rows < 1 or max_len < 1 or lanes_per_row < 1:
     raise ValueError(f"max_rows, max_len and lanes_per_row must be >= 1, got "
                      f"{max_rows}, {max_len}, {lanes_per_row}")
-  if not buckets.enabled:   # one shape: the largest
-    return [Bucket(buckets.tokens[-1], buckets.rows[-1], buckets.widths[-1], False)]
+  if not buckets.enabled:   # the largest shape (and the decode shape)
+    s, w = buckets.rows[-1], buckets.widths[-1]
+    return [Bucket(buckets.tokens[-1], s, w, False)] + (
+        [Bucket(s, s, w, True)] if buckets.decode_shape else [])
   max_rows = min(max_rows, buckets.rows[-1])
   rows = sorted({buckets.pick(1, k, 1, True).rows for k in range(1, max_rows + 1)})
   width_max = buckets.pick(1, 1, max_len, False).width

@@ -233,7 +233,7 @@ def engine_step(model_config: ModelConfig, cache_config: CacheConfig,
   key = step_key(model_config, cache_config, options)
   _, _, steps, candidates, max_evict, model_apply, window, sliding_layers = key
   buckets = step_buckets(cache_config, options.max_num_batched_tokens, steps,
-                         options.shape_buckets)
+                         options.shape_buckets, options.decode_shape)
   kw = dict(num_decode_steps=steps, num_candidates=candidates, max_evict=max_evict,
             sliding_window=window, sliding_layers=sliding_layers)
   # Dispatches send and fetch one buffer each (packing.py).

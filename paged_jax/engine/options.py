@@ -53,6 +53,12 @@ class EngineOptions:
     hash_mode: prefix-cache hashing, "chained" (or "constant", for collision tests).
     shape_buckets: True: each step runs on the smallest shape bucket holding what is
       live; False: every step at the largest shape (for comparisons).
+    decode_shape: with shape_buckets=False, a decode-only step (every row one new token)
+      runs on a second shape, T = R = max_seqs and W = max_blocks_per_seq with the
+      decode kernel, instead of the largest one: two compiled shapes (x sampling
+      variants), and no step of a long decode phase pays for the token budget's arrays
+      (the paper-scale engines). Outputs are the same either way. No effect with
+      shape_buckets=True (decode-only steps always run the decode buckets there).
   """
   max_num_batched_tokens: int = 256
   decode_steps_per_sync: int = 1
@@ -64,6 +70,7 @@ class EngineOptions:
   max_probe: int = 16
   hash_mode: str = "chained"
   shape_buckets: bool = True
+  decode_shape: bool = False
 
   def __post_init__(self):
     from paged_jax.attention import resolve_backend  # pylint: disable=g-import-not-at-top
@@ -85,8 +92,9 @@ class EngineOptions:
     for name in ("model_apply", "init_state"):
       if getattr(self, name) is not None and not callable(getattr(self, name)):
         raise ValueError(f"{name} must be callable or None, got {getattr(self, name)!r}")
-    if not isinstance(self.shape_buckets, bool):
-      raise ValueError(f"shape_buckets must be True or False, got {self.shape_buckets!r}")
+    for name in ("shape_buckets", "decode_shape"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
   @classmethod
   def of(cls, options: Optional["EngineOptions"] = None, **overrides) -> "EngineOptions":
