@@ -382,7 +382,8 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
       out = out.replace(num_free=b.num_free, available=b.num_free, sole_blocks=sole_blocks(b))
     else:
       ps, b, _ = prefix_step.after(ps, b, inp, out, max_items=max_evict, forks=not quiet)
-      ps, b = prefix_step.free(ps, b, done_slots)
+      # The finished slots are rows: their blocks fit the step's width bucket.
+      ps, b = prefix_step.free(ps, b, done_slots, num_cols=width or 0)
       evictable = prefix_core.num_evictable(ps.cache, b)
       out = out.replace(num_free=b.num_free, available=b.num_free + evictable,
                         num_evictable=evictable, prefix_hit_blocks=ps.cache.hit_blocks,
