@@ -62,9 +62,10 @@ def build_inputs(batch: Batch, running: Seq[Group], *, buckets: StepBuckets, max
   Returns (StepInputs, Bucket); pass `bucket.step_kw` to the step (`width=`,
   `decode_only=`, `all_greedy=`, `prefix_light=`: with prefix caching, a step that
   admits, frees, forks and swaps nothing skips that prefix work; `prefix_admit_only=`: one
-  that admits but frees, forks and swaps nothing skips the first release and fork copies). all_greedy: every running
-  request has temperature 0; `idle_all_greedy` when none runs (a frees-only step
-  samples nothing: the engine passes its previous step's, so no new variant compiles).
+  that admits but frees, forks and swaps nothing skips the first release and fork
+  copies). all_greedy: every running request has temperature 0; `idle_all_greedy` when
+  none runs (a frees-only step samples nothing: the engine passes its previous step's,
+  so no new variant compiles).
   """
   chunks = batch.chunks
   max_len = max((ch.seq.num_computed + ch.num_tokens for ch in chunks), default=0)
