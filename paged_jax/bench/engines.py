@@ -95,8 +95,9 @@ def warm_up(engine, requests: Optional[Sequence] = None,
     requests: the workloads.Request list to be served (lengths), or None.
     params_fn: request -> SamplingParams (default greedy).
   Returns:
-    {"shapes": buckets in the set (with prefix caching each also as its `prefix_light`
-    variant), "compiled", "already" (compiled before), "seconds"}.
+    {"shapes": steps in the set (with prefix caching each shape also as its `prefix_light`
+    variant and each mixed shape as its `prefix_admit_only` one), "compiled", "already"
+    (compiled before), "seconds"}.
   """
   from paged_jax.engine import reachable_buckets  # pylint: disable=g-import-not-at-top
   c = engine.cache_config
@@ -113,8 +114,9 @@ def warm_up(engine, requests: Optional[Sequence] = None,
   max_rows = c.max_seqs if shared else min(c.max_seqs, c.num_blocks)
   shapes = reachable_buckets(engine.buckets, max_rows=max_rows, max_len=max_len,
                              lanes_per_row=lanes)
-  return dict(engine.compile_buckets(shapes, all_greedy=variants),   # x2: prefix_light
-              shapes=len(shapes) * len(variants) * (1 + bool(engine.prefix_caching)))
+  per_shape = lambda s: 1 + (1 + (not s.decode_only)) * bool(engine.prefix_caching)
+  return dict(engine.compile_buckets(shapes, all_greedy=variants),   # + prefix variants
+              shapes=sum(map(per_shape, shapes)) * len(variants))
 
 
 def generate_text(prompt: str, block_sizes: Sequence[int], *, max_tokens: int = 48,

@@ -39,6 +39,9 @@ class Bucket(NamedTuple):
     prefix_light: with prefix caching, the step admits, frees and forks nothing (the
       host knows): it runs without the prefix cache's lookup, first release and fork
       copies (`step.make_step`); always False without caching.
+    prefix_admit_only: with prefix caching, a mixed step that admits prompts but frees,
+      forks and swaps nothing: it keeps the lookup, leaves out the first release and the
+      fork copies; always False without caching, with `prefix_light` or decode_only.
   """
   tokens: int
   rows: int
@@ -46,13 +49,19 @@ class Bucket(NamedTuple):
   decode_only: bool
   all_greedy: bool = False
   prefix_light: bool = False
+  prefix_admit_only: bool = False
 
   @property
   def step_kw(self) -> dict:
     """The step's static keywords for this bucket (T and R come with the inputs);
-    `prefix_light` only when set, so a step without prefix caching never sees it."""
+    `prefix_light` / `prefix_admit_only` only when set, so a step without prefix caching
+    never sees them."""
     kw = dict(width=self.width, decode_only=self.decode_only, all_greedy=self.all_greedy)
-    return dict(kw, prefix_light=True) if self.prefix_light else kw
+    if self.prefix_light:
+      kw["prefix_light"] = True
+    if self.prefix_admit_only:
+      kw["prefix_admit_only"] = True
+    return kw
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +78,8 @@ class StepBuckets:
   besides, a decode-only step runs on one decode shape (T = R = S, W =
   max_blocks_per_seq, the decode kernel) instead, so an unbucketed engine has two
   shapes (a paper-scale sweep's decodes then skip the budget-sized token arrays).
-  With `prefix_caching` each shape also has its `prefix_light` variant.
+  With `prefix_caching` each shape also has its `prefix_light` variant, and each mixed
+  shape its `prefix_admit_only` one.
   """
   tokens: Tuple[int, ...]
   rows: Tuple[int, ...]
@@ -110,15 +120,19 @@ class StepBuckets:
   @property
   def max_variants(self) -> int:
     """Upper bound on distinct compiled steps: mixed (T, R, W) + decode-only (R, W),
-    each with sampling or all-greedy (and, with prefix caching, full or light)."""
-    return ((len(self.tokens) + self.decode_shapes) * len(self.rows) * len(self.widths) * 2
-            * (1 + self.prefix_caching))
+    each with sampling or all-greedy (and, with prefix caching, full or light, and for
+    mixed shapes admit-only too)."""
+    p = int(self.prefix_caching)
+    return ((len(self.tokens) * (1 + 2 * p) + self.decode_shapes * (1 + p)) * len(self.rows)
+            * len(self.widths) * 2)
 
   def pick(self, num_tokens: int, num_rows: int, max_len: int, decode_only: bool,
-           all_greedy: bool = False, prefix_light: bool = False) -> Bucket:
+           all_greedy: bool = False, prefix_light: bool = False,
+           prefix_admit_only: bool = False) -> Bucket:
     """The Bucket for a step with `num_tokens` new tokens, `num_rows` rows / sampled
-    slots, and `max_len` tokens in its longest row after the step (`prefix_light`:
-    kept only with prefix caching)."""
+    slots, and `max_len` tokens in its longest row after the step (`prefix_light`,
+    `prefix_admit_only`: kept only with prefix caching; admit-only only on a mixed
+    shape without `prefix_light`)."""
     up = lambda sizes, n: next((b for b in sizes if b >= n), sizes[-1])
     rows = up(self.rows, num_rows)
     if self.decode_steps > 1:
@@ -126,8 +140,9 @@ class StepBuckets:
     width = up(self.widths, cdiv(max(max_len, 1), self.block_size))
     decode_only = decode_only and self.decode_shapes
     tokens = rows if decode_only else up(self.tokens, num_tokens)
-    return Bucket(tokens, rows, width, decode_only, bool(all_greedy),
-                  bool(prefix_light) and self.prefix_caching)
+    light = bool(prefix_light) and self.prefix_caching
+    admit_only = bool(prefix_admit_only) and self.prefix_caching and not (light or decode_only)
+    return Bucket(tokens, rows, width, decode_only, bool(all_greedy), light, admit_only)
 
 
 def step_buckets(cache_config: CacheConfig, max_num_batched_tokens: int,

@@ -80,7 +80,8 @@ class CompiledStep:
       return False
     self.seen.add(bucket)
     log.info("paged_jax engine: compiling step shape tokens=%d rows=%d width=%d blocks "
-             "decode_only=%s all_greedy=%s prefix_light=%s (%d shapes so far, at most %d)",
+             "decode_only=%s all_greedy=%s prefix_light=%s prefix_admit_only=%s (%d shapes "
+             "so far, at most %d)",
              *bucket,
              len(self.seen), buckets.max_variants)
     return True
@@ -97,11 +98,14 @@ class CompiledStep:
     calls use, so no step of those shapes traces or compiles later (JAX 0.10 and 0.11)
     while the budget holds it (more shapes than the process can map release the
     first ones again). Nothing runs on the device. With prefix caching (`state.prefix`)
-    each shape also compiles its `prefix_light` variant. At most `max_shapes` steps
-    (else ValueError). Returns {"compiled", "already", "seconds"}."""
-    lights = (False, True) if state.prefix is not None else (False,)
-    shapes = list(dict.fromkeys(Bucket(*tuple(s)[:4], bool(g), light) for s in shapes
-                                for g in dict.fromkeys(all_greedy) for light in lights))
+    each shape also compiles its `prefix_light` variant, and each mixed shape its
+    `prefix_admit_only` one. At most `max_shapes` steps (else ValueError). Returns
+    {"compiled", "already", "seconds"}."""
+    lights = (((False, False), (True, False), (False, True)) if state.prefix is not None
+              else ((False, False),))
+    shapes = list(dict.fromkeys(Bucket(*tuple(s)[:4], bool(g), light, admit)
+                                for s in shapes for g in dict.fromkeys(all_greedy)
+                                for light, admit in lights if not (admit and s[3])))
     if len(shapes) > max_shapes:
       raise ValueError(f"{len(shapes)} shapes to compile, more than the bound {max_shapes}")
     abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
@@ -121,8 +125,8 @@ class CompiledStep:
       self.seen.add(bucket)
       compiled += 1
       log.info("paged_jax engine: compiled step shape tokens=%d rows=%d width=%d blocks "
-               "decode_only=%s all_greedy=%s prefix_light=%s ahead of time in %.2f s "
-               "(%d of %d)", *bucket,
+               "decode_only=%s all_greedy=%s prefix_light=%s prefix_admit_only=%s ahead of "
+               "time in %.2f s (%d of %d)", *bucket,
                time.perf_counter() - t1, compiled + already, len(shapes))
     seconds = time.perf_counter() - t0
     log.info("paged_jax engine: %d step shapes compiled ahead of time (%d already) in %.1f s",
@@ -132,19 +136,21 @@ class CompiledStep:
 
 class StepCall:
   """An engine's step call: `(params, state, inputs, *, width=None, decode_only=False,
-  all_greedy=False, prefix_light=False) -> (state, outputs)`, as the jitted step takes it,
-  run by the bucket's own jit (`CompiledStep.executable`) with numpy inputs sent as one
-  buffer and `outputs` a `packing.Packed` StepOutputs (`packing.fetch` brings it to
-  the host in one transfer; its fields read as the StepOutputs'); `lower` / `trace`
-  are the unpacked jitted step's, with the bucket's fields as static keywords."""
+  all_greedy=False, prefix_light=False, prefix_admit_only=False) -> (state, outputs)`, as
+  the jitted step takes it, run by the bucket's own jit (`CompiledStep.executable`) with
+  numpy inputs sent as one buffer and `outputs` a `packing.Packed` StepOutputs
+  (`packing.fetch` brings it to the host in one transfer; its fields read as the
+  StepOutputs'); `lower` / `trace` are the unpacked jitted step's, with the bucket's
+  fields as static keywords."""
 
   def __init__(self, compiled: CompiledStep, signature: int):
     self.compiled, self.signature = compiled, signature
 
   def __call__(self, params, state, inputs: StepInputs, *, width=None, decode_only=False,
-               all_greedy=False, prefix_light=False):
+               all_greedy=False, prefix_light=False, prefix_admit_only=False):
+    caching = state.prefix is not None
     bucket = Bucket(inputs.tokens.shape[0], inputs.row_slot.shape[0], width, decode_only,
-                    all_greedy, prefix_light and state.prefix is not None)
+                    all_greedy, prefix_light and caching, prefix_admit_only and caching)
     return self.compiled.executable(self.signature, bucket)(params, state,
                                                             pack_inputs(inputs))
 

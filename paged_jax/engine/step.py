@@ -211,13 +211,14 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
 
   Returns:
     step(params, state: EngineState, inputs: StepInputs, *, width=None,
-    decode_only=False, all_greedy=False, prefix_light=False) -> (EngineState,
-    StepOutputs), jitted with `state` donated and the keywords static (`all_greedy`:
-    every running request is greedy, so sampling is an argmax; `prefix_light`: with
-    prefix caching, the host planned no free, fork, post-fork or admission, so the
-    step leaves out the first release, the forks and their history copies, the
-    lookup and `skip_hits`, all no-ops then but for the clock; eviction,
-    registration and the finished slots' release still run). The shape bucket of a
+    decode_only=False, all_greedy=False, prefix_light=False, prefix_admit_only=False) ->
+    (EngineState, StepOutputs), jitted with `state` donated and the keywords static
+    (`all_greedy`: every running request is greedy, so sampling is an argmax;
+    `prefix_light`: with prefix caching, the host planned no free, fork, post-fork or
+    admission, so the step leaves out the first release, the forks and their history
+    copies, the lookup and `skip_hits`, all no-ops then but for the clock; eviction,
+    registration and the finished slots' release still run; `prefix_admit_only`: the
+    same without admission left out: the lookup and `skip_hits` run). The shape bucket of a
     call is (T tokens, R rows: `inputs.row_slot.shape`, W = `width` block-table columns
     attention reads, default max_blocks_per_seq; `decode_only`: every row has one new
     token, so attention runs the decode kernel). Prefix caching runs iff `state.prefix`
@@ -225,7 +226,7 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
   """
 
   def step(params, state: EngineState, inp: StepInputs, width=None, decode_only=False,
-           all_greedy=False, prefix_light=False):
+           all_greedy=False, prefix_light=False, prefix_admit_only=False):
     TRACE_COUNT[name] += 1
     blocks, pages, ps = state.blocks, state.pages, state.prefix
     sb, spg = state.sliding_blocks, state.sliding_pages
@@ -236,11 +237,13 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     # 1-2. frees, beam forks (and prefix attach / eviction): these always stand.
     hits = jnp.zeros((s_max,), _I32)
     light = ps is not None and prefix_light   # no free, fork or admission: skip them
+    # No free or fork (maybe an admission): skip the first release and the fork copies.
+    quiet = light or (ps is not None and prefix_admit_only)
     if ps is None:
       b, _ = bm.free(blocks, inp.free_slots)
-    elif not light:
+    elif not quiet:
       ps, b = prefix_step.free(ps, blocks, inp.free_slots)
-    b = blocks if light else bm.fork(b, inp.fork_src, inp.fork_dst)[0]
+    b = blocks if quiet else bm.fork(b, inp.fork_src, inp.fork_dst)[0]
     if ps is not None and not light:
       ps, b, hits = prefix_step.attach(ps, b, inp.attach_slot, inp.attach_len,
                                        inp.attach_start, inp.attach_tokens, inp.attach_root,
@@ -378,8 +381,9 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
       b, _ = bm.free(b, done_slots)
       out = out.replace(num_free=b.num_free, available=b.num_free, sole_blocks=sole_blocks(b))
     else:
-      ps, b, _ = prefix_step.after(ps, b, inp, out, max_items=max_evict, forks=not light)
-      ps, b = prefix_step.free(ps, b, done_slots)
+      ps, b, _ = prefix_step.after(ps, b, inp, out, max_items=max_evict, forks=not quiet)
+      # The finished slots are rows: their blocks fit the step's width bucket.
+      ps, b = prefix_step.free(ps, b, done_slots, num_cols=width or 0)
       evictable = prefix_core.num_evictable(ps.cache, b)
       out = out.replace(num_free=b.num_free, available=b.num_free + evictable,
                         num_evictable=evictable, prefix_hit_blocks=ps.cache.hit_blocks,
@@ -391,4 +395,4 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
   if not jit:
     return step
   return jax.jit(step, donate_argnums=(1,), static_argnames=(
-      "width", "decode_only", "all_greedy", "prefix_light"))
+      "width", "decode_only", "all_greedy", "prefix_light", "prefix_admit_only"))

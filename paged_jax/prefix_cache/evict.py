@@ -16,6 +16,8 @@ reference the tests compare with.
 
 from __future__ import annotations
 
+import functools
+
 import chex
 from jax import lax
 import jax.numpy as jnp
@@ -62,7 +64,7 @@ def _live(cache: PrefixCacheState, blocks: bm.BlockState, idx):
 
 
 def release(cache: PrefixCacheState, blocks: bm.BlockState, slot_mask,
-            num_lanes: int = 0):
+            num_lanes: int = 0, num_cols: int = 0):
   """Touches the masked slots' blocks and pushes their cached ones on the LRU ring.
 
   Call right before `block_manager.free` of those slots. Ring order within one
@@ -71,7 +73,9 @@ def release(cache: PrefixCacheState, blocks: bm.BlockState, slot_mask,
   entries are dropped and the live ones among them evicted now: they are the
   least recently used, and no evictable block is ever lost to the ring.
   `num_lanes` (static, default max_seqs): at most that many slots are masked; the
-  work runs on their rows only (num_lanes x max_blocks_per_seq entries).
+  work runs on their rows only (num_lanes x max_blocks_per_seq entries). `num_cols`
+  (static, default max_blocks_per_seq): the masked slots hold no block past that many
+  table columns (the engine step's width bucket bounds its rows); only those are read.
   Returns (cache, blocks).
 
   Most engine steps free no slot: they skip the work and only advance the clock, as a
@@ -82,7 +86,9 @@ def release(cache: PrefixCacheState, blocks: bm.BlockState, slot_mask,
   slot_mask = _slot_mask(cache, blocks, slot_mask)
   lanes = jnp.nonzero(slot_mask, size=num_lanes or blocks.max_seqs,
                       fill_value=blocks.max_seqs)[0].astype(_I32)
-  return lax.cond(jnp.any(slot_mask), _release, _release_nothing, cache, blocks, lanes)
+  cols = min(num_cols or blocks.max_blocks_per_seq, blocks.max_blocks_per_seq)
+  return lax.cond(jnp.any(slot_mask), functools.partial(_release, num_cols=cols),
+                  _release_nothing, cache, blocks, lanes)
 
 
 def _release_nothing(cache: PrefixCacheState, blocks: bm.BlockState, lanes):
@@ -90,12 +96,13 @@ def _release_nothing(cache: PrefixCacheState, blocks: bm.BlockState, lanes):
   return cache.replace(clock=cache.clock + 1), blocks
 
 
-def _release(cache: PrefixCacheState, blocks: bm.BlockState, lanes):
-  """`release` of the slots `lanes` (i32[n], ascending, padded with max_seqs)."""
+def _release(cache: PrefixCacheState, blocks: bm.BlockState, lanes, num_cols: int):
+  """`release` of the slots `lanes` (i32[n], ascending, padded with max_seqs), whose
+  blocks lie in their first `num_cols` table columns."""
   nb, s_max = blocks.num_blocks, blocks.max_seqs
   stamp = cache.clock
-  tables = jnp.where((lanes < s_max)[:, None], blocks.block_tables[jnp.clip(lanes, 0, s_max - 1)],
-                     -1)                                               # [n, P]
+  rows = blocks.block_tables[jnp.clip(lanes, 0, s_max - 1), :num_cols]
+  tables = jnp.where((lanes < s_max)[:, None], rows, -1)                 # [n, num_cols]
   held = jnp.where(tables >= 0, tables, nb).reshape(-1)
   cache = cache.replace(block_meta=cache.block_meta.at[held, st.LAST_USED].set(stamp, mode="drop"),
                         clock=stamp + 1)                                # `touch`
@@ -126,8 +133,9 @@ def _release(cache: PrefixCacheState, blocks: bm.BlockState, lanes):
                        lru_head=cache.lru_head + over), blocks
 
 
-def free(cache: PrefixCacheState, blocks: bm.BlockState, slot):
-  """`release` then `block_manager.free` (slot: i32[] or i32[n], < 0 padding).
+def free(cache: PrefixCacheState, blocks: bm.BlockState, slot, num_cols: int = 0):
+  """`release` then `block_manager.free` (slot: i32[] or i32[n], < 0 padding;
+  `num_cols`: as for `release`).
 
   Cached blocks keep the cache's reference, so they stay off the free stack.
   """
@@ -137,7 +145,7 @@ def free(cache: PrefixCacheState, blocks: bm.BlockState, slot):
   mask = jnp.zeros((s_max,), jnp.bool_).at[jnp.where(slots >= 0, slots, s_max)].set(
       True, mode="drop")
   cache, blocks = release(cache, blocks, mask & blocks.active,
-                          num_lanes=min(slots.shape[0], s_max))
+                          num_lanes=min(slots.shape[0], s_max), num_cols=num_cols)
   blocks, status = bm.free(blocks, slot)
   cache = cache.replace(chain=cache.chain.at[:, st.C_OK].set(
       jnp.where(mask, 0, cache.chain[:, st.C_OK])))

@@ -82,9 +82,10 @@ def step_block_need(blocks: bm.BlockState, inputs, num_decode_steps: int):
   return jnp.sum(alloc + grow + loop).astype(_I32)
 
 
-def free(ps: PrefixStepState, blocks: bm.BlockState, free_slots):
-  """Frees `free_slots` (i32[n], -1 pad): release to the LRU ring + block_manager.free."""
-  cache, blocks, _ = evict.free(ps.cache, blocks, free_slots)
+def free(ps: PrefixStepState, blocks: bm.BlockState, free_slots, num_cols: int = 0):
+  """Frees `free_slots` (i32[n], -1 pad): release to the LRU ring + block_manager.free
+  (`num_cols`: the slots hold blocks in their first num_cols table columns only; 0: all)."""
+  cache, blocks, _ = evict.free(ps.cache, blocks, free_slots, num_cols=num_cols)
   return ps.replace(cache=cache), blocks
 
 
@@ -161,15 +162,18 @@ def skip_hits(inputs, hits):
   live = tr >= 0
   tslot = jnp.where(live, inputs.row_slot[jnp.clip(tr, 0, rows - 1)], -1)
   skip = live & (inputs.positions < hits[jnp.clip(tslot, 0, s_max - 1)])
-  order = jnp.argsort(skip, stable=True)            # kept tokens first, in order
-  keep = ~skip[order]
+  # Kept tokens first, in order: a stable partition by one scatter to each kept token's
+  # rank (a cumsum; an argsort of T costs more), the rest (0, 0, -1) after them.
+  num_tokens = skip.shape[0]
+  dest = jnp.where(skip, num_tokens, jnp.cumsum((~skip).astype(_I32)) - 1)
+  cols = jnp.stack([inputs.tokens, inputs.positions, tr], axis=1)          # [T, 3]
+  blank = jnp.broadcast_to(jnp.asarray([0, 0, -1], _I32), cols.shape)
+  moved = blank.at[dest].set(cols, mode="drop")
   dropped = jnp.zeros((rows,), _I32).at[jnp.where(skip, tr, rows)].add(1, mode="drop")
   q_len = inputs.row_q_len - dropped
   return inputs.replace(
       alloc_tokens=alloc, append_tokens=append,
-      tokens=jnp.where(keep, inputs.tokens[order], 0),
-      positions=jnp.where(keep, inputs.positions[order], 0),
-      token_row=jnp.where(keep, tr[order], -1),
+      tokens=moved[:, 0], positions=moved[:, 1], token_row=moved[:, 2],
       row_q_len=q_len, row_slot=jnp.where((dropped > 0) & (q_len == 0), -1, inputs.row_slot))
 
 
