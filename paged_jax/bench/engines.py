@@ -114,9 +114,9 @@ def warm_up(engine, requests: Optional[Sequence] = None,
   max_rows = c.max_seqs if shared else min(c.max_seqs, c.num_blocks)
   shapes = reachable_buckets(engine.buckets, max_rows=max_rows, max_len=max_len,
                              lanes_per_row=lanes)
-  per_shape = lambda s: 1 + (1 + (not s.decode_only)) * bool(engine.prefix_caching)
-  return dict(engine.compile_buckets(shapes, all_greedy=variants),   # + prefix variants
-              shapes=sum(map(per_shape, shapes)) * len(variants))
+  # compile_buckets adds each shape's prefix-cache variants: it counts them.
+  done = engine.compile_buckets(shapes, all_greedy=variants)
+  return dict(done, shapes=done["compiled"] + done["already"])
 
 
 def generate_text(prompt: str, block_sizes: Sequence[int], *, max_tokens: int = 48,
