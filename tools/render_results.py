@@ -100,6 +100,8 @@ SECTIONS: Dict[str, Tuple[object, Callable]] = {
     "paper_targets": (_RESULTS_DIR, paper.paper_targets),
     "paper_targets_compact": (_RESULTS_DIR, paper.paper_targets_compact),
     "perf_validation": ("perf_validation/perf_validation.json", paper.perf_validation),
+    "perf_validation_repeat": ("perf_validation/repeat/perf_validation.json",
+                               paper.perf_validation),
     "perf_validation_fine": ("perf_validation/fine/perf_validation.json",
                              paper.perf_validation),
 }
