@@ -46,7 +46,7 @@ arguments' shapes and dtypes with chex (`state.check_states`: at trace time unde
   lookup(cache, tokens, length)                -> (num_hit_blocks i32[], block_ids i32[P])
   attach(cache, blocks, slot, tokens, length)  -> (cache, blocks, hit_tokens, status)
       = attach_reads (-> AttachWrites, hit_tokens, status) + attach_write
-  register, register_runs: in `registration` (newly full blocks into the cache)
+  register, register_runs: in `register` (newly full blocks into the cache)
   fork_chain(cache, src_slot, dst_slot)        -> cache
   release(cache, blocks, slot_mask)            -> (cache, blocks)  LRU time now, onto the ring
   free(cache, blocks, slots)                   -> (cache, blocks, status)  release + bm.free
@@ -200,8 +200,9 @@ def attach(cache: PrefixCacheState, blocks: bm.BlockState, slot, tokens, length,
 def attach_reads(cache: PrefixCacheState, blocks: bm.BlockState, slot, tokens, length,
                  root=None, tag=0):
   """`attach`'s lookup, without writing: (AttachWrites, hit_tokens i32[], status i32[]);
-  `attach_write` applies the writes. The engine step runs it for all its prompts at once
-  (vmapped) and applies their writes together (`prefix_cache.step.attach`)."""
+  `attach_write` applies the writes. A loop over prompts applies one prompt's writes at the
+  start of the next iteration (`prefix_cache.step.attach`), so XLA updates the states in
+  place instead of copying them each iteration."""
   check_states(cache, blocks)
   slot = bm.int_arg(slot, "slot", max_rank=0)
   tokens = bm.int_arg(tokens, "tokens")

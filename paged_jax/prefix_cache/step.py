@@ -16,7 +16,7 @@ The engine step calls, in this order, all pure and without a host sync:
       records every token whose K/V the step computed in `history` (i32[S,
       max_seq_len], the ids of each slot's computed tokens), copies history
       rows and registration chains along the step's forks, then registers
-      every block that became full (`registration.register_runs`).
+      every block that became full (`register.register_runs`).
 
 Reading `history` instead of host lists keeps registration on device even for
 blocks filled inside the multi-step decode loop.
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from paged_jax import block_manager as bm
 from paged_jax.prefix_cache import core as pc
 from paged_jax.prefix_cache import evict
-from paged_jax.prefix_cache import registration as reg
+from paged_jax.prefix_cache import register as reg
 from paged_jax.prefix_cache import state as cache_state
 
 _I32 = jnp.int32
@@ -115,37 +115,22 @@ def attach(ps: PrefixStepState, blocks: bm.BlockState, attach_slot, attach_len,
   if attach_tag is None:
     attach_tag = jnp.zeros_like(attach_slot)
 
-  # All prompts at once: a lookup reads nothing an earlier prompt's attach writes (hit
-  # blocks' references and LAST_USED, its own slot's row and chain), so each reads the
-  # states before the step's attaches; the writes then go in as scatters. Prompt i's
-  # stamp is the clock after the i earlier successful attaches, as one by one; a block
-  # hit by several keeps the latest (scatter-max: every LAST_USED is below the clock). A
-  # slot named twice (invalid) attaches its first lane only.
-  cache, a = ps.cache, attach_slot.shape[0]
-  ia = lax.iota(_I32, a)
-  dup = jnp.any((attach_slot[:, None] == attach_slot[None, :]) & (ia[:, None] > ia[None, :]),
-                axis=1)
-  slot = jnp.where(dup | (ia >= num), -1, attach_slot)
-  tok = buf[attach_start[:, None] + lane[None, :]]                       # [A, max_len]
-  tok = jnp.where(lane[None, :] < attach_len[:, None], tok, 0)
-  w, hit, _ = jax.vmap(pc.attach_reads, in_axes=(None, None, 0, 0, 0, 0, 0))(
-      cache, blocks, slot, tok, attach_len, attach_root, attach_tag)
-  stamp = cache.clock + jnp.cumsum(w.ok) - w.ok
-  bs = blocks.block_size
-  blocks = blocks.replace(
-      ref_count=blocks.ref_count.at[w.keys.reshape(-1)].add(1, mode="drop"),
-      block_tables=blocks.block_tables.at[w.row].set(w.ids, mode="drop"),
-      seq_lens=blocks.seq_lens.at[w.row].set(w.n_hit * bs, mode="drop"),
-      active=blocks.active.at[w.row].set(True, mode="drop"))
-  stamps = jnp.broadcast_to(stamp[:, None], w.keys.shape)
-  cache = cache.replace(
-      block_meta=cache.block_meta.at[w.keys.reshape(-1), cache_state.LAST_USED].max(
-          stamps.reshape(-1), mode="drop"),
-      chain=cache.chain.at[w.row].set(w.chain_row, mode="drop"),
-      clock=cache.clock + jnp.sum(w.ok), hit_blocks=cache.hit_blocks + jnp.sum(w.n_hit),
-      query_blocks=cache.query_blocks + jnp.sum(w.queried))
-  hits = jnp.zeros((blocks.max_seqs,), _I32).at[jnp.where(slot >= 0, slot, blocks.max_seqs)].set(
-      hit, mode="drop")
+  # Software-pipelined: prompt i's lookup reads the states after prompt i - 1's writes,
+  # applied at the top of its iteration (`core.attach_reads`).
+  def body(i, carry):
+    cache, b, hits, w = carry
+    cache, b = pc.attach_write(cache, b, w)
+    n = attach_len[i]
+    tok = lax.dynamic_slice(buf, (attach_start[i],), (max_len,))
+    tok = jnp.where(lane < n, tok, 0)
+    w, hit, _ = pc.attach_reads(cache, b, attach_slot[i], tok, n, attach_root[i],
+                                attach_tag[i])
+    return cache, b, hits.at[attach_slot[i]].set(hit, mode="drop"), w
+
+  hits = jnp.zeros((blocks.max_seqs,), _I32)
+  cache, blocks, hits, w = lax.fori_loop(0, num, body, (ps.cache, blocks, hits,
+                                                        pc.AttachWrites.idle(ps.cache, blocks)))
+  cache, blocks = pc.attach_write(cache, blocks, w)
   return ps.replace(cache=cache), blocks, hits
 
 
@@ -257,7 +242,7 @@ def after(ps: PrefixStepState, blocks: bm.BlockState, inputs, outputs, *,
     rows = jnp.where(computed, slots[None, :], s_max)
     ps = ps.replace(history=ps.history.at[rows, pos].set(outputs.tokens[:-1], mode="drop"))
   # Register every newly full block: each slot's run from its chain's end, depth by depth
-  # (`registration.register_runs`), the first max_items of them in slot order.
+  # (`register.register_runs`), the first max_items of them in slot order.
   cache = ps.cache
   start = cache.chain_len
   todo = jnp.where(blocks.active & cache.chain_ok,

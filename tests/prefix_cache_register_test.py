@@ -1,7 +1,5 @@
-"""The engine step's batched prefix-cache ops against the one-by-one ops, state for state:
-`prefix_cache.register_runs` (registration depth by depth, slots that cannot meet at
-once) against `register` of the same items in that order, and `prefix_cache.step.attach`
-(every admitted prompt's lookup at once) against `attach` of each prompt in turn.
+"""`prefix_cache.register_runs` (the engine step's registration, depth by depth, slots
+that cannot meet at once) against `register` of the same items one by one, in its order.
 
 States come from the real ops: requests with shared prefixes admitted (attach, append,
 register), some freed, then several slots attach and append prompts without registering,
@@ -16,7 +14,6 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from paged_jax import prefix_cache as pc
-from paged_jax.prefix_cache import step as prefix_step
 from paged_jax.config import CacheConfig, OK
 from prefix_cache_support import Driver, Ops
 
@@ -84,13 +81,6 @@ def _states(seed: int, mode: str):
   return c, b, first.astype(np.int32), count, history
 
 
-def _assert_same(want, got, what: str) -> None:
-  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(want),
-                          jax.tree_util.tree_leaves(got)):
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(x),
-                                  err_msg=f"{jax.tree_util.keystr(path)} ({what})")
-
-
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), mode=st.sampled_from(pc.HASH_MODES))
 def test_register_runs_equals_register_of_the_items_depth_by_depth(seed, mode):
@@ -104,47 +94,11 @@ def test_register_runs_equals_register_of_the_items_depth_by_depth(seed, mode):
     slot[i], blk[i], toks[i] = s, j, history[s, j * BS:(j + 1) * BS]
   c_ref, b_ref = OPS.register(c, b, slot, blk, toks, n)
   c_new, b_new = j_runs(c, b, first, count, history)
-  _assert_same((c_ref, b_ref), (c_new, b_new), f"{n} items")
-
-
-@settings(max_examples=10, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), mode=st.sampled_from(pc.HASH_MODES))
-def test_step_attach_of_all_prompts_equals_attach_of_each_in_turn(seed, mode):
-  """Prompts sharing cached prefixes (and each other's), salted and not, into the free
-  slots; lanes past the used ones are padding."""
-  rng = np.random.default_rng(seed)
-  c, b, _, _, history = _states(seed, mode)
-  free = [s for s in range(S) if not int(b.active[s])]
-  n = int(rng.integers(0, len(free) + 1))
-  slots = np.full((S,), -1, np.int32)
-  lens, starts = np.zeros((S,), np.int32), np.zeros((S,), np.int32)
-  roots = np.tile(np.asarray(pc.ROOT_HASH, np.uint32), (S, 1))
-  tags = np.zeros((S,), np.int32)
-  packed, c_ref, b_ref = [], c, b
-  for i, slot in enumerate(free[:n]):
-    src = history[int(rng.integers(0, S))]
-    toks = [int(t) for t in src[:int(rng.integers(1, L + 1))]]
-    if not any(toks):
-      toks = [int(t) for t in rng.integers(0, 3, int(rng.integers(1, L + 1)))]
-    salt = None if rng.random() < 0.7 else "tenant"
-    slots[i], lens[i], starts[i] = slot, len(toks), sum(len(p) for p in packed)
-    roots[i], tags[i] = pc.salt_key(salt)
-    packed.append(toks)
-    buf = np.zeros((L,), np.int32)
-    buf[:len(toks)] = toks
-    c_ref, b_ref, _, status = OPS.attach(c_ref, b_ref, slot, buf, len(toks), roots[i], tags[i])
-    assert int(status) == OK
-  tokens = np.zeros((S * L,), np.int32)
-  flat = [t for p in packed for t in p]
-  tokens[:len(flat)] = flat
-  ps = prefix_step.PrefixStepState(cache=c, history=jnp.zeros((S, L), jnp.int32))
-  ps_new, b_new, hits = jax.jit(prefix_step.attach)(ps, b, slots, lens, starts, tokens, roots,
-                                                    tags)
-  _assert_same((c_ref, b_ref), (ps_new.cache, b_new), f"{n} prompts")
-  want = np.zeros((S,), np.int32)
-  for i in range(n):
-    want[slots[i]] = int(b_ref.seq_lens[slots[i]])
-  np.testing.assert_array_equal(np.asarray(hits), want)
+  for want, got in ((c_ref, c_new), (b_ref, b_new)):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(want),
+                            jax.tree_util.tree_leaves(got)):
+      np.testing.assert_array_equal(np.asarray(y), np.asarray(x),
+                                    err_msg=f"{jax.tree_util.keystr(path)} ({n} items)")
 
 
 def test_register_runs_registers_a_run_and_the_next_run_hits_it():
