@@ -1,11 +1,10 @@
 """Automatic prefix caching: chained block hashes, exact lookup, LRU eviction.
 
 Pure, jittable ops over `block_manager.BlockState`; the engine runs them inside
-its one jitted step. Modules (imports run one way: step -> evict, register -> core -> state):
+its one jitted step. Modules (imports run one way: step -> evict, core -> state):
 
   state  PrefixCacheState, init, and the chex shape / dtype checks every op runs first
-  core   hashing, lookup / attach, fork_chain, counters
-  register  newly full blocks into the cache: item by item, or runs depth by depth
+  core   hashing, lookup / attach, register, fork_chain, counters
   evict  LRU ring: release, free, uncache, ensure_free, reset (and the
          O(num_blocks) reference order `lru_victims` the tests compare with)
   salt   salt_key: a request's cache salt as the root of its hash chain
@@ -17,8 +16,7 @@ its one jitted step. Modules (imports run one way: step -> evict, register -> co
 """
 
 from paged_jax.prefix_cache.core import (attach, chain_hash, fork_chain, hit_rate, lookup,
-                                         num_cached_blocks, num_evictable)
-from paged_jax.prefix_cache.register import register, register_runs
+                                         num_cached_blocks, num_evictable, register)
 from paged_jax.prefix_cache.evict import (ensure_free, free, lru_victims, release, reset,
                                           touch, uncache)
 from paged_jax.prefix_cache.state import (HASH_MODES, ROOT_HASH, PrefixCacheState,
@@ -27,5 +25,5 @@ from paged_jax.prefix_cache.salt import salt_key
 
 __all__ = ["HASH_MODES", "ROOT_HASH", "PrefixCacheState", "attach", "chain_hash",
            "check_states", "ensure_free", "fork_chain", "free", "hit_rate", "init", "lookup",
-           "lru_victims", "num_cached_blocks", "num_evictable", "register", "register_runs", "release", "reset",
+           "lru_victims", "num_cached_blocks", "num_evictable", "register", "release", "reset",
            "salt_key", "touch", "uncache"]

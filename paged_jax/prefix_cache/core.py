@@ -46,7 +46,7 @@ arguments' shapes and dtypes with chex (`state.check_states`: at trace time unde
   lookup(cache, tokens, length)                -> (num_hit_blocks i32[], block_ids i32[P])
   attach(cache, blocks, slot, tokens, length)  -> (cache, blocks, hit_tokens, status)
       = attach_reads (-> AttachWrites, hit_tokens, status) + attach_write
-  register, register_runs: in `register` (newly full blocks into the cache)
+  register(cache, blocks, item_slot, item_block, item_tokens, num_items) -> (cache, blocks)
   fork_chain(cache, src_slot, dst_slot)        -> cache
   release(cache, blocks, slot_mask)            -> (cache, blocks)  LRU time now, onto the ring
   free(cache, blocks, slots)                   -> (cache, blocks, status)  release + bm.free
@@ -279,7 +279,95 @@ def attach_write(cache: PrefixCacheState, blocks: bm.BlockState, w: AttachWrites
   return cache, blocks
 
 
-# ---- fork_chain ----------------------------------------------------------------------
+# ---- register ------------------------------------------------------------------------
+
+def register(cache: PrefixCacheState, blocks: bm.BlockState, item_slot, item_block,
+             item_tokens, num_items):
+  """Registers newly full blocks, item by item in order.
+
+  Item i says: logical block `item_block[i]` of slot `item_slot[i]` is full
+  and holds ids `item_tokens[i]`. It is taken only if it continues the slot's
+  chain (`item_block == chain_len[slot]`, chain intact), the slot is active
+  and holds that block completely (`seq_lens // block_size` > item_block), and
+  the block is not cached yet. An equal cached block (same content and parent)
+  becomes the chain's next link instead (no duplicate entry). A full probe
+  window, a block already cached elsewhere or a stale parent ends the slot's
+  chain (its later blocks stay private: misses, never wrong hits).
+
+  Args:
+    item_slot, item_block: i32[R]; item_tokens: i32[R, block_size];
+    num_items: i32[], items used (the rest are padding).
+  Returns:
+    (cache, blocks): registered blocks gain the cache's reference.
+  """
+  check_states(cache, blocks)
+  item_slot, item_block = bm.int_arg(item_slot, "item_slot"), bm.int_arg(item_block, "item_block")
+  item_tokens = bm.int_arg(item_tokens, "item_tokens", max_rank=2)
+  chex.assert_rank(item_slot, 1, custom_message="item_slot")
+  chex.assert_shape(item_block, item_slot.shape, custom_message="item_block vs item_slot")
+  chex.assert_shape(item_tokens, item_slot.shape + (cache.block_size,),
+                    custom_message="item_tokens [R, block_size]")
+  num_items = bm.int_arg(num_items, "num_items", max_rank=0)
+  bs, s_max, nb, p = cache.block_size, blocks.max_seqs, blocks.num_blocks, blocks.max_blocks_per_seq
+  num_items = jnp.minimum(num_items, item_slot.shape[0])
+
+  # Software-pipelined: iteration i first applies item i - 1's row writes, then reads
+  # and computes item i's. Each array then gets one in-place row update per iteration,
+  # ordered before every read of the iteration; writing at the end instead (reads of
+  # `block_meta` feeding the `chain` write and back) made XLA:CPU copy `block_meta` and
+  # `chain` twice per item. An idle write puts a row's own value back.
+  def rows(c, b, i):
+    """Item i's writes: (row index, new row) for block_meta, table, chain, ref_count."""
+    s, j, tok = item_slot[i], item_block[i], item_tokens[i]
+    sc, jc = jnp.clip(s, 0, s_max - 1), jnp.clip(j, 0, p - 1)
+    ch = c.chain[sc]                                   # the slot's chain row [6]
+    parent, pgen = ch[st.C_BLOCK], ch[st.C_GEN]
+    pm = c.block_meta[jnp.clip(parent, 0, nb - 1)]
+    parent_live = (parent < 0) | ((pm[st.CACHED] != 0) & (pm[st.GEN] == pgen))
+    go = ((s >= 0) & (s < s_max) & b.active[sc] & (ch[st.C_OK] != 0) & (j == ch[st.C_LEN])
+          & (j < p) & (j < b.seq_lens[sc] // bs) & parent_live)
+    h = chain_hash(st.as_u32(ch[st.C_HASH:st.C_HASH + 2]), tok, c.hash_mode)
+    same = _probe(c, h, tok, j, parent, pgen)
+    own = b.block_tables[sc, jc]
+    oc = jnp.clip(own, 0, nb - 1)
+    om = c.block_meta[oc]
+    win = _window(c, h)
+    empty = c.table[win] < 0
+    pos = win[jnp.argmax(empty)]
+    insert = go & (same < 0) & (own >= 0) & (om[st.CACHED] == 0) & jnp.any(empty)
+    link = jnp.where(same >= 0, same, own)
+    linked = go & ((same >= 0) | insert)
+    gen = om[st.GEN] + 1
+    h32 = st.as_i32(h)
+    # The whole row of the inserted block, in `block_meta`'s column order.
+    meta_row = jnp.concatenate([h32, jnp.stack([parent, pgen, gen, j, c.clock, 1, pos]), tok])
+    # The link's generation (an inserted block's is `gen`; `same` is not written).
+    new_gen = jnp.where(insert, gen, c.block_meta[jnp.clip(same, 0, nb - 1), st.GEN])
+    chain_row = jnp.concatenate([
+        jnp.stack([jnp.where(linked, link, parent), jnp.where(linked, new_gen, pgen)]),
+        jnp.where(linked, h32, ch[st.C_HASH:st.C_HASH + 2]),
+        jnp.stack([ch[st.C_LEN] + linked.astype(_I32), linked.astype(_I32)])])
+    return ((oc, jnp.where(insert, meta_row, om)), (pos, jnp.where(insert, own, c.table[pos])),
+            (sc, jnp.where(go, chain_row, ch)), (oc, b.ref_count[oc] + insert.astype(_I32)))
+
+  def write(c, b, w):
+    (mi, mr), (ti, tr), (ci, cr), (ri, rr) = w
+    c = c.replace(block_meta=st.put_row(c.block_meta, mi, mr), table=st.put_row(c.table, ti, tr),
+                  chain=st.put_row(c.chain, ci, cr))
+    return c, b.replace(ref_count=st.put_row(b.ref_count, ri, rr))
+
+  def body(i, carry):
+    c, b, w = carry
+    c, b = write(c, b, w)
+    return c, b, rows(c, b, i)
+
+  zero = jnp.zeros((), _I32)
+  idle = ((zero, cache.block_meta[0]), (zero, cache.table[0]), (zero, cache.chain[0]),
+          (zero, blocks.ref_count[0]))
+  cache, blocks, last = lax.fori_loop(0, num_items, body, (cache, blocks, idle))
+  cache, blocks = write(cache, blocks, last)
+  return cache.replace(clock=cache.clock + 1), blocks
+
 
 def fork_chain(cache: PrefixCacheState, src_slot, dst_slot):
   """Copies the registration chain of `src_slot` to `dst_slot` (i32[] or i32[n]; < 0 pad).

@@ -16,7 +16,7 @@ The engine step calls, in this order, all pure and without a host sync:
       records every token whose K/V the step computed in `history` (i32[S,
       max_seq_len], the ids of each slot's computed tokens), copies history
       rows and registration chains along the step's forks, then registers
-      every block that became full (`register.register_runs`).
+      every block that became full (`core.register`).
 
 Reading `history` instead of host lists keeps registration on device even for
 blocks filled inside the multi-step decode loop.
@@ -34,7 +34,6 @@ import jax.numpy as jnp
 from paged_jax import block_manager as bm
 from paged_jax.prefix_cache import core as pc
 from paged_jax.prefix_cache import evict
-from paged_jax.prefix_cache import register as reg
 from paged_jax.prefix_cache import state as cache_state
 
 _I32 = jnp.int32
@@ -241,14 +240,22 @@ def after(ps: PrefixStepState, blocks: bm.BlockState, inputs, outputs, *,
     pos = l1[None, :] + lax.iota(_I32, k_steps - 1)[:, None]
     rows = jnp.where(computed, slots[None, :], s_max)
     ps = ps.replace(history=ps.history.at[rows, pos].set(outputs.tokens[:-1], mode="drop"))
-  # Register every newly full block: each slot's run from its chain's end, depth by depth
-  # (`register.register_runs`), the first max_items of them in slot order.
+  # Register every newly full block, slot by slot, in order.
   cache = ps.cache
   start = cache.chain_len
-  todo = jnp.where(blocks.active & cache.chain_ok,
-                   jnp.maximum(blocks.seq_lens // bs - start, 0), 0)
-  count = jnp.where(ok, jnp.clip(max_items - (jnp.cumsum(todo) - todo), 0, todo), 0)
-  cache, blocks = reg.register_runs(cache, blocks, start, count, ps.history)
+  full = blocks.seq_lens // bs
+  todo = jnp.where(blocks.active & cache.chain_ok, jnp.maximum(full - start, 0), 0)
+  offs = jnp.cumsum(todo) - todo
+  total = jnp.where(ok, jnp.minimum(jnp.sum(todo), max_items), 0)
+  i = lax.iota(_I32, max_items)
+  owner = jnp.clip(jnp.searchsorted(offs + todo, i, side="right").astype(_I32), 0, s_max - 1)
+  j = start[owner] + (i - offs[owner])
+  valid = i < total
+  item_slot = jnp.where(valid, owner, -1)
+  item_block = jnp.where(valid, j, -1)
+  tok_pos = jnp.clip(j, 0, max_len // bs - 1)[:, None] * bs + lax.iota(_I32, bs)[None, :]
+  item_tokens = ps.history[owner[:, None], tok_pos]
+  cache, blocks = pc.register(cache, blocks, item_slot, item_block, item_tokens, total)
   ps = ps.replace(cache=cache)
   available = blocks.num_free + pc.num_evictable(ps.cache, blocks)
   return ps, blocks, available
