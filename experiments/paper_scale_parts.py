@@ -20,6 +20,9 @@ part and in what order; only measured host seconds and compile counts differ.
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import time
 from typing import Dict, List, Optional
 
 from experiments import common
@@ -107,9 +110,6 @@ def fig14_mode(f, mode: str) -> Dict:
   """Fig. 14, one sampling mode: paged vs Orca(Oracle) max rate at the SLO, OPT-13B
   Alpaca-like, preempting by --fig14_preemption. Its two systems' engines share two
   geometries, so the compiled steps stay between them (dropped after the part)."""
-  import dataclasses  # pylint: disable=g-import-not-at-top
-  import os  # pylint: disable=g-import-not-at-top
-  import time  # pylint: disable=g-import-not-at-top
   cfg = dataclasses.replace(sb_config(f, model="opt-13b", gpu=GPU_OF["opt-13b"],
                                       workload="alpaca"), preemption_mode=f.fig14_preemption)
   kw = serving_sweep.FIG14_MODES[mode]
