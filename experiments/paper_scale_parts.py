@@ -158,7 +158,12 @@ def _progress(total, desc):
 def worker_init(compilation_cache: str, code: Dict) -> None:
   """A spawned worker's set-up: the parent's compilation cache and code reading, no
   progress bars (the parent prints a line a part)."""
+  import threading  # pylint: disable=g-import-not-at-top
+  import tqdm  # pylint: disable=g-import-not-at-top
   from experiments import provenance  # pylint: disable=g-import-not-at-top
+  # tqdm's default lock holds a multiprocessing semaphore, which a terminated worker
+  # leaves behind (the resource tracker warns at exit): a thread lock does here.
+  tqdm.tqdm.set_lock(threading.RLock())
   common.PROGRESS_BARS = False
   common.use_compilation_cache(compilation_cache)
   provenance.remember_code_as(code)
