@@ -73,12 +73,17 @@ def write_json(path, obj: Any) -> pathlib.Path:
   return p
 
 
+PROGRESS_BARS = True    # False: every bar off (a worker process of a parallel run)
+
+
 def progress(iterable: Optional[Iterable] = None, *, total: Optional[int] = None,
              desc: str = "", disable: Optional[bool] = None):
-  """A tqdm progress bar on stderr (off when stderr is not a terminal, unless disable=False)."""
+  """A tqdm progress bar on stderr (off when stderr is not a terminal, unless disable=False;
+  always off when PROGRESS_BARS is False)."""
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
   if disable is None:
     disable = not sys.stderr.isatty()
+  disable = disable or not PROGRESS_BARS
   return tqdm(iterable, total=total, desc=desc, disable=disable, file=sys.stderr,
               dynamic_ncols=True, leave=False)
 

@@ -22,10 +22,18 @@ budgets (Table 1), a 2,048-token context and unscaled stream lengths
   Fig. 19  OPT-13B ShareGPT-like at that rate, recompute vs swap preemption per block size;
            and (a) the device-time model's swap and recompute seconds per block size.
 
+The figures' independent parts (Fig. 12 / 16 panels, Fig. 13 panels, Fig. 14 modes, Fig. 18
+points, Fig. 19 block sizes: `experiments.paper_scale_parts`) run in --jobs worker processes
+(default: this machine's cores), longest first, a part that reads a Fig. 12 panel after it
+(`paged_jax.bench.task_graph`); --jobs=1 runs them one after another in this process. The
+results do not depend on --jobs (virtual time); a line a part reports its progress.
+
 Writes DIR/fig12/<model>-<workload>/serving_benchmark.json (the contract JSON, with
 "device_model"), DIR/fig16/<fewshot-k>/serving_benchmark.json, DIR/fig13.json,
 DIR/fig14.json, DIR/fig18.json, DIR/fig19.json, DIR/summary.json (ours beside the paper's
-figures, seconds per figure, the machine's load) and one PNG per figure. A figure not in
+figures, seconds per figure and per part, jobs, the machine's load) and one PNG per
+figure; each panel, Fig. 14 mode and whole figure is written as soon as its parts finish
+(a failed or stopped run keeps them). A figure not in
 --figs is read back from DIR when an earlier run wrote it (the suite may run in parts:
 Fig. 13 / 18 / 19 take their rates from the Fig. 12 panels in DIR), and summary.json
 covers every figure in DIR, each with the seconds and load of the run that made it.
@@ -37,22 +45,20 @@ import dataclasses
 import json
 import os
 import pathlib
+import sys
 import time
 from typing import Dict, Tuple
 
 from experiments import common
 from experiments import configs
+from experiments import paper_scale_parts as parts
 from experiments import paper_scale_plots as plots
 from experiments import provenance
-from experiments import serving_benchmark as sb
-from paged_jax.bench import latency
-from paged_jax.bench import paper_figures
-from paged_jax.bench import paper_scale
 from paged_jax.bench import sweep as serving_sweep
+from paged_jax.bench import task_graph
 
 FIGS = ("12", "13", "14", "16", "18", "19")
-GPU_OF = {"opt-13b": "a100-40gb", "opt-66b": "a100-40gb", "opt-175b": "a100-80gb"}   # Table 1
-FALLBACK_RATE = {"sharegpt": 4.0, "alpaca": 80.0}   # Fig. 18 / 19 without a Fig. 12 panel
+GPU_OF = parts.GPU_OF
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,112 +96,15 @@ class Config(configs.ExperimentConfig):
   slo_factor: float = configs.flag(3.0, "SLO = factor x the unloaded normalized latency",
                                    lower=1.0)
   seed: int = configs.flag(0, "stream and arrival seed")
+  jobs: int = configs.flag(0, "worker processes running the figures' parts side by side "
+                           "(0: this machine's cores, at most 8; 1: one after another in "
+                           "this process)", lower=0)
   out: str = configs.flag("results/paper_scale", "output directory")
 
   def check(self) -> None:
     if self.systems[:1] != ("paged",):
       raise ValueError(f"--systems must start with paged (its unloaded latency sets the SLO "
                        f"and its answer starts the others' searches), got {self.systems}")
-
-
-def _sb(f: Config, **kw) -> sb.Config:
-  return sb.Config(clock="model", rates=("auto",), num_requests=f.num_requests,
-                   max_points=f.max_points,
-                   slo_factor=f.slo_factor, seed=f.seed, preemption_mode="auto",
-                   out=f.out, **kw)
-
-
-def fig12(f: Config, out) -> Dict:
-  panels = {}
-  for model in f.fig12_models:
-    for workload in f.fig12_workloads:
-      name = f"{model}-{workload}"
-      res = sb.run(_sb(f, model=model, gpu=GPU_OF[model], workload=workload,
-                       systems=f.systems))
-      common.write_json(out / "fig12" / name / "serving_benchmark.json", res)
-      panels[name] = res
-  return panels
-
-
-def fig13(f: Config, panels: Dict, progress) -> Dict:
-  """Fig. 13: requests batched a step, every system of a panel at ONE rate, fig13_load x
-  paged's max rate at the SLO (past every system's knee, paged's the highest), as the
-  paper reads its Fig. 13 at one rate; with fig13_load 0, each system's highest Fig. 12
-  point (just past its own knee) of every panel."""
-  if not f.fig13_load:
-    return {k: paper_figures.batched_requests(v) for k, v in panels.items()}
-  missing = [p for p in f.fig13_panels if p not in panels]
-  if missing:
-    raise ValueError(f"--fig13_panels {', '.join(missing)} have no Fig. 12 run: add 12 to "
-                     f"--figs or run them into --out first")
-  out = {}
-  for name in f.fig13_panels:
-    res = panels[name]
-    model, workload = name.rsplit("-", 1)
-    knee = res["max_rate_at_slo_interpolated"].get("paged") or res["max_rate_at_slo"]["paged"]
-    rate = f.fig13_load * knee
-    out[name] = paper_figures.batched_at_rate(paper_scale.setting(model, GPU_OF[model]), res,
-                                              workload, rate=rate, seed=f.seed,
-                                              progress=progress)
-    for v in out[name].values():
-      v["rate_rule"] = (f"{f.fig13_load:g} x paged's Fig. 12 max rate at the SLO "
-                        f"({knee:.3g} req/s), every system at this one rate")
-  return out
-
-
-def fig14(f: Config, out=None) -> Dict:
-  """Fig. 14: paged vs Orca(Oracle) max rate at the SLO per sampling mode, OPT-13B
-  Alpaca-like. Every engine of the figure has one of two geometries (the KV pool: paged's
-  budget or Orca's with its slack; max_seqs 256, the cap, in every mode; one compiled
-  step for n and beam width up to 6), so the compiled steps stay across systems and modes
-  and are dropped once at the end. Each mode records its wall and CPU seconds; with
-  `out`, fig14.json is written after each mode (a stopped run keeps the modes done), and
-  the modes it already holds that this run does not redo are kept (the figure may run in
-  parts: --fig14_modes=n2,n4,n6, then beam2,beam4,beam6)."""
-  from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
-  cfg = dataclasses.replace(_sb(f, model="opt-13b", gpu=GPU_OF["opt-13b"], workload="alpaca"),
-                            preemption_mode=f.fig14_preemption)
-  before = committed(out).get("fig14", {}) if out is not None else {}
-  modes = {m: v for m, v in before.items() if m not in f.fig14_modes}
-  try:
-    for mode in f.fig14_modes:
-      kw = serving_sweep.FIG14_MODES[mode]
-      t0, c0 = time.time(), time.process_time()
-      res = sb.rated(sb.sweep(cfg, ["paged", "orca_oracle"], ("auto",), 0.0, kw,
-                              release=False), cfg, ())
-      res["paged_rate_ratio"] = latency.rate_ratios(res["max_rate_at_slo"])
-      points = sum(len(c["rates"]) for c in res["systems"].values())
-      res["cost"] = {"wall_s": time.time() - t0, "cpu_s": time.process_time() - c0,
-                     "points": points, "load_avg_end": os.getloadavg()[0]}
-      modes[mode] = dict(res, mode=kw)
-      order = list(serving_sweep.FIG14_MODES)
-      modes = dict(sorted(modes.items(), key=lambda kv: order.index(kv[0])))
-      if out is not None:
-        common.write_json(out / "fig14.json", modes)
-  finally:
-    release_compiled()
-  return modes
-
-
-def fig16(f: Config, out) -> Dict:
-  runs = {}
-  for workload in serving_sweep.FEW_SHOT:
-    # system_sizes counts paged's cached prefix once (its slots and the requests a point
-    # serves: 4 x what its memory holds with the prefix shared).
-    res = sb.run(_sb(f, model="llama-13b", gpu="a100-40gb", workload=workload,
-                     prefix_caching=True, systems=("paged", "orca_oracle")))
-    common.write_json(out / "fig16" / workload / "serving_benchmark.json", res)
-    runs[workload] = res
-  return runs
-
-
-def fixed_rate(panels: Dict, workload: str, load: float) -> float:
-  """Fig. 18 / 19's rate: `load` x paged's OPT-13B max rate from Fig. 12 when it ran."""
-  res = panels.get(f"opt-13b-{workload}")
-  if res is None:
-    return FALLBACK_RATE[workload]
-  r = res["max_rate_at_slo_interpolated"].get("paged") or res["max_rate_at_slo"]["paged"]
-  return load * r
 
 
 def _read(path) -> Dict:
@@ -216,58 +125,95 @@ def committed(out) -> Dict:
   return {k: v for k, v in res.items() if v}
 
 
+# A worker whose memory maps stay above this after a part (its compiled steps dropped)
+# is replaced by a fresh process (Linux's vm.max_map_count is 65,530; one compiled step
+# shape maps ~650).
+RETIRE_MAPS = 20_000
+
+
+def _write(out, f: Config, part: str, results: Dict, before: Dict, written: set) -> None:
+  """Writes what the part `part` finished: its panel, Fig. 14 with its mode, or its figure
+  once every part of it is done."""
+  fig = parts.figure_of(part)
+  if fig in ("fig12", "fig16"):
+    common.write_json(out / fig / part.split("/", 1)[1] / "serving_benchmark.json",
+                      results[part])
+    return
+  figures = parts.figures(f, results, before.get("fig14"))
+  if fig in figures and (fig == "fig14" or fig not in written):
+    common.write_json(out / f"{fig}.json", figures[fig])
+    written.add(fig)
+
+
+def recorded_costs(out) -> Dict[str, float]:
+  """CPU seconds of each part as the runs in out/summary.json measured it (the latest)."""
+  path = out / "summary.json"
+  if not path.exists():
+    return {}
+  costs = {}
+  for r in _read(path).get("runs", []):
+    costs.update({k: v["cpu_s"] for k, v in r.get("parts", {}).items() if "cpu_s" in v})
+  return costs
+
+
 def run(f: Config, out) -> Dict:
-  setting = paper_scale.setting("opt-13b", GPU_OF["opt-13b"])
-  progress = lambda total, desc: common.progress(total=total, desc=desc)
-  n = f.num_requests or None
-  seconds, results = {}, {}
+  """Runs the parts of `f.figs` in `f.jobs` processes into `out` (each panel, Fig. 14 mode
+  and whole figure written as it completes). Returns {"results": {figure: result},
+  "seconds": {figure: its parts' wall seconds summed}, "parts": {part: {"seconds",
+  "cpu_s", "start_s", "end_s" (from the run's start), "worker", "load_avg_end"}},
+  "jobs": processes used, "wall_s": the run's seconds}. A failed part raises
+  task_graph.TaskFailed naming it; the parts done by then are written."""
+  from paged_jax import compile_cache  # pylint: disable=g-import-not-at-top
+  before = committed(out)
+  jobs = f.jobs or task_graph.default_jobs()
+  tasks = parts.tasks(f, before.get("fig12", {}), recorded_costs(out))
+  results, record, written = {}, {}, set()
+  t0 = time.time()
 
-  def timed(name, fn):
-    t0 = time.time()
-    results[name] = fn()
-    seconds[name] = time.time() - t0
+  def event(kind, name, info):
+    now = time.time() - t0
+    if kind == "start":
+      record[name] = {"worker": info["worker"], "start_s": now}
+      print(f"[{now / 60:5.1f} min] start {name} (worker {info['worker']})", file=sys.stderr,
+            flush=True)
+      return
+    results[name] = info["result"]
+    record[name].update(seconds=info["seconds"], cpu_s=info["cpu_s"], end_s=now,
+                        load_avg_end=info["load_avg_end"])
+    _write(out, f, name, results, before, written)
+    print(f"[{now / 60:5.1f} min] done  {name}: {info['seconds']:.0f} s wall, "
+          f"{info['cpu_s']:.0f} s CPU (worker {info['worker']}; {len(results)}/{len(tasks)} "
+          f"parts; load {info['load_avg_end']:.1f})", file=sys.stderr, flush=True)
 
-  if "12" in f.figs:
-    timed("fig12", lambda: fig12(f, out))
-  panels = dict(committed(out).get("fig12", {}), **results.get("fig12", {}))
-  if "13" in f.figs:
-    if not panels:
-      raise ValueError("--figs=13 reads Fig. 12's points: add 12 to --figs or run it into "
-                       "--out first")
-    timed("fig13", lambda: fig13(f, panels, progress))
-  if "14" in f.figs:
-    timed("fig14", lambda: fig14(f, out))
-  if "16" in f.figs:
-    timed("fig16", lambda: fig16(f, out))
-  if "18" in f.figs:
-    timed("fig18", lambda: {w: paper_figures.block_size_points(
-        setting, w, rate=fixed_rate(panels, w, f.fixed_load),
-        block_sizes=f.fig18_block_sizes, seed=f.seed,
-        num_requests=n or paper_figures.default_requests(setting, w, f.seed),
-        progress=progress) for w in ("sharegpt", "alpaca")})
-  if "19" in f.figs:
-    timed("fig19", lambda: {
-        "microbenchmark": paper_figures.swap_vs_recompute(
-            setting, block_sizes=f.fig18_block_sizes),
-        "end_to_end": paper_figures.preemption_points(
-            setting, rate=fixed_rate(panels, "sharegpt", f.fixed_load),
-            block_sizes=f.fig19_block_sizes,
-            num_requests=n or paper_figures.default_requests(setting, "sharegpt", f.seed),
-            seed=f.seed, progress=progress)})
-  return {"results": results, "seconds": seconds}
+  cache = compile_cache.directory()
+  task_graph.run(tasks, jobs, init=parts.worker_init,
+                 init_args=(cache or "none", provenance.code_version()),
+                 after_part=parts.after_part, on_event=event, retire_maps=RETIRE_MAPS)
+  figures = parts.figures(f, results, before.get("fig14"))
+  seconds = {}
+  for name, r in record.items():
+    fig = parts.figure_of(name)
+    seconds[fig] = seconds.get(fig, 0.0) + r["seconds"]
+  return {"results": figures, "seconds": seconds, "parts": record,
+          "jobs": min(jobs, len(tasks)) or 1, "wall_s": time.time() - t0}
+
 
 
 def main(f: Config, out):
   start, load0 = time.time(), os.getloadavg()[0]
-  r = run(f, out)
-  for name in ("fig13", "fig14", "fig18", "fig19"):
-    if name in r["results"]:
-      common.write_json(out / f"{name}.json", r["results"][name])
+  try:
+    r = run(f, out)
+  except task_graph.TaskFailed as e:
+    sys.exit(f"error: {common.one_line(e)} (the parts finished before it are in {out})")
+  except KeyboardInterrupt:
+    sys.exit(f"interrupted: workers stopped; the parts finished before it are in {out}")
   res = dict(committed(out), **r["results"])
   rows = plots.summary_rows(res)
-  load = {"start": load0, "end": os.getloadavg()[0], "cores": os.cpu_count()}
-  this_run = {"figs": list(f.figs), "seconds": time.time() - start, "load_avg": load,
-              "flags": f.flags()}
+  loads = [p["load_avg_end"] for p in r["parts"].values()]
+  load = {"start": load0, "end": os.getloadavg()[0], "max_at_part_end": max(loads, default=0.0),
+          "cores": os.cpu_count()}
+  this_run = {"figs": list(f.figs), "seconds": time.time() - start, "jobs": r["jobs"],
+              "parts": r["parts"], "load_avg": load, "flags": f.flags()}
   before = _read(out / "summary.json") if (out / "summary.json").exists() else {}
   # A figure's last run counts; earlier runs of only figures run again drop out.
   # (Fig. 14 may run in parts by mode: a run of other modes stays.)
@@ -284,9 +230,11 @@ def main(f: Config, out):
   common.write_json(out / "summary.json", summary)
   pngs = plots.plot_all(res, out)
   print(common.table(rows, ["figure", "ours", "paper"]))
-  print(f"{this_run['seconds']:.0f} s this run ({summary['total_seconds']:.0f} s for every "
-        f"figure in {out}), load {load0:.1f} -> {load['end']:.1f} on {os.cpu_count()} cores; "
-        f"wrote {out / 'summary.json'} and {len(pngs)} plots")
+  print(f"{this_run['seconds']:.0f} s this run in {r['jobs']} process(es), "
+        f"{sum(p['cpu_s'] for p in r['parts'].values()):.0f} CPU s over "
+        f"{len(r['parts'])} parts ({summary['total_seconds']:.0f} s for every figure in "
+        f"{out}), load {load0:.1f} -> {load['end']:.1f} on {os.cpu_count()} cores; wrote "
+        f"{out / 'summary.json'} and {len(pngs)} plots")
 
 
 if __name__ == "__main__":

@@ -74,6 +74,13 @@ def remember_code() -> None:
   _CODE_AT_START.update(code_version())
 
 
+def remember_code_as(reading: Dict[str, Any]) -> None:
+  """Takes `reading` (another process's `code_version()` at its run's start: a worker's
+  parent) as the reading `code_version()` returns until `forget_code()`."""
+  _CODE_AT_START.clear()
+  _CODE_AT_START.update(reading)
+
+
 def forget_code() -> None:
   _CODE_AT_START.clear()
 

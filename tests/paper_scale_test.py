@@ -183,15 +183,63 @@ def test_recording_wall_clock_charges_each_step_the_loop_time_since_the_last_mar
 
 def test_fig13_needs_its_panels_and_reads_the_highest_points_at_load_zero():
   from experiments import paper_scale as ps
+  from experiments import paper_scale_parts as parts
   panel = {"systems": {"paged": {"rates": [2.0, 4.0], "mean_running": [10.0, 40.0],
                                  "max_running": [12, 50]},
                        "orca_max": {"rates": [1.0], "mean_running": [8.0],
                                     "max_running": [9]}}}
-  old = ps.fig13(ps.Config(fig13_load=0.0), {"opt-66b-sharegpt": panel}, None)
+  [task] = parts.tasks(ps.Config(figs=("13",), fig13_load=0.0), {"opt-66b-sharegpt": panel})
+  old = task.fn(*task.args, **task.kwargs)
   assert old["opt-66b-sharegpt"]["orca_max"]["paged_over"] == 5.0
   with pytest.raises(ValueError, match="--fig13_panels opt-13b-sharegpt, opt-13b-alpaca "
                      "have no Fig. 12 run"):
-    ps.fig13(ps.Config(), {"opt-66b-sharegpt": panel}, None)
+    parts.tasks(ps.Config(figs=("13",)), {"opt-66b-sharegpt": panel})
+
+
+def test_parts_wait_for_the_panels_this_run_makes_and_read_the_others():
+  """Fig. 13 / 18 / 19 take paged's rate from the OPT-13B Fig. 12 panels: a panel this run
+  makes is an input (the part waits for it), one already in --out an argument, none at
+  all the fallback rate."""
+  from experiments import paper_scale as ps
+  from experiments import paper_scale_parts as parts
+  f = ps.Config(figs=("12", "13", "18", "19"), fig12_models=("opt-13b",),
+                fig12_workloads=("sharegpt",), fig13_panels=("opt-13b-sharegpt",),
+                fig18_block_sizes=(16, 64), fig19_block_sizes=(32,))
+  alpaca = {"max_rate_at_slo_interpolated": {"paged": 100.0}, "max_rate_at_slo": {}}
+  tasks = {t.name: t for t in parts.tasks(f, {"opt-13b-alpaca": alpaca})}
+  assert list(tasks) == ["fig12/opt-13b-sharegpt", "fig13/opt-13b-sharegpt",
+                         "fig18/sharegpt/16", "fig18/sharegpt/64", "fig18/alpaca/16",
+                         "fig18/alpaca/64", "fig19/32"]
+  for name in ("fig13/opt-13b-sharegpt", "fig18/sharegpt/16", "fig19/32"):
+    assert tasks[name].inputs == {"panel": "fig12/opt-13b-sharegpt"}
+  assert tasks["fig18/alpaca/64"].inputs == {} and tasks["fig18/alpaca/64"].kwargs == {
+      "panel": alpaca}
+  assert tasks["fig18/alpaca/64"].args == (f, "alpaca", 64)
+  assert parts.fixed_rate(alpaca, "alpaca", 0.9) == 90.0
+  assert parts.fixed_rate(None, "sharegpt", 0.9) == parts.FALLBACK_RATE["sharegpt"]
+  # Every part has a cost; OPT-175B ShareGPT-like, the longest, is scheduled first.
+  every = parts.tasks(ps.Config(), {})
+  assert len(every) == 6 + 2 + 6 + 2 + 18 + 6
+  assert all(t.name in parts.PART_COST_S for t in every)
+  from paged_jax.bench import task_graph
+  first = task_graph.simulate(every, 2)["order"][:2]
+  assert {o[0] for o in first} == {"fig12/opt-175b-sharegpt", "fig12/opt-13b-sharegpt"}
+
+
+def test_figures_are_assembled_from_complete_parts_only():
+  from experiments import paper_scale as ps
+  from experiments import paper_scale_parts as parts
+  f = ps.Config(figs=("18", "19"), fig18_block_sizes=(16, 64), fig19_block_sizes=(32,))
+  row = lambda w, b: {"workload": w, "block_size": b}
+  res = {f"fig18/{w}/{b}": row(w, b) for w in ("sharegpt", "alpaca") for b in (64, 16)}
+  got = parts.figures(f, res)
+  assert "fig19" not in got      # its one part has not finished
+  assert got["fig18"] == {w: [row(w, 16), row(w, 64)] for w in ("sharegpt", "alpaca")}
+  got = parts.figures(f, dict(res, **{"fig19/32": [{"m": "recompute"}, {"m": "swap"}]}))
+  assert got["fig19"]["end_to_end"] == [{"m": "recompute"}, {"m": "swap"}]
+  assert [r["block_size"] for r in got["fig19"]["microbenchmark"]] == [16, 64]
+  del res["fig18/alpaca/16"]
+  assert "fig18" not in parts.figures(f, res)
 
 
 @pytest.mark.slow
@@ -233,29 +281,27 @@ def test_saturated_batch_is_the_mean_over_steps_with_a_queue():
   assert math.isnan(paper_figures.saturated_batch([3, 4], [0, 0])["mean_running_while_waiting"])
 
 
-def test_fig14_keeps_compiled_steps_across_modes_and_merges_earlier_modes(tmp_path,
-                                                                          monkeypatch):
-  """Fig. 14 runs every mode without dropping the compiled steps in between (its engines
-  share two geometries), drops them once at the end, records each mode's cost, writes
-  fig14.json after each mode and keeps an earlier run's modes it does not redo."""
+def test_fig14_mode_keeps_compiled_steps_across_its_systems_and_merges_earlier_modes(
+    monkeypatch):
+  """A Fig. 14 mode runs both systems without dropping the compiled steps in between
+  (their engines share two geometries; the part's end drops them), records its cost, and
+  the figure keeps an earlier run's modes it does not redo."""
   from experiments import paper_scale as ps
-  from paged_jax import engine as engine_lib
-  calls, releases = [], []
+  from experiments import paper_scale_parts as parts
+  calls = []
 
   def fake_sweep(cfg, systems, rates, duration_s, mode, *, release=True):
-    calls.append((tuple(systems), dict(mode), release))
+    calls.append((tuple(systems), dict(mode), release, cfg.preemption_mode))
     return {"systems": {s: {"rates": [1.0, 2.0]} for s in systems},
             "max_rate_at_slo": {"paged": 4.0, "orca_oracle": 2.0}, "slo_s_per_token": 0.1}
 
-  monkeypatch.setattr(ps.sb, "sweep", fake_sweep)
-  monkeypatch.setattr(engine_lib, "release_compiled", lambda: releases.append(1))
-  (tmp_path / "fig14.json").write_text(json.dumps({"beam2": {"old": True},
-                                                   "n2": {"old": True}}))
-  out = ps.fig14(ps.Config(fig14_modes=("n2", "n4")), tmp_path)
-  assert [c[1] for c in calls] == [{"n": 2}, {"n": 4}]
-  assert all(c == (("paged", "orca_oracle"), c[1], False) for c in calls)
-  assert releases == [1]
+  monkeypatch.setattr(parts.sb, "sweep", fake_sweep)
+  f = ps.Config(fig14_modes=("n2", "n4"))
+  modes = {m: parts.fig14_mode(f, m) for m in ("n4", "n2")}
+  assert calls == [(("paged", "orca_oracle"), {"n": 4}, False, "recompute"),
+                   (("paged", "orca_oracle"), {"n": 2}, False, "recompute")]
+  out = parts.fig14_merged(f, modes, {"beam2": {"old": True}, "n2": {"old": True}})
   assert list(out) == ["n2", "n4", "beam2"] and out["beam2"] == {"old": True}
   assert out["n4"]["paged_rate_ratio"]["paged_over_orca_oracle"] == 2.0
   assert out["n4"]["cost"]["points"] == 4 and out["n4"]["cost"]["cpu_s"] >= 0
-  assert json.loads((tmp_path / "fig14.json").read_text())["n4"]["mode"] == {"n": 4}
+  assert out["n4"]["mode"] == {"n": 4}
