@@ -21,6 +21,22 @@ def paper_scale(summary) -> str:
   return table(rows, ["figure (paper scale, model clock)", "ours", "paper"])
 
 
+def paper_scale_suite_time(summary) -> str:
+  """One timed run of the whole suite: wall clock, workers, each figure's part seconds."""
+  run = summary["runs"][-1]
+  parts = run["parts"]
+  load_avg = summary["load_avg"]
+  rows = [["the whole suite", f"{run['jobs']}",
+           f"{run['seconds']:,.0f} s = {run['seconds'] / 60:.1f} min",
+           f"{sum(p['cpu_s'] for p in parts.values()):,.0f} CPU s over {len(parts)} parts; "
+           f"load {load_avg['start']:.1f}-{load_avg['end']:.1f} on {load_avg['cores']} cores; "
+           f"code {summary['code']['git_commit'][:7]}"]]
+  for fig, seconds in summary["seconds"].items():
+    n = sum(1 for name in parts if name.split("/")[0] == fig)
+    rows.append([f"Fig. {fig[3:]}", "", f"{seconds:,.0f} s over {n} part(s)", ""])
+  return table(rows, ["what", "workers", "wall seconds", "CPU, load, code"])
+
+
 def paper_scale_rates(results_dir: str) -> str:
   """Every committed Fig. 12 / 16 panel: each system's max rate at the SLO (req/s)."""
   rows = []

@@ -96,6 +96,8 @@ SECTIONS: Dict[str, Tuple[object, Callable]] = {
         "tpu_engine_compile/int8_L32_vocab128256/tpu_engine_compile.json",
         engine.rows_with("tpu_engine_compile")),
     "paper_scale": ("paper_scale/summary.json", paper.paper_scale),
+    "paper_scale_suite_time": ("paper_scale/suite_jobs2/summary.json",
+                               paper.paper_scale_suite_time),
     "paper_scale_rates": (_RESULTS_DIR, paper.paper_scale_rates),
     "paper_targets": (_RESULTS_DIR, paper.paper_targets),
     "paper_targets_compact": (_RESULTS_DIR, paper.paper_targets_compact),
