@@ -15,7 +15,9 @@ def paper_scale(summary) -> str:
   """[figure, ours, paper] as experiments.paper_scale printed them, then its cost line."""
   rows = [list(r) for r in summary["rows"]]
   load_avg = summary["load_avg"]
-  rows.append(["run time of these figures on this machine",
+  # The committed figures came from several part runs, some side by side: their seconds
+  # summed (the whole suite timed in one run: section paper_scale_suite_time).
+  rows.append(["seconds of the runs that made these figures, summed",
                f"{summary['total_seconds'] / 60:.0f} min at load {load_avg['start']:.1f}"
                f"-{load_avg['end']:.1f} on {load_avg['cores']} cores", "-"])
   return table(rows, ["figure (paper scale, model clock)", "ours", "paper"])
