@@ -68,15 +68,10 @@ def sb_config(f, **kw) -> sb.Config:
                    preemption_mode="auto", out=f.out, **kw)
 
 
-def paged_rate(panel: Dict) -> float:
-  """Paged's max rate at the SLO of a Fig. 12 panel (interpolated where it crossed)."""
-  return panel["max_rate_at_slo_interpolated"].get("paged") or panel["max_rate_at_slo"]["paged"]
-
-
 def fixed_rate(panel: Optional[Dict], workload: str, load: float) -> float:
   """Fig. 18 / 19's rate: `load` x paged's OPT-13B max rate from its Fig. 12 panel (None:
   the figure's fallback rate)."""
-  return FALLBACK_RATE[workload] if panel is None else load * paged_rate(panel)
+  return FALLBACK_RATE[workload] if panel is None else load * latency.max_rate(panel, "paged")
 
 
 # The parts (module-level: a spawned worker imports them).
@@ -90,7 +85,7 @@ def fig13_panel(f, name: str, panel: Dict) -> Dict:
   """Fig. 13 of one panel: every system at ONE rate, fig13_load x paged's max rate at the
   SLO (past every system's knee), as the paper reads its Fig. 13."""
   model, workload = name.rsplit("-", 1)
-  knee = paged_rate(panel)
+  knee = latency.max_rate(panel, "paged")
   out = paper_figures.batched_at_rate(paper_scale.setting(model, GPU_OF[model]), panel,
                                       workload, rate=f.fig13_load * knee, seed=f.seed,
                                       progress=_progress)

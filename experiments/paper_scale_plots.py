@@ -6,9 +6,10 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from experiments import common
+from paged_jax.bench import latency
 from paged_jax.bench import sweep as serving_sweep
 
 LABELS = serving_sweep.LABELS
@@ -36,12 +37,8 @@ PAPER = {
 }
 
 
-def _rate(res: Dict, name: str) -> Optional[float]:
-  return res["max_rate_at_slo_interpolated"].get(name) or res["max_rate_at_slo"].get(name)
-
-
 def _ratio(res: Dict, name: str) -> str:
-  p, o = _rate(res, "paged"), _rate(res, name)
+  p, o = latency.max_rate(res, "paged"), latency.max_rate(res, name)
   if not p or not o:
     return "n/a"
   beyond = "" if res["max_rate_at_slo_interpolated"].get("paged") else ">="

@@ -111,6 +111,14 @@ def slo_and_rates(curves: Dict[str, Dict], factor: float) -> Dict:
           "max_rate_at_slo_interpolated": {s: v["interpolated"] for s, v in found.items()}}
 
 
+def max_rate(result: Dict, system: str) -> Optional[float]:
+  """`system`'s max rate at the SLO in a result holding `slo_and_rates`' two dicts (a
+  serving_benchmark JSON, a sweep's): where its curve crossed the SLO, else the highest
+  rate swept under it (a lower bound); None for a system the result lacks."""
+  return (result["max_rate_at_slo_interpolated"].get(system)
+          or result["max_rate_at_slo"].get(system))
+
+
 def rate_ratios(max_rate: Dict[str, Optional[float]], base: str = "paged") -> Dict[str, float]:
   """{f"{base}_over_{s}": base's sustainable rate over s's} for every other system s (inf
   when s sustains none; systems without a rate left out)."""

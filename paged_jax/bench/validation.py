@@ -73,12 +73,10 @@ def compare(measured: Dict, predicted: Dict, slo_factor: float) -> Dict:
   m, p = (latency.slo_and_rates(c, slo_factor) for c in (measured, predicted))
   out = {}
   for s in measured:
-    rate = lambda res, s=s: (res["max_rate_at_slo_interpolated"][s]
-                             or res["max_rate_at_slo"][s])
     at_measured_slo = latency.max_rate_at_slo(predicted[s]["rates"],
                                               predicted[s]["normalized_latency_s_per_token"],
                                               m["slo_s_per_token"])
-    mv, pv = rate(m), rate(p)
+    mv, pv = latency.max_rate(m, s), latency.max_rate(p, s)
     # A curve still under its SLO at the highest rate gives that rate as its max: a lower
     # bound only. A measured one cannot be judged; a predicted one's error is a bound.
     m_cens, p_cens = (censored(c[s], res["slo_s_per_token"])
