@@ -114,6 +114,48 @@ def test_a_miss_costs_no_step_and_a_chunk_inside_the_hit_computes_nothing():
   assert s["hit_tokens"] == 20 and s["prefill_tokens"] == len(p2[0]) + 5
 
 
+def test_mostly_hitting_lookups_attach_ahead_and_size_the_step_by_what_it_computes():
+  # A 20-token shared prefix (5 blocks) and 3-token suffixes, served one at a time, 64
+  # tokens a step (token buckets 16 and 64). The first lookup misses (empty cache), the
+  # others hit 20 of 23 tokens. Once the recent hit fraction (a plain-Python model of it
+  # here) reaches ATTACH_AHEAD_HIT_FRACTION, a prompt is attached alone and the next step
+  # prefills only its 3 missing tokens on the 16-token bucket; planned from 0, its 23
+  # tokens take the 64-token one though 20 are skipped.
+  from paged_jax.engine import planning  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(6)
+  shared = [int(t) for t in rng.integers(0, VOCAB, 20)]
+  prompts = [shared + [int(t) for t in rng.integers(0, VOCAB, 3)] for _ in range(5)]
+  cc = MC.cache_config(block_size=BS, num_blocks=NUM_BLOCKS, max_seqs=MAX_SEQS,
+                       max_blocks_per_seq=ORACLE_LEN // BS, enable_prefix_caching=True)
+  eng = Engine(MC, PARAMS, cc, max_num_batched_tokens=64, attention_backend="reference")
+  ema, ahead = 0.0, 0
+  for i, p in enumerate(prompts):
+    was_ahead = eng.scheduler.attach_ahead
+    assert was_ahead == (ema >= planning.ATTACH_AHEAD_HIT_FRACTION)
+    eng.add_request(p, greedy(3))
+    outs = eng.step()
+    hit = 20 if i else 0
+    assert eng.last_step.prefix_hit_tokens == hit
+    if was_ahead:
+      ahead += 1
+      # The attaching step computed nothing for it; the next one only its suffix.
+      assert eng.last_step.prefill_chunks == () and not eng.last_step.first_token_ids
+      outs += eng.step()
+      assert eng.last_step.prefill_chunks == ((3, 23),)
+      assert eng.last_step.bucket.tokens == 16
+    else:
+      assert eng.last_step.prefill_chunks == ((23 - hit, 23),)
+      assert eng.last_step.bucket.tokens == 64   # planned from 0, hit tokens skipped
+    while eng.has_unfinished():
+      outs += eng.step()
+    assert [o.outputs[0] for o in outs] == [dense_greedy(p, 3)]
+    ema = 0.5 * (ema + hit / len(p))
+    assert eng.scheduler.prefix_hit_ema == pytest.approx(ema)
+  assert eng.stats["prefix_attached_ahead"] == ahead >= 2
+  eng.reset_prefix_cache()
+  assert not eng.scheduler.attach_ahead
+
+
 def test_prompts_shorter_than_one_block_never_hit():
   eng = make(True)
   prompts = [[1, 2, 3], [1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 4]]
@@ -132,6 +174,7 @@ def test_tiny_cache_preempts_evicts_and_stays_exact():
   assert on == off
   s = eng.prefix_stats()
   assert s["evictions"] > 0 and eng.num_preemptions > 0 and s["hit_blocks"] > 0
+  assert eng.stats["prefix_attached_ahead"] > 0   # attached alone, prefilled a step later
 
 
 @pytest.mark.slow

@@ -399,7 +399,7 @@ class Engine:
 
   def reset_prefix_cache(self) -> None:
     """Drops every cached block (running sequences keep theirs) and zeroes the
-    prefix counters."""
+    prefix counters and the recent hit fraction the planner reads."""
     if self.state.prefix is None:
       raise ValueError("reset_prefix_cache needs cache_config.enable_prefix_caching=True")
     self.flush()
@@ -409,5 +409,6 @@ class Engine:
     sched = self.scheduler
     sched.counts = DeviceCounts(free, free + evictable, evictable,
                                 sole_blocks=sched.counts.sole_blocks)
+    sched.prefix_hit_ema = 0.0   # an empty cache: the next lookups miss
     for k in ("prefix_hit_tokens", "prefill_tokens", "computed_tokens"):
       self.stats[k] = 0

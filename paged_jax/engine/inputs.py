@@ -16,7 +16,6 @@ import numpy as np
 from paged_jax.config import CacheConfig
 from paged_jax.engine.buckets import StepBuckets
 from paged_jax.engine.params import MAX_STOP_IDS
-from paged_jax.engine.planning import Planner
 from paged_jax.engine.sequence import Batch, Group, Sequence
 from paged_jax.engine.step import StepInputs
 from paged_jax.prefix_cache import ROOT_HASH, salt_key
@@ -119,8 +118,7 @@ def build_inputs(batch: Batch, running: Seq[Group], *, buckets: StepBuckets, max
   for i, (parent, child) in enumerate(batch.forks):
     a["fork_src"][i], a["fork_dst"][i] = parent.slot, child.slot
   start = 0
-  for i, seq in enumerate(batch.attaches):
-    n = Planner.lookup_len(owner[id(seq)])
+  for i, (seq, n) in enumerate(zip(batch.attaches, batch.attach_lens)):
     a["attach_slot"][i], a["attach_len"][i], a["attach_start"][i] = seq.slot, n, start
     a["attach_tokens"][start:start + n] = seq.tokens[:n]
     a["attach_root"][i], a["attach_tag"][i] = salt_key(owner[id(seq)].params.cache_salt)

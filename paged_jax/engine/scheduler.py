@@ -75,6 +75,9 @@ class Scheduler(Planner):
     counts: the last step's DeviceCounts (None: `schedule` needs them passed).
     after_failed_step: the last step ran out of blocks on device; the next plan swaps
       in and admits nothing (`schedule` clears it).
+    prefix_hit_ema: with prefix caching, the fraction of looked-up prompt tokens the
+      prefix cache held, averaged over the steps that attached (each step's weight
+      halves with every later one); the planner attaches ahead when it is high.
     stats: counters (steps, tokens, retries, ...); num_preemptions, num_swaps.
   """
   block_size: int = dataclasses.field(metadata=FIXED)
@@ -91,6 +94,7 @@ class Scheduler(Planner):
   carry: Batch = _new(Batch)
   counts: Optional[DeviceCounts] = None
   after_failed_step: bool = False
+  prefix_hit_ema: float = 0.0
   stats: collections.Counter = _new(collections.Counter)
   num_preemptions: int = 0
   num_swaps: int = 0
@@ -249,6 +253,9 @@ class Scheduler(Planner):
     ok = bool(outputs.ok)
     chunked = {id(ch.seq) for ch in batch.chunks} if ok else set()
     batch.attach_hits = [int(outputs.hit_tokens[seq.slot]) for seq in batch.attaches]
+    if batch.attaches:   # what the planner's `attach_ahead` reads
+      looked = sum(batch.attach_lens)
+      self.prefix_hit_ema = 0.5 * (self.prefix_hit_ema + sum(batch.attach_hits) / looked)
     hit_of = batch.hit_of
     for seq, hit in zip(batch.attaches, batch.attach_hits):
       seq.on_device = True
@@ -275,6 +282,7 @@ class Scheduler(Planner):
       seq.on_device = True
       seq.last_block_shared = False
     stats["prefix_hit_tokens"] += sum(batch.attach_hits)
+    stats["prefix_attached_ahead"] += sum(id(seq) not in chunked for seq in batch.attaches)
     for leader, child in batch.post_forks:
       child.on_device = True
       child.pending_fork = False

@@ -113,6 +113,7 @@ class Batch:
   swap_in: List[Group] = dataclasses.field(default_factory=list)
   preempted: List[Group] = dataclasses.field(default_factory=list)
   attaches: List[Sequence] = dataclasses.field(default_factory=list)  # prefix lookups
+  attach_lens: List[int] = dataclasses.field(default_factory=list)    # their tokens
   # hit tokens of each attach, set by `Scheduler.update` from the step's outputs
   attach_hits: List[int] = dataclasses.field(default_factory=list)
 
