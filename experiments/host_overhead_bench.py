@@ -55,7 +55,7 @@ def run(f: Optional[Config] = None) -> Dict:
   n, plen, m, bs = f.num_seqs, f.prompt_len, f.max_tokens, f.block_size
   blocks_per_seq = cdiv(plen + m, bs)
   cc = mc.cache_config(block_size=bs, num_blocks=n * blocks_per_seq, max_seqs=n,
-                       max_blocks_per_seq=blocks_per_seq)
+                       max_blocks_per_seq=blocks_per_seq, enable_prefix_caching=False)
   rng = np.random.default_rng(0)
   prompts = [[int(t) for t in rng.integers(0, 256, size=plen)] for _ in range(n)]
   runs = {"python_allocator": lambda: host_overhead.python_allocator_run(mc, params, cc,

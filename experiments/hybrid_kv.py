@@ -119,7 +119,7 @@ def one_context(f: Config, context: int) -> Dict:
   common_kw = dict(block_size=bs, max_blocks_per_seq=per_seq)
   opts = dict(max_num_batched_tokens=budget, model_apply=_standin_apply, shape_buckets=False)
   off_cc = mc.cache_config(num_blocks=memory // n_layers, max_seqs=f.base_requests + 2,
-                           **common_kw)
+                           enable_prefix_caching=False, **common_kw)   # as hybrid KV
   on_cc = mc.cache_config(hybrid_kv=True, max_num_batched_tokens=budget,
                           num_blocks=(memory - n_sliding * pool) // n_full, max_seqs=seqs,
                           num_sliding_blocks=pool, **common_kw)

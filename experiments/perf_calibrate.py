@@ -97,7 +97,8 @@ def _engine_fn(f: Config, cfg, params, max_len: int):
   from paged_jax.engine import Engine  # pylint: disable=g-import-not-at-top
   cache = cfg.cache_config(block_size=f.block_size,
                            num_blocks=f.kv_budget_tokens // f.block_size, max_seqs=256,
-                           max_blocks_per_seq=-(-max_len // f.block_size))
+                           max_blocks_per_seq=-(-max_len // f.block_size),
+                           enable_prefix_caching=False)   # the paper's system
   return lambda: Engine(cfg, params, cache, max_num_batched_tokens=f.max_num_batched_tokens)
 
 

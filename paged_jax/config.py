@@ -64,7 +64,10 @@ class CacheConfig:
     dtype: K/V page dtype name: float32, bfloat16, float16, int8, float8_e4m3fn
       (int8/fp8 pages carry per-token scales).
     enable_prefix_caching: keep hashes and token ids of full blocks so later
-      requests can reuse them.
+      requests can reuse them. None (the default) is on, as in vLLM v1, except with
+      hybrid KV (`sliding_layers`), which cannot combine with it yet; resolved to a
+      bool on construction. Its cost when every lookup misses, and its gain when
+      prompts share a prefix: docs/notes/prefix_cache_miss.md.
     sliding_layers: hybrid KV (off when empty): the sliding-window layers whose K/V live
       in a second pool of `num_sliding_blocks` blocks with its own block table, from
       which each sequence's blocks that slid out of its window return to that pool
@@ -84,7 +87,7 @@ class CacheConfig:
   num_kv_heads: int = 1
   head_dim: int = 64
   dtype: str = "float32"
-  enable_prefix_caching: bool = False
+  enable_prefix_caching: Optional[bool] = None
   sliding_layers: Tuple[int, ...] = ()
   sliding_window: Optional[int] = None
   num_sliding_blocks: int = 0
@@ -107,6 +110,11 @@ class CacheConfig:
     if self.max_seq_len > 2**30:
       raise ValueError(
           f"max_blocks_per_seq * block_size must be <= 2**30, got {self.max_seq_len}")
+    if self.enable_prefix_caching is None:   # on unless hybrid KV, which cannot have it
+      object.__setattr__(self, "enable_prefix_caching", not self.sliding_layers)
+    elif not isinstance(self.enable_prefix_caching, bool):
+      raise TypeError(f"enable_prefix_caching must be a bool or None, got "
+                      f"{type(self.enable_prefix_caching).__name__}")
     # Hybrid KV fields: all set or all off (`pool_sizing.check_sliding_fields`).
     object.__setattr__(self, "sliding_layers", pool_sizing.check_sliding_fields(self))
 

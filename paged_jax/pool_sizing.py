@@ -62,7 +62,7 @@ def check_sliding_fields(config: Any) -> Tuple[int, ...]:
                      f"{config.num_sliding_blocks} * {config.block_size}")
   if config.enable_prefix_caching:
     raise ValueError("sliding_layers (hybrid KV) cannot be combined with "
-                     "enable_prefix_caching=True yet")
+                     "enable_prefix_caching=True yet (pass enable_prefix_caching=False)")
   return layers
 
 

@@ -146,7 +146,7 @@ def test_after_warm_up_a_mixed_run_neither_traces_nor_compiles(monkeypatch):
 
 def small_engine(max_seqs, num_blocks=NUM_BLOCKS):
   cc = MC.cache_config(block_size=BLOCK, num_blocks=num_blocks, max_seqs=max_seqs,
-                       max_blocks_per_seq=MAX_LEN // BLOCK)
+                       max_blocks_per_seq=MAX_LEN // BLOCK, enable_prefix_caching=False)
   return Engine(MC, PARAMS, cc, max_num_batched_tokens=BUDGET, attention_backend="reference")
 
 
