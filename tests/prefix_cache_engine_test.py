@@ -27,8 +27,8 @@ def dense_greedy(prompt, max_tokens):
 def make(caching, num_blocks=NUM_BLOCKS, **kw):
   cc = MC.cache_config(block_size=BS, num_blocks=num_blocks, max_seqs=MAX_SEQS,
                        max_blocks_per_seq=ORACLE_LEN // BS, enable_prefix_caching=caching)
-  return Engine(MC, PARAMS, cc, max_num_batched_tokens=BUDGET, attention_backend="reference",
-                **kw)
+  return Engine(MC, PARAMS, cc, **{"max_num_batched_tokens": BUDGET,
+                                   "attention_backend": "reference", **kw})
 
 
 def shared_prefix_prompts(rng, count, prefix_len, max_suffix=12):
@@ -120,7 +120,8 @@ def test_mostly_hitting_lookups_attach_ahead_and_size_the_step_by_what_it_comput
   # others hit 20 of 23 tokens. Once the recent hit fraction (a plain-Python model of it
   # here) reaches ATTACH_AHEAD_HIT_FRACTION, a prompt is attached alone and the next step
   # prefills only its 3 missing tokens on the 16-token bucket; planned from 0, its 23
-  # tokens take the 64-token one though 20 are skipped.
+  # tokens take the 64-token one though 20 are skipped (the predicted skip, >= 8 tokens
+  # at that fraction, always moves it to the smaller bucket here).
   from paged_jax.engine import planning  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(6)
   shared = [int(t) for t in rng.integers(0, VOCAB, 20)]
@@ -154,6 +155,28 @@ def test_mostly_hitting_lookups_attach_ahead_and_size_the_step_by_what_it_comput
   assert eng.stats["prefix_attached_ahead"] == ahead >= 2
   eng.reset_prefix_cache()
   assert not eng.scheduler.attach_ahead
+  # Unbucketed, every mixed step runs the budget's 64 tokens: skipped tokens cost no
+  # larger shape, so nothing is attached ahead though the lookups hit as much.
+  flat = Engine(MC, PARAMS, cc, max_num_batched_tokens=64, attention_backend="reference",
+                shape_buckets=False)
+  for p in prompts:
+    assert outputs(flat.generate([p], greedy(3))) == [[dense_greedy(p, 3)]]
+  assert flat.scheduler.attach_ahead and flat.stats["prefix_attached_ahead"] == 0
+
+
+def test_attaching_ahead_under_preemption_and_eviction_stays_exact():
+  # 64 tokens a step (token buckets 16 and 64), so admissions attach ahead once lookups
+  # hit; 12 prompts sharing a 20-token prefix on the 24-block pool, so groups are also
+  # preempted (recomputed) and cached blocks evicted meanwhile.
+  rng = np.random.default_rng(7)
+  prompts = shared_prefix_prompts(rng, 12, 20, max_suffix=16)
+  engines = [make(c, num_blocks=NUM_BLOCKS, max_num_batched_tokens=64) for c in (False, True)]
+  off, on = (outputs(e.generate(prompts, greedy(10))) for e in engines)
+  assert on == off
+  eng = engines[1]
+  s = eng.prefix_stats()
+  assert eng.stats["prefix_attached_ahead"] > 0 and s["hit_blocks"] > 0
+  assert eng.num_preemptions > 0 and s["evictions"] > 0
 
 
 def test_prompts_shorter_than_one_block_never_hit():
@@ -174,7 +197,6 @@ def test_tiny_cache_preempts_evicts_and_stays_exact():
   assert on == off
   s = eng.prefix_stats()
   assert s["evictions"] > 0 and eng.num_preemptions > 0 and s["hit_blocks"] > 0
-  assert eng.stats["prefix_attached_ahead"] > 0   # attached alone, prefilled a step later
 
 
 @pytest.mark.slow

@@ -126,6 +126,10 @@ class StepBuckets:
     return ((len(self.tokens) * (1 + 2 * p) + self.decode_shapes * (1 + p)) * len(self.rows)
             * len(self.widths) * 2)
 
+  def mixed_tokens(self, num_tokens: int) -> int:
+    """T of a mixed step planning `num_tokens` new tokens (its padded token bucket)."""
+    return next((b for b in self.tokens if b >= num_tokens), self.tokens[-1])
+
   def pick(self, num_tokens: int, num_rows: int, max_len: int, decode_only: bool,
            all_greedy: bool = False, prefix_light: bool = False,
            prefix_admit_only: bool = False) -> Bucket:
@@ -139,7 +143,7 @@ class StepBuckets:
       max_len += self.decode_steps - 1          # the decode loop's tokens
     width = up(self.widths, cdiv(max(max_len, 1), self.block_size))
     decode_only = decode_only and self.decode_shapes
-    tokens = rows if decode_only else up(self.tokens, num_tokens)
+    tokens = rows if decode_only else self.mixed_tokens(num_tokens)
     light = bool(prefix_light) and self.prefix_caching
     admit_only = bool(prefix_admit_only) and self.prefix_caching and not (light or decode_only)
     return Bucket(tokens, rows, width, decode_only, bool(all_greedy), light, admit_only)

@@ -102,6 +102,7 @@ class Engine:
         block_size=cache_config.block_size, max_seqs=max_seqs, max_num_batched_tokens=budget,
         preemption_mode=options.preemption_mode, prefix_caching=self.prefix_caching,
         lookup_budget=self._lookup_len, lookahead=options.decode_steps_per_sync - 1,
+        token_bucket=self._buckets.mixed_tokens,
         counts=DeviceCounts.empty_pool(nb, max_seqs, cache_config.num_sliding_blocks))
     self._outbox: Dict[Any, RequestOutput] = {}    # finished, not yet returned
     # (batch, outputs, t0, bucket, report?): dispatched, outputs not yet applied

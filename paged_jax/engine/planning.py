@@ -181,8 +181,10 @@ class Planner:
       # preempted newer groups, which came back the same way (529 preemptions for
       # 45 requests in the Fig. 14 run at 8 req/s). A chunk that samples also
       # holds its decode loop's blocks, as running groups do in step 1.
-      ahead = self.prefix_caching and self.attach_ahead
-      chunks = [] if ahead else self._chunks_for(group, budget, batch.forks)
+      chunks = self._chunks_for(group, budget, batch.forks)
+      ahead = self.prefix_caching and self._attach_ahead(group, chunks, budget)
+      if ahead:
+        chunks = []
       need = self.group_need(group) + self.lookahead_need(group, chunks)
       if need > free:
         break
@@ -206,9 +208,24 @@ class Planner:
 
   @property
   def attach_ahead(self) -> bool:
-    """Attach admitted prompts alone, a step before their first chunk: the recent
-    lookups hit at least ATTACH_AHEAD_HIT_FRACTION of their tokens (`prefix_hit_ema`)."""
+    """Admitted prompts may be attached alone, a step before their first chunk: the
+    recent lookups hit at least ATTACH_AHEAD_HIT_FRACTION of their tokens
+    (`prefix_hit_ema`)."""
     return self.prefix_hit_ema >= ATTACH_AHEAD_HIT_FRACTION
+
+  def _attach_ahead(self, group: Group, chunks: List[Chunk], budget: int) -> bool:
+    """Attach `group`'s leader alone this step: lookups mostly hit, and the tokens its
+    chunk would skip (the hit the recent fraction predicts, whole blocks) would put the
+    step on a larger token bucket. On one shape for every mixed step (unbucketed) they
+    cost nothing, and attaching ahead would only delay the prompt by a step."""
+    if not (chunks and self.attach_ahead):
+      return False
+    n = chunks[0].num_tokens
+    bs = self.block_size
+    skipped = min(int(self.prefix_hit_ema * self.lookup_len(group)) // bs * bs, n - 1)
+    used = self.max_num_batched_tokens - budget
+    bucket = self.token_bucket or (lambda t: t)
+    return bucket(used + n) > bucket(used + n - skipped)
 
   @staticmethod
   def lookup_len(group: Group) -> int:

@@ -33,7 +33,7 @@ import bisect
 import collections
 import dataclasses
 import itertools
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -68,6 +68,8 @@ class Scheduler(Planner):
     block_size, max_seqs, max_num_batched_tokens, preemption_mode, prefix_caching;
     lookup_budget: prompt tokens looked up in the prefix cache per step;
     lookahead: decode-loop tokens after a sample (decode_steps_per_sync - 1).
+    token_bucket: tokens planned in a step -> the padded tokens its compiled shape
+      computes (`StepBuckets.mixed_tokens`; None: no padding).
     waiting / running / swapped: the queues (waiting and swapped by arrival).
     groups: unfinished requests by id.
     carry: what the last update left for the next step (beam forks, frees of dropped
@@ -87,6 +89,7 @@ class Scheduler(Planner):
   prefix_caching: bool = _fixed(False)
   lookup_budget: int = _fixed(0)
   lookahead: int = _fixed(0)
+  token_bucket: Optional[Callable[[int], int]] = _fixed(None)
   waiting: List[Group] = _new(list)
   running: List[Group] = _new(list)
   swapped: List[Group] = _new(list)
