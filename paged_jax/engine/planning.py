@@ -26,8 +26,9 @@ Policy (vLLM's, arXiv:2309.06180 sec. 4.5):
     caching an admitted leader is attached to its longest cached prefix in the step
     that admits it (`Batch.attaches`), which also runs its first chunk (the step
     skips the chunk's hit tokens; a chunk inside the hit computes nothing), unless
-    the recent lookups mostly hit: then it is attached alone and its first chunk,
-    from its hit, runs in the next step (`attach_ahead`).
+    the recent lookups mostly hit and the skipped tokens would enlarge the step's
+    shape: then it is attached alone and its first chunk, from its hit, runs in the
+    next step (`_attach_ahead`).
 Groups with several sequences re-enter by prefilling the prompt once on their
 leader and forking it (`post_forks`) so the prompt blocks are shared again.
 """
@@ -40,11 +41,12 @@ from paged_jax.engine.sequence import Batch, Chunk, Group, GroupStatus
 
 
 # With prefix caching, a prompt admitted while the recent lookups hit at least this
-# fraction of their tokens is attached alone and prefilled from the next step (see
-# `_admit_waiting`). Planned from 0 in the attaching step, its chunk would size the
-# step's token bucket by tokens the step skips: on the demo's 5-shot rows (90% hits) the
-# caching engine's steps ran the 1,024-token bucket for ~100 tokens computed. Below it,
-# the chunk runs in the attaching step, so a miss costs no step.
+# fraction of their tokens, and whose skipped tokens would enlarge the step's token
+# bucket, is attached alone and prefilled from the next step (`_attach_ahead`). Planned
+# from 0 in the attaching step, its chunk would size the step's bucket by tokens the step
+# skips: on the demo's 5-shot rows (90% hits) the caching engine's steps ran the
+# 1,024-token bucket for ~100 tokens computed. Otherwise the chunk runs in the attaching
+# step, so a miss costs no step.
 ATTACH_AHEAD_HIT_FRACTION = 0.5
 
 
@@ -193,9 +195,9 @@ class Planner:
         # is planned from 0 and the step skips its hit tokens (`prefix_cache.step.
         # skip_hits`), so a miss costs no step. A chunk cut short by the budget may lie
         # wholly inside the hit: it then computes nothing, and the sequence resumes
-        # after the hit. Mostly hit: attach alone (`ahead`), so the step's token bucket
-        # is not sized for tokens it skips; the chunk, planned from the hit the step
-        # reports, runs in the next step.
+        # after the hit. Mostly hit, on a bucket the skip would enlarge: attach alone
+        # (`ahead`), so the step's shape is not sized for tokens it skips; the chunk,
+        # planned from the hit the step reports, runs in the next step.
         n = self.lookup_len(group)
         if n > lookups:
           break
