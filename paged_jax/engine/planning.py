@@ -191,7 +191,7 @@ class Planner:
       if need > free:
         break
       if self.prefix_caching:
-        # Recent lookups mostly missed: attach and prefill in the same step. The chunk
+        # Not ahead (`_attach_ahead`): attach and prefill in the same step. The chunk
         # is planned from 0 and the step skips its hit tokens (`prefix_cache.step.
         # skip_hits`), so a miss costs no step. A chunk cut short by the budget may lie
         # wholly inside the hit: it then computes nothing, and the sequence resumes
