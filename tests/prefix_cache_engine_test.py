@@ -167,7 +167,7 @@ def test_mostly_hitting_lookups_attach_ahead_and_size_the_step_by_what_it_comput
 def test_attaching_ahead_under_preemption_and_eviction_stays_exact():
   # 64 tokens a step (token buckets 16 and 64), so admissions attach ahead once lookups
   # hit; 12 prompts sharing a 20-token prefix on the 24-block pool, so groups are also
-  # preempted (recomputed) and cached blocks evicted meanwhile.
+  # preempted (recomputed) and cached blocks evicted meanwhile. (Long tier: ~180 CPU-s.)
   rng = np.random.default_rng(7)
   prompts = shared_prefix_prompts(rng, 12, 20, max_suffix=16)
   engines = [make(c, num_blocks=NUM_BLOCKS, max_num_batched_tokens=64) for c in (False, True)]
@@ -177,6 +177,16 @@ def test_attaching_ahead_under_preemption_and_eviction_stays_exact():
   s = eng.prefix_stats()
   assert eng.stats["prefix_attached_ahead"] > 0 and s["hit_blocks"] > 0
   assert eng.num_preemptions > 0 and s["evictions"] > 0
+  # Groups of several sequences attached ahead: samples fork from the leader's prompt
+  # and beams select, a step after the attach.
+  ahead = eng.stats["prefix_attached_ahead"]
+  params = [SamplingParams(max_tokens=5, temperature=0.8, n=2, seed=7),
+            SamplingParams(max_tokens=5, temperature=0.0, beam_width=2, n=2), greedy(5)] * 2
+  off, on = (e.generate(prompts[:6], params) for e in engines)
+  assert outputs(on) == outputs(off)
+  for a, b in zip(on[1::3], off[1::3]):
+    np.testing.assert_allclose(a.cumulative_logprobs, b.cumulative_logprobs, rtol=1e-5)
+  assert eng.stats["prefix_attached_ahead"] > ahead
 
 
 def test_prompts_shorter_than_one_block_never_hit():
