@@ -38,7 +38,8 @@ _DENSE = jax.jit(lambda p, t: dense.forward(p, GEMMA, t))
 def _engine(hybrid, num_blocks=96, steps=1, backend="cpu", **kw):
   cc = GEMMA.cache_config(hybrid_kv=hybrid, max_num_batched_tokens=BUDGET,
                           decode_steps_per_sync=steps, block_size=BS, num_blocks=num_blocks,
-                          max_seqs=MAX_SEQS, max_blocks_per_seq=16)
+                          max_seqs=MAX_SEQS, max_blocks_per_seq=16,
+                          enable_prefix_caching=False)   # the baseline too: blocks compared
   # One shape bucket: each engine compiles one step (cheap tests).
   return Engine(GEMMA, PARAMS, cc, max_num_batched_tokens=BUDGET, attention_backend=backend,
                 decode_steps_per_sync=steps, shape_buckets=False, **kw)
