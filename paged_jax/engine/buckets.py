@@ -64,6 +64,11 @@ class Bucket(NamedTuple):
     return kw
 
 
+def _round_up(sizes: Tuple[int, ...], n: int) -> int:
+  """The smallest of ascending `sizes` that holds `n`, else the largest."""
+  return next((b for b in sizes if b >= n), sizes[-1])
+
+
 @dataclasses.dataclass(frozen=True)
 class StepBuckets:
   """The shape buckets of the step, chosen per step from what is live.
@@ -128,7 +133,7 @@ class StepBuckets:
 
   def mixed_tokens(self, num_tokens: int) -> int:
     """T of a mixed step planning `num_tokens` new tokens (its padded token bucket)."""
-    return next((b for b in self.tokens if b >= num_tokens), self.tokens[-1])
+    return _round_up(self.tokens, num_tokens)
 
   def pick(self, num_tokens: int, num_rows: int, max_len: int, decode_only: bool,
            all_greedy: bool = False, prefix_light: bool = False,
@@ -137,11 +142,10 @@ class StepBuckets:
     slots, and `max_len` tokens in its longest row after the step (`prefix_light`,
     `prefix_admit_only`: kept only with prefix caching; admit-only only on a mixed
     shape without `prefix_light`)."""
-    up = lambda sizes, n: next((b for b in sizes if b >= n), sizes[-1])
-    rows = up(self.rows, num_rows)
+    rows = _round_up(self.rows, num_rows)
     if self.decode_steps > 1:
       max_len += self.decode_steps - 1          # the decode loop's tokens
-    width = up(self.widths, cdiv(max(max_len, 1), self.block_size))
+    width = _round_up(self.widths, cdiv(max(max_len, 1), self.block_size))
     decode_only = decode_only and self.decode_shapes
     tokens = rows if decode_only else self.mixed_tokens(num_tokens)
     light = bool(prefix_light) and self.prefix_caching
