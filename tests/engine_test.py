@@ -258,9 +258,9 @@ def test_preempted_parallel_sampling_and_beam_groups_restore_exactly(monkeypatch
   group_swaps = []
   copy_out = swap_lib.copy_out
 
-  def spy(state, batch, stats):
-    group_swaps.extend(len(g.seqs) for g, _ in batch.swap_out if len(g.seqs) > 1)
-    copy_out(state, batch, stats)
+  def spy(state, batch):
+    group_swaps.extend(len(g.seqs) for g in batch.swap_out if len(g.seqs) > 1)
+    return copy_out(state, batch)
 
   monkeypatch.setattr(swap_lib, "copy_out", spy)
   outs = engine.generate(

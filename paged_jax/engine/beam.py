@@ -1,5 +1,5 @@
-"""Beam search on the host: one selection per step per group (`select`), applied to the
-group's records by `advance`, which `Scheduler.update` calls.
+"""Beam search on the host: one selection per step per group (`select`), turned into
+writes to the group's records by `advance`, which `Scheduler.update` calls.
 
 Spec (shared with the reference beam search in tests/engine_test.py):
   * every live beam offers its `2 * beam_width` most likely next tokens,
@@ -20,7 +20,7 @@ from typing import Callable, List, Sequence as Seq, Tuple
 
 import numpy as np
 
-from paged_jax.engine.sequence import Group, Sequence
+from paged_jax.engine.sequence import Group, SeqState, Sequence
 
 
 def select(cum_logprobs: Seq[float], topk_logprobs: np.ndarray, topk_ids: np.ndarray,
@@ -71,56 +71,58 @@ class BeamStep:
   done: bool
 
 
-def advance(group: Group, new_seq_id: Callable[[], int], block_size: int) -> BeamStep:
+def advance(group: Group, new_seq_id: Callable[[], int], block_size: int, ch) -> BeamStep:
   """Selects the next beams of `group` from every live beam's candidates (`topk`, set by
-  the step) and applies it to the group's records: finished hypotheses join
-  `group.finished`; each chosen continuation appends its token to its parent (the
-  first) or to a new beam (further ones, `new_seq_id()` ids). Beams finishing at
-  max_tokens are marked when `done`."""
-  sp, live = group.params, list(group.seqs)
-  topv = np.stack([q.topk[0] for q in live])
-  topi = np.stack([q.topk[1] for q in live])
-  chosen, ended = select([q.cum_logprob for q in live], topv, topi, sp.beam_width,
-                         sp.stop_token_ids)
+  this update) and writes the result through `ch` (`commit.Changes`, read back with
+  `ch.get`): finished hypotheses join the group's finished; each chosen continuation
+  appends its token to its parent (the first) or to a new beam (further ones, new
+  `Sequence`s with `new_seq_id()` ids, FORKING until the next step forks them). Beams
+  finishing at max_tokens are marked when `done`."""
+  sp, live = group.params, list(ch.get(group, "seqs"))
+  tops = [ch.get(q, "topk") for q in live]
+  chosen, ended = select([q.cum_logprob for q in live], np.stack([t[0] for t in tops]),
+                         np.stack([t[1] for t in tops]), sp.beam_width, sp.stop_token_ids)
+  finished = list(ch.get(group, "finished"))
   for b, tok, score in ended:
-    group.finished.append(Sequence(seq_id=new_seq_id(), index=0, sample_seed=0,
-                                   tokens=live[b].tokens + [tok], prompt_len=live[b].prompt_len,
-                                   cum_logprob=score, finish_reason="stop"))
+    finished.append(Sequence(seq_id=new_seq_id(), index=0, sample_seed=0,
+                             tokens=live[b].tokens + [tok], prompt_len=live[b].prompt_len,
+                             cum_logprob=score, finish_reason="stop",
+                             state=SeqState.FINISHED))
   kids = collections.defaultdict(list)
   for b, tok, score in chosen:
     kids[b].append((tok, score))
-  kept = {live[b].slot for b in kids}
-  spare = [s for s in group.slots if s not in kept]
+  kept = {ch.get(live[b], "slot") for b in kids}
+  spare = [s for s in ch.get(group, "slots") if s not in kept]
   step = BeamStep(dropped=[], forks=[], done=False)
-  new_live = []
+  new_live = []   # (sequence, its generated tokens after this selection)
   for b, parent in enumerate(live):
-    parent.topk = None
+    ch.set(parent, topk=None)
     if not kids[b]:
       step.dropped.append(parent)
       continue
-    base = list(parent.tokens)
+    computed = ch.get(parent, "num_computed")
+    share = ch.get(parent, "share_id")
     for i, (tok, score) in enumerate(kids[b]):
       if i == 0:
         target = parent
+        ch.extend(parent.tokens, [tok])
+        ch.set(parent, cum_logprob=score)
       else:
-        target = Sequence(seq_id=new_seq_id(), index=0, sample_seed=0, tokens=list(base),
-                          prompt_len=parent.prompt_len, num_computed=parent.num_computed,
-                          slot=spare.pop(0))
-        shared = parent.num_computed % block_size != 0
         # A parent still sharing its last block keeps that set's id: one block.
-        sid = parent.share_id if parent.last_block_shared else parent.seq_id
-        target.last_block_shared = parent.last_block_shared = shared
-        target.share_id = parent.share_id = sid
+        sid = (share if share >= 0 else parent.seq_id) if computed % block_size else -1
+        target = Sequence(seq_id=new_seq_id(), index=0, sample_seed=0,
+                          tokens=parent.tokens + [tok], prompt_len=parent.prompt_len,
+                          num_computed=computed, slot=spare.pop(0), state=SeqState.FORKING,
+                          share_id=sid, cum_logprob=score)
+        ch.set(parent, share_id=sid)
         step.forks.append((parent, target))
-      target.tokens.append(tok)
-      target.cum_logprob = score
-      new_live.append(target)
-  group.seqs = new_live
-  step.done = (bool(new_live) and new_live[0].num_generated >= sp.max_tokens) or (
-      len(group.finished) >= sp.beam_width) or not new_live
+      new_live.append((target, parent.num_generated + 1))
+  step.done = (bool(new_live) and new_live[0][1] >= sp.max_tokens) or (
+      len(finished) >= sp.beam_width) or not new_live
   if step.done:
-    for q in new_live:
-      if q.num_generated >= sp.max_tokens:
-        q.finish_reason = "length"
-        group.finished.append(q)
+    for q, generated in new_live:
+      if generated >= sp.max_tokens:
+        ch.set(q, finish_reason="length")
+        finished.append(q)
+  ch.set(group, seqs=[q for q, _ in new_live], finished=finished)
   return step

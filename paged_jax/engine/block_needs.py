@@ -60,12 +60,12 @@ def chunks_need(group: Group, chunks: List[Chunk], block_size: int) -> int:
   copy-on-write rule, `block_manager.append`)."""
   need, writers = 0, collections.Counter()
   for c in chunks:
-    need += appended_blocks(c.seq.num_computed, c.num_tokens, block_size)
-    if c.seq.last_block_shared and c.seq.num_computed % block_size and not c.allocate:
+    need += appended_blocks(c.start, c.num_tokens, block_size)
+    if c.seq.share_id >= 0 and c.start % block_size and not c.allocate:
       writers[c.seq.share_id] += 1
   if writers:
     holders = collections.Counter(q.share_id for q in group.seqs
-                                  if q.last_block_shared and q.num_computed % block_size)
+                                  if q.share_id >= 0 and q.num_computed % block_size)
     need += sum(w - (w == holders[sid]) for sid, w in writers.items())
   return need
 
@@ -80,7 +80,7 @@ def lookahead_need(group: Group, chunks: List[Chunk], block_size: int,
   need = 0
   for c in chunks:
     if c.samples:
-      end = c.seq.num_computed + c.num_tokens
+      end = c.end
       left = group.params.max_tokens - c.seq.num_generated - 1
       need += appended_blocks(end, max(0, min(lookahead, left)), block_size)
   return need

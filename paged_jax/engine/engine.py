@@ -10,11 +10,12 @@ step (`step.make_step`; its docstring gives the order of its device effects) ->
 one place outputs are applied. `last_step` reports what the step did (`report.StepReport`).
 
 Failure safety: a step changes host bookkeeping only once its outputs are on the host.
-An exception (KeyboardInterrupt included) before the dispatch undoes the plan
-(`snapshot.Snapshot`); one after it leaves the dispatched step in flight, and the next
-call applies its outputs; one inside `update` undoes the partial update and keeps the
-step in flight. SIGINT is deferred only across the few lines that hand the donated
-state to the device and back.
+`schedule()` changes nothing, so an exception (KeyboardInterrupt included) before the
+dispatch drops the plan and nothing else; one after it leaves the dispatched step in
+flight, and the next call applies its outputs; `update` works out every change before it
+writes any (`commit.Changes`), so one inside it keeps the step in flight with nothing
+applied. SIGINT is deferred only across the lines that hand the donated state to the
+device and back, and across applying one step's outputs.
 
 Metrics are exact at every moment: a sequence the device finishes (stop id, max_tokens)
 is freed by the step that finished it; frees decided on the host (beam search, abort)
@@ -41,9 +42,9 @@ from paged_jax.engine.inputs import build_inputs, lookup_len
 from paged_jax.engine.options import EngineOptions
 from paged_jax.engine.params import RequestOutput, SamplingParams
 from paged_jax.engine.requests import prepare_group
+from paged_jax.engine.commit import sigint_deferred
 from paged_jax.engine.scheduler import Scheduler
 from paged_jax.engine.sequence import Batch, DeviceCounts, Group
-from paged_jax.engine.snapshot import Snapshot, sigint_deferred
 from paged_jax.engine.packing import fetch
 from paged_jax.engine.step import EngineState, init_state as default_init_state
 from paged_jax.engine.weights import check_params
@@ -102,10 +103,10 @@ class Engine:
         block_size=cache_config.block_size, max_seqs=max_seqs, max_num_batched_tokens=budget,
         preemption_mode=options.preemption_mode, prefix_caching=self.prefix_caching,
         lookup_budget=self._lookup_len, lookahead=options.decode_steps_per_sync - 1,
-        token_bucket=self._buckets.mixed_tokens,
+        token_bucket=self._buckets.mixed_tokens, policy=options.scheduling_policy,
         counts=DeviceCounts.empty_pool(nb, max_seqs, cache_config.num_sliding_blocks))
     self._outbox: Dict[Any, RequestOutput] = {}    # finished, not yet returned
-    # (batch, outputs, t0, bucket, report?): dispatched, outputs not yet applied
+    # (batch, outputs, t0, report?): dispatched, outputs not yet applied
     self._in_flight = None
     self._last_all_greedy = True   # sampling variant of the last step (for frees-only ones)
     self._next_id = self._arrivals = self._seq_ids = 0
@@ -124,14 +125,14 @@ class Engine:
   @property
   def stats(self) -> collections.Counter:
     """Counters: steps, device_steps, tokens (generated, computed, prefill, prefix hits,
-    bucket), swaps, retries (the scheduler's, undone with it)."""
+    bucket), swaps, retries (the scheduler's, written by its `update`)."""
     return self.scheduler.stats
 
   # ---- requests ------------------------------------------------------------------------
   def _in_use(self, request_id) -> bool:
     return request_id in self.scheduler.groups or request_id in self._outbox
 
-  def _prepare(self, prompt, params, request_id) -> Group:
+  def _prepare(self, prompt, params, request_id, priority: int = 0) -> Group:
     """Validates one request (no state changes) and builds its Group."""
     try:
       hash(request_id)
@@ -141,7 +142,7 @@ class Engine:
       raise ValueError(f"request_id {request_id!r} is already in use")
     return prepare_group(prompt, params, request_id, vocab_size=self.model_config.vocab_size,
                          cache_config=self.cache_config, max_beam_width=self.max_beam_width,
-                         max_model_len=self.max_model_len)
+                         max_model_len=self.max_model_len, priority=priority)
 
   def _queue(self, group: Group) -> Any:
     """Gives the group its id (automatic ids skip any id in use) and queues it."""
@@ -159,13 +160,14 @@ class Engine:
     return group.request_id
 
   def add_request(self, prompt: Seq[int], params: Optional[SamplingParams] = None,
-                  request_id: Any = None) -> Any:
+                  request_id: Any = None, priority: int = 0) -> Any:
     """Queues a request (validated in full before anything changes); returns its id.
 
     `prompt`: token ids (list, numpy or jax array, 1-D). A request that could never
-    fit the cache is rejected here with the numbers.
+    fit the cache is rejected here with the numbers. `priority`: its place under the
+    "priority" scheduling policy (lower first, ties by arrival; `policy.py`).
     """
-    return self._queue(self._prepare(prompt, params, request_id))
+    return self._queue(self._prepare(prompt, params, request_id, priority))
 
   def has_unfinished(self) -> bool:
     """Requests queued or running, or finished outputs not yet returned by `step`."""
@@ -196,10 +198,11 @@ class Engine:
     self._finish_in_flight()
     if request_id in self._outbox:
       return self._outbox.pop(request_id)
-    out = self.scheduler.abort(request_id)
-    if out is not None:
-      self.flush()
-    return out
+    batch = self.scheduler.plan_abort(request_id)
+    if batch is None:
+      return None
+    self._run(batch, report=False)
+    return self._outbox.pop(request_id)
 
   # ---- the step ------------------------------------------------------------------------
   def step(self) -> List[RequestOutput]:
@@ -240,32 +243,42 @@ class Engine:
     sched = self.scheduler
     if not sched.has_unfinished():
       return False
-    snap = Snapshot(sched)
-    with snap.on_error():
-      batch = sched.schedule()
-      if batch.runs_nothing:
-        raise RuntimeError(
-            f"the scheduler found nothing to run with {len(sched.running)} running, "
-            f"{len(sched.waiting)} waiting, {len(sched.swapped)} swapped requests and "
-            f"{sched.counts.available} available blocks")
-      swap.copy_out(self.state, batch, self.stats)
-      inputs, bucket = build_inputs(batch, sched.running, **self._input_kw())
-    self._dispatch(batch, inputs, bucket, snap, report=True)
-    self._finish_in_flight()
+    batch = sched.schedule()
+    if batch.runs_nothing:
+      raise RuntimeError(
+          f"the scheduler found nothing to run with {len(sched.running)} running, "
+          f"{len(sched.waiting)} waiting, {len(sched.swapped)} swapped requests and "
+          f"{sched.counts.available} available blocks")
+    self._run(batch, report=True)
     return True
+
+  def _run(self, batch: Batch, report: bool) -> None:
+    """Runs a plan: its swap-outs, inputs, the jitted step and the update from its
+    outputs (a plan with no device work is applied without a dispatch)."""
+    if batch.runs_nothing and not batch.swap_out:
+      with sigint_deferred():
+        self._apply(batch, None, None)
+      return
+    before = report_lib.Before.of(batch, self.scheduler)
+    batch.swapped_out = swap.copy_out(self.state, batch)   # before the step frees them
+    inputs, batch.bucket = build_inputs(batch, before.running, **self._input_kw())
+    self._dispatch(batch, inputs, before if report else None)
+    self._finish_in_flight()
 
   def _input_kw(self) -> Dict[str, Any]:
     return dict(buckets=self._buckets, max_seqs=self.cache_config.max_seqs,
                 lookup_len=self._lookup_len, vocab_size=self.model_config.vocab_size,
                 idle_all_greedy=self._last_all_greedy)
 
-  def _dispatch(self, batch: Batch, inputs, bucket: Bucket, snap: Snapshot,
-                report: bool) -> None:
+  def _dispatch(self, batch: Batch, inputs, before) -> None:
     """Swap-ins and the jitted step; the new state is kept before anything can raise."""
+    bucket = batch.bucket
     with sigint_deferred():
+      restored = []
       try:
-        for group in batch.swap_in:   # each its own donated call: keep every new state
-          self.state = swap.copy_in(self.state, group, self.stats)
+        for group in batch.swapped_in:   # each its own donated call: keep every new state
+          self.state = swap.copy_in(self.state, group, [batch.slot(q) for q in group.seqs])
+          restored.append(group)
         self._compiled.note(bucket, self._buckets)   # logs a shape's first (compiling) call
         t0 = time.perf_counter()
         self.state, out = self._step(self.params, self.state, inputs, **bucket.step_kw)
@@ -274,46 +287,40 @@ class Engine:
                for x in jax.tree_util.tree_leaves(self.state)):
           raise RuntimeError("the engine's device state was consumed by a step that failed; "
                              "the engine cannot continue") from None
-        snap.restore()
+        if restored:   # those rows are on device now: the records must say so
+          self._apply(Batch(swapped_in=restored, slot_of=batch.slot_of, group_slots={
+              g: batch.group_slots[g] for g in restored}), None, None)
         raise
-      self._in_flight = (batch, out, t0, bucket, report)
+      self._in_flight = (batch, out, t0, before)
       self._last_all_greedy = bucket.all_greedy
-      self.stats["device_steps"] += 1
-      self.stats["bucket_tokens"] += bucket.tokens   # tokens the step's shape computes (padded)
 
   def _finish_in_flight(self) -> None:
     """Waits for the step in flight (the one host sync) and updates from its outputs."""
     if self._in_flight is None:
       return
-    batch, out, t0, bucket, report = self._in_flight
+    batch, out, t0, before = self._in_flight
     out = fetch(out)   # one transfer: the outputs come packed in one buffer
     self.timing["device_s"] += time.perf_counter() - t0
-    sched = self.scheduler
-    with Snapshot(sched).on_error():
-      before = report_lib.Before.of(batch, sched)
-      finished = sched.update(batch, out)
-      parts = before.parts(batch, out, finished, bucket) if report else None
-    with sigint_deferred():
-      self._in_flight = None
-      for o in finished:
-        self._outbox[o.request_id] = o
-      if report:
-        self._applied = parts
+    with sigint_deferred():   # the update and the end of the flight together
+      self._apply(batch, out, before)
+
+  def _apply(self, batch: Batch, out, before) -> None:
+    """`Scheduler.update` and the engine's own records of it (call with SIGINT held)."""
+    finished = self.scheduler.update(batch, out)
+    self._in_flight = None
+    for o in finished:
+      self._outbox[o.request_id] = o
+    if before:
+      self._applied = before.parts(batch, out, finished, batch.bucket)
 
   def flush(self) -> None:
     """Runs now what the last update left for the next step (frees, beam forks, a
     swap-out), in one dispatch that computes nothing; a no-op when nothing is left."""
     self._finish_in_flight()
-    sched = self.scheduler
-    if sched.carry.runs_nothing and not sched.carry.swap_out:
+    batch = self.scheduler.carried()
+    if batch.runs_nothing and not batch.swap_out:
       return
-    snap = Snapshot(sched)
-    with snap.on_error():
-      batch = sched.take_carry()
-      swap.copy_out(self.state, batch, self.stats)
-      inputs, bucket = build_inputs(batch, [], **self._input_kw())
-    self._dispatch(batch, inputs, bucket, snap, report=False)
-    self._finish_in_flight()
+    self._run(batch, report=False)
 
   def fresh_copy(self) -> "Engine":
     """A new engine with this one's model, params and options and a fresh state; it
@@ -407,9 +414,7 @@ class Engine:
     self.state = _reset_prefix(self.state)
     c = jax.device_get(_prefix_counters(self.state))
     free, evictable = int(c["num_free"]), int(c["evictable_blocks"])
-    sched = self.scheduler
-    sched.counts = DeviceCounts(free, free + evictable, evictable,
-                                sole_blocks=sched.counts.sole_blocks)
-    sched.prefix_hit_ema = 0.0   # an empty cache: the next lookups miss
-    for k in ("prefix_hit_tokens", "prefill_tokens", "computed_tokens"):
-      self.stats[k] = 0
+    counts = DeviceCounts(free, free + evictable, evictable,
+                          sole_blocks=self.scheduler.counts.sole_blocks)
+    with sigint_deferred():
+      self.scheduler.update(Batch(reset_prefix=True), counts)

@@ -58,6 +58,8 @@ def build_inputs(batch: Batch, running: Seq[Group], *, buckets: StepBuckets, max
                  lookup_len: int, vocab_size: int, idle_all_greedy: bool = True):
   """Fills the step's arrays from the batch (chunks, frees, forks, attaches).
 
+  running: the groups the step runs (the scheduler's running ones the plan did not
+  preempt, and those it admits or swaps in).
   Returns (StepInputs, Bucket); pass `bucket.step_kw` to the step (`width=`,
   `decode_only=`, `all_greedy=`, `prefix_light=`: with prefix caching, a step that
   admits, frees, forks and swaps nothing skips that prefix work; `prefix_admit_only=`: one
@@ -67,7 +69,7 @@ def build_inputs(batch: Batch, running: Seq[Group], *, buckets: StepBuckets, max
   so no new variant compiles).
   """
   chunks = batch.chunks
-  max_len = max((ch.seq.num_computed + ch.num_tokens for ch in chunks), default=0)
+  max_len = max((ch.end for ch in chunks), default=0)
   # Rows also hold the sampled slots (n > 1 children sample from their leader's row)
   # and the beam forks: the fork lanes are R wide (a forked beam is nearly always a row).
   num_sampled = sum(ch.samples for ch in chunks) + len(batch.post_forks)
@@ -78,7 +80,7 @@ def build_inputs(batch: Batch, running: Seq[Group], *, buckets: StepBuckets, max
   # With prefix caching: a step that frees, forks and swaps nothing leaves out the first
   # release and the fork copies (`prefix_admit_only`), and the lookup too when it admits
   # nothing either (`prefix_light`).
-  quiet = not (batch.frees or batch.forks or batch.post_forks or batch.swap_in
+  quiet = not (batch.frees or batch.forks or batch.post_forks or batch.swapped_in
                or batch.swap_out)
   bucket = buckets.pick(batch.num_tokens, max(len(chunks), num_sampled, len(batch.forks)),
                         max_len, all(ch.num_tokens == 1 for ch in chunks), all_greedy,
@@ -86,7 +88,7 @@ def build_inputs(batch: Batch, running: Seq[Group], *, buckets: StepBuckets, max
   a = empty_inputs(bucket.tokens, max_seqs, lookup_len, num_rows=bucket.rows)
 
   def sampling_row(seq: Sequence, group: Group, row: int):
-    sp, slot = group.params, seq.slot
+    sp, slot = group.params, batch.slot(seq)
     a["sample_row"][slot] = row
     a["temperature"][slot] = sp.temperature
     a["top_k"][slot] = min(sp.top_k, vocab_size)   # validated >= -1; a cut >= vocab is none
@@ -97,34 +99,33 @@ def build_inputs(batch: Batch, running: Seq[Group], *, buckets: StepBuckets, max
     a["stop_ids"][slot, :len(sp.stop_token_ids)] = sp.stop_token_ids
     a["multi_step"][slot] = sp.beam_width == 1
 
-  owner = {id(q): g for g in running for q in g.seqs}
+  owner = {q: g for g in running for q in g.seqs}
   t, leader_row = 0, {}
-  for r, ch in enumerate(batch.chunks):
-    seq, n, nc = ch.seq, ch.num_tokens, ch.seq.num_computed
-    a["tokens"][t:t + n] = seq.tokens[nc:nc + n]
-    a["positions"][t:t + n] = np.arange(nc, nc + n)
+  for r, ch in enumerate(chunks):
+    seq, n = ch.seq, ch.num_tokens
+    a["tokens"][t:t + n] = seq.tokens[ch.start:ch.end]
+    a["positions"][t:t + n] = np.arange(ch.start, ch.end)
     a["token_row"][t:t + n] = r
-    a["row_slot"][r], a["row_q_len"][r] = seq.slot, n
-    (a["alloc_tokens"] if ch.allocate else a["append_tokens"])[seq.slot] = n
-    leader_row[id(seq)] = r
+    a["row_slot"][r], a["row_q_len"][r] = ch.slot, n
+    (a["alloc_tokens"] if ch.allocate else a["append_tokens"])[ch.slot] = n
+    leader_row[seq] = r
     if ch.samples:
-      sampling_row(seq, owner[id(seq)], r)
+      sampling_row(seq, owner[seq], r)
     t += n
   for i, (leader, child) in enumerate(batch.post_forks):
-    a["post_fork_src"][i], a["post_fork_dst"][i] = leader.slot, child.slot
+    a["post_fork_src"][i], a["post_fork_dst"][i] = batch.slot(leader), batch.slot(child)
     if len(child.tokens) == child.prompt_len:
-      sampling_row(child, owner[id(child)], leader_row[id(leader)])
+      sampling_row(child, owner[child], leader_row[leader])
   a["free_slots"][:len(batch.frees)] = batch.frees
   for i, (parent, child) in enumerate(batch.forks):
     a["fork_src"][i], a["fork_dst"][i] = parent.slot, child.slot
   start = 0
   for i, (seq, n) in enumerate(zip(batch.attaches, batch.attach_lens)):
-    a["attach_slot"][i], a["attach_len"][i], a["attach_start"][i] = seq.slot, n, start
+    a["attach_slot"][i], a["attach_len"][i], a["attach_start"][i] = batch.slot(seq), n, start
     a["attach_tokens"][start:start + n] = seq.tokens[:n]
-    a["attach_root"][i], a["attach_tag"][i] = salt_key(owner[id(seq)].params.cache_salt)
+    a["attach_root"][i], a["attach_tag"][i] = salt_key(owner[seq].params.cache_salt)
     start += n
   # The row bucket must give every sampled slot a lane (the step samples R lanes).
   assert np.sum(a["sample_row"] >= 0) <= bucket.rows, (np.sum(a["sample_row"] >= 0), bucket)
   assert not all_greedy or not np.any(a["temperature"] > 0), "a hot row in a greedy step"
   return StepInputs(**a), bucket
-

@@ -12,7 +12,9 @@ shared by engines whose options agree on what it compiles (`compile.step_key`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
+
+from paged_jax.engine import policy
 
 # recompute: drop K/V, prefill again; swap: copy K/V to host and back; auto: swap
 # groups of several sequences, recompute single ones (vLLM V0's default rule).
@@ -59,6 +61,9 @@ class EngineOptions:
       variants), and no step of a long decode phase pays for the token budget's arrays
       (the paper-scale engines). Outputs are the same either way. No effect with
       shape_buckets=True (decode-only steps always run the decode buckets there).
+    scheduling_policy: the order requests are served, admitted and preempted in:
+      "fcfs" (arrival), "priority" (`add_request(..., priority=)`, lower first, ties by
+      arrival) or a callable `key(request) -> sortable` (`policy.py`).
   """
   max_num_batched_tokens: int = 256
   decode_steps_per_sync: int = 1
@@ -71,6 +76,7 @@ class EngineOptions:
   hash_mode: str = "chained"
   shape_buckets: bool = True
   decode_shape: bool = False
+  scheduling_policy: Union[str, Callable[[Any], Any]] = "fcfs"
 
   def __post_init__(self):
     from paged_jax.attention import resolve_backend  # pylint: disable=g-import-not-at-top
@@ -79,6 +85,7 @@ class EngineOptions:
       _need_int(name, getattr(self, name), 1, MAX_OPTION)
     _need_int("max_probe", self.max_probe, 1, MAX_PROBE)
     check_preemption_mode(self.preemption_mode)
+    policy.resolve(self.scheduling_policy)
     if not isinstance(self.attention_backend, str):
       raise ValueError(f"attention_backend must be a backend name, got "
                        f"{self.attention_backend!r}")

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from paged_jax.engine.buckets import Bucket
-from paged_jax.engine.sequence import Batch, Group, GroupStatus
+from paged_jax.engine.sequence import Batch, Group, GroupStatus, Sequence
 
 Work = Tuple[Tuple[int, int], ...]   # ((new tokens, context tokens attended), ...)
 
@@ -74,31 +74,25 @@ class StepReport:
     return len(self.decode_loop_rows)
 
 
-def chunk_work(batch: Batch, hits: Optional[Dict[int, int]] = None,
-               starts: Optional[List[int]] = None) -> Tuple[Work, Work]:
+def chunk_work(batch: Batch, hits: Optional[Dict[Sequence, int]] = None) -> Tuple[Work, Work]:
   """(prefill_chunks, decode_rows) of a planned batch.
 
   A decode row feeds one generated token (it starts at or past its prompt); everything
   else (prompt chunks, recomputation of generated tokens) is prefill.
 
   Args:
-    hits: {id(seq): prompt tokens attached from the prefix cache in this step}. The
+    hits: {sequence: prompt tokens attached from the prefix cache in this step}. The
       planner plans such a prompt's first chunk from 0 and the device skips the hit
       tokens (`prefix_cache.step.skip_hits`), so the chunk computes only its tokens past
       the hit; one wholly inside the hit computes nothing and is left out.
-    starts: each chunk's sequence's num_computed as planned (None: as it is now, i.e.
-      before `Scheduler.update` applies the step).
   """
   prefill, decode = [], []
-  for i, ch in enumerate(batch.chunks):
-    q = ch.seq
-    planned = q.num_computed if starts is None else starts[i]
-    end = planned + ch.num_tokens
-    start = max(planned, (hits or {}).get(id(q), 0))
-    if start >= end:
+  for ch in batch.chunks:
+    start = max(ch.start, (hits or {}).get(ch.seq, 0))
+    if start >= ch.end:
       continue
-    work = (end - start, end)
-    (decode if ch.num_tokens == 1 and planned >= q.prompt_len else prefill).append(work)
+    work = (ch.end - start, ch.end)
+    (decode if ch.num_tokens == 1 and ch.start >= ch.seq.prompt_len else prefill).append(work)
   return tuple(prefill), tuple(decode)
 
 
@@ -108,16 +102,16 @@ def _started(group: Group) -> bool:
 
 @dataclasses.dataclass
 class Before:
-  """What a report needs from before `Scheduler.update` applies a step."""
+  """What a report needs from before `Scheduler.update` applies a step: the groups the
+  plan runs, and which of them have no generated token yet."""
   running: List[Group]
   not_started: set
-  starts: List[int]   # num_computed of each chunk's sequence as planned
 
   @classmethod
   def of(cls, batch: Batch, scheduler) -> "Before":
-    return cls(list(scheduler.running),
-               {g.request_id for g in scheduler.running if not _started(g)},
-               [ch.seq.num_computed for ch in batch.chunks])
+    running = ([g for g in scheduler.running if g not in batch.preempted]
+               + batch.admitted + batch.swapped_in)
+    return cls(running, {g.request_id for g in running if not _started(g)})
 
   def parts(self, batch: Batch, outputs, finished, bucket: Bucket) -> Dict[str, Any]:
     """The StepReport fields of the step once `update` applied `outputs`."""
@@ -125,15 +119,16 @@ class Before:
     preempted = batch.preempted + [g for g in self.running
                                    if g.status in (GroupStatus.WAITING, GroupStatus.SWAPPED)]
     ok = bool(outputs.ok)
-    # The chunks as planned, less the prefix-cache hits `update` learnt.
-    prefill, decode = chunk_work(batch, batch.hit_of, self.starts) if ok else ((), ())
+    hits = {q: int(outputs.hit_tokens[batch.slot(q)]) for q in batch.attaches}
+    # The chunks as planned, less the prefix-cache hits the step reported.
+    prefill, decode = chunk_work(batch, hits) if ok else ((), ())
     return dict(
         ok=ok, bucket=bucket, finished_ids=tuple(done),
         first_token_ids=tuple(g.request_id for g in self.running if g.request_id in
                               self.not_started and (g.request_id in done or _started(g))),
         preempted_ids=tuple(g.request_id for g in preempted),
         prefill_chunks=prefill, decode_rows=decode,
-        prefix_hit_tokens=sum(batch.attach_hits) if ok else 0,
+        prefix_hit_tokens=sum(hits.values()) if ok else 0,
         cow_copies=int(outputs.cow_copies),
         decode_loop_rows=tuple(int(v) for v in np.asarray(outputs.valid)[1:].sum(axis=1))
         if ok else ())

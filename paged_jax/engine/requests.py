@@ -5,19 +5,24 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from paged_jax.config import CacheConfig
-from paged_jax.engine.params import SamplingParams, check_prompt
+from paged_jax.engine.params import MAX_INT, SamplingParams, check_prompt
 from paged_jax.engine.block_needs import forked_blocks
-from paged_jax.engine.sequence import Group, Sequence
+from paged_jax.engine.sequence import Group, SeqState, Sequence
 
 
 def prepare_group(prompt, params, request_id: Any, *, vocab_size: int, cache_config: CacheConfig,
-                  max_beam_width: int, max_model_len: int) -> Group:
+                  max_beam_width: int, max_model_len: int, priority: int = 0) -> Group:
   """A Group for the request (id, arrival and sequence ids set when queued).
 
   Raises a one-line ValueError naming the argument and its allowed range, or the
   blocks a request that can never fit would need.
   """
+  if isinstance(priority, (bool, np.bool_)) or not isinstance(priority, (int, np.integer)) or (
+      not -MAX_INT - 1 <= priority <= MAX_INT):
+    raise ValueError(f"priority must be an int in [{-MAX_INT - 1}, {MAX_INT}], got {priority!r}")
   params = SamplingParams() if params is None else params
   if not isinstance(params, SamplingParams):
     raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -44,7 +49,8 @@ def prepare_group(prompt, params, request_id: Any, *, vocab_size: int, cache_con
                      f"tokens, the cache has num_blocks={c.num_blocks}")
   count = 1 if params.beam_width > 1 else params.n
   seqs = [Sequence(seq_id=-1, index=j, sample_seed=params.seed + j, tokens=list(prompt),
-                   prompt_len=p, pending_fork=j > 0) for j in range(count)]
+                   prompt_len=p, state=SeqState.FORKING if j else SeqState.WAITING)
+          for j in range(count)]
   return Group(request_id=request_id, arrival=-1, params=params, prompt=list(prompt),
-               seqs=seqs, slots_needed=params.num_seqs)
+               seqs=seqs, slots_needed=params.num_seqs, priority=int(priority))
 

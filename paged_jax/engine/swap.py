@@ -172,24 +172,17 @@ def swap_in(state: EngineState, slots: Union[int, Sequence[int]], saved: Swapped
 
 
 # ---- a step's swaps (the engine runs them around the jitted call) ----------------------
-# A swapped group's host copy hangs on its leader (`Sequence.swapped_kv`).
 
-def copy_out(state: EngineState, batch, stats) -> None:
-  """Copies every group `batch` swaps out to host memory, before its step frees them."""
-  for group, slots in batch.swap_out:
-    lead = group.leader
-    lead.swapped_kv = swap_out(state, slots, [q.num_computed for q in group.seqs])
-    stats["swap_out_bytes"] += lead.swapped_kv.nbytes
-    stats["swapped_blocks"] += lead.swapped_kv.num_blocks
+def copy_out(state: EngineState, batch) -> dict:
+  """Host copies of every group `batch` swaps out (group -> SwappedKV), made before its
+  step frees them; `Scheduler.update` keeps each on its group."""
+  return {group: swap_out(state, slots, [q.num_computed for q in group.seqs])
+          for group, slots in batch.swap_out.items()}
 
 
-def copy_in(state: EngineState, group, stats) -> EngineState:
-  """Restores a group a step swaps in (planned only once its copy exists)."""
-  lead = group.leader
-  slots = [q.slot for q in group.seqs]
-  state, status = swap_in(state, slots, lead.swapped_kv)
+def copy_in(state: EngineState, group, slots) -> EngineState:
+  """Restores a group a step swaps in into `slots` (planned only once its copy exists)."""
+  state, status = swap_in(state, slots, group.swapped_kv)
   if int(status) != OK:
     raise RuntimeError(f"swap-in of slots {slots} failed with status {int(status)}")
-  stats["swapped_blocks"] += lead.swapped_kv.num_blocks
-  lead.swapped_kv = None
   return state
