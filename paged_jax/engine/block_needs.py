@@ -58,10 +58,11 @@ def chunks_need(group: Group, chunks: List[Chunk], block_size: int) -> int:
   """Exact blocks the group's chunks take in one step: new blocks, plus a copy for
   every writer into a shared partial last block except the last holder (the device's
   copy-on-write rule, `block_manager.append`)."""
-  need, writers = 0, collections.Counter()
+  need, writers = 0, None
   for c in chunks:
     need += appended_blocks(c.start, c.num_tokens, block_size)
     if c.seq.share_id >= 0 and c.start % block_size and not c.allocate:
+      writers = writers or collections.Counter()
       writers[c.seq.share_id] += 1
   if writers:
     holders = collections.Counter(q.share_id for q in group.seqs

@@ -366,6 +366,7 @@ class _Update:
     freed those slots itself: `StepOutputs.finished`); beam selection."""
     b, out, ch = self.b, self.out, self.ch
     owner = self.owner()
+    tokens, valid = out.tokens.T.tolist(), out.valid.T.tolist()   # [S][K] Python ints
     sampled = [c.seq for c in b.chunks if c.samples]
     sampled += [c for _, c in b.post_forks if len(c.tokens) == c.prompt_len]
     device_freed, beam_groups = [], []
@@ -378,11 +379,10 @@ class _Update:
         continue
       sp, nc, new = group.params, self.get(q, "num_computed"), []
       reason = None
-      for k in range(out.tokens.shape[0]):
-        if not out.valid[k, slot]:
+      for k, tok in enumerate(tokens[slot]):
+        if not valid[slot][k]:
           break
         nc += k > 0                      # the decode loop fed the previous token
-        tok = int(out.tokens[k, slot])
         new.append(tok)
         reason = ("stop" if tok in sp.stop_token_ids else
                   "length" if q.num_generated + len(new) >= sp.max_tokens else None)
