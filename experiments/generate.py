@@ -34,7 +34,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 class Config(configs.ExperimentConfig):
   """Flags of experiments.generate (no --out: the JSON goes to stdout)."""
   checkpoint: Optional[str] = configs.flag(
-      None, "HF checkpoint dir (default: the shipped tiny model)")
+      None, "HF checkpoint dir or hub id org/model (default: the shipped tiny model)")
   prompt_ids: Optional[str] = configs.flag(
       None, "token ids: '1,2,3' or several prompts '1,2;3,4'")
   prompt: Optional[Tuple[str, ...]] = configs.flag(None, "text prompt(s) (repeat the flag)",
@@ -109,7 +109,8 @@ def run(config: Optional[Config] = None, **fields) -> dict:
   from paged_jax import tokenizer  # pylint: disable=g-import-not-at-top
   from paged_jax.engine import Engine, SamplingParams  # pylint: disable=g-import-not-at-top
   from paged_jax.models import DEFAULT_CHECKPOINT, load_hf_checkpoint  # pylint: disable=g-import-not-at-top
-  checkpoint = checkpoint or DEFAULT_CHECKPOINT
+  from paged_jax.models.hub import resolve_checkpoint  # pylint: disable=g-import-not-at-top
+  checkpoint = resolve_checkpoint(checkpoint or DEFAULT_CHECKPOINT)
   if prompt:
     tok = tokenizer.for_checkpoint(checkpoint)
     prompts = [tok.encode(p) for p in prompt]

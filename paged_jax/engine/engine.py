@@ -204,6 +204,19 @@ class Engine:
     self._run(batch, report=False)
     return self._outbox.pop(request_id)
 
+  def partial_outputs(self, request_id: Any) -> Optional[List[List[int]]]:
+    """Ids generated so far by each sample of a queued or running request (index order),
+    as of the last step applied; None once it finished (its output is in `step()`'s) or
+    for an unknown id. Beam hypotheses change until the end: beams give [] until then.
+    For streaming: read between steps, no device work."""
+    group = self.scheduler.groups.get(request_id)
+    if group is None:
+      return None
+    if group.params.beam_width > 1:
+      return [[] for _ in range(group.params.n)]
+    seqs = sorted(list(group.seqs) + list(group.finished), key=lambda q: q.index)
+    return [list(q.tokens[q.prompt_len:]) for q in seqs]
+
   # ---- the step ------------------------------------------------------------------------
   def step(self) -> List[RequestOutput]:
     """Runs one device step (or finishes an interrupted one); returns every output

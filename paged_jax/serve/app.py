@@ -1,0 +1,205 @@
+"""The HTTP surface: OpenAI's routes over one `EngineRunner` (Starlette, ASGI).
+
+    /v1/models  /v1/completions  /v1/chat/completions  /health  /metrics
+
+Response bodies follow the OpenAI API (and vLLM's server) so the `openai` package, load
+generators and evaluation harnesses work unchanged. Errors are OpenAI's error object
+with HTTP 400 (bad request), 404 (unknown route) or 503 (shutting down); an exception
+inside one request answers 500 for that request only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, Callable, Dict, List
+
+import prometheus_client as prom
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from paged_jax.serve import protocol
+from paged_jax.serve.runner import EngineRunner, Tracker
+
+
+def error(status: int, message: str, param=None) -> JSONResponse:
+  kind = "invalid_request_error" if status == 400 else "server_error"
+  return JSONResponse({"error": {"message": message, "type": kind, "param": param,
+                                 "code": status}}, status_code=status)
+
+
+class Metrics:
+  """Prometheus series (names as vLLM's, prefix `paged_jax:`), on a registry of its own."""
+
+  def __init__(self):
+    self.registry = r = prom.CollectorRegistry()
+    g = lambda n, d: prom.Gauge(f"paged_jax:{n}", d, registry=r)
+    self.kv_usage = g("kv_cache_usage_perc", "KV blocks in use (not free, not evictable), 0-1")
+    self.running = g("num_requests_running", "requests in the running batch")
+    self.waiting = g("num_requests_waiting", "requests waiting (or swapped out)")
+    self.hit_rate = g("prefix_cache_hit_rate", "prefix-cache hit blocks / queried blocks")
+    buckets = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
+    h = lambda n, d: prom.Histogram(f"paged_jax:{n}", d, buckets=buckets, registry=r)
+    self.ttft = h("time_to_first_token_seconds", "arrival to first token, s")
+    self.tpot = h("time_per_output_token_seconds", "after the first token, s per token")
+    self.e2e = h("e2e_request_latency_seconds", "arrival to last token, s")
+    c = lambda n, d: prom.Counter(f"paged_jax:{n}", d, registry=r)
+    self.prompt_tokens = c("prompt_tokens", "prompt tokens of finished requests")
+    self.generation_tokens = c("generation_tokens", "generated tokens of finished requests")
+    self.finished = prom.Counter("paged_jax:request_success", "finished requests by reason",
+                                 ["finished_reason"], registry=r)
+
+  def on_step(self, m: Dict[str, Any], ended: List[Tracker]) -> None:
+    used = m["num_blocks"] - m["num_free_blocks"] - m["num_evictable_blocks"]
+    self.kv_usage.set(used / max(1, m["num_blocks"]))
+    self.running.set(m["num_running"])
+    self.waiting.set(m["num_waiting"] + m["num_swapped"])
+    self.hit_rate.set(m["prefix_hit_rate"])
+    now = time.perf_counter()
+    for t in ended:
+      n = t.num_generated
+      if t.t_first is not None:
+        self.ttft.observe(t.t_first - t.t_submit)
+        if n > 1:
+          self.tpot.observe((now - t.t_first) / (n - 1))
+      self.e2e.observe(now - t.t_submit)
+      self.prompt_tokens.inc(len(t.request.prompt_ids))
+      self.generation_tokens.inc(n)
+      for f in t.finish:
+        self.finished.labels(f or "abort").inc()
+
+
+def _usage(trackers: List[Tracker]) -> Dict[str, int]:
+  p = sum(len(t.request.prompt_ids) for t in trackers)
+  c = sum(t.num_generated for t in trackers)
+  return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _sse(obj) -> str:
+  return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def build_app(runner: EngineRunner, *, model_name: str, encode: Callable, decode: Callable,
+              render_chat: Callable, stop_ids, vocab_size: int, max_model_len: int,
+              seed: int = 0, drain_s: float = 30.0, metrics: Metrics = None) -> Starlette:
+  """The Starlette app. `encode` / `decode`: the tokenizer; `render_chat(messages)`: the
+  chat template; `stop_ids`: the model's EOS ids; `seed`: seeds the per-request seeds of
+  requests that give none (reproducible per server run); `drain_s`: how long shutdown
+  lets running requests finish before aborting them."""
+  import random  # pylint: disable=g-import-not-at-top
+  seeds = random.Random(seed)
+  created = int(time.time())
+  limits = dict(max_model_len=max_model_len, stop_ids=stop_ids)
+
+  async def run(request: Request, reqs: List[protocol.EngineRequest], chat: bool) -> Response:
+    try:
+      trackers = await runner.submit(reqs)
+    except protocol.RequestError as e:
+      return error(503 if not runner.accepting else 400, e.message, e.param)
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    obj = "chat.completion" if chat else "text_completion"
+    head = {"id": rid, "created": int(time.time()), "model": model_name}
+
+    def choice(index, text, finish, delta):
+      if chat:
+        key = "delta" if delta else "message"
+        return {"index": index, key: {"role": "assistant", "content": text},
+                "finish_reason": finish}
+      return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+
+    n = reqs[0].params.n
+    if reqs[0].stream:
+      async def events():
+        try:
+          for k, t in enumerate(trackers):
+            if t.request.echo:
+              for j in range(n):
+                yield _sse({**head, "object": obj, "choices": [
+                    choice(k * n + j, decode(t.request.prompt_ids), None, True)]})
+            while (deltas := await t.events.get()) is not None:
+              yield _sse({**head, "object": obj + (".chunk" if chat else ""), "choices": [
+                  choice(k * n + j, text, f, True) for j, text, f in deltas]})
+          if reqs[0].include_usage:
+            yield _sse({**head, "object": obj, "choices": [], "usage": _usage(trackers)})
+          yield "data: [DONE]\n\n"
+        finally:   # the client went away (or we are done): nothing may keep running
+          for t in trackers:
+            if not t.done:
+              runner.abort_soon(t.request_id)
+      return StreamingResponse(events(), media_type="text/event-stream")
+
+    waiter = asyncio.ensure_future(asyncio.gather(*[_drain(t) for t in trackers]))
+    while not waiter.done():   # a client that disconnects aborts its requests
+      await asyncio.wait([waiter], timeout=0.25)
+      if not waiter.done() and await request.is_disconnected():
+        for t in trackers:
+          await runner.abort(t.request_id)
+    choices = []
+    for k, t in enumerate(trackers):
+      echo = decode(t.request.prompt_ids) if t.request.echo else ""
+      choices += [choice(k * n + j, echo + t.texts[j], t.finish[j], False) for j in range(n)]
+    return JSONResponse({**head, "object": obj, "choices": choices, "usage": _usage(trackers)})
+
+  async def body_of(request: Request):
+    try:
+      return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+      raise protocol.RequestError("the body is not valid JSON") from None
+
+  async def completions(request: Request) -> Response:
+    try:
+      body = await body_of(request)
+      reqs = protocol.completion_requests(body, encode=encode, vocab_size=vocab_size,
+                                          seed=seeds.randrange(2**31 - 4097), **limits)
+    except protocol.RequestError as e:
+      return error(400, e.message, e.param)
+    return await run(request, reqs, chat=False)
+
+  async def chat_completions(request: Request) -> Response:
+    try:
+      body = await body_of(request)
+      req = protocol.chat_request(body, render=render_chat, encode=encode,
+                                  seed=seeds.randrange(2**31 - 4097), **limits)
+    except protocol.RequestError as e:
+      return error(400, e.message, e.param)
+    except ValueError as e:   # the chat template refused the messages
+      return error(400, str(e), "messages")
+    return await run(request, [req], chat=True)
+
+  async def models(_: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [
+        {"id": model_name, "object": "model", "created": created, "owned_by": "paged_jax",
+         "max_model_len": max_model_len}]})
+
+  async def health(_: Request) -> Response:
+    return Response(status_code=200 if runner.accepting else 503)
+
+  async def prometheus(_: Request) -> Response:
+    return PlainTextResponse(prom.generate_latest(metrics.registry).decode(),
+                             media_type=prom.CONTENT_TYPE_LATEST)
+
+  metrics = metrics or Metrics()
+  runner.on_step = metrics.on_step
+
+  async def lifespan(_app):
+    await runner.start()
+    yield
+    await runner.shutdown(drain_s)
+
+  async def server_error(_request, exc):
+    return error(500, f"{type(exc).__name__}: {exc}")
+
+  return Starlette(routes=[
+      Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"]),
+      Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+      Route("/health", health), Route("/metrics", prometheus)],
+      lifespan=lifespan, exception_handlers={500: server_error})
+
+
+async def _drain(t: Tracker) -> None:
+  while await t.events.get() is not None:
+    pass

@@ -1,0 +1,217 @@
+"""`python -m paged_jax.serve` driven by the official `openai` client over loopback HTTP.
+
+One server process (the shipped tiny model, a small cache) serves the module; the
+SIGTERM test starts its own. Greedy answers are checked against `Engine.generate` run in
+this process on the same checkpoint (the independent reference); everything else against
+the protocol's promises: a 400 for a bad request and the server still serving, a dropped
+stream's blocks freed, SIGTERM draining and exiting 0.
+"""
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from paged_jax import tokenizer  # pylint: disable=g-import-not-at-top,wrong-import-position
+from paged_jax.engine import Engine, SamplingParams  # pylint: disable=g-import-not-at-top,wrong-import-position
+from paged_jax.models import DEFAULT_CHECKPOINT, load_hf_checkpoint  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARGS = ["--max_model_len=128", "--max_seqs=16", "--block_size=16", "--num_blocks=96",
+        "--max_num_batched_tokens=128"]
+PROMPTS = ["Once upon a time", "The little dog", "She said", "In the morning"]
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _start(extra=()):
+  port = _free_port()
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  proc = subprocess.Popen([sys.executable, "-m", "paged_jax.serve", f"--port={port}", *ARGS,
+                           *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  url = f"http://127.0.0.1:{port}"
+  deadline = time.monotonic() + 300
+  while time.monotonic() < deadline:
+    if proc.poll() is not None:
+      raise RuntimeError(f"server exited {proc.returncode}: {proc.stdout.read()[-2000:]}")
+    try:
+      with urllib.request.urlopen(url + "/health", timeout=2) as r:
+        if r.status == 200:
+          return proc, url
+    except OSError:
+      time.sleep(0.5)
+  proc.kill()
+  raise RuntimeError("server did not start in 300 s")
+
+
+def _metrics(url) -> dict:
+  with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+    text = r.read().decode()
+  out = {}
+  for line in text.splitlines():
+    if line and not line.startswith("#"):
+      name, value = line.rsplit(" ", 1)
+      out[name] = float(value)
+  return out
+
+
+@pytest.fixture(scope="module")
+def server():
+  proc, url = _start()
+  try:
+    yield url
+  finally:
+    proc.terminate()
+    proc.wait(timeout=120)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+  return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def reference():
+  """Greedy completions of PROMPTS from an in-process Engine: {(prompt, max_tokens): text}."""
+  config, params = load_hf_checkpoint(DEFAULT_CHECKPOINT)
+  cache = config.cache_config(block_size=16, max_seqs=8, max_blocks_per_seq=8, num_blocks=64)
+  engine = Engine(config, params, cache, max_num_batched_tokens=128)
+  sp = SamplingParams(max_tokens=24, temperature=0, stop_token_ids=(tokenizer.EOS_ID,))
+  outs = engine.generate([tokenizer.encode(p) for p in PROMPTS], sp)
+  return {p: tokenizer.decode(o.outputs[0]) for p, o in zip(PROMPTS, outs)}
+
+
+def test_models_and_health(client, server):
+  ids = [m.id for m in client.models.list().data]
+  assert ids == ["tiny_byte_llama"]
+  with urllib.request.urlopen(server + "/health") as r:
+    assert r.status == 200
+
+
+def test_greedy_completion_equals_engine_generate(client, reference):
+  r = client.completions.create(model="tiny_byte_llama", prompt=PROMPTS[0], max_tokens=24,
+                                temperature=0)
+  assert r.choices[0].text == reference[PROMPTS[0]]
+  assert r.usage.prompt_tokens == len(tokenizer.encode(PROMPTS[0]))
+  assert r.usage.completion_tokens <= 24
+  # A list of prompts: one choice each, in order; echo puts the prompt first.
+  r = client.completions.create(model="m", prompt=PROMPTS[:2], max_tokens=24, temperature=0,
+                                echo=True)
+  assert [c.text for c in r.choices] == [p + reference[p] for p in PROMPTS[:2]]
+
+
+def test_stream_concatenates_to_the_whole_answer(client, reference):
+  chunks = list(client.completions.create(model="m", prompt=PROMPTS[1], max_tokens=24,
+                                          temperature=0, stream=True))
+  assert "".join(c.choices[0].text for c in chunks if c.choices) == reference[PROMPTS[1]]
+  assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+
+
+def test_stop_string_cuts_the_text(client, reference):
+  full = reference[PROMPTS[0]]
+  stop = full[5:8]
+  r = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                                stop=[stop])
+  assert r.choices[0].text == full[:full.find(stop)]
+  assert r.choices[0].finish_reason == "stop"
+
+
+def test_chat_completion_uses_the_template(client):
+  msgs = [{"role": "user", "content": "Once upon a time"}]
+  r = client.chat.completions.create(model="m", messages=msgs, max_tokens=8, temperature=0,
+                                     seed=3)
+  assert r.choices[0].message.role == "assistant"
+  assert r.usage.prompt_tokens == len(tokenizer.encode("<|user|>Once upon a time\n"
+                                                       "<|assistant|>"))
+  streamed = client.chat.completions.create(model="m", messages=msgs, max_tokens=8,
+                                            temperature=0, stream=True)
+  text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+  assert text == r.choices[0].message.content
+
+
+def test_sixteen_concurrent_requests_all_answer_as_alone(client, reference):
+  def one(i):
+    p = PROMPTS[i % len(PROMPTS)]
+    return p, client.completions.create(model="m", prompt=p, max_tokens=24,
+                                        temperature=0).choices[0].text
+  with concurrent.futures.ThreadPoolExecutor(16) as pool:
+    answers = list(pool.map(one, range(16)))
+  assert [t for _, t in answers] == [reference[p] for p, _ in answers]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "max_tokens": 10_000}, "max_tokens"),
+    ({"prompt": [5, 999]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "seed": -2}, "seed"),
+])
+def test_bad_request_is_400_and_the_server_keeps_serving(client, reference, body, param):
+  with pytest.raises(openai.BadRequestError) as e:
+    client.completions.create(model="m", **{k: v for k, v in body.items()})
+  assert e.value.status_code == 400 and e.value.body["param"] == param
+  r = client.completions.create(model="m", prompt=PROMPTS[2], max_tokens=24, temperature=0)
+  assert r.choices[0].text == reference[PROMPTS[2]]
+
+
+def test_not_json_and_bad_messages_are_400(server, client):
+  req = urllib.request.Request(server + "/v1/completions", data=b"{not json",
+                               headers={"Content-Type": "application/json"})
+  with pytest.raises(urllib.error.HTTPError) as e:
+    urllib.request.urlopen(req)
+  assert e.value.code == 400 and "JSON" in json.loads(e.value.read())["error"]["message"]
+  with pytest.raises(openai.BadRequestError):
+    client.chat.completions.create(model="m", messages=[], max_tokens=3)
+
+
+def test_dropped_stream_frees_its_blocks(client, server):
+  stream = client.completions.create(model="m", prompt="Once", max_tokens=100, stream=True,
+                                     temperature=0.8, seed=1)
+  for i, _ in enumerate(stream):
+    if i == 2:
+      break
+  stream.close()
+  deadline = time.monotonic() + 60
+  while time.monotonic() < deadline:
+    m = _metrics(server)
+    if m["paged_jax:num_requests_running"] == 0 and m["paged_jax:kv_cache_usage_perc"] == 0:
+      break
+    time.sleep(0.2)
+  assert m["paged_jax:num_requests_running"] == 0
+  assert m["paged_jax:kv_cache_usage_perc"] == 0
+  assert m['paged_jax:request_success_total{finished_reason="abort"}'] >= 1
+
+
+def test_sigterm_drains_running_requests_and_exits_zero():
+  proc, url = _start(["--drain_s=60"])
+  try:
+    c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      fut = pool.submit(c.completions.create, model="m", prompt="Once", max_tokens=60,
+                        temperature=0)
+      time.sleep(1.0)        # the request is in (it compiles and runs for seconds)
+      proc.send_signal(signal.SIGTERM)
+      r = fut.result(timeout=300)
+    assert r.choices[0].finish_reason in ("length", "stop", "abort")
+    assert proc.wait(timeout=120) == 0
+  finally:
+    if proc.poll() is None:
+      proc.kill()
