@@ -75,6 +75,7 @@ def run_step(sched, dev, log, report_sole=True, batch=None, fail=False):
   s = sched.max_seqs
   out = types.SimpleNamespace(
       ok=not fail, tokens=np.zeros((1, s), np.int32), valid=np.zeros((1, s), bool),
+      logprobs=np.zeros((1, s), np.float32),
       finished=np.zeros((s,), bool), hit_tokens=np.zeros((s,), np.int32),
       loop_out_of_blocks=False, prefix_hit_blocks=0, prefix_query_blocks=0, num_evictable=0,
       sliding_free=0)

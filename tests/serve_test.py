@@ -114,6 +114,32 @@ def test_greedy_completion_equals_engine_generate(client, reference):
   assert [c.text for c in r.choices] == [p + reference[p] for p in PROMPTS[:2]]
 
 
+def test_logprobs_are_the_engines(client):
+  """logprobs=0: each sampled token's log-probability, equal to RequestOutput.logprobs
+  (checked against the dense oracle in engine_logprobs_test), streamed or not."""
+  config, params = load_hf_checkpoint(DEFAULT_CHECKPOINT)
+  cache = config.cache_config(block_size=16, max_seqs=2, max_blocks_per_seq=8, num_blocks=16)
+  sp = SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(tokenizer.EOS_ID,))
+  want = Engine(config, params, cache).generate([tokenizer.encode(PROMPTS[3])], sp)[0]
+  r = client.completions.create(model="m", prompt=PROMPTS[3], max_tokens=12, temperature=0,
+                                logprobs=0)
+  lp = r.choices[0].logprobs
+  assert lp.tokens == [tokenizer.decode([i]) for i in want.outputs[0]]
+  assert lp.token_logprobs == pytest.approx(want.logprobs[0], abs=1e-5)
+  assert lp.text_offset == [len(tokenizer.decode(want.outputs[0][:k]))
+                            for k in range(len(want.outputs[0]))]
+  chunks = list(client.chat.completions.create(
+      model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+      temperature=0, logprobs=True, stream=True))
+  streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs
+              for c in ch.choices[0].logprobs.content]
+  whole = client.chat.completions.create(
+      model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+      temperature=0, logprobs=True)
+  assert [c.logprob for c in streamed] == [c.logprob for c in whole.choices[0].logprobs.content]
+  assert len(streamed) == whole.usage.completion_tokens
+
+
 def test_stream_concatenates_to_the_whole_answer(client, reference):
   chunks = list(client.completions.create(model="m", prompt=PROMPTS[1], max_tokens=24,
                                           temperature=0, stream=True))
@@ -160,6 +186,7 @@ def test_sixteen_concurrent_requests_all_answer_as_alone(client, reference):
     ({"prompt": "x", "temperature": -1}, "temperature"),
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"prompt": "x", "logprobs": 0, "echo": True}, "echo"),
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": "x", "seed": -2}, "seed"),

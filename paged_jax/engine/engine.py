@@ -28,7 +28,7 @@ import collections
 import functools
 import logging
 import time
-from typing import Any, Dict, List, Optional, Sequence as Seq, Union
+from typing import Any, Dict, List, Optional, Sequence as Seq, Tuple, Union
 
 import jax
 
@@ -204,18 +204,19 @@ class Engine:
     self._run(batch, report=False)
     return self._outbox.pop(request_id)
 
-  def partial_outputs(self, request_id: Any) -> Optional[List[List[int]]]:
-    """Ids generated so far by each sample of a queued or running request (index order),
-    as of the last step applied; None once it finished (its output is in `step()`'s) or
-    for an unknown id. Beam hypotheses change until the end: beams give [] until then.
-    For streaming: read between steps, no device work."""
+  def partial_outputs(self, request_id: Any) -> Optional[Tuple[List[List[int]],
+                                                                 List[List[float]]]]:
+    """(ids, logprobs) generated so far by each sample of a queued or running request
+    (index order), as of the last step applied; None once it finished (its output is in
+    `step()`'s) or for an unknown id. Beam hypotheses change until the end: beams give
+    empty lists until then. For streaming: read between steps, no device work."""
     group = self.scheduler.groups.get(request_id)
     if group is None:
       return None
     if group.params.beam_width > 1:
-      return [[] for _ in range(group.params.n)]
+      return [[] for _ in range(group.params.n)], [[] for _ in range(group.params.n)]
     seqs = sorted(list(group.seqs) + list(group.finished), key=lambda q: q.index)
-    return [list(q.tokens[q.prompt_len:]) for q in seqs]
+    return [list(q.tokens[q.prompt_len:]) for q in seqs], [list(q.logprobs) for q in seqs]
 
   # ---- the step ------------------------------------------------------------------------
   def step(self) -> List[RequestOutput]:

@@ -105,13 +105,15 @@ class SamplingParams:
 @dataclasses.dataclass
 class RequestOutput:
   """A finished request. `outputs[j]` are the generated ids of sample j (or of the
-  j-th best beam); `cumulative_logprobs` is set for beam search."""
+  j-th best beam); `cumulative_logprobs` is set for beam search; `logprobs[j][i]` is
+  the log-probability of `outputs[j][i]` under the model (sampling, not beam search)."""
   request_id: Any
   prompt_token_ids: List[int]
   outputs: List[List[int]]
   finish_reasons: List[str]
   cumulative_logprobs: Optional[List[float]] = None
   num_preemptions: int = 0
+  logprobs: Optional[List[List[float]]] = None
 
 
 def check_prompt(prompt, vocab_size: int) -> List[int]:

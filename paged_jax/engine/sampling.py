@@ -96,6 +96,21 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
   return jnp.where(hot, drawn, greedy)
 
 
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+  """log p(tokens[r]) under row r's raw distribution (no temperature, top-k or top-p: the
+  model's own probability, as OpenAI's and vLLM's `logprobs` report it).
+
+  Args:
+    logits: f32[R, V]; tokens: i32[R].
+
+  Returns:
+    f32[R].
+  """
+  logits = logits.astype(jnp.float32)
+  picked = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+  return picked - jax.nn.logsumexp(logits, axis=-1)
+
+
 def top_logprobs(logits: jax.Array, k: int):
   """The k best log-probabilities of each row (beam search candidates).
 

@@ -49,7 +49,8 @@ def request_output(group: Group, seqs: List[Sequence]) -> RequestOutput:
       outputs=[q.tokens[q.prompt_len:] for q in seqs],
       finish_reasons=[q.finish_reason for q in seqs],
       cumulative_logprobs=[q.cum_logprob for q in seqs] if group.is_beam else None,
-      num_preemptions=group.num_preemptions)
+      num_preemptions=group.num_preemptions,
+      logprobs=None if group.is_beam else [list(q.logprobs) for q in seqs])
 
 
 def _insert(queue: List[Group], group: Group) -> None:
@@ -367,6 +368,7 @@ class _Update:
     b, out, ch = self.b, self.out, self.ch
     owner = self.owner()
     tokens, valid = out.tokens.T.tolist(), out.valid.T.tolist()   # [S][K] Python ints
+    logprobs = out.logprobs.T.tolist()
     sampled = [c.seq for c in b.chunks if c.samples]
     sampled += [c for _, c in b.post_forks if len(c.tokens) == c.prompt_len]
     device_freed, beam_groups = [], []
@@ -390,6 +392,7 @@ class _Update:
           break
       self.stats["generated_tokens"] += len(new)
       ch.extend(q.tokens, new)
+      ch.extend(q.logprobs, logprobs[slot][:len(new)])
       ch.set(q, num_computed=nc)
       if reason:
         device_freed.append(slot)

@@ -67,6 +67,7 @@ class Sequence:
     share_id: >= 0 when its partial last block is shared with the other sequences of
       the same share_id (copy-on-write on their next writes); -1 otherwise.
     cum_logprob: beam score.
+    logprobs: per generated token, its log-probability under the model (not beams).
     topk: beam search only: (log-probs, ids) of its next-token candidates, awaiting
       the group's selection (the step sampled it; its siblings may sample later).
     finish_reason: "stop", "length" or "abort" once finished.
@@ -82,6 +83,7 @@ class Sequence:
   share_id: int = -1
   cum_logprob: float = 0.0
   topk: Optional[Tuple[Any, Any]] = None
+  logprobs: List[float] = dataclasses.field(default_factory=list)
   finish_reason: Optional[str] = None
 
   @property

@@ -113,7 +113,8 @@ class StepInputs:
 class StepOutputs:
   """ok: bool[] (False: reservation failed, nothing changed); status i32[S] of the
   first reservation; tokens i32[K, S] and valid bool[K, S] (token of slot s at
-  decode iteration k); topk_logprobs f32[S, C] / topk_ids i32[S, C] (candidates
+  decode iteration k); logprobs f32[K, S] (the sampled token's log-probability under
+  the model's distribution, where valid); topk_logprobs f32[S, C] / topk_ids i32[S, C] (candidates
   from the first iteration's logits); num_free i32[] after the step;
   loop_out_of_blocks bool[] (the decode loop stopped for want of a block);
   available i32[]: free plus evictable (cached, unreferenced) blocks, what the
@@ -129,6 +130,7 @@ class StepOutputs:
   status: jax.Array
   tokens: jax.Array
   valid: jax.Array
+  logprobs: jax.Array
   topk_logprobs: jax.Array
   topk_ids: jax.Array
   num_free: jax.Array

@@ -299,6 +299,8 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     lane_tok = _sample_lanes(lane_logits, lane_slot, inp, all_greedy=all_greedy)
     tok = jnp.zeros((s_max,), _I32).at[lane_slot].set(lane_tok, mode="drop")
     tok = jnp.where(sampled, tok, 0)
+    lp = jnp.zeros((s_max,), jnp.float32).at[lane_slot].set(
+        sampling.token_logprobs(lane_logits, lane_tok), mode="drop")
     lane_v, lane_i = sampling.top_logprobs(lane_logits, num_candidates)
     topv = jnp.zeros((s_max, num_candidates), lane_v.dtype).at[lane_slot].set(lane_v,
                                                                                mode="drop")
@@ -308,6 +310,7 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
       sb, _ = bm.fork(sb, jnp.where(ok, inp.post_fork_src, -1), inp.post_fork_dst)
     out_tokens = jnp.zeros((k_steps, s_max), _I32).at[0].set(tok)
     out_valid = jnp.zeros((k_steps, s_max), jnp.bool_).at[0].set(sampled)
+    out_lp = jnp.zeros((k_steps, s_max), jnp.float32).at[0].set(jnp.where(sampled, lp, 0.0))
     done = sampled & inp.multi_step & _finished(tok, inp.remaining, inp.stop_ids)
     cont = sampled & inp.multi_step & ~done
     oob = jnp.zeros((), jnp.bool_)
@@ -319,7 +322,7 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
       # host every iteration (tests/gpu_compile_model_test.py). Iterations after every
       # slot finished run on no live row: nothing is written or sampled.
       def body(i, carry):
-        (b_cur, pg_cur, sb_cur, spg_cur, last, cont, out_t, out_v, oob_before, copies,
+        (b_cur, pg_cur, sb_cur, spg_cur, last, cont, out_t, out_v, out_l, oob_before, copies,
          done) = carry
         cont = cont & ~oob_before        # out of blocks once: the loop is over
         b_new, st, cow_i = bm.append(b_cur, cont, 1)
@@ -352,18 +355,21 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
                                      sliding_layers)                     # [R, V]
         new_rows = _sample_lanes(logits, row_slot, inp, index_offset=i, all_greedy=all_greedy)
         new = last.at[jnp.where(row_live, order, s_max)].set(new_rows, mode="drop")
+        new_lp = jnp.zeros((s_max,), jnp.float32).at[jnp.where(row_live, order, s_max)].set(
+            sampling.token_logprobs(logits, new_rows), mode="drop")
         new = jnp.where(live, new, last)
         fin = _finished(new, inp.remaining - i, inp.stop_ids)
         out_t = out_t.at[i].set(jnp.where(live, new, out_t[i]))
         out_v = out_v.at[i].set(live)
-        return (b_new, pg2, sb_new, spg2, new, live & ~fin, out_t, out_v, oob_before | oob,
-                copies, done | (live & fin))
+        out_l = out_l.at[i].set(jnp.where(live, new_lp, out_l[i]))
+        return (b_new, pg2, sb_new, spg2, new, live & ~fin, out_t, out_v, out_l,
+                oob_before | oob, copies, done | (live & fin))
 
-      carry = (b, pg, sb, spg, tok, cont, out_tokens, out_valid, oob, copies, done)
-      b, pg, sb, spg, _, _, out_tokens, out_valid, oob, copies, done = lax.fori_loop(
+      carry = (b, pg, sb, spg, tok, cont, out_tokens, out_valid, out_lp, oob, copies, done)
+      b, pg, sb, spg, _, _, out_tokens, out_valid, out_lp, oob, copies, done = lax.fori_loop(
           1, k_steps, body, carry)
 
-    out = StepOutputs(ok=ok, status=status, tokens=out_tokens, valid=out_valid,
+    out = StepOutputs(ok=ok, status=status, tokens=out_tokens, valid=out_valid, logprobs=out_lp,
                       topk_logprobs=topv, topk_ids=topi, num_free=b.num_free,
                       loop_out_of_blocks=oob, available=b.num_free, hit_tokens=hits,
                       num_evictable=jnp.zeros((), _I32), prefix_hit_blocks=jnp.zeros((), _I32),

@@ -104,12 +104,13 @@ def build_app(runner: EngineRunner, *, model_name: str, encode: Callable, decode
     obj = "chat.completion" if chat else "text_completion"
     head = {"id": rid, "created": int(time.time()), "model": model_name}
 
-    def choice(index, text, finish, delta):
+    def choice(index, text, finish, delta, t=None, j=0, span=(0, 0)):
+      lp = _logprobs(t, j, span, decode, chat) if t is not None and t.request.logprobs else None
       if chat:
         key = "delta" if delta else "message"
         return {"index": index, key: {"role": "assistant", "content": text},
-                "finish_reason": finish}
-      return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+                "logprobs": lp, "finish_reason": finish}
+      return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
 
     n = reqs[0].params.n
     if reqs[0].stream:
@@ -122,7 +123,8 @@ def build_app(runner: EngineRunner, *, model_name: str, encode: Callable, decode
                     choice(k * n + j, decode(t.request.prompt_ids), None, True)]})
             while (deltas := await t.events.get()) is not None:
               yield _sse({**head, "object": obj + (".chunk" if chat else ""), "choices": [
-                  choice(k * n + j, text, f, True) for j, text, f in deltas]})
+                  choice(k * n + j, text, f, True, t, j, (a, b))
+                  for j, text, f, a, b in deltas]})
           if reqs[0].include_usage:
             yield _sse({**head, "object": obj, "choices": [], "usage": _usage(trackers)})
           yield "data: [DONE]\n\n"
@@ -141,7 +143,8 @@ def build_app(runner: EngineRunner, *, model_name: str, encode: Callable, decode
     choices = []
     for k, t in enumerate(trackers):
       echo = decode(t.request.prompt_ids) if t.request.echo else ""
-      choices += [choice(k * n + j, echo + t.texts[j], t.finish[j], False) for j in range(n)]
+      choices += [choice(k * n + j, echo + t.texts[j], t.finish[j], False, t, j,
+                         (0, t.num_sent[j])) for j in range(n)]
     return JSONResponse({**head, "object": obj, "choices": choices, "usage": _usage(trackers)})
 
   async def body_of(request: Request):
@@ -198,6 +201,20 @@ def build_app(runner: EngineRunner, *, model_name: str, encode: Callable, decode
       Route("/v1/chat/completions", chat_completions, methods=["POST"]),
       Route("/health", health), Route("/metrics", prometheus)],
       lifespan=lifespan, exception_handlers={500: server_error})
+
+
+def _logprobs(t: Tracker, j: int, span, decode, chat: bool):
+  """OpenAI's logprobs object for tokens span[0]:span[1] of sample j (sampled tokens
+  only: top alternatives are refused at parsing)."""
+  a, b = span
+  ids, lps = t.tokens[j][a:b], t.logprobs[j][a:b]
+  texts = [decode([i]) for i in ids]
+  if chat:
+    return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()),
+                         "top_logprobs": []} for s, lp in zip(texts, lps)]}
+  offsets = [len(decode(t.tokens[j][:k])) for k in range(a, b)]
+  return {"tokens": texts, "token_logprobs": lps, "top_logprobs": None,
+          "text_offset": offsets}
 
 
 async def _drain(t: Tracker) -> None:

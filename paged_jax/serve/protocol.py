@@ -38,6 +38,7 @@ class EngineRequest:
     stream: answer as server-sent events.
     echo: the prompt's text is put before each completion (completions only).
     include_usage: a final usage chunk when streaming (`stream_options`).
+    logprobs: report each generated token's log-probability.
   """
   prompt_ids: List[int]
   params: SamplingParams
@@ -45,6 +46,7 @@ class EngineRequest:
   stream: bool = False
   echo: bool = False
   include_usage: bool = False
+  logprobs: bool = False
 
 
 def _get(body: Dict[str, Any], name: str, kinds, default=None, *, lo=None, hi=None):
@@ -136,10 +138,27 @@ def sampling_params(body: Dict[str, Any], *, prompt_len: int, max_model_len: int
     raise RequestError(str(e), str(e).split(" ", 1)[0]) from None
 
 
+def logprobs_wanted(body: Dict[str, Any], chat: bool) -> bool:
+  """Whether the body asks for token logprobs: completions `logprobs=0` (the sampled
+  token's only), chat `logprobs=true` with `top_logprobs` 0 or absent. Top alternatives
+  are refused by name, not silently dropped."""
+  if chat:
+    want = _get(body, "logprobs", (bool,), False)
+    top = _get(body, "top_logprobs", (int,), 0, lo=0, hi=MAX_TOP_LOGPROBS)
+    name = "top_logprobs"
+  else:
+    top = _get(body, "logprobs", (int,), None, lo=0, hi=5)
+    want, name = top is not None, "logprobs"
+  if top:
+    raise RequestError(f"{name}={top}: top alternatives are not supported yet; "
+                       f"{name}=0 gives each sampled token's logprob", name)
+  if want and not chat and body.get("echo"):
+    raise RequestError("echo with logprobs (prompt logprobs) is not supported yet", "echo")
+  return bool(want)
+
+
 def reject_unsupported(body: Dict[str, Any]) -> None:
   """Fields the engine cannot honour yet are refused by name, not ignored."""
-  if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") is not None:
-    raise RequestError("logprobs are not supported by this server yet", "logprobs")
   if body.get("best_of") not in (None, 1):
     raise RequestError("best_of is not supported by this server (only 1)", "best_of")
   for name in ("suffix", "logit_bias", "tools", "functions", "response_format"):
@@ -158,12 +177,12 @@ def completion_requests(body, *, encode, vocab_size, max_model_len, stop_ids,
   reject_unsupported(body)
   stream, echo = _get(body, "stream", (bool,), False), _get(body, "echo", (bool,), False)
   usage = bool((_get(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
-  stops = _stop_strings(body)
+  stops, logprobs = _stop_strings(body), logprobs_wanted(body, chat=False)
   out = []
   for ids in prompts_of(body, encode, vocab_size):
     sp = sampling_params(body, prompt_len=len(ids), max_model_len=max_model_len,
                          default_max_tokens=16, stop_ids=stop_ids, seed=seed)
-    out.append(EngineRequest(ids, sp, stops, stream, echo, usage))
+    out.append(EngineRequest(ids, sp, stops, stream, echo, usage, logprobs))
   return out
 
 
@@ -192,4 +211,5 @@ def chat_request(body, *, render, encode, max_model_len, stop_ids, seed) -> Engi
   usage = bool((_get(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
   sp = sampling_params(body, prompt_len=len(ids), max_model_len=max_model_len,
                        default_max_tokens=None, stop_ids=stop_ids, seed=seed)
-  return EngineRequest(ids, sp, _stop_strings(body), stream, False, usage)
+  return EngineRequest(ids, sp, _stop_strings(body), stream, False, usage,
+                       logprobs_wanted(body, chat=True))

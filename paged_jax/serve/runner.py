@@ -23,7 +23,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from paged_jax.serve.protocol import EngineRequest, RequestError
 
-Delta = Tuple[int, str, Optional[str]]   # (sample index, new text, finish reason or None)
+# (sample index, new text, finish reason or None, first and end token of the new text)
+Delta = Tuple[int, str, Optional[str], int, int]
 
 
 @dataclasses.dataclass
@@ -35,6 +36,9 @@ class Tracker:
     request: what was asked (prompt ids, params, stop strings).
     texts: per sample, the text sent so far (stop string cut).
     tokens: per sample, the ids generated so far.
+    logprobs: per sample, each generated id's log-probability under the model.
+    num_sent: per sample, how many of `tokens` the text sent so far covers (a stop
+      string cuts the text; logprobs are reported for these tokens).
     finish: per sample, "stop" / "length" / "abort" once done.
     events: lists of Deltas as they come; None after the last.
     t_submit, t_first: perf_counter seconds at submit and at the first token.
@@ -44,6 +48,8 @@ class Tracker:
   request: EngineRequest
   texts: List[str]
   tokens: List[List[int]]
+  logprobs: List[List[float]]
+  num_sent: List[int]
   finish: List[Optional[str]]
   events: asyncio.Queue
   t_submit: float
@@ -129,7 +135,8 @@ class EngineRunner:
     out = []
     for rid, r in zip(ids, requests):
       n = r.params.n
-      t = Tracker(rid, r, [""] * n, [[] for _ in range(n)], [None] * n, asyncio.Queue(), now)
+      t = Tracker(rid, r, [""] * n, [[] for _ in range(n)], [[] for _ in range(n)], [0] * n,
+                  [None] * n, asyncio.Queue(), now)
       self._trackers[rid] = t
       out.append(t)
     self._wake.set()
@@ -140,7 +147,8 @@ class EngineRunner:
     t = self._trackers.pop(request_id, None)
     await self._call(self.engine.abort, request_id)
     if t is not None:
-      self._end(t, [(j, "", "abort") for j, f in enumerate(t.finish) if f is None])
+      self._end(t, [(j, "", "abort", t.num_sent[j], t.num_sent[j])
+                    for j, f in enumerate(t.finish) if f is None])
       self.last_metrics = metrics = await self._call(self.engine.metrics)
       if self.on_step is not None:
         self.on_step(metrics, [t])
@@ -171,11 +179,12 @@ class EngineRunner:
       for rid, ids in partial.items():
         t = self._trackers.get(rid)
         if t is not None and ids is not None:
-          self._advance(t, ids, None)
+          self._advance(t, *ids, None)
       for out in finished:
         t = self._trackers.get(out.request_id)
         if t is not None:
-          self._advance(t, out.outputs, out.finish_reasons)
+          self._advance(t, out.outputs, out.logprobs or [[]] * len(out.outputs),
+                        out.finish_reasons)
       for rid, t in list(self._trackers.items()):
         if t.done:
           del self._trackers[rid]
@@ -185,28 +194,33 @@ class EngineRunner:
       if self.on_step is not None:
         self.on_step(metrics, ended)
 
-  def _advance(self, t: Tracker, outputs: List[List[int]], reasons) -> None:
+  def _advance(self, t: Tracker, outputs: List[List[int]], logprobs: List[List[float]],
+               reasons) -> None:
     """New ids of each sample -> text deltas; stop strings cut the text and end it."""
     deltas: List[Delta] = []
-    for j, ids in enumerate(outputs):
+    for j, (ids, lps) in enumerate(zip(outputs, logprobs)):
       if j >= len(t.finish) or t.finish[j] is not None:
         continue
       ids = list(ids)
       if len(ids) > len(t.tokens[j]) and t.t_first is None:
         t.t_first = time.perf_counter()
-      t.tokens[j] = ids
+      t.tokens[j], t.logprobs[j] = ids, list(lps)
       text, finish = self._decode(ids), (reasons[j] if reasons is not None else None)
+      whole = finish is not None
       for s in t.request.stop:
         cut = text.find(s)
         if cut >= 0:
-          text, finish = text[:cut], "stop"
+          text, finish, whole = text[:cut], "stop", False
           t.cut_early = t.cut_early or reasons is None
       if finish is None:   # hold back what may still change: a partial UTF-8 sequence,
         text = _held_back(text.rstrip("\ufffd"), t.request.stop)   # a stop string's start
       delta = text[len(t.texts[j]):] if text.startswith(t.texts[j]) else ""
       t.texts[j] = t.texts[j] + delta
+      start = t.num_sent[j]
+      t.num_sent[j] = len(ids) if whole else _tokens_covering(ids, len(t.texts[j]),
+                                                              self._decode)
       if delta or finish is not None:
-        deltas.append((j, delta, finish))
+        deltas.append((j, delta, finish, start, t.num_sent[j]))
       t.finish[j] = finish
     if deltas:
       t.events.put_nowait(deltas)
@@ -214,7 +228,7 @@ class EngineRunner:
       t.events.put_nowait(None)
 
   def _end(self, t: Tracker, deltas: List[Delta]) -> None:
-    for j, _, f in deltas:
+    for j, _, f, _, _ in deltas:
       t.finish[j] = f
     if deltas:
       t.events.put_nowait(deltas)
@@ -231,3 +245,16 @@ def _held_back(text: str, stops: List[str]) -> str:
         keep = min(keep, len(text) - k)
         break
   return text[:keep]
+
+
+def _tokens_covering(ids: List[int], num_chars: int, decode) -> int:
+  """The fewest leading ids whose text holds `num_chars` characters (all of them when
+  the text is whole): the tokens a cut text reports logprobs for."""
+  lo, hi = 0, len(ids)
+  while lo < hi:   # decode(ids[:m]) grows with m
+    mid = (lo + hi) // 2
+    if len(decode(ids[:mid])) >= num_chars:
+      hi = mid
+    else:
+      lo = mid + 1
+  return lo
