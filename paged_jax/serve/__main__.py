@@ -38,6 +38,7 @@ flags.DEFINE_integer("max_num_batched_tokens", 256, "per-step token budget", low
 flags.DEFINE_string("dtype", "float32", "parameter / KV dtype")
 flags.DEFINE_string("attention_backend", "auto", "the engine's attention backend")
 flags.DEFINE_integer("seed", 0, "seeds the sampling seeds of requests that give none")
+flags.DEFINE_bool("enable_prefix_caching", True, "automatic prefix caching (as vLLM v1)")
 flags.DEFINE_float("drain_s", 30.0, "seconds SIGTERM lets running requests finish",
                    lower_bound=0)
 
@@ -55,6 +56,7 @@ class ServerConfig:
   dtype: str = "float32"
   attention_backend: str = "auto"
   seed: int = 0
+  enable_prefix_caching: bool = True
   drain_s: float = 30.0
 
 
@@ -74,7 +76,8 @@ def build_app_from_config(c: ServerConfig):
   cache_config = model_config.cache_config(
       block_size=c.block_size, max_seqs=c.max_seqs, max_blocks_per_seq=per_seq,
       num_blocks=c.num_blocks or max(per_seq, c.max_seqs * per_seq // 2),
-      max_num_batched_tokens=c.max_num_batched_tokens, dtype=c.dtype)
+      max_num_batched_tokens=c.max_num_batched_tokens, dtype=c.dtype,
+      enable_prefix_caching=c.enable_prefix_caching)
   engine = Engine(model_config, params, cache_config,
                   max_num_batched_tokens=c.max_num_batched_tokens,
                   attention_backend=c.attention_backend)
