@@ -4,9 +4,12 @@ its flags and provenance and renders into the docs' table."""
 
 import json
 
+import pytest
+
 from experiments import policies
 
 
+@pytest.mark.slow   # ~35 s: four engines
 def test_tiny_run_writes_rows_for_every_pair(tmp_path):
   f = policies.Config(num_requests=24, rates=(50.0,), head_len=32, num_tasks=3, task_len_min=16,
                       task_len_max=48, max_len=192, max_seqs=4, kv_budget_tokens=512,
