@@ -1,7 +1,7 @@
 r"""The shipped scheduling and eviction policies compared on one shared-prefix stream.
 
     python -m experiments.policies --model=opt-13b --gpu=a100-40gb --num_requests=1000 \
-        --rates=8,12 --out=experiments/results/policies
+        --rates=8,12,16 --out=experiments/results/policies
 
 The stream (seeded): every prompt is one shared system head (`--head_len` tokens), then
 the few-shot body of one of `--num_tasks` tasks (lengths drawn in [--task_len_min,
@@ -56,7 +56,7 @@ class Config(configs.ExperimentConfig):
   eviction: Tuple[str, ...] = configs.flag(tuple(EVICTION_POLICIES), "eviction policies",
                                            choices=tuple(EVICTION_POLICIES))
   num_requests: int = configs.flag(600, "requests in the stream", lower=1)
-  rates: Tuple[float, ...] = configs.flag((8.0, 12.0), "Poisson arrival rates (requests/s)",
+  rates: Tuple[float, ...] = configs.flag((8.0, 12.0, 16.0), "Poisson arrival rates (requests/s)",
                                          lower=0.0, lower_open=True)
   head_len: int = configs.flag(256, "tokens of the system head every prompt shares", lower=1)
   num_tasks: int = configs.flag(24, "task bodies (prefixes after the head)", lower=1)
