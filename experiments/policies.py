@@ -13,7 +13,7 @@ gets a priority class uniform in [0, --num_priority_classes) (lower first under 
 At each rate, each (scheduling, eviction) pair of --scheduling x --eviction serves the
 same stream on a fresh paper-scale engine (`paged_jax.bench.paper_scale`: the real Engine
 with prefix caching on, the stand-in forward, the KV slots `--model` on `--gpu` leaves, vLLM v0.1's
-scheduler limits) on the device-time model's virtual clock (`perf.ModelClock`, as
+2,560 tokens a step, `--max_seqs` slots) on the device-time model's virtual clock (`perf.ModelClock`, as
 `serving_benchmark --clock=model`), fed online through an open gate
 (`bench.serving.serve_online`). Scheduling: "fcfs", "priority", "shortest_prompt" (the key
 `request.prompt_len`); eviction: `CacheConfig.eviction_policy` ("lru", "protect_shallow").
