@@ -16,7 +16,10 @@ Shipped:
   lru              least recently used first; among blocks last used at the same time, the
                    deepest (a sequence's tail) first. The default, and the only policy with
                    the amortized O(1) ring (`prefix_cache.evict`); any other policy ranks
-                   the pool (one O(NB log NB) sort per step that evicts).
+                   the pool (one O(NB log NB) sort per step that evicts). Measured on
+                   this 2-core CPU (XLA:CPU, 16 blocks evicted from an all-cached
+                   pool): 16K blocks 0.5 ms LRU vs 9-10 ms sorted; 256K blocks
+                   5-7 ms vs ~250 ms.
   protect_shallow  deepest block first, LRU among equal depths: a chain loses its tail
                    before its head, so a shared system-prompt head (depth 0, 1, ...) is the
                    last to go.
