@@ -19,6 +19,7 @@ from typing import Any, Mapping, Optional, Tuple
 import ml_dtypes
 import numpy as np
 
+from paged_jax import eviction_policy
 from paged_jax import hf_config
 from paged_jax import pool_sizing
 # Re-exported: callers import these from config (`checks` is the floor under config).
@@ -68,6 +69,9 @@ class CacheConfig:
       hybrid KV (`sliding_layers`), which cannot combine with it yet; resolved to a
       bool on construction. Its cost when every lookup misses, and its gain when
       prompts share a prefix: docs/notes/prefix_cache_miss.md.
+    eviction_policy: which cache-only block the prefix cache evicts first, a name in
+      `eviction_policy.EVICTION_POLICIES`: "lru" (default) or "protect_shallow"
+      (deepest blocks first, so shared prefix heads stay); docs/extending.md.
     sliding_layers: hybrid KV (off when empty): the sliding-window layers whose K/V live
       in a second pool of `num_sliding_blocks` blocks with its own block table, from
       which each sequence's blocks that slid out of its window return to that pool
@@ -91,6 +95,7 @@ class CacheConfig:
   sliding_layers: Tuple[int, ...] = ()
   sliding_window: Optional[int] = None
   num_sliding_blocks: int = 0
+  eviction_policy: str = "lru"
 
   def __post_init__(self):
     check_block_size(self.block_size)
@@ -102,6 +107,7 @@ class CacheConfig:
     check_int("head_dim", self.head_dim, 1, 1024)
     if self.dtype not in PAGE_DTYPES:
       raise ValueError(f"dtype must be one of {tuple(PAGE_DTYPES)}, got {self.dtype!r}")
+    eviction_policy.check(self.eviction_policy)
     if self.num_blocks * self.block_size > 2**31 - 1:
       # Flat cache slots (block * block_size + offset) are int32 inside jit.
       raise ValueError(

@@ -74,6 +74,7 @@ SECTIONS: Dict[str, Tuple[object, Callable]] = {
     "prefix_caching_block_size": ("prefix_caching/prefix_caching.json", engine.prefix_sweep),
     "prefix_caching_cost": ("prefix_caching/prefix_caching.json", engine.prefix_cost),
     "prefix_miss": ("prefix_miss/prefix_miss.json", engine.rows_with("prefix_miss")),
+    "policies": ("policies/policies.json", engine.rows_with("policies")),
     "prefix_caching_demo": ("prefix_caching_demo/prefix_caching_demo.json",
                             engine.rows_with("prefix_caching", "rows")),
     "host_overhead": ("host_overhead/host_overhead.json", engine.host_overhead),

@@ -76,14 +76,16 @@ class PaperSetting:
                   max_len: Optional[int] = None, preemption_mode: str = "recompute",
                   attention_backend: str = "reference",
                   max_num_batched_tokens: int = PAPER.max_num_batched_tokens,
-                  max_beam_width: int = PAPER.max_beam_width, prefix_caching: bool = False):
+                  max_beam_width: int = PAPER.max_beam_width, prefix_caching: bool = False,
+                  eviction_policy: str = "lru", scheduling_policy="fcfs"):
     """The real Engine with the stand-in forward on a `kv_budget_tokens`-slot pool
     (`engines.make_engine`'s keywords; attention_backend is unused by the stand-in).
 
     Unbucketed with the decode shape (`EngineOptions.decode_shape`): a mixed step runs
     the largest shape, a decode-only step T = R = max_seqs (two compiled shapes per
     geometry, not one per bucket). The model clock charges what a step computed, not its
-    shape, so the shapes change host seconds only, never a latency."""
+    shape, so the shapes change host seconds only, never a latency. `eviction_policy` /
+    `scheduling_policy`: `CacheConfig` / `EngineOptions`' (docs/extending.md)."""
     from paged_jax.engine import Engine  # pylint: disable=g-import-not-at-top
     from paged_jax.models import standin  # pylint: disable=g-import-not-at-top
     del attention_backend
@@ -94,8 +96,10 @@ class PaperSetting:
     config, params = _standin(self.max_len)
     cache = config.cache_config(block_size=block_size, num_blocks=kv_budget_tokens // block_size,
                                 max_seqs=max_seqs, max_blocks_per_seq=-(-max_len // block_size),
-                                enable_prefix_caching=prefix_caching)
+                                enable_prefix_caching=prefix_caching,
+                                eviction_policy=eviction_policy)
     return Engine(config, params, cache, max_num_batched_tokens=max_num_batched_tokens,
+                  scheduling_policy=scheduling_policy,
                   preemption_mode=preemption_mode, attention_backend="reference",
                   max_beam_width=max_beam_width, model_apply=standin.apply,
                   shape_buckets=False, decode_shape=True)

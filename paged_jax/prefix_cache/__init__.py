@@ -1,12 +1,13 @@
-"""Automatic prefix caching: chained block hashes, exact lookup, LRU eviction.
+"""Automatic prefix caching: chained block hashes, exact lookup, eviction by policy
+(LRU by default; `paged_jax.eviction_policy`).
 
 Pure, jittable ops over `block_manager.BlockState`; the engine runs them inside
 its one jitted step. Modules (imports run one way: step -> evict, core -> state):
 
   state  PrefixCacheState, init, and the chex shape / dtype checks every op runs first
   core   hashing, lookup / attach, register, fork_chain, counters
-  evict  LRU ring: release, free, uncache, ensure_free, reset (and the
-         O(num_blocks) reference order `lru_victims` the tests compare with)
+  evict  release, free, uncache, ensure_free, reset: the LRU ring, `policy_victims`
+         for other policies (and the O(num_blocks) reference order `lru_victims`)
   salt   salt_key: a request's cache salt as the root of its hash chain
   step   the engine-step pieces: free, attach, evict_for, after (PrefixStepState)
 
@@ -17,13 +18,13 @@ its one jitted step. Modules (imports run one way: step -> evict, core -> state)
 
 from paged_jax.prefix_cache.core import (attach, chain_hash, fork_chain, hit_rate, lookup,
                                          num_cached_blocks, num_evictable, register)
-from paged_jax.prefix_cache.evict import (ensure_free, free, lru_victims, release, reset,
-                                          touch, uncache)
+from paged_jax.prefix_cache.evict import (ensure_free, free, lru_victims, policy_victims,
+                                          release, reset, touch, uncache)
 from paged_jax.prefix_cache.state import (HASH_MODES, ROOT_HASH, PrefixCacheState,
                                           check_states, init)
 from paged_jax.prefix_cache.salt import salt_key
 
 __all__ = ["HASH_MODES", "ROOT_HASH", "PrefixCacheState", "attach", "chain_hash",
            "check_states", "ensure_free", "fork_chain", "free", "hit_rate", "init", "lookup",
-           "lru_victims", "num_cached_blocks", "num_evictable", "register", "release", "reset",
-           "salt_key", "touch", "uncache"]
+           "lru_victims", "num_cached_blocks", "num_evictable", "policy_victims", "register",
+           "release", "reset", "salt_key", "touch", "uncache"]

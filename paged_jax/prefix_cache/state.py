@@ -79,6 +79,8 @@ class PrefixCacheState:
       entry is live while the block is cached, unheld and unused since.
     lru_head, lru_tail: i32[], ring counters (index = counter & (R - 1)).
     block_size, max_probe, hash_mode: static.
+    eviction_policy: static, a name in `paged_jax.eviction_policy.EVICTION_POLICIES`
+      (`CacheConfig.eviction_policy`); only "lru" uses the ring.
   """
   block_meta: jax.Array
   table: jax.Array
@@ -94,6 +96,7 @@ class PrefixCacheState:
   block_size: int = flax.struct.field(pytree_node=False)
   max_probe: int = flax.struct.field(pytree_node=False)
   hash_mode: str = flax.struct.field(pytree_node=False)
+  eviction_policy: str = flax.struct.field(pytree_node=False, default="lru")
 
   @property
   def num_blocks(self) -> int:
@@ -164,7 +167,8 @@ def init(cache_config: CacheConfig, *, max_probe: int = 16, table_factor: int = 
       block_meta=jnp.asarray(meta), table=jnp.full((h,), -1, _I32), chain=empty_chain(s),
       clock=z(), hit_blocks=z(), query_blocks=z(), evictions=z(),
       lru_ring=jnp.full((ring,), -1, _I32), lru_stamp=z(ring), lru_head=z(), lru_tail=z(),
-      block_size=bs, max_probe=max_probe, hash_mode=hash_mode)
+      block_size=bs, max_probe=max_probe, hash_mode=hash_mode,
+      eviction_policy=cache_config.eviction_policy)
 
 
 _COUNTERS = ("clock", "hit_blocks", "query_blocks", "evictions", "lru_head", "lru_tail")

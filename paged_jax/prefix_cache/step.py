@@ -179,7 +179,8 @@ def skip_hits(inputs, hits):
 
 def evict_for(ps: PrefixStepState, blocks: bm.BlockState, inputs, *, num_decode_steps: int,
               max_evict: int) -> Tuple[PrefixStepState, bm.BlockState]:
-  """Evicts LRU cache-only blocks until the step's worst-case need is free."""
+  """Evicts cache-only blocks (in the cache's eviction-policy order) until the step's
+  worst-case need is free."""
   need = step_block_need(blocks, inputs, num_decode_steps)
   cache, blocks, _ = evict.ensure_free(ps.cache, blocks, need, max_evict=max_evict)
   return ps.replace(cache=cache), blocks
