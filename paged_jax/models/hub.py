@@ -29,7 +29,8 @@ def resolve_checkpoint(name: str) -> str:
   if os.path.isdir(name):
     return name
   if name.count("/") != 1 or name.startswith(("/", ".", "~")):
-    raise ValueError(f"checkpoint {name!r} is not a directory, nor a hub id 'org/model'")
+    raise ValueError(f"checkpoint directory {name!r} does not exist (nor is it a hub id "
+                     f"'org/model')")
   import huggingface_hub  # pylint: disable=g-import-not-at-top
   try:
     return huggingface_hub.snapshot_download(repo_id=name, allow_patterns=list(CHECKPOINT_FILES))
