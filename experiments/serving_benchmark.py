@@ -282,10 +282,10 @@ def over_http(f: Config, result: Dict) -> Dict:
   """paged's streams again through an OpenAI-compatible server (`--endpoint`), side by
   side with the in-process run: {"endpoint", "server_flags" (auto), "systems":
   {"paged_http": curve}, "http_cost_s_per_request": per rate, HTTP mean latency minus
-  in-process, "http_cost_mean_s"}. The server compiles its step shapes on first use
-  where the in-process engine compiled every reachable one before serving
-  (`engines.warm_up`), so each stream is first sent once untimed: the timed pass then
-  meets the shapes it reaches already compiled."""
+  in-process, "http_cost_mean_s"}. The in-process engine compiles every reachable step
+  shape before serving (`engines.warm_up`); the auto server does the same at start-up
+  (`--warm_up=greedy`), and each stream is also sent once untimed first (a server you
+  started may not have warmed up)."""
   d, sizes = deployment(f), result["sizes"]["paged"]
   rates = sorted(f.rates)
   num_total = max(arrivals.arrival_times(r, f.duration_s, f.seed).size for r in rates)
@@ -295,7 +295,7 @@ def over_http(f: Config, result: Dict) -> Dict:
                   f"--num_blocks={sizes['pool_tokens'] // f.block_size}",
                   f"--max_model_len={d['max_len']}",
                   f"--max_num_batched_tokens={d['scale'].max_num_batched_tokens}",
-                  f"--enable_prefix_caching={f.prefix_caching}"]
+                  f"--enable_prefix_caching={f.prefix_caching}", "--warm_up=greedy"]
   proc, url = (http_load.start_server(server_flags) if f.endpoint == "auto"
                else (None, f.endpoint.rstrip("/")))
   try:

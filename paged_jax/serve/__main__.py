@@ -39,6 +39,10 @@ flags.DEFINE_string("dtype", "float32", "parameter / KV dtype")
 flags.DEFINE_string("attention_backend", "auto", "the engine's attention backend")
 flags.DEFINE_integer("seed", 0, "seeds the sampling seeds of requests that give none")
 flags.DEFINE_bool("enable_prefix_caching", True, "automatic prefix caching (as vLLM v1)")
+flags.DEFINE_enum("warm_up", "none", ["none", "greedy", "all"], "compile every step shape "
+                  "a request can reach before serving (greedy: those of greedy n = 1 "
+                  "requests; all: any request); none: shapes compile on first use, seconds "
+                  "each")
 flags.DEFINE_float("drain_s", 30.0, "seconds SIGTERM lets running requests finish",
                    lower_bound=0)
 
@@ -57,6 +61,7 @@ class ServerConfig:
   attention_backend: str = "auto"
   seed: int = 0
   enable_prefix_caching: bool = True
+  warm_up: str = "none"
   drain_s: float = 30.0
 
 
@@ -81,6 +86,14 @@ def build_app_from_config(c: ServerConfig):
   engine = Engine(model_config, params, cache_config,
                   max_num_batched_tokens=c.max_num_batched_tokens,
                   attention_backend=c.attention_backend)
+  if c.warm_up != "none":   # every shape a request reaches (all: up to n = 16 samples)
+    from paged_jax.engine import reachable_buckets  # pylint: disable=g-import-not-at-top
+    shapes = reachable_buckets(engine.buckets, max_rows=cache_config.max_seqs,
+                               max_len=engine.max_model_len,
+                               lanes_per_row=16 if c.warm_up == "all" else 1)
+    done = engine.compile_buckets(shapes, all_greedy=(True,) if c.warm_up == "greedy" else
+                                  (False, True))
+    logging.info("warm-up: %s", done)
   runner = EngineRunner(engine, tok.decode)
   name = c.served_model_name or (c.checkpoint or os.path.basename(directory.rstrip("/")))
   return app_lib.build_app(
