@@ -31,6 +31,8 @@ import contextlib
 import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from paged_jax.bench import latency
 from paged_jax.bench import sweep
 from paged_jax.bench.scale import HarnessScale
@@ -86,6 +88,44 @@ def bracket_and_bisect(measure: Callable[[float], float], start: float, slo: flo
     else:
       hi = mid
   return sorted(seen.items())
+
+
+def find_saturation(measure: Callable[[float], float], start: float, slo: float, *,
+                    step: float = 1.5, rel_tol: float = 0.05, max_rates: int = 8,
+                    repeats: int = 3) -> Dict:
+  """The highest rate whose latency stays within `slo`, found on a noisy clock.
+
+  `bracket_and_bisect`'s walk (up by x `step` while under the SLO, down while over, then
+  bisection until hi / lo <= 1 + rel_tol, at most `max_rates` rates), with every rate
+  judged by the median of `repeats` measurements: on a shared machine's wall clock a
+  single point near the crossing lands on either side of the SLO.
+
+  Returns {"max_rate": the highest rate judged within the SLO (None if none was),
+  "bound": the lowest rate above it judged over the SLO (None if none was), "censored":
+  None when the crossing was bracketed, "above" when no rate tried was over the SLO (the
+  max rate is at least "max_rate"), "below" when every rate tried was (it is below
+  "bound"), "monotone": False when a rate below "max_rate" was judged over the SLO,
+  "judged": [(rate, median latency)] ascending, "measurements": [(rate, latency)] in the
+  order taken}. A censored result has no error to report: never score it as 0%."""
+  if repeats < 1:
+    raise ValueError(f"repeats must be >= 1, got {repeats}")
+  taken: List[Tuple[float, float]] = []
+
+  def judged(rate: float) -> float:
+    vals = [float(measure(rate)) for _ in range(repeats)]
+    taken.extend((rate, v) for v in vals)
+    return float(np.median(vals))
+
+  pts = bracket_and_bisect(judged, start, slo, step=step, rel_tol=rel_tol,
+                           max_points=max_rates)
+  within = [r for r, lat in pts if lat <= slo]
+  lo = max(within) if within else None
+  hi = min((r for r, lat in pts if lat > slo and (lo is None or r > lo)), default=None)
+  return {"max_rate": lo, "bound": hi,
+          "censored": None if lo is not None and hi is not None else
+                      ("above" if hi is None else "below"),
+          "monotone": lo is None or all(lat <= slo for r, lat in pts if r < lo),
+          "judged": pts, "measurements": taken}
 
 
 def search_systems(systems: Sequence[str], run: Callable[[str, float, int], Dict], *,

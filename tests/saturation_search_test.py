@@ -1,0 +1,65 @@
+"""rate_search.find_saturation on fake clocks whose saturation is known.
+
+The fake clock is a queue's latency curve: flat under the true saturation rate, steep
+above it, with seeded multiplicative noise. The search must land within its tolerance
+of the known crossing, judge by medians (one noisy point must not move it), and report a
+crossing it never bracketed as censored, with the bound it has, never as a rate."""
+
+import numpy as np
+import pytest
+
+from paged_jax.bench.rate_search import find_saturation
+
+SLO = 1.0
+
+
+def queue_clock(saturation: float, noise: float = 0.0, seed: int = 0):
+  rng = np.random.default_rng(seed)
+
+  def measure(rate: float) -> float:
+    base = 0.5 if rate <= saturation else 0.5 + 4.0 * (rate / saturation - 1.0) + 0.6
+    return base * float(np.exp(rng.normal(0.0, noise))) if noise else base
+  return measure
+
+
+@pytest.mark.parametrize("saturation,start", [(37.0, 8.0), (12.0, 40.0), (5.3, 5.3)])
+def test_finds_the_known_crossing_within_tolerance(saturation, start):
+  res = find_saturation(queue_clock(saturation), start, SLO, rel_tol=0.05, max_rates=12,
+                        repeats=1)
+  assert res["censored"] is None and res["monotone"]
+  assert res["max_rate"] <= saturation < res["bound"]
+  assert res["bound"] / res["max_rate"] <= 1.05 + 1e-9
+
+
+def test_medians_keep_a_noisy_clock_on_the_right_side():
+  wrong_single, wrong_median = 0, 0
+  for seed in range(20):
+    for repeats in (1, 5):
+      res = find_saturation(queue_clock(20.0, noise=0.5, seed=seed), 8.0, SLO,
+                            rel_tol=0.1, max_rates=10, repeats=repeats)
+      miss = res["max_rate"] is None or abs(res["max_rate"] / 20.0 - 1) > 0.25
+      if repeats == 1:
+        wrong_single += miss
+      else:
+        wrong_median += miss
+        assert len(res["measurements"]) == 5 * len(res["judged"])
+  assert wrong_median < wrong_single
+
+
+def test_never_saturating_is_censored_above_with_its_bound():
+  res = find_saturation(lambda r: 0.1, 4.0, SLO, max_rates=5, repeats=2)
+  assert res["censored"] == "above" and res["bound"] is None
+  assert res["max_rate"] == pytest.approx(4.0 * 1.5 ** 4)
+
+
+def test_always_over_is_censored_below():
+  res = find_saturation(lambda r: 9.0, 4.0, SLO, max_rates=4, repeats=1)
+  assert res["censored"] == "below" and res["max_rate"] is None
+  assert res["bound"] == pytest.approx(4.0 / 1.5 ** 3)
+
+
+def test_bad_arguments_are_one_line_errors():
+  with pytest.raises(ValueError, match="repeats"):
+    find_saturation(lambda r: 0.0, 1.0, SLO, repeats=0)
+  with pytest.raises(ValueError, match="start rate"):
+    find_saturation(lambda r: 0.0, 0.0, SLO)
