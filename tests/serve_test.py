@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -40,14 +41,17 @@ def _free_port() -> int:
 def _start(extra=()):
   port = _free_port()
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  # The log goes to a file: an unread pipe fills up and would block the server.
+  log = tempfile.TemporaryFile("w+")
   proc = subprocess.Popen([sys.executable, "-m", "paged_jax.serve", f"--port={port}", *ARGS,
-                           *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+                           *extra], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                          text=True)
   url = f"http://127.0.0.1:{port}"
   deadline = time.monotonic() + 300
   while time.monotonic() < deadline:
     if proc.poll() is not None:
-      raise RuntimeError(f"server exited {proc.returncode}: {proc.stdout.read()[-2000:]}")
+      log.seek(0)
+      raise RuntimeError(f"server exited {proc.returncode}: {log.read()[-2000:]}")
     try:
       with urllib.request.urlopen(url + "/health", timeout=2) as r:
         if r.status == 200:

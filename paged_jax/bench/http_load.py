@@ -15,6 +15,7 @@ import json
 import logging
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from typing import Dict, Optional, Sequence
@@ -73,19 +74,26 @@ def serve_http(url: str, requests: Sequence, *, model: Optional[str] = None,
 
 def start_server(flags: Sequence[str], *, timeout_s: float = 600.0):
   """`python -m paged_jax.serve` on a free loopback port with `flags`; returns
-  (process, url) once /health answers. The caller terminates the process."""
+  (process, url) once /health answers (its log: the file `process.log_path`). The
+  caller terminates the process."""
   import socket  # pylint: disable=g-import-not-at-top
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
+  # The server's log goes to a file: a pipe nobody reads fills up (64 KiB of per-request
+  # access lines) and then blocks the server mid-run.
+  log = tempfile.NamedTemporaryFile("w+b", prefix="paged_jax_serve_", suffix=".log",
+                                    delete=False)
   proc = subprocess.Popen([sys.executable, "-m", "paged_jax.serve", f"--port={port}",
-                           *flags], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                           *flags], stdout=log, stderr=subprocess.STDOUT)
+  proc.log_path = log.name
   url = f"http://127.0.0.1:{port}"
   deadline = time.monotonic() + timeout_s
   while time.monotonic() < deadline:
     if proc.poll() is not None:
-      raise RuntimeError(f"the server exited {proc.returncode}: "
-                         f"{proc.stderr.read().decode()[-1500:]}")
+      with open(log.name, "rb") as f:
+        raise RuntimeError(f"the server exited {proc.returncode}: "
+                           f"{f.read()[-1500:].decode(errors='replace')}")
     try:
       with urllib.request.urlopen(url + "/health", timeout=2):
         return proc, url
