@@ -153,25 +153,21 @@ def build_app(runner: EngineRunner, *, model_name: str, encode: Callable, decode
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
       raise protocol.RequestError("the body is not valid JSON") from None
 
-  async def completions(request: Request) -> Response:
-    try:
-      body = await body_of(request)
-      reqs = protocol.completion_requests(body, encode=encode, vocab_size=vocab_size,
-                                          seed=seeds.randrange(2**31 - 4097), **limits)
-    except protocol.RequestError as e:
-      return error(400, e.message, e.param)
-    return await run(request, reqs, chat=False)
+  def route(parse, chat: bool):
+    """A POST route: the body parsed into engine requests (a 400 on any RequestError),
+    then run."""
+    async def handle(request: Request) -> Response:
+      try:
+        reqs = parse(await body_of(request), seed=seeds.randrange(2**31 - 4097))
+      except protocol.RequestError as e:
+        return error(400, e.message, e.param)
+      return await run(request, reqs, chat=chat)
+    return handle
 
-  async def chat_completions(request: Request) -> Response:
-    try:
-      body = await body_of(request)
-      req = protocol.chat_request(body, render=render_chat, encode=encode,
-                                  seed=seeds.randrange(2**31 - 4097), **limits)
-    except protocol.RequestError as e:
-      return error(400, e.message, e.param)
-    except ValueError as e:   # the chat template refused the messages
-      return error(400, str(e), "messages")
-    return await run(request, [req], chat=True)
+  completions = route(lambda body, seed: protocol.completion_requests(
+      body, encode=encode, vocab_size=vocab_size, seed=seed, **limits), chat=False)
+  chat_completions = route(lambda body, seed: [protocol.chat_request(
+      body, render=render_chat, encode=encode, seed=seed, **limits)], chat=True)
 
   async def models(_: Request) -> Response:
     return JSONResponse({"object": "list", "data": [

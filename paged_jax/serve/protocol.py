@@ -206,7 +206,10 @@ def chat_request(body, *, render, encode, max_model_len, stop_ids, seed) -> Engi
                            "messages")
       m = dict(m, content="".join(p.get("text", "") for p in m["content"]))
       msgs[i] = m
-  ids = encode(render(msgs))
+  try:
+    ids = encode(render(msgs))
+  except ValueError as e:   # the chat template refused the messages (raise_exception)
+    raise RequestError(str(e), "messages") from None
   stream = _get(body, "stream", (bool,), False)
   usage = bool((_get(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
   sp = sampling_params(body, prompt_len=len(ids), max_model_len=max_model_len,
