@@ -17,7 +17,7 @@ from paged_jax.config import CacheConfig
 from paged_jax.eviction_policy import EVICTION_POLICIES
 from prefix_cache_support import BS, NB, P, S, Driver, j_ensure, j_free
 
-import prefix_cache_engine_test as pe
+import prefix_engine_support as pe
 
 POLICIES = tuple(EVICTION_POLICIES)
 

@@ -127,3 +127,18 @@ def test_module_skipped_for_missing_optional_dependency_passes(tmp_path):
   code, out = _run(tmp_path, MODULE_SKIP)
   assert code == 0, out
   assert "skipped itself" in out and "ran without" not in out
+
+
+def test_no_test_file_imports_another():
+  # Bazel gives each tests/<name>_test.py a target of its own whose deps are the helper
+  # modules only (tests/BUILD), so `import other_test` passes under `make test` and fails
+  # to collect under Bazel. Shared helpers belong in a non-test module of tests/.
+  import ast
+  tests_dir = pathlib.Path(__file__).resolve().parent.parent / "tests"
+  offenders = []
+  for path in sorted(tests_dir.glob("*_test.py")):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+               [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+      offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0].endswith("_test")]
+  assert not offenders, offenders
