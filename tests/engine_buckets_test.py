@@ -59,7 +59,7 @@ def test_unbucketed_decode_shape_picks_the_decode_shape_for_decode_only_steps(de
     assert b.pick(rows, rows, max_len, True) == (decode if decode_shape else mixed)
   assert b.pick(3, 3, 7, True, all_greedy=True).all_greedy
   assert reachable_buckets(b, max_rows=12, max_len=24) == [mixed] + [decode] * decode_shape
-  assert b.max_variants == 2 * (1 + decode_shape)          # x sampling / all-greedy
+  assert b.max_variants == 2 * 2 * (1 + decode_shape)   # x sampling / all-greedy x logprobs
   # Bucketed engines always have their decode buckets: the option changes nothing.
   kw = dict(max_seqs=12, max_num_batched_tokens=40, max_blocks_per_seq=6, block_size=4,
             decode_steps=1)

@@ -144,6 +144,75 @@ def test_logprobs_are_the_engines(client):
   assert len(streamed) == whole.usage.completion_tokens
 
 
+@pytest.fixture(scope="module")
+def dense_logprobs():
+  """ids -> f64[len(ids), vocab]: every position's next-token log-probabilities by the
+  dense, cache-free forward (the oracle)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from paged_jax.models import dense  # pylint: disable=g-import-not-at-top
+  config, params = load_hf_checkpoint(DEFAULT_CHECKPOINT)
+
+  def logprobs(ids):
+    logits = np.asarray(dense.forward(params, config, np.asarray(ids, np.int32)), np.float64)
+    m = logits.max(axis=-1, keepdims=True)
+    return logits - m - np.log(np.exp(logits - m).sum(axis=-1, keepdims=True))
+  return logprobs
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, dense_logprobs):
+  """lm-evaluation-harness's loglikelihood request (local-completions): echo, logprobs=1,
+  max_tokens=1, temperature 0. Every prompt token after the first gets log p(token |
+  before) and its best alternative, equal to the dense oracle's; the first has none."""
+  prompt = "The little dog ran"
+  ids = tokenizer.encode(prompt)
+  r = client.completions.create(model="m", prompt=prompt, max_tokens=1, temperature=0,
+                                echo=True, logprobs=1)
+  lp = r.choices[0].logprobs
+  ref = dense_logprobs(ids + [0])
+  assert r.choices[0].text.startswith(prompt)
+  assert lp.tokens[:len(ids)] == [tokenizer.decode([i]) for i in ids]
+  assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+  assert lp.token_logprobs[1:len(ids)] == pytest.approx(
+      [ref[i - 1, ids[i]] for i in range(1, len(ids))], abs=1e-4)
+  for i in range(1, len(ids)):   # the best alternative (and the prompt token itself)
+    best = tokenizer.decode([int(ref[i - 1].argmax())])
+    assert lp.top_logprobs[i][best] == pytest.approx(ref[i - 1].max(), abs=1e-4)
+    assert lp.top_logprobs[i][lp.tokens[i]] == pytest.approx(lp.token_logprobs[i])
+  assert len(lp.tokens) == len(ids) + r.usage.completion_tokens
+  assert lp.text_offset[:len(ids)] == [len(tokenizer.decode(ids[:k])) for k in range(len(ids))]
+
+
+def test_top_alternatives_of_generated_tokens(client, dense_logprobs):
+  """completions logprobs=3 and chat top_logprobs=2: each generated token's best
+  alternatives are the dense oracle's, streamed or not."""
+  prompt = PROMPTS[1]
+  r = client.completions.create(model="m", prompt=prompt, max_tokens=5, temperature=0,
+                                logprobs=3)
+  lp = r.choices[0].logprobs
+  ids = tokenizer.encode(prompt)
+  out = [tokenizer.encode(t)[-1] for t in lp.tokens]   # [BOS, byte] each
+  ref = dense_logprobs(ids + out)
+  for k, top in enumerate(lp.top_logprobs):
+    row = ref[len(ids) + k - 1]
+    want = {tokenizer.decode([int(i)]): row[i] for i in row.argsort()[::-1][:3]}
+    assert set(want) <= set(top) and len(top) <= 4
+    assert [top[t] for t in want] == pytest.approx(list(want.values()), abs=1e-4)
+  msgs = [{"role": "user", "content": "Hi"}]
+  whole = client.chat.completions.create(model="m", messages=msgs, max_tokens=4, temperature=0,
+                                         logprobs=True, top_logprobs=2)
+  chunks = list(client.chat.completions.create(model="m", messages=msgs, max_tokens=4,
+                                               temperature=0, logprobs=True, top_logprobs=2,
+                                               stream=True))
+  streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs
+              for c in ch.choices[0].logprobs.content]
+  content = whole.choices[0].logprobs.content
+  assert [[a.logprob for a in c.top_logprobs] for c in streamed] == [
+      [a.logprob for a in c.top_logprobs] for c in content]
+  for c in content:   # best first, the sampled (greedy) token the best
+    assert len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+    assert c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-5)
+
+
 def test_stream_concatenates_to_the_whole_answer(client, reference):
   chunks = list(client.completions.create(model="m", prompt=PROMPTS[1], max_tokens=24,
                                           temperature=0, stream=True))
@@ -189,8 +258,8 @@ def test_sixteen_concurrent_requests_all_answer_as_alone(client, reference):
     ({"prompt": []}, "prompt"),
     ({"prompt": "x", "temperature": -1}, "temperature"),
     ({"prompt": "x", "n": 0}, "n"),
-    ({"prompt": "x", "logprobs": 2}, "logprobs"),
-    ({"prompt": "x", "logprobs": 0, "echo": True}, "echo"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": "x", "seed": -2}, "seed"),

@@ -42,6 +42,9 @@ class Bucket(NamedTuple):
     prefix_admit_only: with prefix caching, a mixed step that admits prompts but frees,
       forks and swaps nothing: it keeps the lookup, leaves out the first release and the
       fork copies; always False without caching, with `prefix_light` or decode_only.
+    logprobs: a running request asks for top alternatives, or a chunk scores its prompt
+      (`SamplingParams.logprobs` / `prompt_logprobs`): the step computes every token's
+      logits and reports the best `MAX_LOGPROBS` per token (`StepOutputs`).
   """
   tokens: int
   rows: int
@@ -50,6 +53,7 @@ class Bucket(NamedTuple):
   all_greedy: bool = False
   prefix_light: bool = False
   prefix_admit_only: bool = False
+  logprobs: bool = False
 
   @property
   def step_kw(self) -> dict:
@@ -61,6 +65,8 @@ class Bucket(NamedTuple):
       kw["prefix_light"] = True
     if self.prefix_admit_only:
       kw["prefix_admit_only"] = True
+    if self.logprobs:
+      kw["logprobs"] = True
     return kw
 
 
@@ -126,10 +132,10 @@ class StepBuckets:
   def max_variants(self) -> int:
     """Upper bound on distinct compiled steps: mixed (T, R, W) + decode-only (R, W),
     each with sampling or all-greedy (and, with prefix caching, full or light, and for
-    mixed shapes admit-only too)."""
+    mixed shapes admit-only too), each with or without `logprobs`."""
     p = int(self.prefix_caching)
     return ((len(self.tokens) * (1 + 2 * p) + self.decode_shapes * (1 + p)) * len(self.rows)
-            * len(self.widths) * 2)
+            * len(self.widths) * 2 * 2)
 
   def mixed_tokens(self, num_tokens: int) -> int:
     """T of a mixed step planning `num_tokens` new tokens (its padded token bucket)."""
@@ -137,7 +143,7 @@ class StepBuckets:
 
   def pick(self, num_tokens: int, num_rows: int, max_len: int, decode_only: bool,
            all_greedy: bool = False, prefix_light: bool = False,
-           prefix_admit_only: bool = False) -> Bucket:
+           prefix_admit_only: bool = False, logprobs: bool = False) -> Bucket:
     """The Bucket for a step with `num_tokens` new tokens, `num_rows` rows / sampled
     slots, and `max_len` tokens in its longest row after the step (`prefix_light`,
     `prefix_admit_only`: kept only with prefix caching; admit-only only on a mixed
@@ -150,7 +156,8 @@ class StepBuckets:
     tokens = rows if decode_only else self.mixed_tokens(num_tokens)
     light = bool(prefix_light) and self.prefix_caching
     admit_only = bool(prefix_admit_only) and self.prefix_caching and not (light or decode_only)
-    return Bucket(tokens, rows, width, decode_only, bool(all_greedy), light, admit_only)
+    return Bucket(tokens, rows, width, decode_only, bool(all_greedy), light, admit_only,
+                  bool(logprobs))
 
 
 def step_buckets(cache_config: CacheConfig, max_num_batched_tokens: int,

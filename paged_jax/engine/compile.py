@@ -80,10 +80,8 @@ class CompiledStep:
       return False
     self.seen.add(bucket)
     log.info("paged_jax engine: compiling step shape tokens=%d rows=%d width=%d blocks "
-             "decode_only=%s all_greedy=%s prefix_light=%s prefix_admit_only=%s (%d shapes "
-             "so far, at most %d)",
-             *bucket,
-             len(self.seen), buckets.max_variants)
+             "decode_only=%s all_greedy=%s prefix_light=%s prefix_admit_only=%s logprobs=%s "
+             "(%d shapes so far, at most %d)", *bucket, len(self.seen), buckets.max_variants)
     return True
 
   def forget(self) -> None:
@@ -125,8 +123,8 @@ class CompiledStep:
       self.seen.add(bucket)
       compiled += 1
       log.info("paged_jax engine: compiled step shape tokens=%d rows=%d width=%d blocks "
-               "decode_only=%s all_greedy=%s prefix_light=%s prefix_admit_only=%s ahead of "
-               "time in %.2f s (%d of %d)", *bucket,
+               "decode_only=%s all_greedy=%s prefix_light=%s prefix_admit_only=%s logprobs=%s "
+               "ahead of time in %.2f s (%d of %d)", *bucket,
                time.perf_counter() - t1, compiled + already, len(shapes))
     seconds = time.perf_counter() - t0
     log.info("paged_jax engine: %d step shapes compiled ahead of time (%d already) in %.1f s",
@@ -136,7 +134,8 @@ class CompiledStep:
 
 class StepCall:
   """An engine's step call: `(params, state, inputs, *, width=None, decode_only=False,
-  all_greedy=False, prefix_light=False, prefix_admit_only=False) -> (state, outputs)`, as
+  all_greedy=False, prefix_light=False, prefix_admit_only=False, logprobs=False) ->
+  (state, outputs)`, as
   the jitted step takes it, run by the bucket's own jit (`CompiledStep.executable`) with
   numpy inputs sent as one buffer and `outputs` a `packing.Packed` StepOutputs
   (`packing.fetch` brings it to the host in one transfer; its fields read as the
@@ -147,10 +146,11 @@ class StepCall:
     self.compiled, self.signature = compiled, signature
 
   def __call__(self, params, state, inputs: StepInputs, *, width=None, decode_only=False,
-               all_greedy=False, prefix_light=False, prefix_admit_only=False):
+               all_greedy=False, prefix_light=False, prefix_admit_only=False, logprobs=False):
     caching = state.prefix is not None
     bucket = Bucket(inputs.tokens.shape[0], inputs.row_slot.shape[0], width, decode_only,
-                    all_greedy, prefix_light and caching, prefix_admit_only and caching)
+                    all_greedy, prefix_light and caching, prefix_admit_only and caching,
+                    logprobs)
     return self.compiled.executable(self.signature, bucket)(params, state,
                                                             pack_inputs(inputs))
 

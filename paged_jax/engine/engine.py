@@ -43,7 +43,7 @@ from paged_jax.engine.options import EngineOptions
 from paged_jax.engine.params import RequestOutput, SamplingParams
 from paged_jax.engine.requests import prepare_group
 from paged_jax.engine.commit import sigint_deferred
-from paged_jax.engine.scheduler import Scheduler
+from paged_jax.engine.scheduler import Scheduler, request_output
 from paged_jax.engine.sequence import Batch, DeviceCounts, Group
 from paged_jax.engine.packing import fetch
 from paged_jax.engine.step import EngineState, init_state as default_init_state
@@ -204,19 +204,20 @@ class Engine:
     self._run(batch, report=False)
     return self._outbox.pop(request_id)
 
-  def partial_outputs(self, request_id: Any) -> Optional[Tuple[List[List[int]],
-                                                                 List[List[float]]]]:
-    """(ids, logprobs) generated so far by each sample of a queued or running request
-    (index order), as of the last step applied; None once it finished (its output is in
-    `step()`'s) or for an unknown id. Beam hypotheses change until the end: beams give
-    empty lists until then. For streaming: read between steps, no device work."""
+  def partial_outputs(self, request_id: Any) -> Optional[RequestOutput]:
+    """What a queued or running request has so far, as a RequestOutput (samples in index
+    order; a running sample's finish reason None), as of the last step applied; None
+    once it finished (its output is in `step()`'s) or for an unknown id. Beam hypotheses
+    change until the end: beams give empty outputs until then. For streaming: read
+    between steps, no device work."""
     group = self.scheduler.groups.get(request_id)
     if group is None:
       return None
     if group.params.beam_width > 1:
-      return [[] for _ in range(group.params.n)], [[] for _ in range(group.params.n)]
+      n = group.params.n
+      return RequestOutput(request_id, group.prompt, [[] for _ in range(n)], [None] * n)
     seqs = sorted(list(group.seqs) + list(group.finished), key=lambda q: q.index)
-    return [list(q.tokens[q.prompt_len:]) for q in seqs], [list(q.logprobs) for q in seqs]
+    return request_output(group, seqs)
 
   # ---- the step ------------------------------------------------------------------------
   def step(self) -> List[RequestOutput]:

@@ -29,6 +29,7 @@ def empty_inputs(num_tokens: int, max_seqs: int, lookup_len: int,
   r = max_seqs if num_rows is None else num_rows
   i32 = lambda n, v=0: np.full((n,), v, np.int32)
   return dict(tokens=i32(num_tokens), positions=i32(num_tokens), token_row=i32(num_tokens, -1),
+              target_tokens=i32(num_tokens, -1),
               row_slot=i32(r, -1), row_q_len=i32(r), free_slots=i32(s, -1), fork_src=i32(r, -1),
               fork_dst=i32(r, -1), alloc_tokens=i32(s), append_tokens=i32(s),
               sample_row=i32(s, -1), post_fork_src=i32(r, -1), post_fork_dst=i32(r, -1),
@@ -82,9 +83,16 @@ def build_inputs(batch: Batch, running: Seq[Group], *, buckets: StepBuckets, max
   # nothing either (`prefix_light`).
   quiet = not (batch.frees or batch.forks or batch.post_forks or batch.swapped_in
                or batch.swap_out)
+  owner = {q: g for g in running for q in g.seqs}
+  # The logprobs variant: a running request reports alternatives (the decode loop samples
+  # every running one), or a chunk scores prompt tokens.
+  scored = [ch for ch in chunks if owner[ch.seq].prompt_scores is not None
+            and ch.start < ch.seq.prompt_len - 1]
+  logprobs = bool(scored) or any(g.params.logprobs for g in running)
   bucket = buckets.pick(batch.num_tokens, max(len(chunks), num_sampled, len(batch.forks)),
                         max_len, all(ch.num_tokens == 1 for ch in chunks), all_greedy,
-                        quiet and not batch.attaches, quiet and bool(batch.attaches))
+                        quiet and not batch.attaches, quiet and bool(batch.attaches),
+                        logprobs)
   a = empty_inputs(bucket.tokens, max_seqs, lookup_len, num_rows=bucket.rows)
 
   def sampling_row(seq: Sequence, group: Group, row: int):
@@ -99,13 +107,15 @@ def build_inputs(batch: Batch, running: Seq[Group], *, buckets: StepBuckets, max
     a["stop_ids"][slot, :len(sp.stop_token_ids)] = sp.stop_token_ids
     a["multi_step"][slot] = sp.beam_width == 1
 
-  owner = {q: g for g in running for q in g.seqs}
-  t, leader_row = 0, {}
+  t, leader_row, scored = 0, {}, {id(ch) for ch in scored}
   for r, ch in enumerate(chunks):
     seq, n = ch.seq, ch.num_tokens
     a["tokens"][t:t + n] = seq.tokens[ch.start:ch.end]
     a["positions"][t:t + n] = np.arange(ch.start, ch.end)
     a["token_row"][t:t + n] = r
+    if id(ch) in scored:   # position p scores prompt token p + 1
+      stop = min(ch.end, seq.prompt_len - 1)
+      a["target_tokens"][t:t + stop - ch.start] = seq.tokens[ch.start + 1:stop + 1]
     a["row_slot"][r], a["row_q_len"][r] = ch.slot, n
     (a["alloc_tokens"] if ch.allocate else a["append_tokens"])[ch.slot] = n
     leader_row[seq] = r

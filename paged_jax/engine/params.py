@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
@@ -15,6 +15,7 @@ MAX_SEQS = 2**20             # CacheConfig's largest max_seqs
 MAX_SEED = 2**31 - 1 - 4096  # sample j draws from seed + j (j < max_seqs in practice)
 MAX_TEMPERATURE = 1e4
 MAX_SALT_LEN = 1024
+MAX_LOGPROBS = 20            # top alternatives per token (OpenAI's chat `top_logprobs` bound)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,14 @@ class SamplingParams:
       non-empty str of at most 1024 characters: cached blocks are shared only among
       requests with the same salt (vLLM's `cache_salt`: one tenant cannot learn by
       timing what another's prompt began with).
+    logprobs: in [0, 20]: the top alternatives (id, log-prob) reported per generated
+      token besides the sampled token's own log-probability (always reported); not with
+      beam search.
+    prompt_logprobs: None, or in [0, 20]: report each prompt token's log-probability
+      given the tokens before it (the first has none) with that many top alternatives
+      (scoring, as lm-evaluation-harness's loglikelihood asks). The prompt is then
+      computed whole: it takes no prefix-cache hit (it still registers its blocks);
+      not with beam search.
   """
   max_tokens: int = 16
   temperature: float = 1.0
@@ -48,6 +57,8 @@ class SamplingParams:
   beam_width: int = 1
   stop_token_ids: tuple = ()
   cache_salt: Optional[str] = None
+  logprobs: int = 0
+  prompt_logprobs: Optional[int] = None
 
   def __post_init__(self):
     def need_int(name, lo, hi):
@@ -71,6 +82,9 @@ class SamplingParams:
     need_int("beam_width", 1, MAX_SEQS)
     need_int("top_k", -1, MAX_INT)
     need_int("seed", 0, MAX_SEED)
+    need_int("logprobs", 0, MAX_LOGPROBS)
+    if self.prompt_logprobs is not None:
+      need_int("prompt_logprobs", 0, MAX_LOGPROBS)
     need_float("temperature", 0, MAX_TEMPERATURE)
     need_float("top_p", 0, 1, lo_open=True)
     ids = self.stop_token_ids
@@ -93,6 +107,10 @@ class SamplingParams:
       if self.temperature != 0:
         raise ValueError(f"beam search (beam_width={self.beam_width}) needs temperature=0, "
                          f"got {self.temperature}")
+      if self.logprobs or self.prompt_logprobs is not None:
+        raise ValueError(f"logprobs / prompt_logprobs are not reported for beam search "
+                         f"(beam_width={self.beam_width}); use logprobs=0, "
+                         f"prompt_logprobs=None")
       if self.n > self.beam_width:
         raise ValueError(f"n must be in [1, beam_width={self.beam_width}], got {self.n}")
 
@@ -106,7 +124,14 @@ class SamplingParams:
 class RequestOutput:
   """A finished request. `outputs[j]` are the generated ids of sample j (or of the
   j-th best beam); `cumulative_logprobs` is set for beam search; `logprobs[j][i]` is
-  the log-probability of `outputs[j][i]` under the model (sampling, not beam search)."""
+  the log-probability of `outputs[j][i]` under the model (sampling, not beam search).
+
+  With `SamplingParams.logprobs = k > 0`, `top_logprobs[j][i]` is the k best
+  (id, log-prob) pairs at that position, best first. With `prompt_logprobs = k`,
+  `prompt_logprobs[i]` is log p(prompt[i] | prompt[:i]) (None for i = 0) and
+  `prompt_top_logprobs[i]` its k best (id, log-prob) pairs (None for i = 0).
+  Log-probabilities are under the model's raw distribution (no temperature or cuts).
+  """
   request_id: Any
   prompt_token_ids: List[int]
   outputs: List[List[int]]
@@ -114,6 +139,9 @@ class RequestOutput:
   cumulative_logprobs: Optional[List[float]] = None
   num_preemptions: int = 0
   logprobs: Optional[List[List[float]]] = None
+  top_logprobs: Optional[List[List[List[Tuple[int, float]]]]] = None
+  prompt_logprobs: Optional[List[Optional[float]]] = None
+  prompt_top_logprobs: Optional[List[Optional[List[Tuple[int, float]]]]] = None
 
 
 def check_prompt(prompt, vocab_size: int) -> List[int]:

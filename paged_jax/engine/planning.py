@@ -63,7 +63,12 @@ def carried(sched) -> Batch:
 
 def lookup_len(group: Group) -> int:
   """Prompt tokens a newly admitted leader looks up in the prefix cache (only the
-  prompt while children wait to fork at its end)."""
+  prompt while children wait to fork at its end). A request scoring its prompt
+  (`prompt_logprobs`) looks up one token, which never hits (a hit always leaves the
+  last looked-up token to compute): its whole prompt is computed, so every position gets
+  its log-probability; its blocks are still registered."""
+  if group.prompt_scores is not None:
+    return 1
   lead = group.leader
   waits = any(q.state is SeqState.FORKING for q in group.seqs[1:])
   return lead.prompt_len if waits else len(lead.tokens)

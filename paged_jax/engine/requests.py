@@ -51,6 +51,8 @@ def prepare_group(prompt, params, request_id: Any, *, vocab_size: int, cache_con
   seqs = [Sequence(seq_id=-1, index=j, sample_seed=params.seed + j, tokens=list(prompt),
                    prompt_len=p, state=SeqState.FORKING if j else SeqState.WAITING)
           for j in range(count)]
+  scores = None if params.prompt_logprobs is None else (None,) * p
   return Group(request_id=request_id, arrival=-1, params=params, prompt=list(prompt),
-               seqs=seqs, slots_needed=params.num_seqs, priority=int(priority))
+               seqs=seqs, slots_needed=params.num_seqs, priority=int(priority),
+               prompt_scores=scores)
 

@@ -112,7 +112,8 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
 
 
 def top_logprobs(logits: jax.Array, k: int):
-  """The k best log-probabilities of each row (beam search candidates).
+  """The k best log-probabilities of each row (beam search candidates, reported
+  alternatives).
 
   Args:
     logits: f32[S, V]; k: static, <= V.
@@ -121,5 +122,5 @@ def top_logprobs(logits: jax.Array, k: int):
     (f32[S, k] log-probs, descending; i32[S, k] token ids). Ties -> lower id first.
   """
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  values, ids = jax.lax.top_k(logp, k)
+  values, ids = jax.lax.top_k(logp, k)   # k static
   return values, ids.astype(jnp.int32)

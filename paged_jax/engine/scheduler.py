@@ -27,7 +27,9 @@ import bisect
 import collections
 import dataclasses
 import itertools
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
 
 from paged_jax.engine import beam
 from paged_jax.engine import block_needs
@@ -50,7 +52,17 @@ def request_output(group: Group, seqs: List[Sequence]) -> RequestOutput:
       finish_reasons=[q.finish_reason for q in seqs],
       cumulative_logprobs=[q.cum_logprob for q in seqs] if group.is_beam else None,
       num_preemptions=group.num_preemptions,
-      logprobs=None if group.is_beam else [list(q.logprobs) for q in seqs])
+      logprobs=None if group.is_beam else [list(q.logprobs) for q in seqs],
+      top_logprobs=[list(q.top_logprobs) for q in seqs] if group.params.logprobs else None,
+      **_prompt_fields(group.prompt_scores))
+
+
+def _prompt_fields(scores) -> Dict[str, Any]:
+  """RequestOutput's prompt_logprobs / prompt_top_logprobs from `Group.prompt_scores`."""
+  if scores is None:
+    return {}
+  return dict(prompt_logprobs=[None if x is None else x[0] for x in scores],
+              prompt_top_logprobs=[None if x is None else list(x[1]) for x in scores])
 
 
 def _insert(queue: List[Group], group: Group) -> None:
@@ -357,7 +369,27 @@ class _Update:
       sid = leader.seq_id if leader.prompt_len % bs else -1   # a shared partial block
       ch.set(child, state=SeqState.RUNNING, num_computed=leader.prompt_len, share_id=sid)
       ch.set(leader, share_id=sid)
+    self.take_prompt_scores()
     self.append_tokens()
+
+  def take_prompt_scores(self) -> None:
+    """Prompt tokens' log-probabilities the step computed (`prompt_logprobs`) into their
+    groups' `prompt_scores`, found by (slot, position): position p scores token p + 1."""
+    out = self.out
+    found = np.nonzero(out.prompt_pos >= 0)[0]
+    if not found.size:
+      return
+    seq_at = {c.slot: c.seq for c in self.b.chunks}
+    owner = self.owner()
+    new: Dict[int, Tuple[Group, list]] = {}
+    for t in found.tolist():
+      group = owner[seq_at[int(out.prompt_slot[t])]]
+      k = group.params.prompt_logprobs
+      scores = new.setdefault(id(group), (group, list(self.get(group, "prompt_scores"))))[1]
+      top = zip(out.prompt_top_ids[t, :k].tolist(), out.prompt_top_logprobs[t, :k].tolist())
+      scores[int(out.prompt_pos[t]) + 1] = (float(out.prompt_logprobs[t]), tuple(top))
+    for group, scores in new.values():
+      self.ch.set(group, prompt_scores=tuple(scores))
 
   def owner(self) -> Dict[Sequence, Group]:
     return {q: g for g in self.running for q in self.get(g, "seqs")}
@@ -393,6 +425,10 @@ class _Update:
       self.stats["generated_tokens"] += len(new)
       ch.extend(q.tokens, new)
       ch.extend(q.logprobs, logprobs[slot][:len(new)])
+      if sp.logprobs:
+        ids = out.top_ids[:len(new), slot, :sp.logprobs].tolist()
+        vals = out.top_logprobs[:len(new), slot, :sp.logprobs].tolist()
+        ch.extend(q.top_logprobs, [tuple(zip(i, v)) for i, v in zip(ids, vals)])
       ch.set(q, num_computed=nc)
       if reason:
         device_freed.append(slot)

@@ -68,6 +68,8 @@ class Sequence:
       the same share_id (copy-on-write on their next writes); -1 otherwise.
     cum_logprob: beam score.
     logprobs: per generated token, its log-probability under the model (not beams).
+    top_logprobs: per generated token, its position's best (id, log-prob) pairs
+      (`SamplingParams.logprobs` of them; empty tuples when 0).
     topk: beam search only: (log-probs, ids) of its next-token candidates, awaiting
       the group's selection (the step sampled it; its siblings may sample later).
     finish_reason: "stop", "length" or "abort" once finished.
@@ -84,6 +86,7 @@ class Sequence:
   cum_logprob: float = 0.0
   topk: Optional[Tuple[Any, Any]] = None
   logprobs: List[float] = dataclasses.field(default_factory=list)
+  top_logprobs: List[tuple] = dataclasses.field(default_factory=list)
   finish_reason: Optional[str] = None
 
   @property
@@ -112,6 +115,9 @@ class Group:
     slots: the slots it holds while running. status: its queue.
     num_preemptions: times it was preempted.
     swapped_kv: while SWAPPED, the host copy of its sequences' pages (`swap.SwappedKV`).
+    prompt_scores: with `SamplingParams.prompt_logprobs`, per prompt position i, None
+      until computed, then (log p(prompt[i] | prompt[:i]), best (id, log-prob) pairs);
+      position 0 stays None. None without.
   """
   request_id: Any
   arrival: int
@@ -126,6 +132,7 @@ class Group:
   status: GroupStatus = GroupStatus.WAITING
   num_preemptions: int = 0
   swapped_kv: Any = None
+  prompt_scores: Optional[tuple] = None
 
   @property
   def is_beam(self) -> bool:

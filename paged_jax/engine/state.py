@@ -59,7 +59,9 @@ def init_state(cache_config, *, scale_rows: bool = False, **prefix_kwargs) -> En
 class StepInputs:
   """One step's plan as fixed-shape arrays (T tokens, R rows, S slots).
 
-  Token level [T]: tokens, positions, token_row (row of each token, -1 = padding).
+  Token level [T]: tokens, positions, token_row (row of each token, -1 = padding),
+    target_tokens (the prompt token after this one, whose log-probability the step
+    reports when its `logprobs` variant runs; -1 = none).
   Row level [R] (the row bucket, >= the rows and >= the sampled slots): row_slot
     (slot of each attention row, -1 = padding; live rows first), row_q_len (new
     tokens of the row).
@@ -83,6 +85,7 @@ class StepInputs:
   tokens: jax.Array
   positions: jax.Array
   token_row: jax.Array
+  target_tokens: jax.Array
   row_slot: jax.Array
   row_q_len: jax.Array
   free_slots: jax.Array
@@ -125,7 +128,15 @@ class StepOutputs:
   cow_copies i32[]: copy-on-write block copies the step made (decode loop included);
   finished bool[S]: `multi_step` slots whose sequence finished (stop id, max_tokens) in
   this step, which the step freed (effect 9); sliding_free i32[]: free blocks of the
-  hybrid-KV sliding pool after the step (0 without hybrid KV)."""
+  hybrid-KV sliding pool after the step (0 without hybrid KV).
+
+  The step's `logprobs` variant also fills (L = MAX_LOGPROBS there, else 0; T' = T there,
+  else 0): top_logprobs f32[K, S, L] / top_ids i32[K, S, L], each sampled token's
+  position's best alternatives; prompt_logprobs f32[T'], the log-probability of each
+  token's `target_tokens` entry, with prompt_top_logprobs f32[T', L] / prompt_top_ids
+  i32[T', L] its position's best alternatives, and prompt_slot / prompt_pos i32[T'] the
+  slot and position of that token (-1 where no target): tokens move inside the step
+  (prefix hits are taken out), so the host finds them by slot and position."""
   ok: jax.Array
   status: jax.Array
   tokens: jax.Array
@@ -144,13 +155,20 @@ class StepOutputs:
   cow_copies: jax.Array
   finished: jax.Array
   sliding_free: jax.Array
+  top_logprobs: jax.Array
+  top_ids: jax.Array
+  prompt_logprobs: jax.Array
+  prompt_top_logprobs: jax.Array
+  prompt_top_ids: jax.Array
+  prompt_slot: jax.Array
+  prompt_pos: jax.Array
 
 
 def check_inputs(inp: StepInputs, max_seqs: int) -> None:
   """chex, at trace time (free at run time): every StepInputs array has its shape and
   dtype for T tokens, R <= max_seqs rows, S = max_seqs slots and LK lookup tokens."""
   t, r = inp.tokens.shape[0], inp.row_slot.shape[0]
-  i32 = [inp.tokens, inp.positions, inp.token_row, inp.row_slot, inp.row_q_len,
+  i32 = [inp.tokens, inp.positions, inp.token_row, inp.target_tokens, inp.row_slot, inp.row_q_len,
          inp.free_slots, inp.fork_src, inp.fork_dst, inp.alloc_tokens, inp.append_tokens,
          inp.sample_row, inp.post_fork_src, inp.post_fork_dst, inp.top_k, inp.seed,
          inp.sample_index, inp.remaining, inp.stop_ids, inp.attach_slot, inp.attach_len,
@@ -160,7 +178,7 @@ def check_inputs(inp: StepInputs, max_seqs: int) -> None:
   chex.assert_type(inp.multi_step, jnp.bool_)
   chex.assert_type(inp.attach_root, jnp.uint32)
   chex.assert_shape(inp.attach_root, (max_seqs, 2))
-  chex.assert_shape([inp.tokens, inp.positions, inp.token_row], (t,))
+  chex.assert_shape([inp.tokens, inp.positions, inp.token_row, inp.target_tokens], (t,))
   chex.assert_shape([inp.row_slot, inp.row_q_len, inp.fork_src, inp.fork_dst,
                      inp.post_fork_src, inp.post_fork_dst], (r,))
   chex.assert_shape([inp.free_slots, inp.alloc_tokens, inp.append_tokens, inp.sample_row,

@@ -65,6 +65,7 @@ from paged_jax import kv_cache
 from paged_jax.attention import AttentionMetadata
 from paged_jax.config import INVALID, OK
 from paged_jax.engine import sampling
+from paged_jax.engine.params import MAX_LOGPROBS
 from paged_jax.engine.state import (EngineState, StepInputs, StepOutputs, check_inputs,
                                     init_state)
 from paged_jax.prefix_cache import core as prefix_core
@@ -193,6 +194,41 @@ def _sample_lanes(logits, lane_slot, inp: StepInputs, index_offset=0, all_greedy
                          all_greedy=all_greedy)
 
 
+def _tops_at(i, logits, lane_slot, keep, out_v, out_i):
+  """Decode iteration i's best alternatives into (f32[K, S, L], i32[K, S, L]): lane l
+  (logits row l, f32[R, V]) is slot lane_slot[l] (S = none); slots not in `keep`
+  (bool[S]) keep what they had. L = 0: nothing to do."""
+  s_max, num_top = out_v.shape[1], out_v.shape[2]
+  if num_top == 0:
+    return out_v, out_i
+  v, ids = sampling.top_logprobs(logits, num_top)
+  v = jnp.zeros((s_max, num_top), v.dtype).at[lane_slot].set(v, mode="drop")
+  ids = jnp.zeros((s_max, num_top), _I32).at[lane_slot].set(ids, mode="drop")
+  return (out_v.at[i].set(jnp.where(keep[:, None], v, out_v[i])),
+          out_i.at[i].set(jnp.where(keep[:, None], ids, out_i[i])))
+
+
+def _prompt_scores(logits, inp: StepInputs, token_row, row_slot, num_top: int):
+  """The StepOutputs' prompt_* fields: with L = num_top > 0, `logits` is every token's
+  (f32[T, V]) and each token with a target (`inp.target_tokens` >= 0, in a live row) gets
+  the target's log-probability, its position's best L alternatives and its (slot,
+  position); with L = 0 every field is empty ([0] / [0, 0])."""
+  if num_top == 0:
+    e = jnp.zeros((0,), _I32)
+    return dict(prompt_logprobs=jnp.zeros((0,), jnp.float32),
+                prompt_top_logprobs=jnp.zeros((0, 0), jnp.float32),
+                prompt_top_ids=jnp.zeros((0, 0), _I32), prompt_slot=e, prompt_pos=e)
+  tgt = inp.target_tokens
+  scored = (tgt >= 0) & (token_row >= 0)
+  slot = jnp.where(scored, row_slot[jnp.clip(token_row, 0, row_slot.shape[0] - 1)], -1)
+  scored = scored & (slot >= 0)
+  v, ids = sampling.top_logprobs(logits, num_top)
+  return dict(prompt_logprobs=jnp.where(scored, sampling.token_logprobs(
+      logits, jnp.maximum(tgt, 0)), 0.0), prompt_top_logprobs=v, prompt_top_ids=ids,
+              prompt_slot=jnp.where(scored, slot, -1),
+              prompt_pos=jnp.where(scored, inp.positions, -1))
+
+
 def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candidates: int,
               name: str = "engine_step", max_evict: int = 0, jit: bool = True,
               sliding_window: int = 0, sliding_layers: tuple = ()):
@@ -211,14 +247,19 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
 
   Returns:
     step(params, state: EngineState, inputs: StepInputs, *, width=None,
-    decode_only=False, all_greedy=False, prefix_light=False, prefix_admit_only=False) ->
+    decode_only=False, all_greedy=False, prefix_light=False, prefix_admit_only=False,
+    logprobs=False) ->
     (EngineState, StepOutputs), jitted with `state` donated and the keywords static
     (`all_greedy`: every running request is greedy, so sampling is an argmax;
     `prefix_light`: with prefix caching, the host planned no free, fork, post-fork or
     admission, so the step leaves out the first release, the forks and their history
     copies, the lookup and `skip_hits`, all no-ops then but for the clock; eviction,
     registration and the finished slots' release still run; `prefix_admit_only`: the
-    same without admission left out: the lookup and `skip_hits` run). The shape bucket of a
+    same without admission left out: the lookup and `skip_hits` run; `logprobs`: the
+    model computes every token's logits, and the step reports the best MAX_LOGPROBS
+    alternatives of each sampled token and each `target_tokens` entry's log-probability
+    (`StepOutputs`): what requests with `SamplingParams.logprobs` / `prompt_logprobs`
+    need; without it those outputs are empty). The shape bucket of a
     call is (T tokens, R rows: `inputs.row_slot.shape`, W = `width` block-table columns
     attention reads, default max_blocks_per_seq; `decode_only`: every row has one new
     token, so attention runs the decode kernel). Prefix caching runs iff `state.prefix`
@@ -226,7 +267,7 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
   """
 
   def step(params, state: EngineState, inp: StepInputs, width=None, decode_only=False,
-           all_greedy=False, prefix_light=False, prefix_admit_only=False):
+           all_greedy=False, prefix_light=False, prefix_admit_only=False, logprobs=False):
     TRACE_COUNT[name] += 1
     blocks, pages, ps = state.blocks, state.pages, state.prefix
     sb, spg = state.sliding_blocks, state.sliding_pages
@@ -289,8 +330,15 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     pg = kv_cache.copy_blocks(pages, _cow_lanes(cow, rows))
     meta = _metadata(b, sb, row_slot, inp.row_q_len, token_row, inp.positions, width,
                      decode_only)
+    num_top = MAX_LOGPROBS if logprobs else 0                            # L
+    row_last = meta.logits_indices                                       # [R]
+    if logprobs:   # every token's logits (scores); each row samples from its last's
+      meta = meta.replace(logits_indices=lax.iota(_I32, num_tokens))
     logits, pg, spg = _forward(apply_fn, params, inp.tokens, inp.positions, pg, spg, meta,
-                               sliding_layers)                           # [R rows, V]
+                               sliding_layers)                     # [R rows or T tokens, V]
+    scores = _prompt_scores(logits, inp, token_row, row_slot, num_top)
+    if logprobs:
+      logits = logits[row_last]                                          # [R, V]
     sampled = (inp.sample_row >= 0) & ok
     # Sampling runs on R lanes (the sampled slots), not on all S slots.
     lane_slot = _lanes(inp.sample_row >= 0, rows)
@@ -305,6 +353,9 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     topv = jnp.zeros((s_max, num_candidates), lane_v.dtype).at[lane_slot].set(lane_v,
                                                                                mode="drop")
     topi = jnp.zeros((s_max, num_candidates), _I32).at[lane_slot].set(lane_i, mode="drop")
+    out_tv, out_ti = _tops_at(0, lane_logits, lane_slot, sampled,
+                              jnp.zeros((k_steps, s_max, num_top), jnp.float32),
+                              jnp.zeros((k_steps, s_max, num_top), _I32))
     b, _ = bm.fork(b, jnp.where(ok, inp.post_fork_src, -1), inp.post_fork_dst)
     if sb is not None:
       sb, _ = bm.fork(sb, jnp.where(ok, inp.post_fork_src, -1), inp.post_fork_dst)
@@ -322,8 +373,8 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
       # host every iteration (tests/gpu_compile_model_test.py). Iterations after every
       # slot finished run on no live row: nothing is written or sampled.
       def body(i, carry):
-        (b_cur, pg_cur, sb_cur, spg_cur, last, cont, out_t, out_v, out_l, oob_before, copies,
-         done) = carry
+        (b_cur, pg_cur, sb_cur, spg_cur, last, cont, out_t, out_v, out_l, out_tv, out_ti,
+         oob_before, copies, done) = carry
         cont = cont & ~oob_before        # out of blocks once: the loop is over
         b_new, st, cow_i = bm.append(b_cur, cont, 1)
         sb_new = cow_si = None
@@ -362,19 +413,23 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
         out_t = out_t.at[i].set(jnp.where(live, new, out_t[i]))
         out_v = out_v.at[i].set(live)
         out_l = out_l.at[i].set(jnp.where(live, new_lp, out_l[i]))
-        return (b_new, pg2, sb_new, spg2, new, live & ~fin, out_t, out_v, out_l,
-                oob_before | oob, copies, done | (live & fin))
+        out_tv, out_ti = _tops_at(i, logits, jnp.where(row_live, order, s_max), live,
+                                  out_tv, out_ti)
+        return (b_new, pg2, sb_new, spg2, new, live & ~fin, out_t, out_v, out_l, out_tv,
+                out_ti, oob_before | oob, copies, done | (live & fin))
 
-      carry = (b, pg, sb, spg, tok, cont, out_tokens, out_valid, out_lp, oob, copies, done)
-      b, pg, sb, spg, _, _, out_tokens, out_valid, out_lp, oob, copies, done = lax.fori_loop(
-          1, k_steps, body, carry)
+      carry = (b, pg, sb, spg, tok, cont, out_tokens, out_valid, out_lp, out_tv, out_ti, oob,
+               copies, done)
+      (b, pg, sb, spg, _, _, out_tokens, out_valid, out_lp, out_tv, out_ti, oob, copies,
+       done) = lax.fori_loop(1, k_steps, body, carry)
 
     out = StepOutputs(ok=ok, status=status, tokens=out_tokens, valid=out_valid, logprobs=out_lp,
                       topk_logprobs=topv, topk_ids=topi, num_free=b.num_free,
                       loop_out_of_blocks=oob, available=b.num_free, hit_tokens=hits,
                       num_evictable=jnp.zeros((), _I32), prefix_hit_blocks=jnp.zeros((), _I32),
                       prefix_query_blocks=jnp.zeros((), _I32), sole_blocks=sole_blocks(b),
-                      cow_copies=copies, finished=done, sliding_free=jnp.zeros((), _I32))
+                      cow_copies=copies, finished=done, sliding_free=jnp.zeros((), _I32),
+                      top_logprobs=out_tv, top_ids=out_ti, **scores)
     # 8-9. registration of newly full blocks (masked when not ok), then the finished
     # sequences' frees: with caching their full blocks stay cached, evictable. Finished
     # slots are sampled slots, at most R: the free runs on R lanes (S pads them).
@@ -401,4 +456,4 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
   if not jit:
     return step
   return jax.jit(step, donate_argnums=(1,), static_argnames=(
-      "width", "decode_only", "all_greedy", "prefix_light", "prefix_admit_only"))
+      "width", "decode_only", "all_greedy", "prefix_light", "prefix_admit_only", "logprobs"))

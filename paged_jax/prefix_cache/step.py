@@ -149,7 +149,7 @@ def skip_hits(inputs, hits):
     inputs: StepInputs (T tokens, R rows, S slots); hits: i32[S] from `attach`.
   Returns:
     StepInputs with alloc_tokens, append_tokens, tokens, positions, token_row,
-    row_q_len and row_slot updated.
+    target_tokens, row_q_len and row_slot updated.
   """
   s_max, rows = hits.shape[0], inputs.row_slot.shape[0]
   a = inputs.attach_slot
@@ -163,17 +163,19 @@ def skip_hits(inputs, hits):
   tslot = jnp.where(live, inputs.row_slot[jnp.clip(tr, 0, rows - 1)], -1)
   skip = live & (inputs.positions < hits[jnp.clip(tslot, 0, s_max - 1)])
   # Kept tokens first, in order: a stable partition by one scatter to each kept token's
-  # rank (a cumsum; an argsort of T costs more), the rest (0, 0, -1) after them.
+  # rank (a cumsum; an argsort of T costs more), the rest (0, 0, -1, -1) after them.
   num_tokens = skip.shape[0]
   dest = jnp.where(skip, num_tokens, jnp.cumsum((~skip).astype(_I32)) - 1)
-  cols = jnp.stack([inputs.tokens, inputs.positions, tr], axis=1)          # [T, 3]
-  blank = jnp.broadcast_to(jnp.asarray([0, 0, -1], _I32), cols.shape)
+  cols = jnp.stack([inputs.tokens, inputs.positions, tr, inputs.target_tokens],
+                   axis=1)                                                 # [T, 4]
+  blank = jnp.broadcast_to(jnp.asarray([0, 0, -1, -1], _I32), cols.shape)
   moved = blank.at[dest].set(cols, mode="drop")
   dropped = jnp.zeros((rows,), _I32).at[jnp.where(skip, tr, rows)].add(1, mode="drop")
   q_len = inputs.row_q_len - dropped
   return inputs.replace(
       alloc_tokens=alloc, append_tokens=append,
       tokens=moved[:, 0], positions=moved[:, 1], token_row=moved[:, 2],
+      target_tokens=moved[:, 3],
       row_q_len=q_len, row_slot=jnp.where((dropped > 0) & (q_len == 0), -1, inputs.row_slot))
 
 

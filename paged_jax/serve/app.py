@@ -11,6 +11,7 @@ inside one request answers 500 for that request only.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 import uuid
@@ -104,8 +105,10 @@ def build_app(runner: EngineRunner, *, model_name: str, encode: Callable, decode
     obj = "chat.completion" if chat else "text_completion"
     head = {"id": rid, "created": int(time.time()), "model": model_name}
 
-    def choice(index, text, finish, delta, t=None, j=0, span=(0, 0)):
-      lp = _logprobs(t, j, span, decode, chat) if t is not None and t.request.logprobs else None
+    def choice(index, text, finish, delta, t=None, j=0, span=(0, 0), echo=False):
+      lp = None
+      if t is not None and t.request.logprobs is not None:
+        lp = _logprobs(t, j, span, decode, chat, echo)
       if chat:
         key = "delta" if delta else "message"
         return {"index": index, key: {"role": "assistant", "content": text},
@@ -117,14 +120,21 @@ def build_app(runner: EngineRunner, *, model_name: str, encode: Callable, decode
       async def events():
         try:
           for k, t in enumerate(trackers):
+            deltas = ...
             if t.request.echo:
+              if t.request.logprobs is not None:   # the prompt's scores come with the
+                deltas = await t.events.get()      # first tokens
               for j in range(n):
                 yield _sse({**head, "object": obj, "choices": [
-                    choice(k * n + j, decode(t.request.prompt_ids), None, True)]})
-            while (deltas := await t.events.get()) is not None:
+                    choice(k * n + j, decode(t.request.prompt_ids), None, True, t, j,
+                           (0, 0), echo=True)]})
+            if deltas is ...:
+              deltas = await t.events.get()
+            while deltas is not None:
               yield _sse({**head, "object": obj + (".chunk" if chat else ""), "choices": [
                   choice(k * n + j, text, f, True, t, j, (a, b))
                   for j, text, f, a, b in deltas]})
+              deltas = await t.events.get()
           if reqs[0].include_usage:
             yield _sse({**head, "object": obj, "choices": [], "usage": _usage(trackers)})
           yield "data: [DONE]\n\n"
@@ -144,7 +154,7 @@ def build_app(runner: EngineRunner, *, model_name: str, encode: Callable, decode
     for k, t in enumerate(trackers):
       echo = decode(t.request.prompt_ids) if t.request.echo else ""
       choices += [choice(k * n + j, echo + t.texts[j], t.finish[j], False, t, j,
-                         (0, t.num_sent[j])) for j in range(n)]
+                         (0, t.num_sent[j]), echo=t.request.echo) for j in range(n)]
     return JSONResponse({**head, "object": obj, "choices": choices, "usage": _usage(trackers)})
 
   async def body_of(request: Request):
@@ -199,18 +209,37 @@ def build_app(runner: EngineRunner, *, model_name: str, encode: Callable, decode
       lifespan=lifespan, exception_handlers={500: server_error})
 
 
-def _logprobs(t: Tracker, j: int, span, decode, chat: bool):
-  """OpenAI's logprobs object for tokens span[0]:span[1] of sample j (sampled tokens
-  only: top alternatives are refused at parsing)."""
+def _logprobs(t: Tracker, j: int, span, decode, chat: bool, echo: bool = False):
+  """OpenAI's logprobs object for generated tokens span[0]:span[1] of sample j, after
+  the prompt's tokens when `echo` (completions: the first prompt token has no logprob).
+  Each token's text is its own decoded piece; completions' text_offset counts from the
+  start of the choice's text (echo included), as the pieces add up."""
+  k = t.request.logprobs
   a, b = span
   ids, lps = t.tokens[j][a:b], t.logprobs[j][a:b]
-  texts = [decode([i]) for i in ids]
+  tops = t.top_logprobs[j][a:b] if k else [()] * len(ids)
+  piece = lambda i: decode([i])
   if chat:
-    return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()),
-                         "top_logprobs": []} for s, lp in zip(texts, lps)]}
-  offsets = [len(decode(t.tokens[j][:k])) for k in range(a, b)]
-  return {"tokens": texts, "token_logprobs": lps, "top_logprobs": None,
-          "text_offset": offsets}
+    entry = lambda s, lp: {"token": s, "logprob": lp, "bytes": list(s.encode())}
+    return {"content": [dict(entry(piece(i), lp), top_logprobs=[
+        entry(piece(x), v) for x, v in top]) for i, lp, top in zip(ids, lps, tops)]}
+  prompt = t.request.prompt_ids if echo else []
+  scores, prompt_tops = t.prompt_scores or ([None] * len(prompt), [None] * len(prompt))
+  texts = [piece(i) for i in list(prompt) + list(ids)]
+  echo_pieces = [len(piece(i)) for i in t.request.prompt_ids] if t.request.echo else []
+  head = sum(echo_pieces)    # the echoed prompt's length, as its pieces add up
+  ends = t.decoded[j].ends
+  offsets = list(itertools.accumulate([0] + echo_pieces))[:len(prompt)]
+  offsets += [head + (ends[m - 1] if m else 0) for m in range(a, b)]
+  top_dicts = None
+  if k:
+    as_dict = lambda top, own: None if top is None else {
+        **{piece(x): v for x, v in top}, **({} if own is None else {own[0]: own[1]})}
+    top_dicts = [as_dict(top, None if lp is None else (texts[m], lp)) for m, (top, lp)
+                 in enumerate(zip(prompt_tops[:len(prompt)], scores[:len(prompt)]))]
+    top_dicts += [as_dict(top, (piece(i), lp)) for i, lp, top in zip(ids, lps, tops)]
+  return {"tokens": texts, "token_logprobs": list(scores[:len(prompt)]) + list(lps),
+          "top_logprobs": top_dicts, "text_offset": offsets}
 
 
 async def _drain(t: Tracker) -> None:

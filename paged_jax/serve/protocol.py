@@ -12,10 +12,10 @@ import dataclasses
 from typing import Any, Dict, List, Optional, Sequence
 
 from paged_jax.engine import MAX_STOP_IDS, SamplingParams
+from paged_jax.engine.params import MAX_LOGPROBS
 
 MAX_STOP_STRINGS = 4          # OpenAI's bound on `stop`
 MAX_PROMPTS = 64              # prompts in one /v1/completions request (a list of prompts)
-MAX_TOP_LOGPROBS = 20         # OpenAI's bound (chat top_logprobs); completions allow 5
 
 
 class RequestError(ValueError):
@@ -38,7 +38,9 @@ class EngineRequest:
     stream: answer as server-sent events.
     echo: the prompt's text is put before each completion (completions only).
     include_usage: a final usage chunk when streaming (`stream_options`).
-    logprobs: report each generated token's log-probability.
+    logprobs: None, or report each token's log-probability with this many top
+      alternatives (completions `logprobs=k`, chat `logprobs` + `top_logprobs=k`); with
+      echo, the prompt's tokens too (`SamplingParams.prompt_logprobs`).
   """
   prompt_ids: List[int]
   params: SamplingParams
@@ -46,7 +48,7 @@ class EngineRequest:
   stream: bool = False
   echo: bool = False
   include_usage: bool = False
-  logprobs: bool = False
+  logprobs: Optional[int] = None
 
 
 def _get(body: Dict[str, Any], name: str, kinds, default=None, *, lo=None, hi=None):
@@ -106,9 +108,11 @@ def prompts_of(body: Dict[str, Any], encode, vocab_size: int) -> List[List[int]]
 
 def sampling_params(body: Dict[str, Any], *, prompt_len: int, max_model_len: int,
                     default_max_tokens: Optional[int], stop_ids: Sequence[int],
-                    seed: int) -> SamplingParams:
+                    seed: int, logprobs: Optional[int] = None,
+                    echo: bool = False) -> SamplingParams:
   """SamplingParams of a request body. `default_max_tokens` None: up to the context
-  (chat); `seed` is used when the body has none (the server draws one per request)."""
+  (chat); `seed` is used when the body has none (the server draws one per request);
+  `logprobs` (`logprobs_wanted`) with `echo` scores the prompt too."""
   room = max_model_len - prompt_len
   if room < 1:
     raise RequestError(f"the prompt has {prompt_len} tokens; this model's context is "
@@ -129,7 +133,8 @@ def sampling_params(body: Dict[str, Any], *, prompt_len: int, max_model_len: int
             top_k=_get(body, "top_k", (int,), -1, lo=-1),
             n=_get(body, "n", (int,), 1, lo=1, hi=16),
             seed=_get(body, "seed", (int,), seed, lo=0, hi=2**31 - 4097),
-            stop_token_ids=tuple(ids), cache_salt=_get(body, "cache_salt", (str,), None))
+            stop_token_ids=tuple(ids), cache_salt=_get(body, "cache_salt", (str,), None),
+            logprobs=logprobs or 0, prompt_logprobs=logprobs if echo else None)
   if kw["top_p"] == 0:
     raise RequestError("top_p must be in (0, 1], got 0", "top_p")
   try:
@@ -138,23 +143,17 @@ def sampling_params(body: Dict[str, Any], *, prompt_len: int, max_model_len: int
     raise RequestError(str(e), str(e).split(" ", 1)[0]) from None
 
 
-def logprobs_wanted(body: Dict[str, Any], chat: bool) -> bool:
-  """Whether the body asks for token logprobs: completions `logprobs=0` (the sampled
-  token's only), chat `logprobs=true` with `top_logprobs` 0 or absent. Top alternatives
-  are refused by name, not silently dropped."""
+def logprobs_wanted(body: Dict[str, Any], chat: bool) -> Optional[int]:
+  """None when the body asks for no logprobs, else the number of top alternatives per
+  token: completions `logprobs=k` (0: the sampled token's own only), chat
+  `logprobs=true` with `top_logprobs=k` (0 or absent: none)."""
   if chat:
     want = _get(body, "logprobs", (bool,), False)
-    top = _get(body, "top_logprobs", (int,), 0, lo=0, hi=MAX_TOP_LOGPROBS)
-    name = "top_logprobs"
-  else:
-    top = _get(body, "logprobs", (int,), None, lo=0, hi=5)
-    want, name = top is not None, "logprobs"
-  if top:
-    raise RequestError(f"{name}={top}: top alternatives are not supported yet; "
-                       f"{name}=0 gives each sampled token's logprob", name)
-  if want and not chat and body.get("echo"):
-    raise RequestError("echo with logprobs (prompt logprobs) is not supported yet", "echo")
-  return bool(want)
+    top = _get(body, "top_logprobs", (int,), None, lo=0, hi=MAX_LOGPROBS)
+    if top is not None and not want:
+      raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
+    return (top or 0) if want else None
+  return _get(body, "logprobs", (int,), None, lo=0, hi=MAX_LOGPROBS)
 
 
 def reject_unsupported(body: Dict[str, Any]) -> None:
@@ -181,7 +180,8 @@ def completion_requests(body, *, encode, vocab_size, max_model_len, stop_ids,
   out = []
   for ids in prompts_of(body, encode, vocab_size):
     sp = sampling_params(body, prompt_len=len(ids), max_model_len=max_model_len,
-                         default_max_tokens=16, stop_ids=stop_ids, seed=seed)
+                         default_max_tokens=16, stop_ids=stop_ids, seed=seed,
+                         logprobs=logprobs, echo=echo)
     out.append(EngineRequest(ids, sp, stops, stream, echo, usage, logprobs))
   return out
 
@@ -212,7 +212,8 @@ def chat_request(body, *, render, encode, max_model_len, stop_ids, seed) -> Engi
     raise RequestError(str(e), "messages") from None
   stream = _get(body, "stream", (bool,), False)
   usage = bool((_get(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
+  logprobs = logprobs_wanted(body, chat=True)
   sp = sampling_params(body, prompt_len=len(ids), max_model_len=max_model_len,
-                       default_max_tokens=None, stop_ids=stop_ids, seed=seed)
-  return EngineRequest(ids, sp, _stop_strings(body), stream, False, usage,
-                       logprobs_wanted(body, chat=True))
+                       default_max_tokens=None, stop_ids=stop_ids, seed=seed,
+                       logprobs=logprobs)
+  return EngineRequest(ids, sp, _stop_strings(body), stream, False, usage, logprobs)

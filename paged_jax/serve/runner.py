@@ -15,6 +15,7 @@ request's blocks at once (`Engine.abort`).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import concurrent.futures
 import dataclasses
 import itertools
@@ -37,9 +38,15 @@ class Tracker:
     texts: per sample, the text sent so far (stop string cut).
     tokens: per sample, the ids generated so far.
     logprobs: per sample, each generated id's log-probability under the model.
+    top_logprobs: per sample, each generated id's best (id, log-prob) alternatives
+      (`SamplingParams.logprobs` of them; empty without).
+    decoded: per sample, `Detokenizer` state: the text of `tokens` decoded so far, one
+      window of new ids per step (no re-decoding of the whole output).
     num_sent: per sample, how many of `tokens` the text sent so far covers (a stop
       string cuts the text; logprobs are reported for these tokens).
     finish: per sample, "stop" / "length" / "abort" once done.
+    prompt_scores: the RequestOutput's (prompt_logprobs, prompt_top_logprobs) once the
+      engine has them (echo with logprobs), else None.
     events: lists of Deltas as they come; None after the last.
     t_submit, t_first: perf_counter seconds at submit and at the first token.
     cut_early: a stop string ended a sample the engine is still running.
@@ -49,12 +56,22 @@ class Tracker:
   texts: List[str]
   tokens: List[List[int]]
   logprobs: List[List[float]]
+  top_logprobs: List[List[tuple]]
+  decoded: List["Detokenizer"]
   num_sent: List[int]
   finish: List[Optional[str]]
   events: asyncio.Queue
   t_submit: float
   t_first: Optional[float] = None
   cut_early: bool = False
+  prompt_scores: Optional[tuple] = None
+
+  @classmethod
+  def new(cls, request_id, request: EngineRequest, decode, now: float) -> "Tracker":
+    n = request.params.n
+    return cls(request_id, request, [""] * n, [[] for _ in range(n)], [[] for _ in range(n)],
+               [[] for _ in range(n)], [Detokenizer(decode) for _ in range(n)], [0] * n,
+               [None] * n, asyncio.Queue(), now)
 
   @property
   def done(self) -> bool:
@@ -134,9 +151,7 @@ class EngineRunner:
     now = time.perf_counter()
     out = []
     for rid, r in zip(ids, requests):
-      n = r.params.n
-      t = Tracker(rid, r, [""] * n, [[] for _ in range(n)], [[] for _ in range(n)], [0] * n,
-                  [None] * n, asyncio.Queue(), now)
+      t = Tracker.new(rid, r, self._decode, now)
       self._trackers[rid] = t
       out.append(t)
     self._wake.set()
@@ -176,15 +191,10 @@ class EngineRunner:
       finished, partial, metrics = await self._call(self._step)
       self.last_metrics = metrics
       ended = []
-      for rid, ids in partial.items():
-        t = self._trackers.get(rid)
-        if t is not None and ids is not None:
-          self._advance(t, *ids, None)
-      for out in finished:
-        t = self._trackers.get(out.request_id)
+      for out in list(partial.values()) + finished:
+        t = None if out is None else self._trackers.get(out.request_id)
         if t is not None:
-          self._advance(t, out.outputs, out.logprobs or [[]] * len(out.outputs),
-                        out.finish_reasons)
+          self._advance(t, out)
       for rid, t in list(self._trackers.items()):
         if t.done:
           del self._trackers[rid]
@@ -194,31 +204,35 @@ class EngineRunner:
       if self.on_step is not None:
         self.on_step(metrics, ended)
 
-  def _advance(self, t: Tracker, outputs: List[List[int]], logprobs: List[List[float]],
-               reasons) -> None:
-    """New ids of each sample -> text deltas; stop strings cut the text and end it."""
+  def _advance(self, t: Tracker, out) -> None:
+    """A RequestOutput (partial: finish reasons None) -> each sample's text deltas; stop
+    strings cut the text and end the sample."""
     deltas: List[Delta] = []
-    for j, (ids, lps) in enumerate(zip(outputs, logprobs)):
+    if out.prompt_logprobs is not None:
+      t.prompt_scores = (out.prompt_logprobs, out.prompt_top_logprobs)
+    lps = out.logprobs or [[]] * len(out.outputs)
+    tops = out.top_logprobs or [[]] * len(out.outputs)
+    for j, ids in enumerate(out.outputs):
       if j >= len(t.finish) or t.finish[j] is not None:
         continue
-      ids = list(ids)
       if len(ids) > len(t.tokens[j]) and t.t_first is None:
         t.t_first = time.perf_counter()
-      t.tokens[j], t.logprobs[j] = ids, list(lps)
-      text, finish = self._decode(ids), (reasons[j] if reasons is not None else None)
+      t.tokens[j], t.logprobs[j], t.top_logprobs[j] = list(ids), list(lps[j]), list(tops[j])
+      finish = out.finish_reasons[j]
+      d = t.decoded[j]
+      text = d.update(t.tokens[j], whole=finish is not None)
       whole = finish is not None
       for s in t.request.stop:
-        cut = text.find(s)
+        cut = text.find(s, max(0, len(t.texts[j]) - len(s) + 1))
         if cut >= 0:
           text, finish, whole = text[:cut], "stop", False
-          t.cut_early = t.cut_early or reasons is None
-      if finish is None:   # hold back what may still change: a partial UTF-8 sequence,
-        text = _held_back(text.rstrip("\ufffd"), t.request.stop)   # a stop string's start
-      delta = text[len(t.texts[j]):] if text.startswith(t.texts[j]) else ""
+          t.cut_early = t.cut_early or out.finish_reasons[j] is None
+      if finish is None:   # hold back what may still change: a stop string's start
+        text = _held_back(text, t.request.stop)
+      delta = text[len(t.texts[j]):]
       t.texts[j] = t.texts[j] + delta
       start = t.num_sent[j]
-      t.num_sent[j] = len(ids) if whole else _tokens_covering(ids, len(t.texts[j]),
-                                                              self._decode)
+      t.num_sent[j] = len(ids) if whole else d.tokens_within(len(t.texts[j]))
       if delta or finish is not None:
         deltas.append((j, delta, finish, start, t.num_sent[j]))
       t.finish[j] = finish
@@ -247,14 +261,40 @@ def _held_back(text: str, stops: List[str]) -> str:
   return text[:keep]
 
 
-def _tokens_covering(ids: List[int], num_chars: int, decode) -> int:
-  """The fewest leading ids whose text holds `num_chars` characters (all of them when
-  the text is whole): the tokens a cut text reports logprobs for."""
-  lo, hi = 0, len(ids)
-  while lo < hi:   # decode(ids[:m]) grows with m
-    mid = (lo + hi) // 2
-    if len(decode(ids[:mid])) >= num_chars:
-      hi = mid
-    else:
-      lo = mid + 1
-  return lo
+class Detokenizer:
+  """One sample's text, decoded incrementally: each update decodes only the ids since
+  the last one plus the window before them (context for tokenizers whose pieces depend
+  on their neighbour, e.g. SentencePiece's leading space), as vLLM's incremental
+  detokenizer does, so a long output costs O(new ids) per step, not O(length).
+
+  Attributes:
+    text: the text of the ids read so far.
+    ends: per read id, the length of `text` up to and including its piece.
+  """
+
+  def __init__(self, decode):
+    self._decode = decode
+    self._prefix, self._read = 0, 0     # ids[prefix:read]: the window already in `text`
+    self.text, self.ends = "", []
+
+  def update(self, ids: List[int], whole: bool = False) -> str:
+    """`text` after reading `ids` (the whole output so far; only appended to). Ids whose
+    text ends in a partial UTF-8 sequence wait for the next ones, unless `whole`."""
+    if len(ids) > self._read:
+      before = self._decode(ids[self._prefix:self._read])
+      after = self._decode(ids[self._prefix:])
+      if whole or not after.endswith("\ufffd"):
+        base, end = len(self.text) - len(before), len(self.text) + len(after) - len(before)
+        # Each new id's end: the window decoded up to it (a few ids: one decode step's).
+        for m in range(self._read + 1, len(ids)):
+          e = base + len(self._decode(ids[self._prefix:m]))
+          self.ends.append(min(max(e, self.ends[-1] if self.ends else 0), end))
+        self.ends.append(end)
+        self.text += after[len(before):]
+        self._prefix, self._read = self._read, len(ids)
+    return self.text
+
+  def tokens_within(self, num_chars: int) -> int:
+    """How many leading read ids have all their text within the first `num_chars`
+    characters (those a cut text reports logprobs for)."""
+    return bisect.bisect_right(self.ends, num_chars)
