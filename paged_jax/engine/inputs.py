@@ -8,38 +8,16 @@ reads) rides along as a jit static argument.
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence as Seq
+from typing import Sequence as Seq
 
 import jax
 import numpy as np
 
 from paged_jax.config import CacheConfig
 from paged_jax.engine.buckets import StepBuckets
-from paged_jax.engine.params import MAX_STOP_IDS
 from paged_jax.engine.sequence import Batch, Group, Sequence
-from paged_jax.engine.step import StepInputs
-from paged_jax.prefix_cache import ROOT_HASH, salt_key
-
-
-def empty_inputs(num_tokens: int, max_seqs: int, lookup_len: int,
-                 num_rows: Optional[int] = None) -> Dict[str, np.ndarray]:
-  """Numpy arrays of a step that does nothing (every entry padding); R = num_rows
-  (default max_seqs)."""
-  s = max_seqs
-  r = max_seqs if num_rows is None else num_rows
-  i32 = lambda n, v=0: np.full((n,), v, np.int32)
-  return dict(tokens=i32(num_tokens), positions=i32(num_tokens), token_row=i32(num_tokens, -1),
-              target_tokens=i32(num_tokens, -1),
-              row_slot=i32(r, -1), row_q_len=i32(r), free_slots=i32(s, -1), fork_src=i32(r, -1),
-              fork_dst=i32(r, -1), alloc_tokens=i32(s), append_tokens=i32(s),
-              sample_row=i32(s, -1), post_fork_src=i32(r, -1), post_fork_dst=i32(r, -1),
-              temperature=np.zeros((s,), np.float32), top_k=i32(s),
-              top_p=np.ones((s,), np.float32), seed=i32(s), sample_index=i32(s),
-              remaining=i32(s, 1), stop_ids=np.full((s, MAX_STOP_IDS), -1, np.int32),
-              multi_step=np.zeros((s,), np.bool_), attach_slot=i32(s, -1), attach_len=i32(s),
-              attach_start=i32(s), attach_tokens=i32(lookup_len),
-              attach_root=np.tile(np.asarray(ROOT_HASH, np.uint32), (s, 1)),
-              attach_tag=i32(s))
+from paged_jax.engine.state import StepInputs, empty_inputs
+from paged_jax.prefix_cache import salt_key
 
 
 def lookup_len(cache_config: CacheConfig, max_num_batched_tokens: int) -> int:
@@ -63,9 +41,7 @@ def build_inputs(batch: Batch, running: Seq[Group], *, buckets: StepBuckets, max
   preempt, and those it admits or swaps in).
   Returns (StepInputs, Bucket); pass `bucket.step_kw` to the step (`width=`,
   `decode_only=`, `all_greedy=`, `prefix_light=`: with prefix caching, a step that
-  admits, frees, forks and swaps nothing skips that prefix work; `prefix_admit_only=`: one
-  that admits but frees, forks and swaps nothing skips the first release and fork
-  copies). all_greedy: every running request has temperature 0; `idle_all_greedy` when
+  admits, frees, forks and swaps nothing skips that prefix work). all_greedy: every running request has temperature 0; `idle_all_greedy` when
   none runs (a frees-only step samples nothing: the engine passes its previous step's,
   so no new variant compiles).
   """
@@ -78,11 +54,10 @@ def build_inputs(batch: Batch, running: Seq[Group], *, buckets: StepBuckets, max
   # multi-step decode loop samples the others too.
   all_greedy = (all(g.params.temperature == 0 for g in running) if running
                 else bool(idle_all_greedy))
-  # With prefix caching: a step that frees, forks and swaps nothing leaves out the first
-  # release and the fork copies (`prefix_admit_only`), and the lookup too when it admits
-  # nothing either (`prefix_light`).
-  quiet = not (batch.frees or batch.forks or batch.post_forks or batch.swapped_in
-               or batch.swap_out)
+  # With prefix caching, a step that admits, frees, forks and swaps nothing leaves out
+  # the lookup, the first release and the fork copies (`prefix_light`).
+  light = not (batch.frees or batch.forks or batch.post_forks or batch.swapped_in
+               or batch.swap_out or batch.attaches)
   owner = {q: g for g in running for q in g.seqs}
   # The logprobs variant: a running request reports alternatives (the decode loop samples
   # every running one), or a chunk scores prompt tokens.
@@ -91,8 +66,7 @@ def build_inputs(batch: Batch, running: Seq[Group], *, buckets: StepBuckets, max
   logprobs = bool(scored) or any(g.params.logprobs for g in running)
   bucket = buckets.pick(batch.num_tokens, max(len(chunks), num_sampled, len(batch.forks)),
                         max_len, all(ch.num_tokens == 1 for ch in chunks), all_greedy,
-                        quiet and not batch.attaches, quiet and bool(batch.attaches),
-                        logprobs)
+                        light, logprobs)
   a = empty_inputs(bucket.tokens, max_seqs, lookup_len, num_rows=bucket.rows)
 
   def sampling_row(seq: Sequence, group: Group, row: int):

@@ -6,16 +6,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Dict, Optional
 
 import chex
 import flax
 import jax
-import jax.numpy as jnp
+import numpy as np
 
 from paged_jax import block_manager as bm
 from paged_jax import kv_cache
 from paged_jax.engine.params import MAX_STOP_IDS
+from paged_jax import prefix_cache as pc
 from paged_jax.prefix_cache import step as prefix_step
 
 
@@ -55,9 +57,17 @@ def init_state(cache_config, *, scale_rows: bool = False, **prefix_kwargs) -> En
                      prefix=prefix, sliding_blocks=sliding_blocks, sliding_pages=sliding_pages)
 
 
+def _field(dims, fill=0, dtype=np.int32):
+  """A StepInputs field: its shape in the step's dimensions (T tokens, R rows, S slots,
+  LK lookup tokens, or ints), its dtype, and the value of an unused entry (padding)."""
+  return flax.struct.field(metadata=dict(dims=dims, fill=fill, dtype=np.dtype(dtype)))
+
+
 @flax.struct.dataclass
 class StepInputs:
-  """One step's plan as fixed-shape arrays (T tokens, R rows, S slots).
+  """One step's plan as fixed-shape arrays (T tokens, R rows, S slots). Each field's
+  shape, dtype and padding value are declared here once (`_field`); `empty_inputs`
+  and `check_inputs` read them.
 
   Token level [T]: tokens, positions, token_row (row of each token, -1 = padding),
     target_tokens (the prompt token after this one, whose log-probability the step
@@ -82,34 +92,48 @@ class StepInputs:
     attach_root u32[S, 2] / attach_tag (the request's cache salt,
     `prefix_cache.salt_key`).
   """
-  tokens: jax.Array
-  positions: jax.Array
-  token_row: jax.Array
-  target_tokens: jax.Array
-  row_slot: jax.Array
-  row_q_len: jax.Array
-  free_slots: jax.Array
-  fork_src: jax.Array
-  fork_dst: jax.Array
-  alloc_tokens: jax.Array
-  append_tokens: jax.Array
-  sample_row: jax.Array
-  post_fork_src: jax.Array
-  post_fork_dst: jax.Array
-  temperature: jax.Array
-  top_k: jax.Array
-  top_p: jax.Array
-  seed: jax.Array
-  sample_index: jax.Array
-  remaining: jax.Array
-  stop_ids: jax.Array
-  multi_step: jax.Array
-  attach_slot: jax.Array
-  attach_len: jax.Array
-  attach_start: jax.Array
-  attach_tokens: jax.Array
-  attach_root: jax.Array
-  attach_tag: jax.Array
+  tokens: jax.Array = _field(("T",))
+  positions: jax.Array = _field(("T",))
+  token_row: jax.Array = _field(("T",), -1)
+  target_tokens: jax.Array = _field(("T",), -1)
+  row_slot: jax.Array = _field(("R",), -1)
+  row_q_len: jax.Array = _field(("R",))
+  free_slots: jax.Array = _field(("S",), -1)
+  fork_src: jax.Array = _field(("R",), -1)
+  fork_dst: jax.Array = _field(("R",), -1)
+  alloc_tokens: jax.Array = _field(("S",))
+  append_tokens: jax.Array = _field(("S",))
+  sample_row: jax.Array = _field(("S",), -1)
+  post_fork_src: jax.Array = _field(("R",), -1)
+  post_fork_dst: jax.Array = _field(("R",), -1)
+  temperature: jax.Array = _field(("S",), 0.0, np.float32)
+  top_k: jax.Array = _field(("S",))
+  top_p: jax.Array = _field(("S",), 1.0, np.float32)
+  seed: jax.Array = _field(("S",))
+  sample_index: jax.Array = _field(("S",))
+  remaining: jax.Array = _field(("S",), 1)
+  stop_ids: jax.Array = _field(("S", MAX_STOP_IDS), -1)
+  multi_step: jax.Array = _field(("S",), False, np.bool_)
+  attach_slot: jax.Array = _field(("S",), -1)
+  attach_len: jax.Array = _field(("S",))
+  attach_start: jax.Array = _field(("S",))
+  attach_tokens: jax.Array = _field(("LK",))
+  attach_root: jax.Array = _field(("S", 2), np.asarray(pc.ROOT_HASH, np.uint32), np.uint32)
+  attach_tag: jax.Array = _field(("S",))
+
+
+def _input_shape(field, sizes) -> tuple:
+  return tuple(sizes[d] if isinstance(d, str) else d for d in field.metadata["dims"])
+
+
+def empty_inputs(num_tokens: int, max_seqs: int, lookup_len: int,
+                 num_rows: Optional[int] = None) -> Dict[str, np.ndarray]:
+  """Numpy arrays of a step that does nothing (every entry padding); R = num_rows
+  (default max_seqs)."""
+  sizes = dict(T=num_tokens, R=max_seqs if num_rows is None else num_rows, S=max_seqs,
+               LK=lookup_len)
+  return {f.name: np.full(_input_shape(f, sizes), f.metadata["fill"], f.metadata["dtype"])
+          for f in dataclasses.fields(StepInputs)}
 
 
 @flax.struct.dataclass
@@ -165,27 +189,14 @@ class StepOutputs:
 
 
 def check_inputs(inp: StepInputs, max_seqs: int) -> None:
-  """chex, at trace time (free at run time): every StepInputs array has its shape and
-  dtype for T tokens, R <= max_seqs rows, S = max_seqs slots and LK lookup tokens."""
-  t, r = inp.tokens.shape[0], inp.row_slot.shape[0]
-  i32 = [inp.tokens, inp.positions, inp.token_row, inp.target_tokens, inp.row_slot, inp.row_q_len,
-         inp.free_slots, inp.fork_src, inp.fork_dst, inp.alloc_tokens, inp.append_tokens,
-         inp.sample_row, inp.post_fork_src, inp.post_fork_dst, inp.top_k, inp.seed,
-         inp.sample_index, inp.remaining, inp.stop_ids, inp.attach_slot, inp.attach_len,
-         inp.attach_start, inp.attach_tokens, inp.attach_tag]
-  chex.assert_type(i32, jnp.int32)
-  chex.assert_type([inp.temperature, inp.top_p], jnp.float32)
-  chex.assert_type(inp.multi_step, jnp.bool_)
-  chex.assert_type(inp.attach_root, jnp.uint32)
-  chex.assert_shape(inp.attach_root, (max_seqs, 2))
-  chex.assert_shape([inp.tokens, inp.positions, inp.token_row, inp.target_tokens], (t,))
-  chex.assert_shape([inp.row_slot, inp.row_q_len, inp.fork_src, inp.fork_dst,
-                     inp.post_fork_src, inp.post_fork_dst], (r,))
-  chex.assert_shape([inp.free_slots, inp.alloc_tokens, inp.append_tokens, inp.sample_row,
-                     inp.temperature, inp.top_k, inp.top_p, inp.seed, inp.sample_index,
-                     inp.remaining, inp.multi_step, inp.attach_slot, inp.attach_len,
-                     inp.attach_start, inp.attach_tag], (max_seqs,))
-  chex.assert_shape(inp.stop_ids, (max_seqs, MAX_STOP_IDS))
-  chex.assert_rank(inp.attach_tokens, 1)
+  """chex, at trace time (free at run time): every StepInputs array has its declared
+  shape and dtype for T tokens, R <= max_seqs rows, S = max_seqs slots and LK lookup
+  tokens."""
+  r = inp.row_slot.shape[0]
+  sizes = dict(T=inp.tokens.shape[0], R=r, S=max_seqs, LK=inp.attach_tokens.shape[0])
+  for f in dataclasses.fields(StepInputs):
+    x = getattr(inp, f.name)
+    chex.assert_shape(x, _input_shape(f, sizes), custom_message=f"StepInputs.{f.name}")
+    chex.assert_type(x, f.metadata["dtype"], custom_message=f"StepInputs.{f.name}")
   if not 1 <= r <= max_seqs:
     raise ValueError(f"StepInputs has {r} rows; the row bucket must be in [1, {max_seqs}]")

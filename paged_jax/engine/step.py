@@ -64,6 +64,7 @@ from paged_jax import block_window
 from paged_jax import kv_cache
 from paged_jax.attention import AttentionMetadata
 from paged_jax.config import INVALID, OK
+from paged_jax.engine import decode
 from paged_jax.engine import sampling
 from paged_jax.engine.params import MAX_LOGPROBS
 from paged_jax.engine.state import (EngineState, StepInputs, StepOutputs, check_inputs,
@@ -159,12 +160,6 @@ def _select(pred, on_true, on_false):
   return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
-def _finished(tokens, remaining, stop_ids):
-  """bool[S]: the token just sampled ends its sequence."""
-  is_stop = jnp.any((stop_ids >= 0) & (stop_ids == tokens[:, None]), axis=-1)
-  return is_stop | (remaining <= 1)
-
-
 def _cow_lanes(cow, num_lanes: int):
   """i32[num_lanes, 2]: the copy-on-write pairs of `cow` (i32[S, 2], (-1, -1) = none)
   packed into `num_lanes` lanes, so the page copy gathers that many blocks per layer,
@@ -179,54 +174,6 @@ def _lanes(mask, num_lanes: int):
   S (out of range: gathers clamp, `.at[...].set(mode="drop")` drops). The host sizes
   the row bucket so that every sampled slot gets a lane."""
   return jnp.nonzero(mask, size=num_lanes, fill_value=mask.shape[0])[0].astype(_I32)
-
-
-def _sample_lanes(logits, lane_slot, inp: StepInputs, index_offset=0, all_greedy=False):
-  """Samples one token per lane (lane l: slot lane_slot[l], logits row l).
-
-  logits f32[R, V]; lane_slot i32[R]. Sampling is keyed per request (seed,
-  sample_index), so a slot draws the same token whatever lane or bucket it sits in.
-  Returns i32[R].
-  """
-  ls = jnp.clip(lane_slot, 0, inp.temperature.shape[0] - 1)
-  return sampling.sample(logits, inp.temperature[ls], inp.top_k[ls], inp.top_p[ls],
-                         inp.seed[ls], inp.sample_index[ls] + index_offset,
-                         all_greedy=all_greedy)
-
-
-def _tops_at(i, logits, lane_slot, keep, out_v, out_i):
-  """Decode iteration i's best alternatives into (f32[K, S, L], i32[K, S, L]): lane l
-  (logits row l, f32[R, V]) is slot lane_slot[l] (S = none); slots not in `keep`
-  (bool[S]) keep what they had. L = 0: nothing to do."""
-  s_max, num_top = out_v.shape[1], out_v.shape[2]
-  if num_top == 0:
-    return out_v, out_i
-  v, ids = sampling.top_logprobs(logits, num_top)
-  v = jnp.zeros((s_max, num_top), v.dtype).at[lane_slot].set(v, mode="drop")
-  ids = jnp.zeros((s_max, num_top), _I32).at[lane_slot].set(ids, mode="drop")
-  return (out_v.at[i].set(jnp.where(keep[:, None], v, out_v[i])),
-          out_i.at[i].set(jnp.where(keep[:, None], ids, out_i[i])))
-
-
-def _prompt_scores(logits, inp: StepInputs, token_row, row_slot, num_top: int):
-  """The StepOutputs' prompt_* fields: with L = num_top > 0, `logits` is every token's
-  (f32[T, V]) and each token with a target (`inp.target_tokens` >= 0, in a live row) gets
-  the target's log-probability, its position's best L alternatives and its (slot,
-  position); with L = 0 every field is empty ([0] / [0, 0])."""
-  if num_top == 0:
-    e = jnp.zeros((0,), _I32)
-    return dict(prompt_logprobs=jnp.zeros((0,), jnp.float32),
-                prompt_top_logprobs=jnp.zeros((0, 0), jnp.float32),
-                prompt_top_ids=jnp.zeros((0, 0), _I32), prompt_slot=e, prompt_pos=e)
-  tgt = inp.target_tokens
-  scored = (tgt >= 0) & (token_row >= 0)
-  slot = jnp.where(scored, row_slot[jnp.clip(token_row, 0, row_slot.shape[0] - 1)], -1)
-  scored = scored & (slot >= 0)
-  v, ids = sampling.top_logprobs(logits, num_top)
-  return dict(prompt_logprobs=jnp.where(scored, sampling.token_logprobs(
-      logits, jnp.maximum(tgt, 0)), 0.0), prompt_top_logprobs=v, prompt_top_ids=ids,
-              prompt_slot=jnp.where(scored, slot, -1),
-              prompt_pos=jnp.where(scored, inp.positions, -1))
 
 
 def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candidates: int,
@@ -247,15 +194,13 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
 
   Returns:
     step(params, state: EngineState, inputs: StepInputs, *, width=None,
-    decode_only=False, all_greedy=False, prefix_light=False, prefix_admit_only=False,
-    logprobs=False) ->
+    decode_only=False, all_greedy=False, prefix_light=False, logprobs=False) ->
     (EngineState, StepOutputs), jitted with `state` donated and the keywords static
     (`all_greedy`: every running request is greedy, so sampling is an argmax;
     `prefix_light`: with prefix caching, the host planned no free, fork, post-fork or
     admission, so the step leaves out the first release, the forks and their history
     copies, the lookup and `skip_hits`, all no-ops then but for the clock; eviction,
-    registration and the finished slots' release still run; `prefix_admit_only`: the
-    same without admission left out: the lookup and `skip_hits` run; `logprobs`: the
+    registration and the finished slots' release still run; `logprobs`: the
     model computes every token's logits, and the step reports the best MAX_LOGPROBS
     alternatives of each sampled token and each `target_tokens` entry's log-probability
     (`StepOutputs`): what requests with `SamplingParams.logprobs` / `prompt_logprobs`
@@ -267,7 +212,7 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
   """
 
   def step(params, state: EngineState, inp: StepInputs, width=None, decode_only=False,
-           all_greedy=False, prefix_light=False, prefix_admit_only=False, logprobs=False):
+           all_greedy=False, prefix_light=False, logprobs=False):
     TRACE_COUNT[name] += 1
     blocks, pages, ps = state.blocks, state.pages, state.prefix
     sb, spg = state.sliding_blocks, state.sliding_pages
@@ -278,13 +223,11 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     # 1-2. frees, beam forks (and prefix attach / eviction): these always stand.
     hits = jnp.zeros((s_max,), _I32)
     light = ps is not None and prefix_light   # no free, fork or admission: skip them
-    # No free or fork (maybe an admission): skip the first release and the fork copies.
-    quiet = light or (ps is not None and prefix_admit_only)
     if ps is None:
       b, _ = bm.free(blocks, inp.free_slots)
-    elif not quiet:
+    elif not light:
       ps, b = prefix_step.free(ps, blocks, inp.free_slots)
-    b = blocks if quiet else bm.fork(b, inp.fork_src, inp.fork_dst)[0]
+    b = blocks if light else bm.fork(b, inp.fork_src, inp.fork_dst)[0]
     if ps is not None and not light:
       ps, b, hits = prefix_step.attach(ps, b, inp.attach_slot, inp.attach_len,
                                        inp.attach_start, inp.attach_tokens, inp.attach_root,
@@ -336,7 +279,7 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
       meta = meta.replace(logits_indices=lax.iota(_I32, num_tokens))
     logits, pg, spg = _forward(apply_fn, params, inp.tokens, inp.positions, pg, spg, meta,
                                sliding_layers)                     # [R rows or T tokens, V]
-    scores = _prompt_scores(logits, inp, token_row, row_slot, num_top)
+    scores = decode.prompt_scores(logits, inp, token_row, row_slot, num_top)
     if logprobs:
       logits = logits[row_last]                                          # [R, V]
     sampled = (inp.sample_row >= 0) & ok
@@ -344,25 +287,17 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     lane_slot = _lanes(inp.sample_row >= 0, rows)
     lane_logits = logits[jnp.clip(inp.sample_row[jnp.clip(lane_slot, 0, s_max - 1)],
                                   0, rows - 1)]                          # [R lanes, V]
-    lane_tok = _sample_lanes(lane_logits, lane_slot, inp, all_greedy=all_greedy)
-    tok = jnp.zeros((s_max,), _I32).at[lane_slot].set(lane_tok, mode="drop")
-    tok = jnp.where(sampled, tok, 0)
-    lp = jnp.zeros((s_max,), jnp.float32).at[lane_slot].set(
-        sampling.token_logprobs(lane_logits, lane_tok), mode="drop")
-    lane_v, lane_i = sampling.top_logprobs(lane_logits, num_candidates)
-    topv = jnp.zeros((s_max, num_candidates), lane_v.dtype).at[lane_slot].set(lane_v,
-                                                                               mode="drop")
-    topi = jnp.zeros((s_max, num_candidates), _I32).at[lane_slot].set(lane_i, mode="drop")
-    out_tv, out_ti = _tops_at(0, lane_logits, lane_slot, sampled,
-                              jnp.zeros((k_steps, s_max, num_top), jnp.float32),
-                              jnp.zeros((k_steps, s_max, num_top), _I32))
+    decoded = decode.Decoded.empty(k_steps, s_max, num_top)
+    tok, decoded = decode.sample_iteration(0, lane_logits, lane_slot, sampled,
+                                           jnp.zeros_like(inp.sample_row), inp, decoded,
+                                           all_greedy)
+    # Beam candidates: the first iteration's C best per sampled slot.
+    topv, topi = decode.scatter_lanes(sampling.top_logprobs(lane_logits, num_candidates),
+                                      lane_slot, s_max)
     b, _ = bm.fork(b, jnp.where(ok, inp.post_fork_src, -1), inp.post_fork_dst)
     if sb is not None:
       sb, _ = bm.fork(sb, jnp.where(ok, inp.post_fork_src, -1), inp.post_fork_dst)
-    out_tokens = jnp.zeros((k_steps, s_max), _I32).at[0].set(tok)
-    out_valid = jnp.zeros((k_steps, s_max), jnp.bool_).at[0].set(sampled)
-    out_lp = jnp.zeros((k_steps, s_max), jnp.float32).at[0].set(jnp.where(sampled, lp, 0.0))
-    done = sampled & inp.multi_step & _finished(tok, inp.remaining, inp.stop_ids)
+    done = sampled & inp.multi_step & decode.finished(tok, inp.remaining, inp.stop_ids)
     cont = sampled & inp.multi_step & ~done
     oob = jnp.zeros((), jnp.bool_)
     copies = jnp.sum(cow[:, 0] >= 0).astype(_I32)
@@ -373,8 +308,7 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
       # host every iteration (tests/gpu_compile_model_test.py). Iterations after every
       # slot finished run on no live row: nothing is written or sampled.
       def body(i, carry):
-        (b_cur, pg_cur, sb_cur, spg_cur, last, cont, out_t, out_v, out_l, out_tv, out_ti,
-         oob_before, copies, done) = carry
+        b_cur, pg_cur, sb_cur, spg_cur, last, cont, decoded, oob_before, copies, done = carry
         cont = cont & ~oob_before        # out of blocks once: the loop is over
         b_new, st, cow_i = bm.append(b_cur, cont, 1)
         sb_new = cow_si = None
@@ -404,32 +338,22 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
                          width, True)
         logits, pg2, spg2 = _forward(apply_fn, params, last[rs], positions, pg2, spg2, meta,
                                      sliding_layers)                     # [R, V]
-        new_rows = _sample_lanes(logits, row_slot, inp, index_offset=i, all_greedy=all_greedy)
-        new = last.at[jnp.where(row_live, order, s_max)].set(new_rows, mode="drop")
-        new_lp = jnp.zeros((s_max,), jnp.float32).at[jnp.where(row_live, order, s_max)].set(
-            sampling.token_logprobs(logits, new_rows), mode="drop")
-        new = jnp.where(live, new, last)
-        fin = _finished(new, inp.remaining - i, inp.stop_ids)
-        out_t = out_t.at[i].set(jnp.where(live, new, out_t[i]))
-        out_v = out_v.at[i].set(live)
-        out_l = out_l.at[i].set(jnp.where(live, new_lp, out_l[i]))
-        out_tv, out_ti = _tops_at(i, logits, jnp.where(row_live, order, s_max), live,
-                                  out_tv, out_ti)
-        return (b_new, pg2, sb_new, spg2, new, live & ~fin, out_t, out_v, out_l, out_tv,
-                out_ti, oob_before | oob, copies, done | (live & fin))
+        new, decoded = decode.sample_iteration(i, logits, jnp.where(row_live, order, s_max),
+                                               live, last, inp, decoded, all_greedy)
+        fin = decode.finished(new, inp.remaining - i, inp.stop_ids)
+        return (b_new, pg2, sb_new, spg2, new, live & ~fin, decoded, oob_before | oob, copies,
+                done | (live & fin))
 
-      carry = (b, pg, sb, spg, tok, cont, out_tokens, out_valid, out_lp, out_tv, out_ti, oob,
-               copies, done)
-      (b, pg, sb, spg, _, _, out_tokens, out_valid, out_lp, out_tv, out_ti, oob, copies,
-       done) = lax.fori_loop(1, k_steps, body, carry)
+      carry = (b, pg, sb, spg, tok, cont, decoded, oob, copies, done)
+      b, pg, sb, spg, _, _, decoded, oob, copies, done = lax.fori_loop(1, k_steps, body, carry)
 
-    out = StepOutputs(ok=ok, status=status, tokens=out_tokens, valid=out_valid, logprobs=out_lp,
-                      topk_logprobs=topv, topk_ids=topi, num_free=b.num_free,
-                      loop_out_of_blocks=oob, available=b.num_free, hit_tokens=hits,
+    out = StepOutputs(ok=ok, status=status, tokens=decoded.tokens, valid=decoded.valid,
+                      logprobs=decoded.logprobs, topk_logprobs=topv, topk_ids=topi,
+                      num_free=b.num_free, loop_out_of_blocks=oob, available=b.num_free, hit_tokens=hits,
                       num_evictable=jnp.zeros((), _I32), prefix_hit_blocks=jnp.zeros((), _I32),
                       prefix_query_blocks=jnp.zeros((), _I32), sole_blocks=sole_blocks(b),
                       cow_copies=copies, finished=done, sliding_free=jnp.zeros((), _I32),
-                      top_logprobs=out_tv, top_ids=out_ti, **scores)
+                      top_logprobs=decoded.top_logprobs, top_ids=decoded.top_ids, **scores)
     # 8-9. registration of newly full blocks (masked when not ok), then the finished
     # sequences' frees: with caching their full blocks stay cached, evictable. Finished
     # slots are sampled slots, at most R: the free runs on R lanes (S pads them).
@@ -442,7 +366,7 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
       b, _ = bm.free(b, done_slots)
       out = out.replace(num_free=b.num_free, available=b.num_free, sole_blocks=sole_blocks(b))
     else:
-      ps, b, _ = prefix_step.after(ps, b, inp, out, max_items=max_evict, forks=not quiet)
+      ps, b, _ = prefix_step.after(ps, b, inp, out, max_items=max_evict, forks=not light)
       # The finished slots are rows: their blocks fit the step's width bucket.
       ps, b = prefix_step.free(ps, b, done_slots, num_cols=width or 0)
       evictable = prefix_core.num_evictable(ps.cache, b)
@@ -456,4 +380,4 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
   if not jit:
     return step
   return jax.jit(step, donate_argnums=(1,), static_argnames=(
-      "width", "decode_only", "all_greedy", "prefix_light", "prefix_admit_only", "logprobs"))
+      "width", "decode_only", "all_greedy", "prefix_light", "logprobs"))
