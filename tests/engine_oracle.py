@@ -31,12 +31,19 @@ PARAMS = peaked_params()
 _FWD = jax.jit(lambda p, t: dense.forward(p, MC, t))
 
 
-def dense_logprobs(params, ids):
-  """f64[VOCAB] next-token log-probabilities after `ids` (len <= ORACLE_LEN)."""
+def dense_logprobs_all(params, ids):
+  """f64[len(ids), VOCAB]: row i holds the next-token log-probabilities after ids[:i + 1]
+  (len(ids) <= ORACLE_LEN), from one dense forward."""
   buf = np.zeros((ORACLE_LEN,), np.int32)
   buf[:len(ids)] = ids
-  logits = np.asarray(_FWD(params, buf), np.float64)[len(ids) - 1]
-  return logits - np.log(np.sum(np.exp(logits - logits.max()))) - logits.max()
+  logits = np.asarray(_FWD(params, buf), np.float64)[:len(ids)]
+  m = logits.max(axis=-1, keepdims=True)
+  return logits - m - np.log(np.sum(np.exp(logits - m), axis=-1, keepdims=True))
+
+
+def dense_logprobs(params, ids):
+  """f64[VOCAB] next-token log-probabilities after `ids` (len <= ORACLE_LEN)."""
+  return dense_logprobs_all(params, ids)[-1]
 
 
 def dense_greedy(params, prompt, max_tokens, stop=()):

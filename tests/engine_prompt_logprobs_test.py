@@ -10,7 +10,7 @@ import pytest
 
 from paged_jax.engine import SamplingParams
 
-from engine_oracle import PARAMS, VOCAB, dense_logprobs, oracle_engine
+from engine_oracle import PARAMS, VOCAB, dense_logprobs_all, oracle_engine
 
 TOL = 1e-4   # f32 paged forward vs the f64 read of the dense one
 
@@ -19,8 +19,9 @@ def check_prompt(prompt, out, k):
   """Every prompt position's log-probability and top-k ids equal the oracle's."""
   assert len(out.prompt_logprobs) == len(prompt) == len(out.prompt_top_logprobs)
   assert out.prompt_logprobs[0] is None and out.prompt_top_logprobs[0] is None
+  refs = dense_logprobs_all(PARAMS, prompt)
   for i in range(1, len(prompt)):
-    ref = dense_logprobs(PARAMS, prompt[:i])
+    ref = refs[i - 1]
     assert abs(out.prompt_logprobs[i] - ref[prompt[i]]) < TOL, i
     top = out.prompt_top_logprobs[i]
     assert [t for t, _ in top] == list(np.argsort(-ref, kind="stable")[:k]), i
@@ -32,9 +33,9 @@ def check_generated(prompt, out, k):
   assert len(out.top_logprobs) == len(out.outputs)
   for ids, lps, tops in zip(out.outputs, out.logprobs, out.top_logprobs):
     assert len(lps) == len(tops) == len(ids)
-    full = list(prompt) + list(ids)
+    refs = dense_logprobs_all(PARAMS, list(prompt) + list(ids))
     for j, tok in enumerate(ids):
-      ref = dense_logprobs(PARAMS, full[:len(prompt) + j])
+      ref = refs[len(prompt) + j - 1]
       assert abs(lps[j] - ref[tok]) < TOL
       assert [t for t, _ in tops[j]] == list(np.argsort(-ref, kind="stable")[:k])
 
@@ -99,8 +100,9 @@ def test_parallel_samples_report_per_sample_under_preemption(mode):
   for p, out in zip(prompts, outs):
     assert all(x == [] for x in out.prompt_top_logprobs[1:])   # k = 0: no alternatives
     check_generated(p, out, 2)
+    refs = dense_logprobs_all(PARAMS, p)
     for i in range(1, len(p)):
-      assert abs(out.prompt_logprobs[i] - dense_logprobs(PARAMS, p[:i])[p[i]]) < TOL
+      assert abs(out.prompt_logprobs[i] - refs[i - 1][p[i]]) < TOL
 
 
 def test_bad_values_are_one_line_errors():

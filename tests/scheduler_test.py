@@ -78,7 +78,7 @@ def run_step(sched, dev, log, report_sole=True, batch=None, fail=False):
       logprobs=np.zeros((1, s), np.float32),
       finished=np.zeros((s,), bool), hit_tokens=np.zeros((s,), np.int32),
       loop_out_of_blocks=False, prefix_hit_blocks=0, prefix_query_blocks=0, num_evictable=0,
-      sliding_free=0)
+      sliding_free=0, prompt_pos=np.zeros((0,), np.int32))   # no step scores a prompt
   if not fail:
     for ch in batch.chunks:
       assert ch.allocate == (ch.slot not in dev.lens)

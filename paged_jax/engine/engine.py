@@ -28,7 +28,7 @@ import collections
 import functools
 import logging
 import time
-from typing import Any, Dict, List, Optional, Sequence as Seq, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence as Seq, Union
 
 import jax
 
@@ -43,7 +43,8 @@ from paged_jax.engine.options import EngineOptions
 from paged_jax.engine.params import RequestOutput, SamplingParams
 from paged_jax.engine.requests import prepare_group
 from paged_jax.engine.commit import sigint_deferred
-from paged_jax.engine.scheduler import Scheduler, request_output
+from paged_jax.engine.scheduler import Scheduler
+from paged_jax.engine.update import request_output
 from paged_jax.engine.sequence import Batch, DeviceCounts, Group
 from paged_jax.engine.packing import fetch
 from paged_jax.engine.step import EngineState, init_state as default_init_state
