@@ -41,13 +41,16 @@ allocations and copy-on-write copies, which run on R lanes (every reserving or f
 slot is a row). Frees, appends' planning and the outputs stay slot-wide. The step
 traces once per bucket; `TRACE_COUNT` counts traces for the no-retracing tests.
 
-Hybrid KV (`CacheConfig.sliding_layers`): the sliding-window layers' pool has its own
-BlockState (`state.sliding_blocks`) that takes every free, fork, reservation and decode-loop
-append the main one does (same slots, same lengths; a reservation fails if either pool's
-does, and then neither changes), its own copy-on-write pairs and metadata
-(`AttentionMetadata.sliding`), and at the end of the step gives back the blocks that slid
-out of every window (`block_window.release_out_of_window`). The host plans with the main
-pool's counts only: the engine sizes the sliding pool so it cannot run short.
+KV groups: the step holds its pools as a list (`bs` BlockStates, `pgs` pages): the
+full-attention group first (the one the prefix cache works on), then, with hybrid KV
+(`CacheConfig.sliding_layers`), the sliding-window layers' group (`state.sliding_blocks`
+/ `sliding_pages`). Every free, fork, reservation and decode-loop append runs on each
+group alike (same slots, same lengths; a reservation fails if any group's does, and then
+none changes), each with its own copy-on-write pairs and metadata
+(`AttentionMetadata.sliding`); at the end of the step a windowed group gives back the
+blocks that slid out of every window (`block_window.release_out_of_window`). The host
+plans with the full-attention group's counts only: the engine sizes the sliding pool so
+it cannot run short. (vLLM v1's KVCacheCoordinator over per-type managers is the model.)
 """
 
 from __future__ import annotations
@@ -117,28 +120,37 @@ def build_metadata(blocks: bm.BlockState, row_slot, row_q_len, token_row, positi
       logits_indices=jnp.maximum(cu[1:] - 1, 0))
 
 
-def _metadata(b, sb, row_slot, row_q_len, token_row, positions, width, decode_only):
-  """The step's AttentionMetadata; with hybrid KV (`sb`, the sliding pool's BlockState)
-  its `sliding` part reads that pool's tables (released entries as block 0)."""
-  meta = build_metadata(b, row_slot, row_q_len, token_row, positions,
+def _metadata(bs, row_slot, row_q_len, token_row, positions, width, decode_only):
+  """The step's AttentionMetadata over the KV groups `bs` (BlockStates, the full-attention
+  group first); with hybrid KV its `sliding` part reads the windowed group's tables
+  (released entries as block 0)."""
+  meta = build_metadata(bs[0], row_slot, row_q_len, token_row, positions,
                         width).replace(decode_only=decode_only)
-  if sb is None:
+  if len(bs) == 1:
     return meta
-  sm = build_metadata(sb, row_slot, row_q_len, token_row, positions, width)
+  sm = build_metadata(bs[1], row_slot, row_q_len, token_row, positions, width)
   sm = sm.replace(block_tables=block_window.attention_tables(sm.block_tables),
                   decode_only=decode_only)
   return meta.replace(sliding=sm)
 
 
-def _forward(apply_fn, params, tokens, positions, pg, spg, meta, sliding_layers):
-  """(logits, main pages, sliding pages) of one forward; with hybrid KV the model gets
-  both pools as one `kv_cache.HybridPages`."""
-  if spg is None:
-    logits, pg = apply_fn(params, tokens, positions, pg, meta)
-    return logits, pg, None
-  pages = kv_cache.HybridPages(full=pg, sliding=spg, sliding_layers=sliding_layers)
+def _forward(apply_fn, params, tokens, positions, pgs, meta, sliding_layers):
+  """(logits, the groups' pages) of one forward; with hybrid KV the model gets both
+  groups' pages as one `kv_cache.HybridPages`."""
+  if len(pgs) == 1:
+    logits, pg = apply_fn(params, tokens, positions, pgs[0], meta)
+    return logits, [pg]
+  pages = kv_cache.HybridPages(full=pgs[0], sliding=pgs[1], sliding_layers=sliding_layers)
   logits, pages = apply_fn(params, tokens, positions, pages, meta)
-  return logits, pages.full, pages.sliding
+  return logits, [pages.full, pages.sliding]
+
+
+def _first_failure(statuses):
+  """i32[S]: per slot, the first group's status that is not OK (OK if none)."""
+  out = statuses[-1]
+  for st in statuses[-2::-1]:
+    out = jnp.where(st == OK, out, st)
+  return out
 
 
 def _reserve(b: bm.BlockState, inp: StepInputs, alloc_lane, num_tokens: int):
@@ -214,21 +226,30 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
   def step(params, state: EngineState, inp: StepInputs, width=None, decode_only=False,
            all_greedy=False, prefix_light=False, logprobs=False):
     TRACE_COUNT[name] += 1
-    blocks, pages, ps = state.blocks, state.pages, state.prefix
-    sb, spg = state.sliding_blocks, state.sliding_pages
-    s_max = blocks.max_seqs
+    ps = state.prefix
+    # The KV groups, as lists: [0] the full-attention pool (the prefix cache's), then, with
+    # hybrid KV, the sliding-window one. Every block op below runs on each group alike;
+    # only the prefix cache's ops (group 0) and the end-of-step release rule differ.
+    bs, pgs = [state.blocks], [state.pages]
+    if state.sliding_blocks is not None:
+      bs, pgs = bs + [state.sliding_blocks], pgs + [state.sliding_pages]
+    windows = [0] + [sliding_window] * (len(bs) - 1)   # 0: keeps every block
+    s_max = bs[0].max_seqs
     check_inputs(inp, s_max)
     rows = inp.row_slot.shape[0]          # R: row bucket (live rows and sampled slots)
 
     # 1-2. frees, beam forks (and prefix attach / eviction): these always stand.
     hits = jnp.zeros((s_max,), _I32)
     light = ps is not None and prefix_light   # no free, fork or admission: skip them
+    free_fork = lambda b: bm.fork(bm.free(b, inp.free_slots)[0], inp.fork_src,
+                                  inp.fork_dst)[0]
     if ps is None:
-      b, _ = bm.free(blocks, inp.free_slots)
-    elif not light:
-      ps, b = prefix_step.free(ps, blocks, inp.free_slots)
-    b = blocks if light else bm.fork(b, inp.fork_src, inp.fork_dst)[0]
-    if ps is not None and not light:
+      b = free_fork(bs[0])
+    elif light:
+      b = bs[0]
+    else:
+      ps, b = prefix_step.free(ps, bs[0], inp.free_slots)
+      b = bm.fork(b, inp.fork_src, inp.fork_dst)[0]
       ps, b, hits = prefix_step.attach(ps, b, inp.attach_slot, inp.attach_len,
                                        inp.attach_start, inp.attach_tokens, inp.attach_root,
                                        inp.attach_tag)
@@ -236,49 +257,41 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     if ps is not None:
       ps, b = prefix_step.evict_for(ps, b, inp, num_decode_steps=num_decode_steps,
                                     max_evict=max_evict)
-    blocks = b
-    if sb is not None:
-      sb, _ = bm.free(sb, inp.free_slots)
-      sb, _ = bm.fork(sb, inp.fork_src, inp.fork_dst)
-    sliding_before = sb
-    # 3. reservations. Every reserving slot is one of the step's rows, so allocations
-    # run on R lanes and the copy-on-write pairs fit R lanes; a plan with more
-    # reserving slots than R is refused whole (INVALID), never cut short. A chunk
+    bs = [b] + [free_fork(x) for x in bs[1:]]
+    before = bs
+    # 3. reservations, the same in every group (a reservation fails if any group's
+    # does, and then none changes). Every reserving slot is one of the step's rows, so
+    # allocations run on R lanes and the copy-on-write pairs fit R lanes; a plan with
+    # more reserving slots than R is refused whole (INVALID), never cut short. A chunk
     # has at most T tokens: that static bound narrows both ops' pop windows.
     num_tokens = inp.tokens.shape[0]
     alloc = inp.alloc_tokens > 0
     grow = inp.append_tokens > 0
     alloc_lane = _lanes(alloc, rows)
-    b, status, cow = _reserve(b, inp, alloc_lane, num_tokens)
-    cow_s = None
-    if sb is not None:   # the same reservations in the sliding pool
-      sb, st_s, cow_s = _reserve(sb, inp, alloc_lane, num_tokens)
-      status = jnp.where(status == OK, st_s, status)
+    bs, statuses, cows = zip(*[_reserve(x, inp, alloc_lane, num_tokens) for x in bs])
+    status = _first_failure(statuses)
     status = jnp.where((alloc | grow) & (jnp.sum(alloc | grow) > rows), INVALID, status)
     ok = jnp.all(status == OK)
 
     # A failed reservation must leave the state unchanged. Rather than a lax.cond
     # around the model (XLA then copies the donated KV pages every step: measured
     # 3 -> 94 ms/step going from 144 to 4096 blocks on CPU), the step is masked:
-    # the old (small) BlockState is selected, no row attends, no K/V is written.
-    b = _select(ok, b, blocks)
-    cow = jnp.where(ok, cow, -1)
-    if sb is not None:
-      sb = _select(ok, sb, sliding_before)
-      spg = kv_cache.copy_blocks(spg, _cow_lanes(jnp.where(ok, cow_s, -1), rows))
+    # the old (small) BlockStates are selected, no row attends, no K/V is written.
+    bs = [_select(ok, x, y) for x, y in zip(bs, before)]
+    cows = [jnp.where(ok, c, -1) for c in cows]
+    pgs = [kv_cache.copy_blocks(p, _cow_lanes(c, rows)) for p, c in zip(pgs, cows)]
     row_slot = jnp.where(ok, inp.row_slot, -1)
     token_row = jnp.where(ok, inp.token_row, -1)
     k_steps = num_decode_steps
 
-    pg = kv_cache.copy_blocks(pages, _cow_lanes(cow, rows))
-    meta = _metadata(b, sb, row_slot, inp.row_q_len, token_row, inp.positions, width,
+    meta = _metadata(bs, row_slot, inp.row_q_len, token_row, inp.positions, width,
                      decode_only)
     num_top = MAX_LOGPROBS if logprobs else 0                            # L
     row_last = meta.logits_indices                                       # [R]
     if logprobs:   # every token's logits (scores); each row samples from its last's
       meta = meta.replace(logits_indices=lax.iota(_I32, num_tokens))
-    logits, pg, spg = _forward(apply_fn, params, inp.tokens, inp.positions, pg, spg, meta,
-                               sliding_layers)                     # [R rows or T tokens, V]
+    logits, pgs = _forward(apply_fn, params, inp.tokens, inp.positions, pgs, meta,
+                           sliding_layers)                         # [R rows or T tokens, V]
     scores = decode.prompt_scores(logits, inp, token_row, row_slot, num_top)
     if logprobs:
       logits = logits[row_last]                                          # [R, V]
@@ -294,13 +307,11 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     # Beam candidates: the first iteration's C best per sampled slot.
     topv, topi = decode.scatter_lanes(sampling.top_logprobs(lane_logits, num_candidates),
                                       lane_slot, s_max)
-    b, _ = bm.fork(b, jnp.where(ok, inp.post_fork_src, -1), inp.post_fork_dst)
-    if sb is not None:
-      sb, _ = bm.fork(sb, jnp.where(ok, inp.post_fork_src, -1), inp.post_fork_dst)
+    bs = [bm.fork(x, jnp.where(ok, inp.post_fork_src, -1), inp.post_fork_dst)[0] for x in bs]
     done = sampled & inp.multi_step & decode.finished(tok, inp.remaining, inp.stop_ids)
     cont = sampled & inp.multi_step & ~done
     oob = jnp.zeros((), jnp.bool_)
-    copies = jnp.sum(cow[:, 0] >= 0).astype(_I32)
+    copies = jnp.sum(cows[0][:, 0] >= 0).astype(_I32)    # the full-attention group's
 
     if k_steps > 1:
       # A fixed trip count (k - 1 iterations, finished / out-of-blocks slots masked):
@@ -308,60 +319,54 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
       # host every iteration (tests/gpu_compile_model_test.py). Iterations after every
       # slot finished run on no live row: nothing is written or sampled.
       def body(i, carry):
-        b_cur, pg_cur, sb_cur, spg_cur, last, cont, decoded, oob_before, copies, done = carry
+        bs_cur, pgs_cur, last, cont, decoded, oob_before, copies, done = carry
         cont = cont & ~oob_before        # out of blocks once: the loop is over
-        b_new, st, cow_i = bm.append(b_cur, cont, 1)
-        sb_new = cow_si = None
-        if sb_cur is not None:
-          sb_new, st_s, cow_si = bm.append(sb_cur, cont, 1)
-          st = jnp.where(st == OK, st_s, st)
-        oob = jnp.any(cont & (st != OK))
+        bs_new, statuses, cows_i = zip(*[bm.append(x, cont, 1) for x in bs_cur])
+        oob = jnp.any(cont & (_first_failure(statuses) != OK))
         live = cont & ~oob               # out of blocks: this iteration does nothing
-        b_new = _select(oob, b_cur, b_new)
-        cow_i = jnp.where(live[:, None], cow_i, -1)
-        spg2 = spg_cur
-        if sb_cur is not None:
-          sb_new = _select(oob, sb_cur, sb_new)
-          spg2 = kv_cache.copy_blocks(spg_cur, _cow_lanes(
-              jnp.where(live[:, None], cow_si, -1), rows))
-        copies = copies + jnp.sum(cow_i[:, 0] >= 0).astype(_I32)
+        bs_new = [_select(oob, x, y) for x, y in zip(bs_cur, bs_new)]
+        cows_i = [jnp.where(live[:, None], c, -1) for c in cows_i]
+        pgs_new = [kv_cache.copy_blocks(p, _cow_lanes(c, rows)) for p, c in zip(pgs_cur, cows_i)]
+        copies = copies + jnp.sum(cows_i[0][:, 0] >= 0).astype(_I32)
         # Pack the live slots into the first R rows, one token each (live slots are
         # sampled slots, at most R of them).
         order = jnp.argsort(~live, stable=True).astype(_I32)[:rows]
         row_live = live[order]
         row_slot = jnp.where(row_live, order, -1)
         rs = jnp.clip(row_slot, 0, s_max - 1)
-        positions = jnp.where(row_live, b_new.seq_lens[rs] - 1, 0)
+        positions = jnp.where(row_live, bs_new[0].seq_lens[rs] - 1, 0)
         token_row = jnp.where(row_live, lax.iota(_I32, rows), -1)
-        pg2 = kv_cache.copy_blocks(pg_cur, _cow_lanes(cow_i, rows))
-        meta = _metadata(b_new, sb_new, row_slot, row_live.astype(_I32), token_row, positions,
+        meta = _metadata(bs_new, row_slot, row_live.astype(_I32), token_row, positions,
                          width, True)
-        logits, pg2, spg2 = _forward(apply_fn, params, last[rs], positions, pg2, spg2, meta,
-                                     sliding_layers)                     # [R, V]
+        logits, pgs_new = _forward(apply_fn, params, last[rs], positions, pgs_new, meta,
+                                   sliding_layers)                       # [R, V]
         new, decoded = decode.sample_iteration(i, logits, jnp.where(row_live, order, s_max),
                                                live, last, inp, decoded, all_greedy)
         fin = decode.finished(new, inp.remaining - i, inp.stop_ids)
-        return (b_new, pg2, sb_new, spg2, new, live & ~fin, decoded, oob_before | oob, copies,
+        return (bs_new, pgs_new, new, live & ~fin, decoded, oob_before | oob, copies,
                 done | (live & fin))
 
-      carry = (b, pg, sb, spg, tok, cont, decoded, oob, copies, done)
-      b, pg, sb, spg, _, _, decoded, oob, copies, done = lax.fori_loop(1, k_steps, body, carry)
+      carry = (bs, pgs, tok, cont, decoded, oob, copies, done)
+      bs, pgs, _, _, decoded, oob, copies, done = lax.fori_loop(1, k_steps, body, carry)
 
     out = StepOutputs(ok=ok, status=status, tokens=decoded.tokens, valid=decoded.valid,
                       logprobs=decoded.logprobs, topk_logprobs=topv, topk_ids=topi,
-                      num_free=b.num_free, loop_out_of_blocks=oob, available=b.num_free, hit_tokens=hits,
+                      num_free=bs[0].num_free, loop_out_of_blocks=oob,
+                      available=bs[0].num_free, hit_tokens=hits,
                       num_evictable=jnp.zeros((), _I32), prefix_hit_blocks=jnp.zeros((), _I32),
-                      prefix_query_blocks=jnp.zeros((), _I32), sole_blocks=sole_blocks(b),
+                      prefix_query_blocks=jnp.zeros((), _I32), sole_blocks=sole_blocks(bs[0]),
                       cow_copies=copies, finished=done, sliding_free=jnp.zeros((), _I32),
                       top_logprobs=decoded.top_logprobs, top_ids=decoded.top_ids, **scores)
     # 8-9. registration of newly full blocks (masked when not ok), then the finished
     # sequences' frees: with caching their full blocks stay cached, evictable. Finished
-    # slots are sampled slots, at most R: the free runs on R lanes (S pads them).
+    # slots are sampled slots, at most R: the free runs on R lanes (S pads them). A
+    # windowed group first gives back the blocks that slid out of every window.
     done_slots = _lanes(done, rows)
-    if sb is not None:
-      sb = block_window.release_out_of_window(sb, sliding_window)
-      sb, _ = bm.free(sb, done_slots)
-      out = out.replace(sliding_free=sb.num_free)
+    bs = [bs[0]] + [bm.free(block_window.release_out_of_window(x, w), done_slots)[0]
+                    for x, w in zip(bs[1:], windows[1:])]
+    if len(bs) > 1:
+      out = out.replace(sliding_free=bs[1].num_free)
+    b = bs[0]
     if ps is None:
       b, _ = bm.free(b, done_slots)
       out = out.replace(num_free=b.num_free, available=b.num_free, sole_blocks=sole_blocks(b))
@@ -374,8 +379,10 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
                         num_evictable=evictable, prefix_hit_blocks=ps.cache.hit_blocks,
                         prefix_query_blocks=ps.cache.query_blocks,
                         sole_blocks=sole_blocks(b, ps.cache.cached))
-    return EngineState(blocks=b, pages=pg, prefix=ps, sliding_blocks=sb,
-                       sliding_pages=spg), out
+    hybrid = len(bs) > 1
+    return EngineState(blocks=b, pages=pgs[0], prefix=ps,
+                       sliding_blocks=bs[1] if hybrid else None,
+                       sliding_pages=pgs[1] if hybrid else None), out
 
   if not jit:
     return step
