@@ -392,21 +392,8 @@ class Engine:
 
   def metrics(self) -> Dict[str, Any]:
     """KV usage, queues and prefix-cache hits as of the last step (no device work);
-    exact: a returned request's blocks count as free or evictable."""
-    s, c = self.scheduler, self.scheduler.counts
-    return {"num_blocks": self.cache_config.num_blocks, "num_free_blocks": c.num_free,
-            "num_evictable_blocks": c.num_evictable, "num_running": len(s.running),
-            "num_waiting": len(s.waiting), "num_swapped": len(s.swapped),
-            "num_preemptions": s.num_preemptions, "num_swaps": s.num_swaps,
-            "prefix_hit_blocks": c.prefix_hit_blocks,
-            "prefix_query_blocks": c.prefix_query_blocks,
-            "prefix_hit_rate": (c.prefix_hit_blocks / c.prefix_query_blocks
-                                if c.prefix_query_blocks else 0.0),
-            "prefix_hit_tokens": self.stats["prefix_hit_tokens"],
-            "prefill_tokens": self.stats["prefill_tokens"],
-            "steps": self.stats["steps"], "generated_tokens": self.stats["generated_tokens"],
-            **({"num_sliding_blocks": self.cache_config.num_sliding_blocks,
-                "num_free_sliding_blocks": c.sliding_free} if self.cache_config.hybrid else {})}
+    exact: a returned request's blocks count as free or evictable (`report.metrics`)."""
+    return report_lib.metrics(self.scheduler, self.cache_config, self.stats)
 
   def prefix_stats(self) -> Dict[str, float]:
     """Prefix-cache counters read from the device (one sync): hit / query blocks,

@@ -132,3 +132,24 @@ class Before:
         cow_copies=int(outputs.cow_copies),
         decode_loop_rows=tuple(int(v) for v in np.asarray(outputs.valid)[1:].sum(axis=1))
         if ok else ())
+
+
+def metrics(sched, cache_config, stats) -> Dict[str, Any]:
+  """`Engine.metrics()`: the scheduler's queues and the device counts of the last step
+  (`sched.counts`), with the engine's host counters `stats`; no device work."""
+  c = sched.counts
+  out = {"num_blocks": cache_config.num_blocks, "num_free_blocks": c.num_free,
+         "num_evictable_blocks": c.num_evictable, "num_running": len(sched.running),
+         "num_waiting": len(sched.waiting), "num_swapped": len(sched.swapped),
+         "num_preemptions": sched.num_preemptions, "num_swaps": sched.num_swaps,
+         "prefix_hit_blocks": c.prefix_hit_blocks,
+         "prefix_query_blocks": c.prefix_query_blocks,
+         "prefix_hit_rate": (c.prefix_hit_blocks / c.prefix_query_blocks
+                             if c.prefix_query_blocks else 0.0),
+         "prefix_hit_tokens": stats["prefix_hit_tokens"],
+         "prefill_tokens": stats["prefill_tokens"],
+         "steps": stats["steps"], "generated_tokens": stats["generated_tokens"]}
+  if cache_config.hybrid:
+    out.update(num_sliding_blocks=cache_config.num_sliding_blocks,
+               num_free_sliding_blocks=c.sliding_free)
+  return out
