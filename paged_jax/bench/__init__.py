@@ -25,7 +25,6 @@ Not part of the serving path: nothing under `paged_jax.engine` imports it.
   prefix_blocks   prefix-cache hit rates and lookup / eviction costs, block level
   prefix_serving  prefix caching on vs off on the same engine and requests
   block_manager_timing  jitted block bookkeeping vs a host-side Python allocator
-  host_overhead   host work per token: in-jit allocation vs a Python allocator
   hf_peer         paged_jax beside transformers' continuous batching (optional extra)
   tp_scaling      tensor-parallel KV memory per device, served and timed
   tpu_step_compile  the engine step compiled for TPU topologies (libtpu, deviceless)
