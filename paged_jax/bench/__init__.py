@@ -26,5 +26,4 @@ Not part of the serving path: nothing under `paged_jax.engine` imports it.
   prefix_serving  prefix caching on vs off on the same engine and requests
   block_manager_timing  jitted block bookkeeping vs a host-side Python allocator
   hf_peer         paged_jax beside transformers' continuous batching (optional extra)
-  tpu_step_compile  the engine step compiled for TPU topologies (libtpu, deviceless)
 """
