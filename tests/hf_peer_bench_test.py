@@ -1,4 +1,4 @@
-"""experiments/hf_peer_bench and paged_jax.bench.hf_peer: paged_jax vs transformers'
+"""experiments/hf_peer_bench and experiments/hf_peer: paged_jax vs transformers'
 continuous batching.
 
 The engine-vs-engine cases skip when the benchmark-only extras (torch, transformers;
@@ -10,9 +10,9 @@ on the same fp32 weights must match paged_jax's token for token.
 import numpy as np
 import pytest
 
+from experiments import hf_peer
 from experiments import hf_peer_bench
 from paged_jax import tokenizer
-from paged_jax.bench import hf_peer
 from paged_jax.models import DEFAULT_CHECKPOINT
 
 MAX_NEW = 12

@@ -24,5 +24,4 @@ Not part of the serving path: nothing under `paged_jax.engine` imports it.
   step_costs      attention call, decode step, preemption costs; a step-cost fit
   prefix_blocks   prefix-cache hit rates and lookup / eviction costs, block level
   prefix_serving  prefix caching on vs off on the same engine and requests
-  hf_peer         paged_jax beside transformers' continuous batching (optional extra)
 """
