@@ -26,9 +26,9 @@ import time
 from typing import Dict, List, Optional
 
 from experiments import common
+from experiments import paper_figures
 from experiments import serving_benchmark as sb
 from paged_jax.bench import latency
-from paged_jax.bench import paper_figures
 from paged_jax.bench import paper_scale
 from paged_jax.bench import sweep as serving_sweep
 from paged_jax.bench import task_graph
