@@ -80,11 +80,24 @@ def test_every_experiment_is_run_by_a_test_or_make_target():
   # An experiment is a module with a `__main__` block; the others are its parts (BUILD's
   # EXPERIMENT_HELPERS), run through it. A script no test runs breaks unseen when the
   # library moves under it (compile_maps imported a module that was gone).
-  apps = [n for n in EXPERIMENTS
-          if '__name__ == "__main__"' in (ROOT / "experiments" / f"{n}.py").read_text()]
-  assert {"generate", "demo", "compile_maps"} <= set(apps)
-  unrun = [n for n in apps if not _runners(n)]
+  assert {"generate", "demo", "compile_maps"} <= set(_apps())
+  unrun = [n for n in _apps() if not _runners(n)]
   assert not unrun, f"experiments no test or make target runs: {unrun}"
+
+
+def _apps():
+  """The experiments: modules of experiments/ with an `if __name__ == "__main__":` block."""
+  main = re.compile(r'^if __name__ == "__main__":', re.M)
+  return [n for n in EXPERIMENTS if main.search((ROOT / "experiments" / f"{n}.py").read_text())]
+
+
+def test_build_helpers_are_the_modules_without_a_main():
+  # BUILD makes a py_binary of every other module: a part listed there as a binary, or an
+  # app listed as a helper (no binary), is a mistake.
+  build = (ROOT / "experiments" / "BUILD").read_text()
+  listed = re.search(r"EXPERIMENT_HELPERS = \[(.*?)\]", build, re.S).group(1)
+  helpers = sorted(n[:-len(".py")] for n in re.findall(r'"(\w+\.py)"', listed))
+  assert helpers == sorted(set(EXPERIMENTS) - set(_apps()))
 
 
 def test_probe_detects_a_global_flag_definition(tmp_path):
