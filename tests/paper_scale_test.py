@@ -221,7 +221,7 @@ def test_parts_wait_for_the_panels_this_run_makes_and_read_the_others():
   every = parts.tasks(ps.Config(), {})
   assert len(every) == 6 + 2 + 6 + 2 + 18 + 6
   assert all(t.name in parts.PART_COST_S for t in every)
-  from paged_jax.bench import task_graph
+  from experiments import task_graph
   first = task_graph.simulate(every, 2)["order"][:2]
   assert {o[0] for o in first} == {"fig12/opt-175b-sharegpt", "fig12/opt-13b-sharegpt"}
 

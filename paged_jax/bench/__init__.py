@@ -14,7 +14,6 @@ Not part of the serving path: nothing under `paged_jax.engine` imports it.
   latency         normalized latency, TTFT / TPOT percentiles, the max rate under an SLO
   rate_search     each system's rate at the SLO found by bracketing and bisection
   paper_scale     the paper's deployments: stand-in engine, model clock, KV budget
-  task_graph      independent parts of a long experiment in spawned worker processes
   calibration     step-time recordings for fitting the device-time model
   validation      a measured sweep beside its prediction: medians, censoring, errors
   memory          where the KV budget goes (utilization, fragmentation, sharing, tables)
