@@ -219,15 +219,11 @@ HEADERS = ["case", "attention", "pool MiB/chip", "temp MiB", "largest temp MiB",
            "% of pool", "largest temp", "aliased MiB", "VMEM MiB", "compile s"]
 
 
-def _mib(x):
-  return None if x is None else round(x / 2**20, 2)
-
-
 def _cells(row):
-  return [row["case"], row["attention"], _mib(row["pool_bytes"]), _mib(row["temp_bytes"]),
-          _mib(row["largest_temp_bytes"]), f"{100 * row['largest_temp_over_pool']:.2f}",
-          re.sub(r"\{[^{}]*\}", "", row["largest_temp"] or ""), _mib(row["alias_bytes"]),
-          _mib(row["max_vmem_bytes"]), row["compile_s"]]
+  return [row["case"], row["attention"], common.mib(row["pool_bytes"]), common.mib(row["temp_bytes"]),
+          common.mib(row["largest_temp_bytes"]), f"{100 * row['largest_temp_over_pool']:.2f}",
+          re.sub(r"\{[^{}]*\}", "", row["largest_temp"] or ""), common.mib(row["alias_bytes"]),
+          common.mib(row["max_vmem_bytes"]), row["compile_s"]]
 
 
 def summary_rows(result) -> list:
@@ -239,16 +235,9 @@ def main(config, out):
   reason = compile_target.unavailable_reason()
   if reason is not None:
     raise ValueError(reason)
-  rows, failures = [], []
-  for case in common.progress(cases(config), desc="engine compiles"):
-    try:
-      row = measure(case)
-    except Exception as e:  # pylint: disable=broad-except
-      failures.append({"case": case.name, "error": common.one_line(e)[:500]})
-      print(f"FAILED {case.name}: {failures[-1]['error']}")
-      continue
+  rows, failures = common.compile_each(cases(config), measure, desc="engine compiles")
+  for row in rows:
     row["under_1pct_of_pool"] = row["largest_temp_bytes"] < row["pool_bytes"] / 100
-    rows.append(row)
   from importlib import metadata  # pylint: disable=g-import-not-at-top
   result = dict(common.run_metadata(config),
                 target={"chips": list(config.chips), "jax": jax.__version__,
