@@ -1,6 +1,8 @@
 """The measuring harness: what the experiments drive the engine with, and what they time.
 
-Not part of the serving path: nothing under `paged_jax.engine` imports it.
+Not part of the serving path: nothing under `paged_jax.engine` imports it. What only one
+experiment uses lives beside that experiment in experiments/ (its runners, figures,
+scheduler), not here.
 
   scale           HarnessScale: the sizes engine experiments run at (TINY: the CPU model)
   workloads       Request; seeded ShareGPT-like / Alpaca-like streams, scaled, shared-prefix
