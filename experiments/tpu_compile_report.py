@@ -75,8 +75,9 @@ def _cells(row):
   def vm(k):
     r = row.get(k) or {}
     return common.mib(r.get("vmem_bytes")) if "vmem_bytes" in r else ("fail" if r else "-")
-  return [row["case"], common.mib(row["ours"]["vmem_bytes"]), vm("jax_rpa"), vm("jax_rpa_matched"),
-          common.mib(row["ours"]["temp_bytes"]), common.mib(row["ours"]["largest_buffer_bytes"]),
+  return [row["case"], common.mib(row["ours"]["vmem_bytes"]), vm("jax_rpa"),
+          vm("jax_rpa_matched"), common.mib(row["ours"]["temp_bytes"]),
+          common.mib(row["ours"]["largest_buffer_bytes"]),
           round(row["pool_bytes"] / 2**30, 2), round(row["modelled_time_us"], 1)]
 
 

@@ -220,8 +220,9 @@ HEADERS = ["case", "attention", "pool MiB/chip", "temp MiB", "largest temp MiB",
 
 
 def _cells(row):
-  return [row["case"], row["attention"], common.mib(row["pool_bytes"]), common.mib(row["temp_bytes"]),
-          common.mib(row["largest_temp_bytes"]), f"{100 * row['largest_temp_over_pool']:.2f}",
+  return [row["case"], row["attention"], common.mib(row["pool_bytes"]),
+          common.mib(row["temp_bytes"]), common.mib(row["largest_temp_bytes"]),
+          f"{100 * row['largest_temp_over_pool']:.2f}",
           re.sub(r"\{[^{}]*\}", "", row["largest_temp"] or ""), common.mib(row["alias_bytes"]),
           common.mib(row["max_vmem_bytes"]), row["compile_s"]]
 
