@@ -25,7 +25,7 @@ order, so load from other processes hits them alike; the process is pinned to
 one core (`--cpu_cores`). Each call is timed alone with `block_until_ready`;
 medians over `--iters` steps after `--warmup` steps. At the end jit and host
 must agree on lengths, free blocks and copies. The schedule and the runners are
-`paged_jax.bench.block_manager_timing`'s. Writes DIR/block_manager_bench.json and
+`experiments.block_manager_timing`'s. Writes DIR/block_manager_bench.json and
 DIR/block_manager_bench.png and prints a table.
 """
 
@@ -41,11 +41,12 @@ from typing import Dict, Optional, Tuple
 import jax
 import numpy as np
 
+from experiments import block_manager_timing as timing
 from experiments import common
 from experiments import configs
 from experiments import provenance
-from paged_jax.bench import block_manager_timing as timing
 from paged_jax.config import CacheConfig, cdiv
+
 
 @dataclasses.dataclass(frozen=True)
 class Config(configs.ExperimentConfig):

@@ -159,6 +159,32 @@ def one_line(error: BaseException) -> str:
   return " ".join(str(error).split())
 
 
+def compile_each(cases: Sequence[Any], measure: Callable[[Any], dict],
+                 desc: str = "compiles"):
+  """(rows, failures) of `measure(case)` over `cases` (each with a `.name`), as the compile
+  reports (gpu_compile_report, tpu_compile_report, tpu_engine_compile) run them: a case
+  that raises is a failure {"case", "error" (one line, 500 chars)}, printed, and the next
+  one still runs; each row gets "compile_s", the seconds of its `measure` call, unless
+  `measure` timed the compile itself."""
+  rows, failures = [], []
+  for case in progress(cases, desc=desc):
+    t0 = time.perf_counter()
+    try:
+      row = measure(case)
+    except Exception as e:  # pylint: disable=broad-except
+      failures.append({"case": case.name, "error": one_line(e)[:500]})
+      print(f"FAILED {case.name}: {failures[-1]['error']}")
+      continue
+    row.setdefault("compile_s", round(time.perf_counter() - t0, 2))
+    rows.append(row)
+  return rows, failures
+
+
+def mib(nbytes: Optional[float]) -> Optional[float]:
+  """Bytes as MiB, 2 decimals (None stays None), for tables."""
+  return None if nbytes is None else round(nbytes / 2**20, 2)
+
+
 def short_help(doc: Optional[str], flag_values, names: Optional[Sequence[str]] = None) -> str:
   """A --help that fits a screen: the docstring's first paragraph (what it does and how to
   call it) and one line per flag (`--name=default  help`): the flags `names` (default:

@@ -68,41 +68,44 @@ def _diff(after: Dict[str, int], before: Dict[str, int]) -> Dict[str, int]:
 
 def measure(num_shapes: int, extras: bool, cache_dir: str) -> Dict:
   """Runs in the child process (XLA_FLAGS already set): the readings of the module doc."""
-  import functools  # pylint: disable=g-import-not-at-top
   import gc  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   from jax import monitoring  # pylint: disable=g-import-not-at-top
   from paged_jax import compile_cache  # pylint: disable=g-import-not-at-top
-  from paged_jax.bench import serving  # pylint: disable=g-import-not-at-top
-  from paged_jax.engine import compiled  # pylint: disable=g-import-not-at-top
+  from paged_jax import executables  # pylint: disable=g-import-not-at-top
+  from paged_jax.bench import engines  # pylint: disable=g-import-not-at-top
+  from paged_jax.engine.buckets import reachable_buckets  # pylint: disable=g-import-not-at-top
   from paged_jax.engine.inputs import empty_inputs  # pylint: disable=g-import-not-at-top
+  from paged_jax.engine.packing import abstract_inputs  # pylint: disable=g-import-not-at-top
   from paged_jax.engine.step import StepInputs  # pylint: disable=g-import-not-at-top
 
   events: List[str] = []
   monitoring.register_event_listener(lambda name, **kw: events.append(name))
-  engine = serving.make_engine(block_size=16, kv_budget_tokens=4096, max_seqs=64)
-  plain, _ = compiled.engine_step(engine.model_config, engine.cache_config, jit=False)
-  buckets, lookup_len = engine._buckets, engine._lookup_len   # pylint: disable=protected-access
-  shapes = compiled.reachable_buckets(buckets, max_rows=64, max_len=engine.max_model_len)
+  engine = engines.make_engine(block_size=16, kv_budget_tokens=4096, max_seqs=64)
+  # pylint: disable=protected-access
+  step, buckets, lookup_len = engine._compiled, engine._buckets, engine._lookup_len
+  # pylint: enable=protected-access
+  shapes = [b._replace(all_greedy=True)   # greedy sampling, as the readings always had
+            for b in reachable_buckets(buckets, max_rows=64, max_len=engine.max_model_len)]
   # num_shapes + 2 shapes spread from the smallest to the largest (2 for `shared`).
   shapes = [shapes[i * (len(shapes) - 1) // (num_shapes + 1)] for i in range(num_shapes + 2)]
   abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
   params = jax.tree_util.tree_map(abstract, engine.params)
   state = jax.tree_util.tree_map(abstract, engine.state)
 
-  def args(bucket):
-    tokens, rows = bucket[:2]
+  def args(bucket, packed=True):
+    """(params, state, inputs) of `bucket`: the inputs packed in one buffer as the
+    engine's per-shape jits take them, or the StepInputs record (the step's `fn`)."""
     inputs = StepInputs(**{k: abstract(v) for k, v in empty_inputs(
-        tokens, engine.cache_config.max_seqs, lookup_len, num_rows=rows).items()})
-    return params, state, inputs
+        bucket.tokens, engine.cache_config.max_seqs, lookup_len, num_rows=bucket.rows).items()})
+    return params, state, abstract_inputs(inputs) if packed else inputs
 
   def own_jit(bucket):   # one jit per shape, as the engine's executable budget makes them
-    return jax.jit(functools.partial(plain, width=bucket[2], decode_only=bucket[3],
-                                     all_greedy=True), donate_argnums=(1,))
+    return executables.shape_jit(step.plain, donate_argnums=(1,), **bucket.step_kw)
 
   def compile_one(fn, bucket, **static):
     before, t0 = map_kinds(), time.perf_counter()
-    exe = fn.trace(*args(bucket), **static).lower().compile()
+    exe = fn.trace(*args(bucket, packed=not static), **static).lower().compile()
     return exe, {"shape": list(bucket), "seconds": time.perf_counter() - t0,
                  "maps": _diff(map_kinds(), before)}
 
@@ -139,10 +142,9 @@ def measure(num_shapes: int, extras: bool, cache_dir: str) -> Dict:
   if not extras:
     return out
 
-  shared = engine._step   # pylint: disable=protected-access
+  shared = step.fn   # the step jitted once, the bucket's fields static
   held = map_kinds()["total"]
-  exes = [compile_one(shared, b, width=b[2], decode_only=b[3], all_greedy=True)[0]
-          for b in shapes[-2:]]
+  exes = [compile_one(shared, b, **b.step_kw)[0] for b in shapes[-2:]]
   grown = map_kinds()["total"] - held
   del exes
   gc.collect()

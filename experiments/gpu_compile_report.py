@@ -28,7 +28,6 @@ import dataclasses
 import json
 import os
 import subprocess
-import time
 from typing import Tuple
 
 import jax
@@ -62,22 +61,6 @@ def _row_cells(row):
   return cells
 
 
-def _compile_all(cases, measure):
-  rows, failures = [], []
-  for case in common.progress(cases, desc="compiles"):
-    t0 = time.perf_counter()
-    try:
-      row = measure(case)
-    except Exception as e:  # pylint: disable=broad-except
-      failures.append({"case": case.name, "error": common.one_line(e)[:500]})
-      continue
-    row["compile_s"] = round(time.perf_counter() - t0, 2)
-    rows.append(row)
-  for f in failures:
-    print(f"FAILED {f['case']}: {f['error']}")
-  return rows, failures
-
-
 def _target(compile_target, **extra):
   return {"device": "NVIDIA H200 (compile-only, sm_90)",
           "shared_memory_per_block_optin": compile_target.SM90_SHARED_MEMORY_BYTES,
@@ -93,7 +76,7 @@ def _triton(flag_values, out, skipped):
   cases = (compile_configs.default_cases() if flag_values.cases == "default"
            else compile_configs.full_cases())
   cases = [c for c in cases if flag_values.only in c.name]
-  rows, failures = _compile_all(
+  rows, failures = common.compile_each(
       cases, lambda c: compile_configs.measure(c, fail_on_spill=False))
   result = dict(common.run_metadata(flag_values), target=_target(compile_target),
                 rows=rows, failures=failures, **({"skipped": skipped} if skipped else {}))
@@ -130,7 +113,7 @@ def _mosaic(flag_values, out):
   from pallas_kernels.deviceless import mosaic_configs as mcc
   copy_bps, copy_source = _measured_copy()
   cases = [c for c in mcc.default_cases() if flag_values.only in c.name]
-  rows, failures = _compile_all(
+  rows, failures = common.compile_each(
       cases, lambda c: mcc.measure(c, compile_target.H200_HBM_BYTES_PER_S, copy_bps))
   unsupported = [{"case": c.name, "reason": c.supported_reason()}
                  for c in mcc.unsupported_cases() if flag_values.only in c.name]

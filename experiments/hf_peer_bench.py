@@ -31,7 +31,7 @@ CPU count XLA's CPU client uses, os.cpu_count()).
 
 `--random_hidden_size=512 --random_num_layers=8` runs both on a seeded random
 model of ~25M parameters instead (`random_checkpoint`; the runners, `agreement` and the
-random model live in `paged_jax.bench.hf_peer`), where the matmuls, not
+random model live in `experiments.hf_peer`), where the matmuls, not
 per-step overhead, dominate. Every run also measures the compute floor
 (`experiments/compute_floor.py`): the workload's FLOPs at this CPU's best measured
 GEMM rate, i.e. the most any engine could beat transformers by on this machine.
@@ -57,8 +57,8 @@ from experiments import common
 from experiments import compute_floor
 from experiments import configs
 from experiments import provenance
-from paged_jax.bench.hf_peer import (PagedJaxRunner, TransformersRunner, agreement,
-                                     random_checkpoint)
+from experiments.hf_peer import (PagedJaxRunner, TransformersRunner, agreement,
+                                 random_checkpoint)
 
 STORIES = os.path.join(os.path.dirname(__file__), "data", "stories.txt")
 

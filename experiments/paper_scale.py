@@ -25,7 +25,7 @@ budgets (Table 1), a 2,048-token context and unscaled stream lengths
 The figures' independent parts (Fig. 12 / 16 panels, Fig. 13 panels, Fig. 14 modes, Fig. 18
 points, Fig. 19 block sizes: `experiments.paper_scale_parts`) run in --jobs worker processes
 (default: this machine's cores), longest first, a part that reads a Fig. 12 panel after it
-(`paged_jax.bench.task_graph`); --jobs=1 runs them one after another in this process. The
+(`experiments.task_graph`); --jobs=1 runs them one after another in this process. The
 results do not depend on --jobs (virtual time); a line a part reports its progress.
 
 Writes DIR/fig12/<model>-<workload>/serving_benchmark.json (the contract JSON, with
@@ -54,8 +54,8 @@ from experiments import configs
 from experiments import paper_scale_parts as parts
 from experiments import paper_scale_plots as plots
 from experiments import provenance
+from experiments import task_graph
 from paged_jax.bench import sweep as serving_sweep
-from paged_jax.bench import task_graph
 
 FIGS = ("12", "13", "14", "16", "18", "19")
 GPU_OF = parts.GPU_OF

@@ -1,5 +1,5 @@
 """The parts of `experiments.paper_scale`: each figure split where its points are
-independent, as a task graph (`paged_jax.bench.task_graph`) the suite runs in --jobs
+independent, as a task graph (`experiments.task_graph`) the suite runs in --jobs
 worker processes.
 
     tasks = paper_scale_parts.tasks(config, committed_panels)     # [task_graph.Task]
@@ -26,12 +26,12 @@ import time
 from typing import Dict, List, Optional
 
 from experiments import common
+from experiments import paper_figures
 from experiments import serving_benchmark as sb
+from experiments import task_graph
 from paged_jax.bench import latency
-from paged_jax.bench import paper_figures
 from paged_jax.bench import paper_scale
 from paged_jax.bench import sweep as serving_sweep
-from paged_jax.bench import task_graph
 
 GPU_OF = {"opt-13b": "a100-40gb", "opt-66b": "a100-40gb", "opt-175b": "a100-80gb"}   # Table 1
 FALLBACK_RATE = {"sharegpt": 4.0, "alpaca": 80.0}   # Fig. 18 / 19 without a Fig. 12 panel

@@ -147,7 +147,11 @@ def main(f: Config, out):
   result = run(f)
   common.write_json(out / "rate_points.json", result)
   for s, v in result["max_rate_at_slo_interpolated"].items():
-    print(f"{s}: max rate at the SLO {v:.4g} req/s (interpolated, merged curve)")
+    if v is None:   # no point misses the SLO: the crossing lies above the highest rate
+      print(f"{s}: every point meets the SLO (max rate at it: above "
+            f"{result['curves'][s]['rates'][-1]:.4g} req/s)")
+    else:
+      print(f"{s}: max rate at the SLO {v:.4g} req/s (interpolated, merged curve)")
   print(f"paged over: {result['paged_rate_ratio']}\nwrote {out / 'rate_points.json'}")
 
 

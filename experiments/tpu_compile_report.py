@@ -24,7 +24,6 @@ Needs libtpu (requirements-compile.txt); without it the run ends with a one-line
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import jax
 
@@ -72,16 +71,13 @@ def _libtpu_version():
     return None
 
 
-def _mib(x):
-  return None if x is None else round(x / 2**20, 2)
-
-
 def _cells(row):
   def vm(k):
     r = row.get(k) or {}
-    return _mib(r.get("vmem_bytes")) if "vmem_bytes" in r else ("fail" if r else "-")
-  return [row["case"], _mib(row["ours"]["vmem_bytes"]), vm("jax_rpa"), vm("jax_rpa_matched"),
-          _mib(row["ours"]["temp_bytes"]), _mib(row["ours"]["largest_buffer_bytes"]),
+    return common.mib(r.get("vmem_bytes")) if "vmem_bytes" in r else ("fail" if r else "-")
+  return [row["case"], common.mib(row["ours"]["vmem_bytes"]), vm("jax_rpa"),
+          vm("jax_rpa_matched"), common.mib(row["ours"]["temp_bytes"]),
+          common.mib(row["ours"]["largest_buffer_bytes"]),
           round(row["pool_bytes"] / 2**30, 2), round(row["modelled_time_us"], 1)]
 
 
@@ -96,21 +92,12 @@ def main(config, out):
   cases = [c for c in cases if config.only in c.name]
   if not cases:
     raise ValueError(f"--only={config.only!r} matches no case")
-  rows, failures = [], []
-  for case in common.progress(cases, desc="compiles"):
-    t0 = time.perf_counter()
-    try:
-      row = cc.measure(case, with_jax=config.with_jax)
-    except Exception as e:  # pylint: disable=broad-except
-      failures.append({"case": case.name, "error": common.one_line(e)[:500]})
-      print(f"FAILED {case.name}: {failures[-1]['error']}")
-      continue
-    row["compile_s"] = round(time.perf_counter() - t0, 2)
+  rows, failures = common.compile_each(cases, lambda c: cc.measure(c, with_jax=config.with_jax))
+  for row in rows:
     matched = (row.get("jax_rpa_matched") or {}).get("vmem_bytes")
     row["vmem_ours_over_jax_matched"] = (round(row["ours"]["vmem_bytes"] / matched, 3)
                                          if matched else None)
     row["vmem_reason"] = _vmem_reason(row)
-    rows.append(row)
   result = dict(common.run_metadata(config),
                 target={"chips": sorted({c.chip for c in cases}), "jax": jax.__version__,
                         "libtpu": _libtpu_version(),

@@ -12,6 +12,7 @@ this pytest process cannot hide a definition.
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -61,6 +62,42 @@ def test_all_experiments_import_together_without_global_flags():
       f"importing these modules defined flags on absl's global FLAGS: {defined}; "
       "declare them as Config fields; common.run_app defines them under "
       "`if __name__ == '__main__':`")
+
+
+# Files that name experiments without running them: this one, and the bad-flag cases.
+_NOT_RUNS = {"experiment_imports_test.py", "cli_errors_test.py"}
+
+
+def _runners(name):
+  """Test files (and the Makefile) that name experiment `name` as a module they import or
+  run: `from experiments import name`, `experiments.name` or `experiments/name.py`."""
+  pattern = re.compile(rf"(from experiments import (\w+, )*{name}\b|experiments[./]{name}\b)")
+  files = [p for p in sorted((ROOT / "tests").glob("*.py")) if p.name not in _NOT_RUNS]
+  return [p.name for p in files + [ROOT / "Makefile"] if pattern.search(p.read_text())]
+
+
+def test_every_experiment_is_run_by_a_test_or_make_target():
+  # An experiment is a module with a `__main__` block; the others are its parts (BUILD's
+  # EXPERIMENT_HELPERS), run through it. A script no test runs breaks unseen when the
+  # library moves under it (compile_maps imported a module that was gone).
+  assert {"generate", "demo", "compile_maps"} <= set(_apps())
+  unrun = [n for n in _apps() if not _runners(n)]
+  assert not unrun, f"experiments no test or make target runs: {unrun}"
+
+
+def _apps():
+  """The experiments: modules of experiments/ with an `if __name__ == "__main__":` block."""
+  main = re.compile(r'^if __name__ == "__main__":', re.M)
+  return [n for n in EXPERIMENTS if main.search((ROOT / "experiments" / f"{n}.py").read_text())]
+
+
+def test_build_helpers_are_the_modules_without_a_main():
+  # BUILD makes a py_binary of every other module: a part listed there as a binary, or an
+  # app listed as a helper (no binary), is a mistake.
+  build = (ROOT / "experiments" / "BUILD").read_text()
+  listed = re.search(r"EXPERIMENT_HELPERS = \[(.*?)\]", build, re.S).group(1)
+  helpers = sorted(n[:-len(".py")] for n in re.findall(r'"(\w+\.py)"', listed))
+  assert helpers == sorted(set(EXPERIMENTS) - set(_apps()))
 
 
 def test_probe_detects_a_global_flag_definition(tmp_path):

@@ -4,6 +4,7 @@ import os
 import subprocess
 
 import dataclasses
+import types
 from typing import Dict, Optional, Tuple
 
 import pytest
@@ -190,3 +191,19 @@ def test_numeric_flags_may_take_their_words():
   fv(["prog", "--rates=fast"])
   with pytest.raises(ValueError, match="--rates: 'fast' is not a number"):
     configs.from_flags(WordSettings, fv)
+
+
+def test_compile_each_records_a_failure_and_runs_the_rest(capsys):
+  cases = [types.SimpleNamespace(name=n) for n in ("a", "bad", "c")]
+
+  def measure(case):
+    if case.name == "bad":
+      raise ValueError("no\nspace")
+    return {"case": case.name, **({"compile_s": 9.0} if case.name == "c" else {})}
+
+  rows, failures = common.compile_each(cases, measure)
+  assert [r["case"] for r in rows] == ["a", "c"]
+  assert rows[0]["compile_s"] >= 0 and rows[1]["compile_s"] == 9.0   # measure's own kept
+  assert failures == [{"case": "bad", "error": "no space"}]
+  assert "FAILED bad: no space" in capsys.readouterr().out
+  assert common.mib(3 * 2**20) == 3.0 and common.mib(None) is None

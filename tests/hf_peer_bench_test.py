@@ -1,4 +1,4 @@
-"""experiments/hf_peer_bench and paged_jax.bench.hf_peer: paged_jax vs transformers'
+"""experiments/hf_peer_bench and experiments/hf_peer: paged_jax vs transformers'
 continuous batching.
 
 The engine-vs-engine cases skip when the benchmark-only extras (torch, transformers;
@@ -10,9 +10,9 @@ on the same fp32 weights must match paged_jax's token for token.
 import numpy as np
 import pytest
 
+from experiments import hf_peer
 from experiments import hf_peer_bench
 from paged_jax import tokenizer
-from paged_jax.bench import hf_peer
 from paged_jax.models import DEFAULT_CHECKPOINT
 
 MAX_NEW = 12
@@ -83,3 +83,23 @@ def test_bad_sizes_are_rejected_before_work():
     hf_peer_bench.Config(block_size=2)
   with pytest.raises(ValueError, match="min_prompt_len"):
     hf_peer_bench.story_prompts(4, 50, 10)
+
+
+@pytest.mark.slow   # ~18 s on 2 cores (load 7): two engines compile the random model's step
+def test_paged_side_on_a_random_checkpoint_without_torch(prompts, tmp_path):
+  # The half of the experiment that needs no extras, on `--random_hidden_size`'s model
+  # (here 128 x 1 layer): the checkpoint loads as written, and the end-to-end and steady
+  # paths generate the requested lengths, token for token the same.
+  ckpt = hf_peer.random_checkpoint(str(tmp_path / "random"), hidden_size=128, num_layers=1)
+  pj = hf_peer.PagedJaxRunner(ckpt, max_model_len=64, **KW)
+  try:
+    once, steady = pj(prompts), pj.steady(prompts)
+  finally:
+    pj.close()
+  mc = pj.model_config
+  assert (mc.hidden_size, mc.num_layers, mc.num_heads, mc.num_kv_heads) == (128, 1, 2, 1)
+  assert mc.vocab_size == tokenizer.VOCAB_SIZE and pj.num_params > 0
+  assert [len(o) for o in once] == [MAX_NEW] * len(prompts)
+  assert hf_peer.agreement(once, steady)["exact_match_fraction"] == 1.0
+  with pytest.raises(ValueError, match="multiple of 128"):
+    hf_peer.random_checkpoint(str(tmp_path / "bad"), hidden_size=192, num_layers=1)

@@ -136,7 +136,7 @@ def test_serving_benchmark_model_clock_is_deterministic_and_writes_the_contract(
 
 
 def test_swap_vs_recompute_model_swaps_small_blocks_slowly():
-  from paged_jax.bench import paper_figures
+  from experiments import paper_figures
   s = paper_scale.setting("opt-13b", "a100-40gb")
   rows = paper_figures.swap_vs_recompute(s, block_sizes=(1, 4, 16, 64, 256), tokens=1024)
   swaps = [r["swap_s"] for r in rows]
@@ -149,7 +149,7 @@ def test_swap_vs_recompute_model_swaps_small_blocks_slowly():
 
 
 def test_batched_requests_reads_each_systems_highest_rate():
-  from paged_jax.bench import paper_figures
+  from experiments import paper_figures
   res = {"systems": {
       "paged": {"rates": [2.0, 4.0, 3.0], "mean_running": [10.0, 40.0, 30.0],
                 "max_running": [12, 50, 40]},
@@ -221,7 +221,7 @@ def test_parts_wait_for_the_panels_this_run_makes_and_read_the_others():
   every = parts.tasks(ps.Config(), {})
   assert len(every) == 6 + 2 + 6 + 2 + 18 + 6
   assert all(t.name in parts.PART_COST_S for t in every)
-  from paged_jax.bench import task_graph
+  from experiments import task_graph
   first = task_graph.simulate(every, 2)["order"][:2]
   assert {o[0] for o in first} == {"fig12/opt-175b-sharegpt", "fig12/opt-13b-sharegpt"}
 
@@ -246,7 +246,7 @@ def test_figures_are_assembled_from_complete_parts_only():
 def test_batched_at_rate_runs_every_system_at_one_rate():
   """Fig. 13 at one rate: the same stream for both systems; Orca(Max)'s 2,048-token
   reservations cap its batch at what its memory holds (7), paged batches more."""
-  from paged_jax.bench import paper_figures
+  from experiments import paper_figures
   s = paper_scale.setting("opt-13b", "a100-40gb")
   kv = s.kv_budget_tokens(16)
   panel = {"num_requests": 16, "kv_budget_tokens": kv, "systems": {"paged": {}, "orca_max": {}},
@@ -270,7 +270,7 @@ def test_batched_at_rate_runs_every_system_at_one_rate():
 
 
 def test_saturated_batch_is_the_mean_over_steps_with_a_queue():
-  from paged_jax.bench import paper_figures
+  from experiments import paper_figures
   rng = np.random.default_rng(8)
   run, wait = rng.integers(0, 9, 200), rng.integers(0, 3, 200) * rng.integers(0, 2, 200)
   got = paper_figures.saturated_batch(run, wait)

@@ -1,4 +1,4 @@
-"""paged_jax.bench.task_graph: the schedule (longest path first, inputs before their
+"""experiments.task_graph: the schedule (longest path first, inputs before their
 users), results handed between parts, and failures / Ctrl-C in spawned workers."""
 
 import multiprocessing
@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from paged_jax.bench import task_graph
-from paged_jax.bench.task_graph import Task
+from experiments import task_graph
+from experiments.task_graph import Task
 
 
 def _graph():

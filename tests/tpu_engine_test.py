@@ -193,9 +193,9 @@ def test_auto_on_a_compile_only_tpu_is_the_tpu_kernels():
 @pytest.mark.parametrize("chip", ["v5e", "v6e"])
 @pytest.mark.parametrize("tp", [1, 4])
 def test_engine_step_compiles_for_tpu_without_pool_sized_temporaries(chip, tp):
-  from paged_jax.bench import tpu_step_compile as tsc  # pylint: disable=g-import-not-at-top
-  case = tsc.StepCase("llama8b", chip=chip, tp=tp)
-  row = tsc.measure(case)
+  from experiments import tpu_engine_compile as tec  # pylint: disable=g-import-not-at-top
+  case = tec.StepCase("llama8b", chip=chip, tp=tp)
+  row = tec.measure(case)
   assert row["attention"] == "pallas:tpu", row["kernels"]
   assert row["largest_temp_bytes"] < row["pool_bytes"] // 100, row
   assert row["alias_bytes"] >= row["pool_bytes"], row     # the pages updated in place
@@ -208,9 +208,9 @@ def test_int8_engine_step_on_tpu_copies_neither_pages_nor_scales():
   is a layout copy of a layer's scales (f32[8, 8192, 16] tiled to 128 lanes, 32 MiB, was
   the largest); the largest is now no larger than the MLP's bf16[T, intermediate]
   activation, as in the bf16 step."""
-  from paged_jax.bench import tpu_step_compile as tsc  # pylint: disable=g-import-not-at-top
-  case = tsc.StepCase("llama8b", page_dtype="int8")
-  row = tsc.measure(case)
+  from experiments import tpu_engine_compile as tec  # pylint: disable=g-import-not-at-top
+  case = tec.StepCase("llama8b", page_dtype="int8")
+  row = tec.measure(case)
   mc = case.model_config()
   assert row["attention"] == "pallas:tpu", row["kernels"]
   assert row["alias_bytes"] >= row["pool_bytes"], row

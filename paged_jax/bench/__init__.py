@@ -1,6 +1,8 @@
 """The measuring harness: what the experiments drive the engine with, and what they time.
 
-Not part of the serving path: nothing under `paged_jax.engine` imports it.
+Not part of the serving path: nothing under `paged_jax.engine` imports it. What only one
+experiment uses lives beside that experiment in experiments/ (its runners, figures,
+scheduler), not here.
 
   scale           HarnessScale: the sizes engine experiments run at (TINY: the CPU model)
   workloads       Request; seeded ShareGPT-like / Alpaca-like streams, scaled, shared-prefix
@@ -14,8 +16,6 @@ Not part of the serving path: nothing under `paged_jax.engine` imports it.
   latency         normalized latency, TTFT / TPOT percentiles, the max rate under an SLO
   rate_search     each system's rate at the SLO found by bracketing and bisection
   paper_scale     the paper's deployments: stand-in engine, model clock, KV budget
-  paper_figures   Fig. 13 / 18 / 19 points at paper scale
-  task_graph      independent parts of a long experiment in spawned worker processes
   calibration     step-time recordings for fitting the device-time model
   validation      a measured sweep beside its prediction: medians, censoring, errors
   memory          where the KV budget goes (utilization, fragmentation, sharing, tables)
@@ -24,9 +24,4 @@ Not part of the serving path: nothing under `paged_jax.engine` imports it.
   step_costs      attention call, decode step, preemption costs; a step-cost fit
   prefix_blocks   prefix-cache hit rates and lookup / eviction costs, block level
   prefix_serving  prefix caching on vs off on the same engine and requests
-  block_manager_timing  jitted block bookkeeping vs a host-side Python allocator
-  host_overhead   host work per token: in-jit allocation vs a Python allocator
-  hf_peer         paged_jax beside transformers' continuous batching (optional extra)
-  tp_scaling      tensor-parallel KV memory per device, served and timed
-  tpu_step_compile  the engine step compiled for TPU topologies (libtpu, deviceless)
 """

@@ -24,6 +24,7 @@ already handed to `on_done`. After a part, `after_part()` (if given) runs in the
 
 With jobs=1 (or a single part) every part runs in this process, in the same order.
 Functions and arguments must be picklable (module-level functions) for jobs > 1.
+The scheduler of experiments/paper_scale.py (no command line of its own).
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ are `experiments.serving_benchmark --clock=model` sweeps).
 
 Every point is the real engine on the stand-in forward and the model clock
 (`paper_scale`), paged system only, one seeded stream at a fixed request rate, the KV
-budget of the setting in whole blocks of each block size.
+budget of the setting in whole blocks of each block size. A part of
+experiments/paper_scale.py (through paper_scale_parts) and of its notebook (no command
+line of its own).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ Each runner's `__call__(prompts)` runs one whole batch end to end (a fresh Engin
 `generate_batch` call, which builds and tears down its manager); `steady(prompts)` keeps one
 Engine / one running transformers manager across calls. torch and transformers are
 benchmark-only extras (requirements-bench.txt), imported only by `TransformersRunner`.
+The helper of experiments/hf_peer_bench.py (no command line of its own).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ not, separate ops or fused) against a host-side Python allocator, on one schedul
 Runners: `JitRunner` (recycle and append as two jitted calls), `FusedRunner` (one donated
 call: the engine's shape of the work), `HostRunner` (`testing.BlockModel`, the tests'
 plain-Python allocator, plus the block-table upload a host allocator needs each step).
+The helper of experiments/block_manager_bench.py (no command line of its own).
 """
 
 from __future__ import annotations
