@@ -7,7 +7,6 @@ keeping a shared head LRU drops. Engine level: greedy outputs under each policy 
 caching off and the dense oracle while blocks are evicted and requests preempted.
 """
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -15,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 from paged_jax import prefix_cache as pc
 from paged_jax.config import CacheConfig
 from paged_jax.eviction_policy import EVICTION_POLICIES
-from prefix_cache_support import BS, NB, P, S, Driver, j_ensure, j_free
+from prefix_cache_support import BS, NB, P, S, Driver, churn, j_ensure
 
 import prefix_engine_support as pe
 
@@ -87,37 +86,20 @@ def test_evictions_follow_the_plain_python_model(policy, seed):
   cfg = CacheConfig(block_size=BS, num_blocks=NB, max_seqs=S, max_blocks_per_seq=P,
                     eviction_policy=policy)
   d = Driver(cfg)
-  base = [int(t) for t in rng.integers(0, 4, 28)]
-  live, evicted = set(), 0
-  for step in range(150):
-    if step >= 30 and evicted:
-      break
-    slot = [s for s in range(S) if s not in live][0]
-    cut = int(rng.integers(0, 28))
-    toks = base[:cut] + [int(t) for t in rng.integers(0, 4, int(rng.integers(1, 29 - cut)))]
-    need = -(-len(toks) // BS)
-    if int(d.blocks.num_free) < need:
-      c0, b0 = d.cache, d.blocks
-      order = model_order(c0, b0, policy)
-      short = min(need - int(b0.num_free), len(order))
-      d.cache, d.blocks, n = j_ensure(c0, b0, need, max_evict=P)
-      got = np.asarray(d.blocks.free_stack)[int(b0.num_free):int(d.blocks.num_free)].tolist()
-      evictable = {b for _, b in order}
-      assert int(n) == short and set(got) <= evictable and len(set(got)) == len(got)
-      key = {b: k for k, b in order}
-      assert [key[b] for b in got] == [k for k, _ in order[:short]]
-      evicted += len(got)
-    if int(d.blocks.num_free) + int(pc.num_evictable(d.cache, d.blocks)) < need:
-      break
-    d.admit(slot, toks)
-    live.add(slot)
-    d.check_invariants()
-    if len(live) >= 2 or rng.random() < 0.5:
-      gone = [s for s in live if rng.random() < 0.7] or [min(live)]
-      d.cache, d.blocks, _ = j_free(d.cache, d.blocks,
-                                    jnp.asarray(gone + [-1] * (S - len(gone))))
-      live -= set(gone)
-    d.check_invariants()
+
+  def make_room(need):
+    c0, b0 = d.cache, d.blocks
+    order = model_order(c0, b0, policy)
+    short = min(need - int(b0.num_free), len(order))
+    d.cache, d.blocks, n = j_ensure(c0, b0, need, max_evict=P)
+    got = np.asarray(d.blocks.free_stack)[int(b0.num_free):int(d.blocks.num_free)].tolist()
+    evictable = {b for _, b in order}
+    assert int(n) == short and set(got) <= evictable and len(set(got)) == len(got)
+    key = {b: k for k, b in order}
+    assert [key[b] for b in got] == [k for k, _ in order[:short]]
+    return len(got)
+
+  evicted = churn(d, rng, make_room)
   assert evicted > 0
 
 

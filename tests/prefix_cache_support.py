@@ -113,6 +113,38 @@ class Driver:
     assert np.sum(table >= 0) == len(cached)
 
 
+def churn(driver: Driver, rng, make_room, *, steps: int = 150, min_admissions: int = 30):
+  """The random admit / free churn the eviction tests share: prompts sharing prefixes of
+  one 28-token base, re-hits of released blocks, blocks held by live slots, slots freed
+  together; invariants checked after every admission and free. When a prompt's blocks
+  are short, `make_room(need)` evicts (updating `driver.cache` / `driver.blocks`) and
+  returns how many blocks it evicted. Runs at least `min_admissions` steps and on until
+  something was evicted; returns the blocks evicted in all."""
+  base = [int(t) for t in rng.integers(0, 4, 28)]
+  live, evicted = set(), 0
+  for step in range(steps):
+    if step >= min_admissions and evicted:
+      break
+    slot = [s for s in range(S) if s not in live][0]
+    cut = int(rng.integers(0, 28))
+    toks = base[:cut] + [int(t) for t in rng.integers(0, 4, int(rng.integers(1, 29 - cut)))]
+    need = -(-len(toks) // BS)
+    if int(driver.blocks.num_free) < need:   # make room the way the engine does
+      evicted += make_room(need)
+    if int(driver.blocks.num_free) + int(pc.num_evictable(driver.cache, driver.blocks)) < need:
+      break
+    driver.admit(slot, toks)
+    live.add(slot)
+    driver.check_invariants()
+    if len(live) >= 2 or rng.random() < 0.5:
+      gone = [s for s in live if rng.random() < 0.7] or [min(live)]
+      driver.cache, driver.blocks, _ = j_free(driver.cache, driver.blocks,
+                                              jnp.asarray(gone + [-1] * (S - len(gone))))
+      live -= set(gone)
+    driver.check_invariants()
+  return evicted
+
+
 def expected_hits(model_prefixes, tokens):
   """Plain-Python model: longest j <= (len - 1) // BS with every prefix registered."""
   j = 0

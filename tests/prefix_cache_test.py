@@ -20,8 +20,8 @@ from hypothesis import given, settings, strategies as st
 from paged_jax import block_manager as bm
 from paged_jax import prefix_cache as pc
 from paged_jax.config import CacheConfig, INVALID
-from prefix_cache_support import (BS, CFG, L, NB, P, S, Driver, Ops, expected_hits, j_ensure,
-                                  j_free, j_victims, padded)
+from prefix_cache_support import (BS, CFG, L, NB, P, S, Driver, Ops, churn, expected_hits,
+                                  j_ensure, j_victims, padded)
 
 
 def test_chain_hash_is_sensitive_to_tokens_order_and_parent():
@@ -81,37 +81,20 @@ def test_ring_eviction_follows_the_reference_lru_order(seed):
   # the O(num_blocks) reference order (lru_victims) every time.
   rng = np.random.default_rng(seed)
   d = Driver()
-  base = [int(t) for t in rng.integers(0, 4, 28)]
-  live, evicted = set(), 0
-  for step in range(150):                  # at least 30 admissions, and on until one evicts
-    if step >= 30 and evicted:
-      break
-    free_slots = [s for s in range(S) if s not in live]
-    slot = free_slots[0]
-    cut = int(rng.integers(0, 28))
-    toks = base[:cut] + [int(t) for t in rng.integers(0, 4, int(rng.integers(1, 29 - cut)))]
-    need = -(-len(toks) // BS)
-    if int(d.blocks.num_free) < need:   # make room the way the engine does
-      c0, b0 = d.cache, d.blocks
-      short = min(need - int(b0.num_free), int(pc.num_evictable(c0, b0)))
-      want = np.asarray(j_victims(c0, b0, short, max_evict=P)).tolist()
-      d.cache, d.blocks, n = j_ensure(c0, b0, need, max_evict=P)
-      got = np.asarray(d.blocks.free_stack)[int(b0.num_free):int(d.blocks.num_free)].tolist()
-      # Equal up to ties: same (last_used, depth) sequence, all evictable then.
-      key = lambda v: (int(c0.last_used[v]), -int(c0.block_depth[v]))
-      assert [key(v) for v in got] == [key(v) for v in want[:short]] and int(n) == short
-      assert all(bool(c0.cached[v]) and int(b0.ref_count[v]) == 1 for v in got)
-      evicted += len(got)
-    if int(d.blocks.num_free) + int(pc.num_evictable(d.cache, d.blocks)) < need:
-      break
-    d.admit(slot, toks)
-    live.add(slot)
-    d.check_invariants()
-    if len(live) >= 2 or rng.random() < 0.5:
-      gone = [s for s in live if rng.random() < 0.7] or [min(live)]
-      d.cache, d.blocks, st_ = j_free(d.cache, d.blocks, jnp.asarray(gone + [-1] * (S - len(gone))))
-      live -= set(gone)
-    d.check_invariants()
+
+  def make_room(need):
+    c0, b0 = d.cache, d.blocks
+    short = min(need - int(b0.num_free), int(pc.num_evictable(c0, b0)))
+    want = np.asarray(j_victims(c0, b0, short, max_evict=P)).tolist()
+    d.cache, d.blocks, n = j_ensure(c0, b0, need, max_evict=P)
+    got = np.asarray(d.blocks.free_stack)[int(b0.num_free):int(d.blocks.num_free)].tolist()
+    # Equal up to ties: same (last_used, depth) sequence, all evictable then.
+    key = lambda v: (int(c0.last_used[v]), -int(c0.block_depth[v]))
+    assert [key(v) for v in got] == [key(v) for v in want[:short]] and int(n) == short
+    assert all(bool(c0.cached[v]) and int(b0.ref_count[v]) == 1 for v in got)
+    return len(got)
+
+  evicted = churn(d, rng, make_room)
   assert evicted > 0
 
 
