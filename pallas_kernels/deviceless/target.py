@@ -271,6 +271,8 @@ def pallas_gpu_call_targets() -> Tuple[str, ...]:
     return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
                           grid=(1,), in_specs=[spec], out_specs=spec,
                           compiler_params=plgpu.CompilerParams(num_warps=1),
+                          cost_estimate=pl.CostEstimate(flops=16, transcendentals=0,
+                                                        bytes_accessed=2 * x.size * x.dtype.itemsize),
                           name="probe_kernel")(x)
   text = lower_for_gpu_or_platform(jax.jit(f), jax.ShapeDtypeStruct((16,), jnp.float32))
   return tuple(sorted(set(re.findall(r"stablehlo\.custom_call @([\w$.]+)", text))))
