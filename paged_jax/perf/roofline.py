@@ -3,7 +3,8 @@
 A roofline per part of the step, summed (the parts run one after another as kernels):
 
   step = sum over forward passes of
-           max(linear FLOPs / (peak * e_lf), weight bytes / (HBM * e_wb))      projections
+           max(linear FLOPs / (peak * e_lf),
+             (weight + activation bytes) / (HBM * e_wb))                      projections
          + max(attention FLOPs / (peak * e_af), K/V bytes / (HBM * e_kv))     one ragged kernel
          + logits bytes / (HBM * e_el)                                         sampler
          + all-reduce ring bytes / (NVLink * e_nv) + count * allreduce_latency (tp > 1)
@@ -41,8 +42,8 @@ COMBINATION = ("sum over the step's parts (kernels run one after another) of eac
                "work, copy-on-write and swap")
 
 # What `DeviceTimeModel.counts` returns: FLOPs, HBM bytes, all-reduce ring bytes.
-COUNTS = ("linear_flops", "attention_flops", "weight_bytes", "kv_bytes", "logits_bytes",
-          "allreduce_bytes")
+COUNTS = ("linear_flops", "attention_flops", "weight_bytes", "activation_bytes", "kv_bytes",
+          "logits_bytes", "allreduce_bytes")
 
 PARTS = ("linear", "attention", "sampler", "allreduce", "overhead", "row_host", "copy_on_write",
          "swap")
@@ -213,6 +214,7 @@ class DeviceTimeModel:
                       + 2.0 * m.lm_head_params * sampled) / tp,
         attention_flops=4.0 * (m.num_heads // tp) * m.head_dim * m.num_layers * pairs.sum(),
         weight_bytes=m.weight_bytes_per_pass / tp,
+        activation_bytes=float(tokens * m.activation_bytes_per_token(tp)),
         kv_bytes=float(((ctx + new) * self.kv_bytes_per_token).sum()),  # read ctx, write new
         logits_bytes=float(sampled * m.vocab_size * catalog.SAMPLER_BYTES_PER_LOGIT),
         allreduce_bytes=ring)
@@ -222,7 +224,8 @@ class DeviceTimeModel:
     m, g, tp = self.model, self.gpu, self.tp
     peak, hbm = g.tensor_flops, g.hbm_bandwidth
     work.pairs.append(("linear", _I["linear_flops"], c["linear_flops"] / peak,
-                       _I["weight_bandwidth"], c["weight_bytes"] / hbm))
+                       _I["weight_bandwidth"],
+                       (c["weight_bytes"] + c["activation_bytes"]) / hbm))
     # One ragged kernel runs every row of the pass (the engine's mixed prefill + decode
     # batch), so a decode row's K/V reads overlap a long chunk's FLOPs: one max per pass.
     work.pairs.append(("attention", _I["attention_flops"], c["attention_flops"] / peak,
