@@ -28,6 +28,8 @@ model cut to `layers` layers. Units: FLOPs and bytes per step (one pass), per ch
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import time
 from typing import Any, Dict
 
@@ -37,7 +39,13 @@ import jax.numpy as jnp
 from paged_jax import config as pj_config
 from paged_jax.perf import catalog
 from paged_jax.perf.roofline import DeviceTimeModel
+from paged_jax.perf.specs import ModelSpec
 from paged_jax.perf.step import StepShape
+
+# A small Llama-style model for tests (the catalog's are paper-scale).
+TINY = ModelSpec(name="tiny", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                 head_dim=64, ffn_size=512, vocab_size=512, max_context=512,
+                 source="paged_jax.bench.cost_analysis test shapes")
 
 GPU_TARGETS = ("a100", "h100", "h200")
 TPU_TARGETS = ("v5e", "v6e")
@@ -86,18 +94,27 @@ class CostCase:
   def tokens(self) -> int:
     return self.rows * (self.context if self.phase == "prefill" else 1)
 
+  @property
+  def dtype(self) -> str:
+    """The model's dtype; bfloat16 for a float16 model on a TPU (its kernels take bf16 or
+    f32; the same bytes per element)."""
+    spec = TINY if self.model == TINY.name else catalog.model_spec(self.model)
+    return ("bfloat16" if spec.dtype == "float16" and self.target in TPU_TARGETS
+            else spec.dtype)
+
   def spec(self):
-    """The catalog model cut to `layers` layers."""
-    return dataclasses.replace(catalog.model_spec(self.model), num_layers=self.layers)
+    """The catalog model cut to `layers` layers (in `dtype`)."""
+    spec = TINY if self.model == TINY.name else catalog.model_spec(self.model)
+    return dataclasses.replace(spec, num_layers=self.layers, dtype=self.dtype)
 
   def model_config(self) -> pj_config.ModelConfig:
     s = self.spec()
     if not s.gated_mlp or s.linear_bias or s.learned_positions or s.norm_vectors != 1:
       raise ValueError(f"{self.model} is not a Llama-style decoder (no implementation here)")
     return pj_config.ModelConfig(
-        vocab_size=s.vocab_size, hidden_size=s.hidden_size, intermediate_size=s.ffn_size,
+        dtype=self.dtype, vocab_size=s.vocab_size, hidden_size=s.hidden_size, intermediate_size=s.ffn_size,
         num_layers=s.num_layers, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
-        head_dim=s.head_dim, tie_word_embeddings=s.tie_word_embeddings, dtype=s.dtype,
+        head_dim=s.head_dim, tie_word_embeddings=s.tie_word_embeddings,
         max_position_embeddings=max(s.max_context, self.context))
 
   def cache_config(self) -> pj_config.CacheConfig:
@@ -114,12 +131,12 @@ class CostCase:
 
 def model_counts(case: CostCase) -> Dict[str, float]:
   """The device-time model's FLOPs / bytes of the case's step (`DeviceTimeModel.counts`),
-  plus "flops" and "bytes" (weights + K/V: what the forward moves; the sampler's logits
-  bytes are not in the compiled forward and stay apart)."""
+  plus "flops" and "bytes" (weights + activations + K/V: what the forward moves; the
+  sampler's logits bytes are not in the compiled forward and stay apart)."""
   counts = DeviceTimeModel(model=case.spec(), gpu=catalog.gpu_spec("h200")).counts(
       case.step())
   counts["flops"] = counts["linear_flops"] + counts["attention_flops"]
-  counts["bytes"] = counts["weight_bytes"] + counts["kv_bytes"]
+  counts["bytes"] = counts["weight_bytes"] + counts["activation_bytes"] + counts["kv_bytes"]
   return counts
 
 
@@ -169,6 +186,51 @@ def _xla_cost(compiled) -> tuple:
           "GPU client has none)")
 
 
+def _compile(fn, args, target: str):
+  import contextlib  # pylint: disable=g-import-not-at-top
+  context = contextlib.nullcontext()
+  if target in GPU_TARGETS:
+    from pallas_kernels.deviceless import target as gt  # pylint: disable=g-import-not-at-top
+    context = gt.gpu_target_context(_device(target))
+  with context:
+    return fn.trace(*args).lower().compile()
+
+
+def gather_charge(case: CostCase) -> float:
+  """Bytes XLA's cost analysis charges the embedding lookup of the case's tokens, compiled
+  alone for the target: a gather is charged its whole operand (the table), not the rows
+  it reads, so this is the table's bytes where the forward reads `tokens` rows."""
+  s = case.spec()
+  sharding = jax.sharding.SingleDeviceSharding(_device(case.target))
+  table = jax.ShapeDtypeStruct((s.vocab_size, s.hidden_size), jnp.dtype(s.dtype),
+                               sharding=sharding)
+  ids = jax.ShapeDtypeStruct((case.tokens,), jnp.int32, sharding=sharding)
+  cost, _ = _xla_cost(_compile(jax.jit(lambda t, i: t[i]), (table, ids), case.target))
+  return float(cost.get("bytes accessed", 0.0))
+
+
+_RESULT = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (\w+)\[([\d,]*)\](\{[^}]*\})? "
+                     r"(copy-done|slice-done|custom-call)\(")
+
+
+def vmem_prefetch_bytes(hlo: str) -> int:
+  """Bytes an optimized TPU module copies into VMEM (memory space S(1)) ahead of their use
+  (async copy-done / slice-done and what a ConcatBitcast reassembles): XLA's cost analysis
+  charges these copies on top of the HBM reads of what they copy. 0 off TPU."""
+  total = 0
+  for line in hlo.splitlines():
+    m = _RESULT.match(line)
+    if not m or "S(1)" not in (m[3] or "") or m[1] not in _ITEMSIZE:
+      continue
+    if m[4] == "custom-call" and 'custom_call_target="ConcatBitcast"' not in line:
+      continue
+    total += _ITEMSIZE[m[1]] * math.prod(int(d) for d in m[2].split(",") if d)
+  return total
+
+
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4}
+
+
 def compiled_counts(case: CostCase) -> Dict[str, Any]:
   """Compiles the case's forward for its target; XLA's flops / bytes / transcendentals,
   the kernels' declared costs (`pallas_kernels.common.declared_cost`), compile seconds."""
@@ -182,10 +244,11 @@ def compiled_counts(case: CostCase) -> Dict[str, Any]:
   t0 = time.perf_counter()
   with context:
     declared = common.declared_cost(jax.make_jaxpr(fn)(*args))
-    compiled = fn.trace(*args).lower().compile()
+  compiled = _compile(fn, args, case.target)
   compile_s = time.perf_counter() - t0
   cost, how = _xla_cost(compiled)
   return dict(backend=backend, how=how, compile_s=round(compile_s, 1),
+              vmem_prefetch_bytes=vmem_prefetch_bytes(compiled.as_text()),
               flops=float(cost.get("flops", 0.0)),
               bytes=float(cost.get("bytes accessed", 0.0)),
               transcendentals=float(cost.get("transcendentals", 0.0)),
@@ -196,19 +259,58 @@ def measure(case: CostCase) -> Dict[str, Any]:
   """One row: the case, the model's counts, the compiled counts and their ratios.
 
   "compiled_total_*": XLA's figure plus the declared kernel costs where XLA cannot see
-  them (GPU), XLA's alone where it can (TPU)."""
+  them (GPU), XLA's alone where it can (TPU). `pool_bytes`: the K/V pool (all layers);
+  `gather_charge`: what XLA charges the embedding lookup (`gather_charge`)."""
   model = model_counts(case)
   compiled = compiled_counts(case)
   extra = compiled["declared"] if not compiled["kernels_seen"] else None
   total_flops = compiled["flops"] + (extra["flops"] if extra else 0)
   total_bytes = compiled["bytes"] + (extra["bytes_accessed"] if extra else 0)
-  ratio = lambda a, b: round(a / b, 4) if b else None
   return dict(case=case.name, **dataclasses.asdict(case), tokens=case.tokens, perf_model=model,
               compiled=compiled, compiled_total_flops=total_flops,
-              compiled_total_bytes=total_bytes,
-              flops_ratio=ratio(total_flops, model["flops"]),
-              bytes_ratio=ratio(total_bytes, model["bytes"]),
-              attention_flops_ratio=ratio(compiled["declared"]["flops"],
-                                          model["attention_flops"]),
-              non_attention_flops_ratio=ratio(
-                  total_flops - compiled["declared"]["flops"], model["linear_flops"]))
+              compiled_total_bytes=total_bytes, pool_bytes=case.cache_config().kv_cache_bytes,
+              gather_charge=gather_charge(case),
+              flops_ratio=_ratio(total_flops, model["flops"]))
+
+
+def _ratio(a, b):
+  return round(float(a) / float(b), 4) if b else None
+
+
+def pool_slope(row: Dict[str, Any], bigger: Dict[str, Any]) -> float:
+  """Bytes XLA charges per byte of K/V pool: two rows of one case at pool_scale 1 and 2
+  (2.0: each layer's whole K and V pool read and written by the in-place K/V write)."""
+  return ((bigger["compiled_total_bytes"] - row["compiled_total_bytes"])
+          / (bigger["pool_bytes"] - row["pool_bytes"]))
+
+
+def explain(row: Dict[str, Any], slope: float) -> Dict[str, Any]:
+  """The row split into the kernels (declared) and the rest (XLA's own), each beside the
+  model's part: FLOPs (linear vs XLA's rest; attention vs the kernels') and bytes (weights
+  + activations vs XLA's rest net of its whole-operand charges; K/V vs the kernels').
+
+  XLA's rest is charged `slope` x the pool where the K/V write is an XLA scatter (GPU; the
+  TPU write is a kernel with its own estimate), the whole table for the embedding lookup
+  (`gather_charge`) and, on TPU, the weights it prefetches into VMEM once more
+  (`vmem_prefetch_bytes`); the net adds back what the program really moves there (the
+  embedding rows, and the new tokens' K/V where XLA writes them)."""
+  s = CostCase(**{k: row[k] for k in _CASE_FIELDS}).spec()
+  c, m, d = row["compiled"], row["perf_model"], row["compiled"]["declared"]
+  rest_flops = c["flops"] - (d["flops"] if c["kernels_seen"] else 0)
+  rest_bytes = c["bytes"] - (d["bytes_accessed"] if c["kernels_seen"] else 0)
+  real = row["tokens"] * s.hidden_size * s.dtype_bytes
+  if slope > 0.5:
+    real += row["tokens"] * s.kv_bytes_per_token()
+  charges = slope * row["pool_bytes"] + row["gather_charge"] + c["vmem_prefetch_bytes"]
+  net = rest_bytes - charges + real
+  model_rest = m["weight_bytes"] + m["activation_bytes"]
+  return dict(pool_slope=round(slope, 4), rest_flops=rest_flops, rest_bytes=rest_bytes,
+              whole_operand_charges=charges, rest_net_bytes=net,
+              linear_flops_ratio=_ratio(rest_flops, m["linear_flops"]),
+              attention_flops_ratio=_ratio(d["flops"], m["attention_flops"]),
+              rest_bytes_ratio=_ratio(net, model_rest),
+              kernel_bytes_ratio=_ratio(d["bytes_accessed"], m["kv_bytes"]),
+              total_bytes_ratio=_ratio(row["compiled_total_bytes"], m["bytes"]))
+
+
+_CASE_FIELDS = tuple(f.name for f in dataclasses.fields(CostCase))
