@@ -27,8 +27,13 @@ def test_decode_at_batch_one_is_weight_bandwidth_bound():
   analytic = 26e9 / (1555e9 * EFF.weight_bandwidth)
   assert parts["linear"] == pytest.approx(analytic, rel=0.02)
   assert parts["linear"] > 0.9 * (parts["total"] - EFF.pass_overhead_s)
-  # Exactly the weight bytes one pass reads, over the effective bandwidth.
-  exact = catalog.MODELS["opt-13b"].weight_bytes_per_pass / (1555e9 * EFF.weight_bandwidth)
+  # Exactly the weight bytes one pass reads plus the token's activations (OPT-13B, one
+  # token, per layer: 15 h + 6 q + 6 kv + 4 ffn fp16 elements through HBM), over the
+  # effective bandwidth.
+  spec = catalog.MODELS["opt-13b"]
+  act = 40 * (15 * 5120 + 6 * 5120 + 6 * 5120 + 4 * 20480) * 2
+  assert spec.activation_bytes_per_token() == act
+  exact = (spec.weight_bytes_per_pass + act) / (1555e9 * EFF.weight_bandwidth)
   assert parts["linear"] == pytest.approx(exact, rel=1e-12)
 
 
@@ -85,7 +90,12 @@ def test_tensor_parallel_splits_weights_and_adds_allreduce():
   two = one.replace(tp=2)
   s = perf.StepShape.decode([256] * 8)
   p1, p2 = one.breakdown(s), two.breakdown(s)
-  assert p2["linear"] == pytest.approx(p1["linear"] / 2, rel=1e-12)   # memory-bound: half
+  # Memory-bound: half the weights; the hidden-size activations are not split.
+  spec, hbm = catalog.MODELS["opt-13b"], 1555e9 * EFF.weight_bandwidth
+  hidden_act = 8 * 40 * (10 + 1 + 4) * 5120 * 2
+  assert p1["linear"] - p2["linear"] == pytest.approx(
+      (spec.weight_bytes_per_pass / 2 + (8 * spec.activation_bytes_per_token() - hidden_act)
+       / 2) / hbm, rel=1e-12)
   assert p2["attention"] == pytest.approx(p1["attention"] / 2, rel=1e-12)
   assert p1["allreduce"] == 0 and p2["allreduce"] > 0
   # 2 all-reduces a layer, each of 8 tokens x 5120 x 2 bytes in a 2-GPU ring (factor 1).

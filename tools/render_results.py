@@ -96,6 +96,7 @@ SECTIONS: Dict[str, Tuple[object, Callable]] = {
     "tpu_engine_compile_int8_l32_vocab": (
         "tpu_engine_compile/int8_L32_vocab128256/tpu_engine_compile.json",
         engine.rows_with("tpu_engine_compile")),
+    "cost_analysis": ("cost_analysis/cost_analysis.json", engine.rows_with("cost_analysis")),
     "paper_scale": ("paper_scale/summary.json", paper.paper_scale),
     "paper_scale_suite_time": ("paper_scale/suite_jobs2/summary.json",
                                paper.paper_scale_suite_time),

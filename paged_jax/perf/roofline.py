@@ -3,7 +3,8 @@
 A roofline per part of the step, summed (the parts run one after another as kernels):
 
   step = sum over forward passes of
-           max(linear FLOPs / (peak * e_lf), weight bytes / (HBM * e_wb))      projections
+           max(linear FLOPs / (peak * e_lf),
+             (weight + activation bytes) / (HBM * e_wb))                      projections
          + max(attention FLOPs / (peak * e_af), K/V bytes / (HBM * e_kv))     one ragged kernel
          + logits bytes / (HBM * e_el)                                         sampler
          + all-reduce ring bytes / (NVLink * e_nv) + count * allreduce_latency (tp > 1)
@@ -39,6 +40,10 @@ _I = {name: i for i, name in enumerate(PARAMS)}
 COMBINATION = ("sum over the step's parts (kernels run one after another) of each part's "
                "max(compute time, memory time); per forward pass, plus the host's per-row "
                "work, copy-on-write and swap")
+
+# What `DeviceTimeModel.counts` returns: FLOPs, HBM bytes, all-reduce ring bytes.
+COUNTS = ("linear_flops", "attention_flops", "weight_bytes", "activation_bytes", "kv_bytes",
+          "logits_bytes", "allreduce_bytes")
 
 PARTS = ("linear", "attention", "sampler", "allreduce", "overhead", "row_host", "copy_on_write",
          "swap")
@@ -156,17 +161,22 @@ class DeviceTimeModel:
 
   # ---- the step ----
 
+  def _passes(self, step: StepShape):
+    """(new, ctx, tokens computed, rows sampled) per forward pass of the step."""
+    new, ctx = step.arrays()
+    if step.num_rows:
+      yield new, ctx, max(step.bucket_tokens, step.num_tokens), step.num_sampled
+    for i, (rows_new, rows_ctx) in enumerate(_later_passes(step), start=1):
+      live = rows_new.size
+      if live or step.bucket_rows:
+        yield rows_new, rows_ctx + i, max(live, step.bucket_rows), live
+
   def work(self, step: StepShape) -> StepWork:
     """The step's coefficients in seconds at 100% of each peak (see module docstring)."""
     m, g = self.model, self.gpu
     work = StepWork()
-    new, ctx = step.arrays()
-    if step.num_rows:
-      self._pass(work, new, ctx, max(step.bucket_tokens, step.num_tokens), step.num_sampled)
-    for i, (rows_new, rows_ctx) in enumerate(_later_passes(step), start=1):
-      live = rows_new.size
-      if live or step.bucket_rows:
-        self._pass(work, rows_new, rows_ctx + i, max(live, step.bucket_rows), live)
+    for new, ctx, tokens, sampled in self._passes(step):
+      self._pass(work, self.pass_counts(new, ctx, tokens, sampled))
     if step.num_rows:   # the host plans, packs and updates each row once per step
       work.terms.append(("row_host", _I["row_host_s"], float(step.num_rows)))
     kvb = self.kv_bytes_per_token
@@ -180,30 +190,51 @@ class DeviceTimeModel:
       work.terms.append(("swap", _I["swap_copy_latency_s"], float(copies)))
     return work
 
-  def _pass(self, work: StepWork, new: np.ndarray, ctx: np.ndarray, tokens: int,
-            sampled: int) -> None:
-    """Appends one forward pass over rows (new, ctx) computing `tokens` tokens."""
-    m, g, tp = self.model, self.gpu, self.tp
-    peak, hbm = g.tensor_flops, g.hbm_bandwidth
-    lin_flops = (2.0 * m.num_layers * m.layer_matmul_params * tokens
-                 + 2.0 * m.lm_head_params * sampled) / tp
-    work.pairs.append(("linear", _I["linear_flops"], lin_flops / peak,
-                       _I["weight_bandwidth"], m.weight_bytes_per_pass / tp / hbm))
+  def counts(self, step: StepShape) -> dict:
+    """FLOPs and HBM bytes of the step's forward passes, summed over passes, per GPU: the
+    quantities `work` divides by the peaks (`pass_counts`' keys)."""
+    total = dict.fromkeys(COUNTS, 0.0)
+    for new, ctx, tokens, sampled in self._passes(step):
+      for k, v in self.pass_counts(new, ctx, tokens, sampled).items():
+        total[k] += v
+    return total
+
+  def pass_counts(self, new: np.ndarray, ctx: np.ndarray, tokens: int, sampled: int) -> dict:
+    """One forward pass over rows (new, ctx) computing `tokens` tokens, `sampled` of them
+    through the LM head: COUNTS (FLOPs; bytes; all-reduce ring bytes), per GPU."""
+    m, tp = self.model, self.tp
     # Query-key pairs: the chunk's j-th token sees ctx - new + j + 1 keys.
     pairs = new * (ctx - new) + new * (new + 1) / 2.0
-    flops_per_pair = 4.0 * (m.num_heads // tp) * m.head_dim * m.num_layers
-    kv_bytes = (ctx + new) * self.kv_bytes_per_token        # read the context, write the new
-    # One ragged kernel runs every row of the pass (the engine's mixed prefill + decode
-    # batch), so a decode row's K/V reads overlap a long chunk's FLOPs: one max per pass.
-    work.pairs.append(("attention", _I["attention_flops"], flops_per_pair * pairs.sum() / peak,
-                       _I["kv_bandwidth"], kv_bytes.sum() / hbm))
-    if sampled:
-      logits = sampled * m.vocab_size * catalog.SAMPLER_BYTES_PER_LOGIT
-      work.terms.append(("sampler", _I["elementwise_bandwidth"], logits / hbm))
+    ring = 0.0
     if tp > 1:
       count = catalog.ALLREDUCES_PER_LAYER * m.num_layers
       ring = 2.0 * (tp - 1) / tp * tokens * m.hidden_size * m.dtype_bytes * count
-      work.terms.append(("allreduce", _I["nvlink"], ring / g.nvlink_bandwidth))
+    return dict(
+        linear_flops=(2.0 * m.num_layers * m.layer_matmul_params * tokens
+                      + 2.0 * m.lm_head_params * sampled) / tp,
+        attention_flops=4.0 * (m.num_heads // tp) * m.head_dim * m.num_layers * pairs.sum(),
+        weight_bytes=m.weight_bytes_per_pass / tp,
+        activation_bytes=float(tokens * m.activation_bytes_per_token(tp)),
+        kv_bytes=float(((ctx + new) * self.kv_bytes_per_token).sum()),  # read ctx, write new
+        logits_bytes=float(sampled * m.vocab_size * catalog.SAMPLER_BYTES_PER_LOGIT),
+        allreduce_bytes=ring)
+
+  def _pass(self, work: StepWork, c: dict) -> None:
+    """Appends one forward pass with counts `c` (pass_counts)."""
+    m, g, tp = self.model, self.gpu, self.tp
+    peak, hbm = g.tensor_flops, g.hbm_bandwidth
+    work.pairs.append(("linear", _I["linear_flops"], c["linear_flops"] / peak,
+                       _I["weight_bandwidth"],
+                       (c["weight_bytes"] + c["activation_bytes"]) / hbm))
+    # One ragged kernel runs every row of the pass (the engine's mixed prefill + decode
+    # batch), so a decode row's K/V reads overlap a long chunk's FLOPs: one max per pass.
+    work.pairs.append(("attention", _I["attention_flops"], c["attention_flops"] / peak,
+                       _I["kv_bandwidth"], c["kv_bytes"] / hbm))
+    if c["logits_bytes"]:
+      work.terms.append(("sampler", _I["elementwise_bandwidth"], c["logits_bytes"] / hbm))
+    if tp > 1:
+      count = catalog.ALLREDUCES_PER_LAYER * m.num_layers
+      work.terms.append(("allreduce", _I["nvlink"], c["allreduce_bytes"] / g.nvlink_bandwidth))
       work.terms.append(("allreduce", _I["allreduce_latency_s"], float(count)))
     work.terms.append(("overhead", _I["pass_overhead_s"], 1.0))
 

@@ -53,6 +53,29 @@ dnn_version_info { major: 9 minor: 8 }
 runtime_version { major: 12 minor: 8 }
 device_description_str: "NVIDIA H200"
 """
+# Other compile-only GPUs (cost analysis across the paper's and today's cards): the same
+# fields from the vendors' datasheets and CUDA occupancy tables. H100 SXM: sm_90 as above,
+# 80 GB at 3.35 TB/s, 50 MiB L2. A100 SXM4 40GB: sm_80, 108 SMs, 164 KiB shared memory
+# per SM (163 KiB opt-in per block), 40 MiB L2, 1,555 GB/s, 1.41 GHz.
+_GPU_FIELDS = {
+    "h200": SM90_TARGET_CONFIG,
+    "h100": SM90_TARGET_CONFIG.replace("memory_bandwidth: 4800000000000",
+                                       "memory_bandwidth: 3350000000000")
+    .replace("device_memory_size: 150754820096", "device_memory_size: 85520809984")
+    .replace("NVIDIA H200", "NVIDIA H100 80GB HBM3"),
+    "a100": SM90_TARGET_CONFIG.replace("shared_memory_per_core: 233472",
+                                       "shared_memory_per_core: 167936")
+    .replace("shared_memory_per_block_optin: 232448", "shared_memory_per_block_optin: 166912")
+    .replace("core_count: 132 fpus_per_core: 128", "core_count: 108 fpus_per_core: 64")
+    .replace("memory_bandwidth: 4800000000000", "memory_bandwidth: 1555000000000")
+    .replace("l2_cache_size: 52428800 clock_rate_ghz: 1.98",
+             "l2_cache_size: 41943040 clock_rate_ghz: 1.41")
+    .replace("device_memory_size: 150754820096", "device_memory_size: 42505273344")
+    .replace("major: 9 minor: 0", "major: 8 minor: 0")
+    .replace("NVIDIA H200", "NVIDIA A100-SXM4-40GB"),
+}
+GPU_TARGETS = tuple(_GPU_FIELDS)
+
 SM90_SHARED_MEMORY_BYTES = sm90.SHARED_MEMORY_BYTES      # opt-in limit per thread block
 SM90_REGISTERS_PER_SM = sm90.REGISTERS_PER_SM
 SM90_MAX_THREADS_PER_SM = sm90.MAX_THREADS_PER_SM
@@ -73,12 +96,19 @@ def unavailable_reason() -> Optional[str]:
   return None
 
 
-@functools.lru_cache(maxsize=None)
 def sm90_device():
   """A compile-only NVIDIA H200 (sm_90) device: a valid sharding target, never run on."""
+  return gpu_device("h200")
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_device(name: str = "h200"):
+  """A compile-only GPU of GPU_TARGETS ("h200", "h100", "a100"), never run on."""
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  if name not in _GPU_FIELDS:
+    raise ValueError(f"gpu target must be one of {GPU_TARGETS}, got {name!r}")
   topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
-                                      target_config=SM90_TARGET_CONFIG)
+                                      target_config=_GPU_FIELDS[name])
   return topo.devices[0]
 
 
@@ -271,6 +301,8 @@ def pallas_gpu_call_targets() -> Tuple[str, ...]:
     return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
                           grid=(1,), in_specs=[spec], out_specs=spec,
                           compiler_params=plgpu.CompilerParams(num_warps=1),
+                          cost_estimate=pl.CostEstimate(flops=16, transcendentals=0,
+                                                        bytes_accessed=2 * x.size * x.dtype.itemsize),
                           name="probe_kernel")(x)
   text = lower_for_gpu_or_platform(jax.jit(f), jax.ShapeDtypeStruct((16,), jnp.float32))
   return tuple(sorted(set(re.findall(r"stablehlo\.custom_call @([\w$.]+)", text))))

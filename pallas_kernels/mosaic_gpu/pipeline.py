@@ -284,13 +284,26 @@ def attend_pages(scratch, q_src, k_ref, v_ref, ks_ref, vs_ref, o_dst, lse_dst, *
   plgpu.wait_smem_to_gmem(0)
 
 
-def run_kernel(body, inputs, out_shapes, scratch, *, grid, grid_names, name, interpret):
-  """plgpu.kernel(body) over `grid`, compiled or under GPU interpret mode (races checked)."""
+def run_kernel(body, inputs, out_shapes, scratch, *, grid, grid_names, name, interpret,
+               cost_estimate=None):
+  """`body` over `grid` on a Mosaic GPU mesh, compiled or under GPU interpret mode (races
+  checked), declaring `cost_estimate` (a pl.CostEstimate or None).
+
+  What `plgpu.kernel` does (the scratch allocated by a `run_scoped` around the body: some
+  scratch types are transformed refs, which `pl.kernel`'s own scratch does not take), but
+  through `pl.kernel`, the entry that takes a `cost_estimate` on jax 0.10 and 0.11.
+  """
   params = dict(compiler_params=plgpu.CompilerParams())
   if interpret:
     params["interpret"] = plgpu.InterpretGPUParams(detect_races=True)
-  return plgpu.kernel(body, kernel_name=name, out_type=out_shapes, scratch_types=scratch,
-                      grid=grid, grid_names=grid_names, **params)(*inputs)
+  mesh = plgpu.Mesh(grid=tuple(grid), grid_names=tuple(grid_names), kernel_name=name)
+
+  def kernel_body(*refs):
+    pl.run_scoped(functools.partial(body, *refs), *scratch)
+
+  out = pl.kernel(kernel_body, out_type=tuple(out_shapes), mesh=mesh, name=name,
+                  cost_estimate=cost_estimate, **params)(*inputs)
+  return tuple(out)
 
 
 def page_lookup(tables_ref, row, num_blocks: int):
@@ -332,13 +345,22 @@ def launch(kernel, inputs, k_pages, k_scales, v_scales, *, sem: checks.Semantics
     kernel(*refs[:n], *([] if quantized else [None, None]), refs[n], refs[n + 1],
            refs[n + 2:])
 
+  num_kv_heads, q_blocks, num_splits = grid   # (h, b or t, s): one Q_ROWS block each
+  kv_len = inputs[1].shape[1] * block_size     # block_tables [S, P]
+  rows = q_blocks * num_kv_heads * Q_ROWS
+  cost = common.attention_cost(
+      q_tokens=q_blocks, num_q_heads=num_kv_heads * Q_ROWS, kv_len=kv_len,
+      kv_reads=q_blocks * kv_len, num_kv_heads=num_kv_heads, head_dim=head_dim,
+      page_dtype=k_pages.dtype, q_dtype=dtype, quantized=quantized, soft_cap=sem.soft_cap,
+      extra_bytes=(num_splits - 1) * rows * head_dim * jnp.dtype(dtype).itemsize
+      + num_splits * rows * 4 + inputs[1].size * 4)
   return run_kernel(
       body, inputs,
       (jax.ShapeDtypeStruct((*out_lead, Q_ROWS, head_dim), dtype),
        jax.ShapeDtypeStruct((*out_lead, Q_ROWS), jnp.float32)),
       scratch_types(dtype, k_pages.dtype, head_dim, block_size, tile_kv, num_stages,
                     quantized),
-      grid=grid, grid_names=grid_names, name=name, interpret=interpret)
+      grid=grid, grid_names=grid_names, name=name, interpret=interpret, cost_estimate=cost)
 
 
 def check_supported(entry: str, shapes: checks.AttentionShapes, interpret: bool) -> None:

@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
+from pallas_kernels import common
 from pallas_kernels.tpu import scales as S
 from pallas_kernels.tpu import work as W
 
@@ -281,6 +282,13 @@ def paged_attention_call(q4, k_pages, v_pages, k_scales, v_scales, tables, wl: W
               pltpu.SMEM((1,), jnp.int32)]
   if cfg.quantized:
     scratch.append(pltpu.VMEM((nrows, S.LANES), jnp.float32))
+  # Each query block (a sequence, or a query tile of one) reads its sequence's pages.
+  kv_len = cfg.pages_per_seq * cfg.block_size
+  cost = common.attention_cost(
+      q_tokens=nq * rows // cfg.group, num_q_heads=num_kv_heads * cfg.group, kv_len=kv_len,
+      kv_reads=nq * kv_len, num_kv_heads=num_kv_heads, head_dim=head_dim,
+      page_dtype=page_dtype, q_dtype=q4.dtype, quantized=cfg.quantized,
+      soft_cap=cfg.soft_cap, extra_bytes=tables.size * 4)
   call = pl.pallas_call(
       functools.partial(_kernel, cfg=cfg),
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -290,7 +298,7 @@ def paged_attention_call(q4, k_pages, v_pages, k_scales, v_scales, tables, wl: W
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("arbitrary", "arbitrary"),
           vmem_limit_bytes=vmem_limit_bytes),
-      out_shape=jax.ShapeDtypeStruct(q4.shape, q4.dtype),
+      out_shape=jax.ShapeDtypeStruct(q4.shape, q4.dtype), cost_estimate=cost,
       interpret=interpret, name=name)
   return call(tables, wl.meta, wl.prog_pairs, wl.chain, *operands)
 

@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
+from pallas_kernels import common
 from pallas_kernels.tpu import attention_kernel
 from pallas_kernels.tpu import scales as S
 
@@ -229,10 +230,18 @@ def write_kv(k_pages, v_pages, k_new, v_new, slots, k_scales=None, v_scales=None
   first = len(runs) + 2                         # operand index of k_pages (after k/v_new)
   aliases = {first + i: i for i in range(len(out_shape))}
   from pallas_kernels.tpu.paged_attention import interpret_params  # pylint: disable=g-import-not-at-top
+  # Per token: its new K and V rows read, its page rows read (the group merge) and written,
+  # and its scales (quantized pages) read and written; whole groups at run ends are not
+  # counted (at most two groups a run).
+  num_tokens = slots.shape[0]
+  rows = 2 * num_tokens * num_kv_heads * (head_dim * jnp.dtype(dtype).itemsize
+                                          + (4 if quant else 0))
+  new_bytes = (k_new.size + v_new.size) * jnp.dtype(k_new.dtype).itemsize
+  cost = common.copy_cost(new_bytes + 4 * num_tokens + rows, rows)
   return tuple(pl.pallas_call(
       functools.partial(_kernel, block_size=block_size, quant=quant),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=len(runs), grid=(1,), in_specs=[hbm] * len(operands),
           out_specs=[hbm] * len(out_shape), scratch_shapes=scratch),
-      out_shape=out_shape, input_output_aliases=aliases,
+      out_shape=out_shape, input_output_aliases=aliases, cost_estimate=cost,
       interpret=interpret_params(interpret), name="tpu_kv_write")(*runs, *operands))

@@ -284,6 +284,15 @@ def _paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales, v_sca
   pages_spec = pl.BlockSpec((None, num_blocks, block_size, head_dim),
                             lambda b, h, s: (h, 0, 0, 0))
   scale_spec = pl.BlockSpec((None, num_blocks, block_size), lambda b, h, s: (h, 0, 0))
+  kv_len = pages_per_seq * block_size
+  rows = batch * num_kv_heads * q_rows
+  cost = common.attention_cost(
+      q_tokens=batch, num_q_heads=num_kv_heads * q_rows, kv_len=kv_len,
+      kv_reads=batch * kv_len, num_kv_heads=num_kv_heads, head_dim=head_dim,
+      page_dtype=k_pages.dtype, q_dtype=q.dtype, out_dtype=out_dtype,
+      quantized=k_scales is not None, soft_cap=soft_cap,
+      extra_bytes=(num_splits - 1) * rows * head_dim_p * jnp.dtype(out_dtype).itemsize
+      + num_splits * rows * 4 + batch * tables_width * 4)
   o, lse = pl.pallas_call(
       kernel,
       grid=(batch, num_kv_heads, num_splits),
@@ -311,6 +320,7 @@ def _paged_attention(q, k_pages, v_pages, block_tables, lengths, k_scales, v_sca
       compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
                                            num_stages=cfg.num_stages),
       name=f"paged_decode_bs{block_size}_tile{tile_tokens}_splits{num_splits}",
+      cost_estimate=cost,
   )(lengths.astype(jnp.int32), tables, q4, k_pages, v_pages, k_scales, v_scales)
 
   if num_splits == 1:

@@ -311,6 +311,16 @@ def _kernel_call(q4, k_pages, v_pages, block_tables, k_scales, v_scales, tiles, 
       _ragged_kernel, q_per_tile=q_per_tile, kv_per_tile=kv_per_tile, kv_splits=kv_splits,
       sm_scale=sem.sm_scale, soft_cap=sem.soft_cap, sliding_window=sem.sliding_window,
       precision=precision, split_q=split_q)
+  kv_len = pages_per_seq * block_size
+  rows = num_tiles * q_per_tile * num_kv_heads * group_p
+  cost = common.attention_cost(   # each tile reads its sequence's pages, up to kv_len
+      q_tokens=num_tiles * q_per_tile, num_q_heads=num_kv_heads * group_p, kv_len=kv_len,
+      kv_reads=num_tiles * kv_len, num_kv_heads=num_kv_heads, head_dim=head_dim,
+      page_dtype=k_pages.dtype, q_dtype=q4.dtype,
+      out_dtype=q4.dtype if kv_splits == 1 else jnp.float32,
+      quantized=k_scales is not None, soft_cap=sem.soft_cap,
+      extra_bytes=(kv_splits - 1) * rows * head_dim * 4 + (kv_splits > 1) * 2 * kv_splits
+      * rows * 4 + block_tables.size * 4)
   outs = pl.pallas_call(
       kernel,
       grid=grid,
@@ -322,6 +332,7 @@ def _kernel_call(q4, k_pages, v_pages, block_tables, k_scales, v_scales, tiles, 
                                            num_stages=cfg.num_stages),
       interpret=interpret,
       name=f"ragged_paged_attention_tq{q_per_tile}_tk{kv_per_tile}_s{kv_splits}",
+      cost_estimate=cost,
   )(*args, *inits)
   if kv_splits == 1:
     return outs[0]
