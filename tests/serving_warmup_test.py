@@ -221,28 +221,32 @@ def test_serve_replay_warm_up_compiles_exactly_the_timed_runs_shapes():
 
 
 def test_caching_engines_compile_each_prefix_variant_within_the_bound():
-  # With prefix caching every shape compiles full and light; the count stays within
-  # max_variants.
+  # With prefix caching a mixed shape compiles full, light and admit-only, a decode-only
+  # shape full and light (an admission always has a prompt chunk); the count stays
+  # within max_variants.
   calls = []
 
   def stub_step(params, state, inputs, *, width, decode_only, all_greedy, **prefix):
     del params, all_greedy
     calls.append((inputs.tokens.shape[0], width, decode_only,
-                  prefix.get("prefix_light", False)))
+                  prefix.get("prefix_light", False), prefix.get("prefix_admit_only", False)))
     return state
   cc = MC.cache_config(block_size=BLOCK, num_blocks=NUM_BLOCKS, max_seqs=8,
                        max_blocks_per_seq=MAX_LEN // BLOCK, enable_prefix_caching=True)
   engine = Engine(MC, PARAMS, cc, max_num_batched_tokens=BUDGET, attention_backend="reference")
   engine._compiled = compile_lib.CompiledStep(stub_step)    # pylint: disable=protected-access
   shapes = [(16, 8, 4, False), (8, 8, 8, True)]
-  assert engine.compile_buckets(shapes, all_greedy=(False,))["compiled"] == 4
-  assert sorted(calls) == sorted([(16, 4, False, False), (16, 4, False, True),
-                                  (8, 8, True, False), (8, 8, True, True)])
+  assert engine.compile_buckets(shapes, all_greedy=(False,))["compiled"] == 5
+  assert sorted(calls) == sorted([(16, 4, False, False, False), (16, 4, False, True, False),
+                                  (16, 4, False, False, True), (8, 8, True, False, False),
+                                  (8, 8, True, True, False)])
   b = engine.buckets
   every = reachable_buckets(b, max_rows=8, max_len=MAX_LEN)
-  assert len(every) * 2 * 2 <= b.max_variants
-  # pick keeps prefix_light only for a caching engine.
-  assert b.pick(20, 3, 20, False, prefix_light=True).prefix_light
-  assert not small_engine(8).buckets.pick(20, 3, 20, False, prefix_light=True).prefix_light
-
-
+  assert sum(3 - s.decode_only for s in every) * 2 <= b.max_variants
+  # pick keeps admit-only only for a caching engine's mixed step that is not light.
+  assert b.pick(20, 3, 20, False, prefix_admit_only=True).prefix_admit_only
+  assert not b.pick(3, 3, 20, True, prefix_admit_only=True).prefix_admit_only
+  assert not b.pick(20, 3, 20, False, prefix_light=True, prefix_admit_only=True
+                    ).prefix_admit_only
+  assert not small_engine(8).buckets.pick(20, 3, 20, False,
+                                          prefix_admit_only=True).prefix_admit_only

@@ -96,7 +96,7 @@ def warm_up(engine, requests: Optional[Sequence] = None,
     params_fn: request -> SamplingParams (default greedy).
   Returns:
     {"shapes": steps in the set (with prefix caching each shape also as its `prefix_light`
-    variant), "compiled", "already"
+    variant and each mixed shape as its `prefix_admit_only` one), "compiled", "already"
     (compiled before), "seconds"}.
   """
   from paged_jax.engine import reachable_buckets  # pylint: disable=g-import-not-at-top

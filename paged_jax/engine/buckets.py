@@ -38,9 +38,10 @@ class Bucket(NamedTuple):
     all_greedy: every running request is greedy: sampling is an argmax.
     prefix_light: with prefix caching, the step admits, frees and forks nothing (the
       host knows): it runs without the prefix cache's lookup, first release and fork
-      copies (`step.make_step`); always False without caching. (A third variant for
-      steps that admit but free and fork nothing measured no gain and was removed:
-      docs/notes/prefix_cache_miss.md, afb011e: 1.069x -> 1.076x on / off.)
+      copies (`step.make_step`); always False without caching.
+    prefix_admit_only: with prefix caching, a mixed step that admits prompts but frees,
+      forks and swaps nothing: it keeps the lookup, leaves out the first release and the
+      fork copies; always False without caching, with `prefix_light` or decode_only.
     logprobs: a running request asks for top alternatives, or a chunk scores its prompt
       (`SamplingParams.logprobs` / `prompt_logprobs`): the step computes every token's
       logits and reports the best `MAX_LOGPROBS` per token (`StepOutputs`). A variant
@@ -54,16 +55,19 @@ class Bucket(NamedTuple):
   decode_only: bool
   all_greedy: bool = False
   prefix_light: bool = False
+  prefix_admit_only: bool = False
   logprobs: bool = False
 
   @property
   def step_kw(self) -> dict:
     """The step's static keywords for this bucket (T and R come with the inputs);
-    `prefix_light` only when set, so a step without prefix caching
+    `prefix_light` / `prefix_admit_only` only when set, so a step without prefix caching
     never sees them."""
     kw = dict(width=self.width, decode_only=self.decode_only, all_greedy=self.all_greedy)
     if self.prefix_light:
       kw["prefix_light"] = True
+    if self.prefix_admit_only:
+      kw["prefix_admit_only"] = True
     if self.logprobs:
       kw["logprobs"] = True
     return kw
@@ -88,7 +92,8 @@ class StepBuckets:
   besides, a decode-only step runs on one decode shape (T = R = S, W =
   max_blocks_per_seq, the decode kernel) instead, so an unbucketed engine has two
   shapes (a paper-scale sweep's decodes then skip the budget-sized token arrays).
-  With `prefix_caching` each shape also has its `prefix_light` variant.
+  With `prefix_caching` each shape also has its `prefix_light` variant, and each mixed
+  shape its `prefix_admit_only` one.
   """
   tokens: Tuple[int, ...]
   rows: Tuple[int, ...]
@@ -129,10 +134,11 @@ class StepBuckets:
   @property
   def max_variants(self) -> int:
     """Upper bound on distinct compiled steps: mixed (T, R, W) + decode-only (R, W),
-    each with sampling or all-greedy (and, with prefix caching, full or light), each
-    with or without `logprobs`."""
-    shapes = (len(self.tokens) + self.decode_shapes) * len(self.rows) * len(self.widths)
-    return shapes * 2 * (1 + int(self.prefix_caching)) * 2
+    each with sampling or all-greedy (and, with prefix caching, full or light, and for
+    mixed shapes admit-only too), each with or without `logprobs`."""
+    p = int(self.prefix_caching)
+    return ((len(self.tokens) * (1 + 2 * p) + self.decode_shapes * (1 + p)) * len(self.rows)
+            * len(self.widths) * 2 * 2)
 
   def mixed_tokens(self, num_tokens: int) -> int:
     """T of a mixed step planning `num_tokens` new tokens (its padded token bucket)."""
@@ -140,18 +146,20 @@ class StepBuckets:
 
   def pick(self, num_tokens: int, num_rows: int, max_len: int, decode_only: bool,
            all_greedy: bool = False, prefix_light: bool = False,
-           logprobs: bool = False) -> Bucket:
+           prefix_admit_only: bool = False, logprobs: bool = False) -> Bucket:
     """The Bucket for a step with `num_tokens` new tokens, `num_rows` rows / sampled
-    slots, and `max_len` tokens in its longest row after the step (`prefix_light`:
-    kept only with prefix caching)."""
+    slots, and `max_len` tokens in its longest row after the step (`prefix_light`,
+    `prefix_admit_only`: kept only with prefix caching; admit-only only on a mixed
+    shape without `prefix_light`)."""
     rows = _round_up(self.rows, num_rows)
     if self.decode_steps > 1:
       max_len += self.decode_steps - 1          # the decode loop's tokens
     width = _round_up(self.widths, cdiv(max(max_len, 1), self.block_size))
     decode_only = decode_only and self.decode_shapes
     tokens = rows if decode_only else self.mixed_tokens(num_tokens)
-    light = bool(prefix_light) and self.prefix_caching   # the variant's one gate
-    return Bucket(tokens, rows, width, decode_only, bool(all_greedy), light,
+    light = bool(prefix_light) and self.prefix_caching
+    admit_only = bool(prefix_admit_only) and self.prefix_caching and not (light or decode_only)
+    return Bucket(tokens, rows, width, decode_only, bool(all_greedy), light, admit_only,
                   bool(logprobs))
 
 

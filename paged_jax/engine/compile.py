@@ -80,8 +80,8 @@ class CompiledStep:
       return False
     self.seen.add(bucket)
     log.info("paged_jax engine: compiling step shape tokens=%d rows=%d width=%d blocks "
-             "decode_only=%s all_greedy=%s prefix_light=%s logprobs=%s (%d shapes so far, "
-             "at most %d)", *bucket, len(self.seen), buckets.max_variants)
+             "decode_only=%s all_greedy=%s prefix_light=%s prefix_admit_only=%s logprobs=%s "
+             "(%d shapes so far, at most %d)", *bucket, len(self.seen), buckets.max_variants)
     return True
 
   def forget(self) -> None:
@@ -96,12 +96,14 @@ class CompiledStep:
     calls use, so no step of those shapes traces or compiles later (JAX 0.10 and 0.11)
     while the budget holds it (more shapes than the process can map release the
     first ones again). Nothing runs on the device. With prefix caching (`state.prefix`)
-    each shape also compiles its `prefix_light` variant. At most `max_shapes` steps (else ValueError). Returns
+    each shape also compiles its `prefix_light` variant, and each mixed shape its
+    `prefix_admit_only` one. At most `max_shapes` steps (else ValueError). Returns
     {"compiled", "already", "seconds"}."""
-    lights = (False, True) if state.prefix is not None else (False,)
-    shapes = list(dict.fromkeys(Bucket(*tuple(s)[:4], bool(g), light)
+    lights = (((False, False), (True, False), (False, True)) if state.prefix is not None
+              else ((False, False),))
+    shapes = list(dict.fromkeys(Bucket(*tuple(s)[:4], bool(g), light, admit)
                                 for s in shapes for g in dict.fromkeys(all_greedy)
-                                for light in lights))
+                                for light, admit in lights if not (admit and s[3])))
     if len(shapes) > max_shapes:
       raise ValueError(f"{len(shapes)} shapes to compile, more than the bound {max_shapes}")
     abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
@@ -121,7 +123,7 @@ class CompiledStep:
       self.seen.add(bucket)
       compiled += 1
       log.info("paged_jax engine: compiled step shape tokens=%d rows=%d width=%d blocks "
-               "decode_only=%s all_greedy=%s prefix_light=%s logprobs=%s "
+               "decode_only=%s all_greedy=%s prefix_light=%s prefix_admit_only=%s logprobs=%s "
                "ahead of time in %.2f s (%d of %d)", *bucket,
                time.perf_counter() - t1, compiled + already, len(shapes))
     seconds = time.perf_counter() - t0
@@ -132,7 +134,7 @@ class CompiledStep:
 
 class StepCall:
   """An engine's step call: `(params, state, inputs, *, width=None, decode_only=False,
-  all_greedy=False, prefix_light=False, logprobs=False) ->
+  all_greedy=False, prefix_light=False, prefix_admit_only=False, logprobs=False) ->
   (state, outputs)`, as
   the jitted step takes it, run by the bucket's own jit (`CompiledStep.executable`) with
   numpy inputs sent as one buffer and `outputs` a `packing.Packed` StepOutputs
@@ -144,9 +146,11 @@ class StepCall:
     self.compiled, self.signature = compiled, signature
 
   def __call__(self, params, state, inputs: StepInputs, *, width=None, decode_only=False,
-               all_greedy=False, prefix_light=False, logprobs=False):
+               all_greedy=False, prefix_light=False, prefix_admit_only=False, logprobs=False):
+    caching = state.prefix is not None
     bucket = Bucket(inputs.tokens.shape[0], inputs.row_slot.shape[0], width, decode_only,
-                    all_greedy, prefix_light, logprobs)
+                    all_greedy, prefix_light and caching, prefix_admit_only and caching,
+                    logprobs)
     return self.compiled.executable(self.signature, bucket)(params, state,
                                                             pack_inputs(inputs))
 

@@ -41,7 +41,9 @@ def build_inputs(batch: Batch, running: Seq[Group], *, buckets: StepBuckets, max
   preempt, and those it admits or swaps in).
   Returns (StepInputs, Bucket); pass `bucket.step_kw` to the step (`width=`,
   `decode_only=`, `all_greedy=`, `prefix_light=`: with prefix caching, a step that
-  admits, frees, forks and swaps nothing skips that prefix work). all_greedy: every running request has temperature 0; `idle_all_greedy` when
+  admits, frees, forks and swaps nothing skips that prefix work; `prefix_admit_only=`: one
+  that admits but frees, forks and swaps nothing skips the first release and fork
+  copies). all_greedy: every running request has temperature 0; `idle_all_greedy` when
   none runs (a frees-only step samples nothing: the engine passes its previous step's,
   so no new variant compiles).
   """
@@ -54,10 +56,11 @@ def build_inputs(batch: Batch, running: Seq[Group], *, buckets: StepBuckets, max
   # multi-step decode loop samples the others too.
   all_greedy = (all(g.params.temperature == 0 for g in running) if running
                 else bool(idle_all_greedy))
-  # With prefix caching, a step that admits, frees, forks and swaps nothing leaves out
-  # the lookup, the first release and the fork copies (`prefix_light`).
-  light = not (batch.frees or batch.forks or batch.post_forks or batch.swapped_in
-               or batch.swap_out or batch.attaches)
+  # With prefix caching: a step that frees, forks and swaps nothing leaves out the first
+  # release and the fork copies (`prefix_admit_only`), and the lookup too when it admits
+  # nothing either (`prefix_light`); buckets.pick keeps them only with caching.
+  quiet = not (batch.frees or batch.forks or batch.post_forks or batch.swapped_in
+               or batch.swap_out)
   owner = {q: g for g in running for q in g.seqs}
   # The logprobs variant: a running request reports alternatives (the decode loop samples
   # every running one), or a chunk scores prompt tokens.
@@ -66,7 +69,8 @@ def build_inputs(batch: Batch, running: Seq[Group], *, buckets: StepBuckets, max
   logprobs = bool(scored) or any(g.params.logprobs for g in running)
   bucket = buckets.pick(batch.num_tokens, max(len(chunks), num_sampled, len(batch.forks)),
                         max_len, all(ch.num_tokens == 1 for ch in chunks), all_greedy,
-                        light, logprobs)
+                        quiet and not batch.attaches, quiet and bool(batch.attaches),
+                        logprobs)
   a = empty_inputs(bucket.tokens, max_seqs, lookup_len, num_rows=bucket.rows)
 
   def sampling_row(seq: Sequence, group: Group, row: int):

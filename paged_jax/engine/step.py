@@ -206,13 +206,15 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
 
   Returns:
     step(params, state: EngineState, inputs: StepInputs, *, width=None,
-    decode_only=False, all_greedy=False, prefix_light=False, logprobs=False) ->
+    decode_only=False, all_greedy=False, prefix_light=False, prefix_admit_only=False,
+    logprobs=False) ->
     (EngineState, StepOutputs), jitted with `state` donated and the keywords static
     (`all_greedy`: every running request is greedy, so sampling is an argmax;
     `prefix_light`: with prefix caching, the host planned no free, fork, post-fork or
     admission, so the step leaves out the first release, the forks and their history
     copies, the lookup and `skip_hits`, all no-ops then but for the clock; eviction,
-    registration and the finished slots' release still run; `logprobs`: the
+    registration and the finished slots' release still run; `prefix_admit_only`: the
+    same without admission left out: the lookup and `skip_hits` run; `logprobs`: the
     model computes every token's logits, and the step reports the best MAX_LOGPROBS
     alternatives of each sampled token and each `target_tokens` entry's log-probability
     (`StepOutputs`): what requests with `SamplingParams.logprobs` / `prompt_logprobs`
@@ -224,7 +226,7 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
   """
 
   def step(params, state: EngineState, inp: StepInputs, width=None, decode_only=False,
-           all_greedy=False, prefix_light=False, logprobs=False):
+           all_greedy=False, prefix_light=False, prefix_admit_only=False, logprobs=False):
     TRACE_COUNT[name] += 1
     ps = state.prefix
     # The KV groups, as lists: [0] the full-attention pool (the prefix cache's), then, with
@@ -241,6 +243,8 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     # 1-2. frees, beam forks (and prefix attach / eviction): these always stand.
     hits = jnp.zeros((s_max,), _I32)
     light = ps is not None and prefix_light   # no free, fork or admission: skip them
+    # No free or fork (maybe an admission): skip the first release and the fork copies.
+    quiet = light or (ps is not None and prefix_admit_only)
     free_fork = lambda b: bm.fork(bm.free(b, inp.free_slots)[0], inp.fork_src,
                                   inp.fork_dst)[0]
     if ps is None:
@@ -248,8 +252,10 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     elif light:
       b = bs[0]
     else:
-      ps, b = prefix_step.free(ps, bs[0], inp.free_slots)
-      b = bm.fork(b, inp.fork_src, inp.fork_dst)[0]
+      b = bs[0]
+      if not quiet:
+        ps, b = prefix_step.free(ps, b, inp.free_slots)
+        b = bm.fork(b, inp.fork_src, inp.fork_dst)[0]
       ps, b, hits = prefix_step.attach(ps, b, inp.attach_slot, inp.attach_len,
                                        inp.attach_start, inp.attach_tokens, inp.attach_root,
                                        inp.attach_tag)
@@ -371,7 +377,7 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
       b, _ = bm.free(b, done_slots)
       out = out.replace(num_free=b.num_free, available=b.num_free, sole_blocks=sole_blocks(b))
     else:
-      ps, b, _ = prefix_step.after(ps, b, inp, out, max_items=max_evict, forks=not light)
+      ps, b, _ = prefix_step.after(ps, b, inp, out, max_items=max_evict, forks=not quiet)
       # The finished slots are rows: their blocks fit the step's width bucket.
       ps, b = prefix_step.free(ps, b, done_slots, num_cols=width or 0)
       evictable = prefix_core.num_evictable(ps.cache, b)
@@ -387,4 +393,4 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
   if not jit:
     return step
   return jax.jit(step, donate_argnums=(1,), static_argnames=(
-      "width", "decode_only", "all_greedy", "prefix_light", "logprobs"))
+      "width", "decode_only", "all_greedy", "prefix_light", "prefix_admit_only", "logprobs"))
