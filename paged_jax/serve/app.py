@@ -11,7 +11,6 @@ inside one request answers 500 for that request only.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import time
 import uuid
@@ -226,10 +225,10 @@ def _logprobs(t: Tracker, j: int, span, decode, chat: bool, echo: bool = False):
   prompt = t.request.prompt_ids if echo else []
   scores, prompt_tops = t.prompt_scores or ([None] * len(prompt), [None] * len(prompt))
   texts = [piece(i) for i in list(prompt) + list(ids)]
-  echo_pieces = [len(piece(i)) for i in t.request.prompt_ids] if t.request.echo else []
-  head = sum(echo_pieces)    # the echoed prompt's length, as its pieces add up
+  echo_offsets = t.prompt_offsets(decode) if t.request.echo else [0]
+  head = echo_offsets[-1]    # the echoed prompt's length, as its pieces add up
   ends = t.decoded[j].ends
-  offsets = list(itertools.accumulate([0] + echo_pieces))[:len(prompt)]
+  offsets = echo_offsets[:len(prompt)]
   offsets += [head + (ends[m - 1] if m else 0) for m in range(a, b)]
   top_dicts = None
   if k:

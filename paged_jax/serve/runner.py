@@ -65,6 +65,15 @@ class Tracker:
   t_first: Optional[float] = None
   cut_early: bool = False
   prompt_scores: Optional[tuple] = None
+  echo_offsets: Optional[List[int]] = None
+
+  def prompt_offsets(self, decode) -> List[int]:
+    """The echoed prompt's text offsets, as its tokens' own pieces add up (one more
+    entry: its whole length); decoded once per request, not once per streamed chunk."""
+    if self.echo_offsets is None:
+      lens = [len(decode([i])) for i in self.request.prompt_ids]
+      self.echo_offsets = list(itertools.accumulate([0] + lens))
+    return self.echo_offsets
 
   @classmethod
   def new(cls, request_id, request: EngineRequest, decode, now: float) -> "Tracker":
