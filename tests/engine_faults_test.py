@@ -13,7 +13,7 @@ import pytest
 from paged_jax.config import ModelConfig
 from paged_jax.engine import Engine, SamplingParams, step_for_compile
 from paged_jax.engine import engine as engine_mod
-from paged_jax.engine import scheduler as scheduler_mod
+from paged_jax.engine import update as update_mod
 
 from engine_oracle import (MC, PARAMS, VOCAB, dense_greedy, greedy, oracle_engine,
                            random_prompts, run_counting_dispatches_and_syncs)
@@ -108,7 +108,7 @@ class Injector:
     elif point == "wait":   # the host blocked on the device's outputs
       monkeypatch.setattr(jax, "device_get", wrap(jax.device_get))
     elif point == "apply":   # mid-way: earlier sequences of the step already have tokens
-      update = scheduler_mod._Update   # pylint: disable=protected-access
+      update = update_mod.Update
       monkeypatch.setattr(update, "finish_seq", wrap(update.finish_seq))
 
 
