@@ -12,6 +12,12 @@ Two readings on the shipped tiny model, greedy, block size 16:
             On a GPU in the memory-bound regime it barely grows (the serving sweep's
             step clock); on this CPU it grows about linearly, which is what makes the
             wall-clock serving runs differ from the step-clock ones.
+  width     the per-row reading's largest `live` again, on an engine that runs every step
+            at the widest block table (`EngineOptions.width_buckets=False`): the
+            sequences' own width bucket is the smallest, so the ratio (width / per row)
+            is what the width buckets save a step. The CPU kernels visit keys up to each
+            sequence's length, so it should be near 1 there, and the engine keeps one
+            width on CPU (`buckets.attention_reads_width`).
 
 A decode step's time is measured by difference, so prefill and warm-up drop out: per
 configuration, generate `--short` then `--long` tokens per sequence (same prompts,
@@ -66,16 +72,21 @@ def run(f: Optional[Config] = None) -> Dict:
                                                 f.seed)
   biggest = max(max_seqs)
   budget = 16 * -(-(biggest * (16 + long)) // 16)        # every live sequence fits
-  pool = {ms: engines.make_engine(block_size=16, kv_budget_tokens=max(budget, 256), max_seqs=ms)
-          for ms in sorted(set(max_seqs))}
-  readings = [("padding", ms, 1) for ms in sorted(pool)]
+  make = lambda ms, **kw: engines.make_engine(block_size=16, kv_budget_tokens=max(budget, 256),
+                                              max_seqs=ms, **kw)
+  pool = {("buckets", ms): make(ms, width_buckets=True) for ms in sorted(set(max_seqs))}
+  pool[("one_width", biggest)] = make(biggest, width_buckets=False)
+  readings = [("padding", ms, 1) for ms in sorted(set(max_seqs))]
   readings += [("per_row", biggest, n) for n in sorted(set(live)) if n > 1]
-  for _, ms, n in readings:             # compile every shape the timed runs use
-    step_costs.decode_step_seconds(pool[ms], n, short, long, seed)
+  readings += [("width", biggest, max(live))]
+  engine_of = lambda kind, ms: pool[("one_width" if kind == "width" else "buckets", ms)]
+  for kind, ms, n in readings:          # compile every shape the timed runs use
+    step_costs.decode_step_seconds(engine_of(kind, ms), n, short, long, seed)
   samples = {c: [] for c in readings}
   for _ in range(repeats):              # interleaved: load hits every config alike
     for c in readings:
-      samples[c].append(step_costs.decode_step_seconds(pool[c[1]], c[2], short, long, seed))
+      samples[c].append(step_costs.decode_step_seconds(engine_of(c[0], c[1]), c[2], short,
+                                                       long, seed))
   rows = []
   for (kind, ms, n), xs in samples.items():
     rows.append({"reading": kind, "max_seqs": ms, "live": n,
@@ -91,6 +102,11 @@ def run(f: Optional[Config] = None) -> Dict:
   if per_row:
     top = per_row[-1]
     result["ms_per_extra_row"] = (top["step_ms"] - one["step_ms"]) / (top["live"] - 1)
+  wide = next(r for r in rows if r["reading"] == "width")
+  same = next((r for r in rows if r["reading"] in ("per_row", "padding")
+               and r["max_seqs"] == biggest and r["live"] == wide["live"]), None)
+  if same is not None:
+    result["width_ratio"] = wide["step_ms"] / same["step_ms"]
   return result
 
 
@@ -112,6 +128,8 @@ def main(f: Config, out):
   print(f"one live sequence, max_seqs {result['rows'][0]['max_seqs']} -> "
         f"{max(f.max_seqs)}: {result['padding_ratio']:.2f}x "
         f"(target <= 1.5x)")
+  if "width_ratio" in result:
+    print(f"every step at the widest block table / width buckets: {result['width_ratio']:.2f}x")
   if "ms_per_extra_row" in result:
     print(f"each extra live row adds {result['ms_per_extra_row']:.3f} ms to a decode step")
   if out is not None:

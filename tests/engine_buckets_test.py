@@ -219,3 +219,42 @@ def test_decode_step_work_follows_the_row_bucket_not_max_seqs():
   large, large_loops, _ = _decode_step_cost(128)
   assert large_loops == small_loops
   assert large - small < 128 * block, (small, large, block)
+
+
+@pytest.mark.parametrize("backend,override,bucketed", [
+    ("cpu", None, False), ("xla", None, True), ("reference", None, True),
+    ("cpu", True, True), ("xla", False, False)])
+def test_one_width_where_attention_does_not_read_it(backend, override, bucketed):
+  # The CPU kernels visit keys up to each sequence's length: W buckets would only add
+  # compiled shapes there (docs/notes/compile_budget.md, "Widths"); the gathering
+  # backends read all W columns and keep them. `width_buckets` overrides either way.
+  from paged_jax.engine import Engine   # pylint: disable=g-import-not-at-top
+  from engine_oracle import MC   # pylint: disable=g-import-not-at-top
+  cc = MC.cache_config(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_seqs=MAX_SEQS,
+                       max_blocks_per_seq=ORACLE_LEN // BLOCK_SIZE)
+  engine = Engine(MC, PARAMS, cc, max_num_batched_tokens=BUDGET, attention_backend=backend,
+                  width_buckets=override)
+  assert engine.buckets.widths == ((4, 8, 16) if bucketed else (16,))
+  assert engine.buckets.tokens == (16, 32) and engine.buckets.rows == (8, 16)
+
+
+def test_one_width_engine_equals_the_width_bucketed_one(monkeypatch):
+  # Same tokens with every step at the widest table; every step it ran was that wide.
+  from paged_jax.engine import Engine   # pylint: disable=g-import-not-at-top
+  from engine_oracle import MC   # pylint: disable=g-import-not-at-top
+  cc = MC.cache_config(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_seqs=MAX_SEQS,
+                       max_blocks_per_seq=ORACLE_LEN // BLOCK_SIZE)
+  prompts = prompts_of(7, 10, 1, 20)
+  sps = [SamplingParams(max_tokens=int(n), temperature=0.0) for n in (3, 9, 20, 5, 14, 2, 30,
+                                                                        8, 11, 4)]
+  outs = {}
+  for widths in (True, False):
+    used = record_buckets(monkeypatch)
+    engine = Engine(MC, PARAMS, cc, max_num_batched_tokens=BUDGET, attention_backend="cpu",
+                    width_buckets=widths)
+    outs[widths] = [r.outputs for r in engine.generate(prompts, sps)]
+    if widths:
+      assert len({b.width for b in used}) > 1
+    else:
+      assert {b.width for b in used} == {ORACLE_LEN // BLOCK_SIZE}
+  assert outs[True] == outs[False]

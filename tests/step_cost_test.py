@@ -15,12 +15,13 @@ def test_readings_for_each_configuration():
   res = step_cost.run(step_cost.Config(max_seqs=(2, 8), live=(1, 3), short=2, long=5,
                                        repeats=1))
   got = [(r["reading"], r["max_seqs"], r["live"]) for r in res["rows"]]
-  assert got == [("padding", 2, 1), ("padding", 8, 1), ("per_row", 8, 3)]
+  assert got == [("padding", 2, 1), ("padding", 8, 1), ("per_row", 8, 3), ("width", 8, 3)]
   # One engine step per generated token: the long run (5 tokens) takes 3 steps more.
-  assert [r["decode_steps"] for r in res["rows"]] == [3, 3, 3]
+  assert [r["decode_steps"] for r in res["rows"]] == [3, 3, 3, 3]
   assert all(math.isfinite(r["step_ms"]) and math.isfinite(r["device_ms"]) for r in res["rows"])
   assert res["padding_ratio"] == pytest.approx(res["rows"][1]["step_ms"] / res["rows"][0]["step_ms"])
   assert "ms_per_extra_row" in res
+  assert res["width_ratio"] == pytest.approx(res["rows"][3]["step_ms"] / res["rows"][2]["step_ms"])
 
 
 @pytest.mark.parametrize("kw,match", [({"max_seqs": ()}, "--max_seqs must list"),

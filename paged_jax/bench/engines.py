@@ -29,7 +29,7 @@ def make_engine(*, block_size: int, kv_budget_tokens: int, max_seqs: int = 64,
                 max_num_batched_tokens: int = TINY.max_num_batched_tokens,
                 max_beam_width: int = TINY.max_beam_width, checkpoint: Optional[str] = None,
                 prefix_caching: bool = False, standin: bool = False,
-                shape_buckets: bool = True):
+                shape_buckets: bool = True, width_buckets: Optional[bool] = None):
   """An Engine over the tiny model whose KV pool holds `kv_budget_tokens` token slots
   (`prefix_caching`: automatic prefix caching on).
 
@@ -38,6 +38,7 @@ def make_engine(*, block_size: int, kv_budget_tokens: int, max_seqs: int = 64,
   the tiny model does on greedy requests without stop ids, for runs on a virtual clock
   that charge each step by its shape, not by what it computed. `shape_buckets=False`: one
   compiled step (the largest shape) instead of one per bucket; the scheduling is the same.
+  `width_buckets`: `EngineOptions.width_buckets`.
 
   `kv_budget_tokens` must be a multiple of `block_size`. With `block_size ==
   max_len` every sequence takes one max_len-token block at admission: a
@@ -62,7 +63,8 @@ def make_engine(*, block_size: int, kv_budget_tokens: int, max_seqs: int = 64,
       max_blocks_per_seq=-(-max_len // block_size), enable_prefix_caching=prefix_caching)
   return Engine(model_config, params, cache_config, max_num_batched_tokens=max_num_batched_tokens,
                 preemption_mode=preemption_mode, attention_backend=attention_backend,
-                max_beam_width=max_beam_width, shape_buckets=shape_buckets, **extra)
+                max_beam_width=max_beam_width, shape_buckets=shape_buckets,
+                width_buckets=width_buckets, **extra)
 
 
 @functools.lru_cache(maxsize=2)

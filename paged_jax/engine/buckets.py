@@ -3,7 +3,8 @@ from what is live (`StepBuckets.pick` -> `Bucket`), and the set of them a run ca
 (`reachable_buckets`, what a warm-up compiles ahead of time).
 
 Shapes: T tokens and R rows (the smallest buckets >= what is live), W block-table
-columns attention reads (a jit static argument, like decode_only and all_greedy).
+columns attention reads (a jit static argument, like decode_only and all_greedy; one W
+where attention's cost does not follow it: `attention_reads_width`).
 """
 
 from __future__ import annotations
@@ -107,9 +108,11 @@ class StepBuckets:
   @classmethod
   def make(cls, *, max_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int,
            block_size: int, decode_steps: int, enabled: bool = True,
-           prefix_caching: bool = False, decode_shape: bool = False) -> "StepBuckets":
+           prefix_caching: bool = False, decode_shape: bool = False,
+           width_buckets: bool = True) -> "StepBuckets":
     """The buckets of an engine's geometry; `decode_shape` counts only when not
-    `enabled` (bucketed steps always have their decode-only shapes)."""
+    `enabled` (bucketed steps always have their decode-only shapes); `width_buckets=False`:
+    one width, max_blocks_per_seq (`attention_reads_width`)."""
     if not enabled:
       return cls((max_num_batched_tokens,), (max_seqs,), (max_blocks_per_seq,), block_size,
                  decode_steps, enabled=False, prefix_caching=prefix_caching,
@@ -122,7 +125,8 @@ class StepBuckets:
     # smallest buckets keep small engines (tests) at one or two shapes each.
     return cls(_geometric(max_num_batched_tokens, min(16, max_num_batched_tokens), 4),
                _geometric(max_seqs, min(8, max_seqs), 2, halfway_from=16),
-               _geometric(max_blocks_per_seq, min(4, max_blocks_per_seq), 2),
+               (_geometric(max_blocks_per_seq, min(4, max_blocks_per_seq), 2) if width_buckets
+                else (max_blocks_per_seq,)),
                block_size, decode_steps, prefix_caching=prefix_caching)
 
   @property
@@ -163,18 +167,30 @@ class StepBuckets:
                   bool(logprobs))
 
 
+def attention_reads_width(backend: str) -> bool:
+  """Whether attention's cost follows the block-table width W (so W buckets pay), for a
+  concrete attention spelling (`attention.resolve_step_backend`'s). The CPU kernels
+  ("cpu", pallas_kernels/cpu) visit each sequence's keys up to its length whatever W is:
+  on the shipped model, a churning batch ran 0.99x the time at one width
+  (docs/notes/compile_budget.md, "Widths"), with fewer step shapes to compile.
+  The gathering backends ("xla", "reference") read all W columns, and the GPU / TPU
+  kernels size their KV splits by W: they keep the W buckets (not measured on a chip)."""
+  return backend != "cpu"
+
+
 def step_buckets(cache_config: CacheConfig, max_num_batched_tokens: int,
                  decode_steps_per_sync: int, shape_buckets: bool = True,
-                 decode_shape: bool = False) -> StepBuckets:
+                 decode_shape: bool = False, width_buckets: bool = True) -> StepBuckets:
   """The step's shape buckets for an engine (tokens, rows, block-table widths;
-  `shape_buckets` / `decode_shape`: the `EngineOptions` fields)."""
+  `shape_buckets` / `decode_shape`: the `EngineOptions` fields; `width_buckets`:
+  `attention_reads_width` of the step's attention)."""
   return StepBuckets.make(max_seqs=cache_config.max_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,
                           max_blocks_per_seq=cache_config.max_blocks_per_seq,
                           block_size=cache_config.block_size,
                           decode_steps=decode_steps_per_sync, enabled=shape_buckets,
                           prefix_caching=cache_config.enable_prefix_caching,
-                          decode_shape=decode_shape)
+                          decode_shape=decode_shape, width_buckets=width_buckets)
 
 
 def reachable_buckets(buckets: StepBuckets, *, max_rows: int, max_len: int,

@@ -32,7 +32,7 @@ import jax
 from paged_jax import executables
 from paged_jax import kv_cache
 from paged_jax.config import CacheConfig, ModelConfig
-from paged_jax.engine.buckets import Bucket, StepBuckets, step_buckets
+from paged_jax.engine.buckets import Bucket, StepBuckets, attention_reads_width, step_buckets
 from paged_jax.engine.inputs import empty_inputs, input_shapes, lookup_len
 from paged_jax.engine.options import EngineOptions
 from paged_jax.engine.step import StepInputs, init_state, make_step
@@ -239,7 +239,12 @@ def engine_step(model_config: ModelConfig, cache_config: CacheConfig,
   key = step_key(model_config, cache_config, options)
   _, _, steps, candidates, max_evict, model_apply, window, sliding_layers = key
   buckets = step_buckets(cache_config, options.max_num_batched_tokens, steps,
-                         options.shape_buckets, options.decode_shape)
+                         options.shape_buckets, options.decode_shape,
+                         width_buckets=(options.width_buckets
+                                        if options.width_buckets is not None else
+                                        attention_reads_width(_resolve_backend(
+                                            options.attention_backend, model_config,
+                                            cache_config, None))))
   kw = dict(num_decode_steps=steps, num_candidates=candidates, max_evict=max_evict,
             sliding_window=window, sliding_layers=sliding_layers)
   # Dispatches send and fetch one buffer each (packing.py).
@@ -304,16 +309,21 @@ def step_backend(backend: str, model_config: ModelConfig, cache_config: CacheCon
                  where) -> str:
   """The attention spelling `backend` stands for in this model's step on the device of
   `where` (a Device or Sharding); logged at INFO when it differs."""
-  from paged_jax.attention import resolve_step_backend  # pylint: disable=g-import-not-at-top
-  chosen = resolve_step_backend(
-      backend, num_q_heads=model_config.num_heads, num_kv_heads=model_config.num_kv_heads,
-      head_dim=model_config.head_dim, block_size=cache_config.block_size,
-      q_dtype=model_config.dtype, page_dtype=cache_config.dtype,
-      quantized=cache_config.quantized, where=where)
+  chosen = _resolve_backend(backend, model_config, cache_config, where)
   if chosen != backend:
     log.info("paged_jax engine: attention_backend=%s -> %s for %s", backend, chosen,
              getattr(_first_device(where), "device_kind", where))
   return chosen
+
+
+def _resolve_backend(backend: str, model_config: ModelConfig, cache_config: CacheConfig,
+                     where) -> str:
+  from paged_jax.attention import resolve_step_backend  # pylint: disable=g-import-not-at-top
+  return resolve_step_backend(
+      backend, num_q_heads=model_config.num_heads, num_kv_heads=model_config.num_kv_heads,
+      head_dim=model_config.head_dim, block_size=cache_config.block_size,
+      q_dtype=model_config.dtype, page_dtype=cache_config.dtype,
+      quantized=cache_config.quantized, where=where)
 
 
 def _is_sharding(x) -> bool:

@@ -61,6 +61,9 @@ class EngineOptions:
       variants), and no step of a long decode phase pays for the token budget's arrays
       (the paper-scale engines). Outputs are the same either way. No effect with
       shape_buckets=True (decode-only steps always run the decode buckets there).
+    width_buckets: the block-table width W as a shape bucket (True), or every step at
+      W = max_blocks_per_seq (False); None: as `buckets.attention_reads_width` says for
+      the step's attention (one width with the CPU kernels, where W costs nothing).
     scheduling_policy: the order requests are served, admitted and preempted in:
       "fcfs" (arrival), "priority" (`add_request(..., priority=)`, lower first, ties by
       arrival) or a callable `key(request) -> sortable` (`policy.py`).
@@ -76,6 +79,7 @@ class EngineOptions:
   hash_mode: str = "chained"
   shape_buckets: bool = True
   decode_shape: bool = False
+  width_buckets: Optional[bool] = None
   scheduling_policy: Union[str, Callable[[Any], Any]] = "fcfs"
 
   def __post_init__(self):
@@ -102,6 +106,8 @@ class EngineOptions:
     for name in ("shape_buckets", "decode_shape"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+    if not (self.width_buckets is None or isinstance(self.width_buckets, bool)):
+      raise ValueError(f"width_buckets must be True, False or None, got {self.width_buckets!r}")
 
   @classmethod
   def of(cls, options: Optional["EngineOptions"] = None, **overrides) -> "EngineOptions":
