@@ -63,3 +63,27 @@ def test_sharegpt_real_stream_for_the_benchmark():
   times = arrivals.arrival_times(4.0, 5.0, 0)
   assert [r.arrival_time for r in reqs] == list(times)
   assert all(r.total_len <= 256 and max(r.prompt_token_ids) < 256 for r in reqs)
+
+
+def test_step_clock_standin_schedules_as_the_model(monkeypatch):
+  # On the step clock every step costs --step_s and no request stops early, so the
+  # sweep runs the stand-in forward at one compiled shape; its figures must be the tiny
+  # model's, which runs when make_engine ignores `standin` / `shape_buckets`.
+  from experiments import serving_benchmark as sb
+  from paged_jax.bench import engines
+  f = sb.Config(workload="alpaca", rates=(3.0, 6.0), duration_s=1.5, systems=("paged", "orca_max"),
+                seed=2, clock="step", step_s=0.02, kv_budget_tokens=512, max_seqs_cap=4,
+                block_size=64)
+  got = sb.sweep(f, f.systems, f.rates, f.duration_s, {})
+  real = engines.make_engine
+  made = []
+
+  def model_engine(**kw):
+    made.append((kw.pop("standin", False), kw.pop("shape_buckets", True)))
+    return real(**kw)
+  monkeypatch.setattr(engines, "make_engine", model_engine)
+  want = sb.sweep(f, f.systems, f.rates, f.duration_s, {})
+  assert made and all(m == (True, False) for m in made)   # the stand-in was asked for
+  for name in f.systems:
+    for k in CURVE_KEYS + ("requests", "max_running"):
+      assert got["systems"][name][k] == want["systems"][name][k], (name, k)
