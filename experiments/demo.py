@@ -2,19 +2,21 @@ r"""`make demo`: the headline experiments at small default sizes, one summary ta
 
     python -m experiments.demo --out=results
 
-Runs, in one process, side by side: memory waste (paged vs Orca reservations),
-the block-size sweep, serving throughput (paged vs contiguous Orca(Max) at equal
-KV budget), Fig. 12 at the paper's scale on the device-time model (short), prefix
-caching (when `experiments.prefix_caching` is present) and
-sharing (parallel sampling / beam search). Each writes its JSON / PNG under
-`--out/<experiment>/`; `--out/summary.json` and `--out/summary.md` hold the
-closing table, our figures beside the paper's. Sizes are scaled down so the
-whole run takes about 10 minutes on 2 CPU cores (see README "What is synthetic").
+Runs, as stages in `--jobs` worker processes (default: one per core): memory waste
+(paged vs Orca reservations), the block-size sweep, serving throughput (paged vs
+contiguous Orca(Max) at equal KV budget), Fig. 12 on the step clock and at the paper's
+scale on the device-time model (short), prefix caching and sharing (parallel sampling /
+beam search). Each writes its JSON / PNG under `--out/<experiment>/`;
+`--out/summary.json` and `--out/summary.md` hold the closing table, our figures beside
+the paper's. Sizes are scaled down so the whole run takes at most 10 minutes on 2 CPU
+cores with an empty compilation cache (see README "What is synthetic"); most of that is
+XLA compiling the engines' step shapes, one core per compile.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Dict, List, Optional
 
@@ -23,6 +25,7 @@ from experiments import common
 from experiments import configs
 from experiments import provenance
 from experiments import sharing
+from experiments import task_graph
 from experiments import throughput
 
 
@@ -131,7 +134,8 @@ def _paper_scale(out, num_requests: int) -> Dict:
   # Orca(Max) is left out: its few-row steps take most of the time (~3,000 steps a point).
   f = paper_scale.Config(figs=("12",), fig12_models=("opt-13b",), fig12_workloads=("sharegpt",),
                          systems=("paged", "orca_oracle"),
-                         num_requests=num_requests, out=str(out / "paper_scale"))
+                         num_requests=num_requests, out=str(out / "paper_scale"),
+                         jobs=1)   # the demo's stages already run side by side
   res = paper_scale.run(f, common.out_dir(f.out))["results"]
   rows = paper_scale_plots.summary_rows(res)
   print(common.table(rows, ["figure", "ours", "paper"]))
@@ -195,83 +199,124 @@ def _serving_benchmark(out) -> Dict:
   return res
 
 
-def run_all(out, sizes: DemoSizes = DemoSizes(), show_progress=None) -> Dict:
-  """Runs every experiment; writes per-experiment files; returns their results + seconds."""
+def _memory_waste(out, sizes: DemoSizes) -> Dict:
   from experiments import memory_waste  # pylint: disable=g-import-not-at-top
-  from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
-  results, seconds = {}, {}
-
-  def stage(name):
-    # Each stage's engines have their own shapes: drop the previous stage's compiled code
-    # (XLA:CPU executables hold memory maps; a process keeping them all hits the kernel's
-    # per-process map limit and LLVM aborts).
-    release_compiled()
-    print(f"== {name}", flush=True)
-    return time.time()
-
-  t = stage("memory waste (paged vs Orca, ShareGPT-like)")
   mw = memory_waste.run(memory_waste.Config(workload="sharegpt", num_requests=sizes.memory_requests,
-                                            block_size=16, kv_budget_tokens=14336),
-                        show_progress=show_progress)
+                                            block_size=16, kv_budget_tokens=14336))
   common.write_json(out / "memory_waste" / "memory_waste.json", mw)
   memory_waste.plot(mw, out / "memory_waste" / "memory_waste.png",
                     f"ShareGPT-like, {sizes.memory_requests} requests, KV budget 14336 tokens, "
                     "block size 16")
   print(memory_waste.summary_table(mw))
-  results["memory_waste"], seconds["memory_waste"] = mw, time.time() - t
+  return mw
 
-  t = stage("block-size sweep")
+
+def _block_size_sweep(out, sizes: DemoSizes) -> List[Dict]:
   sweep_config = block_size_sweep.Config(
       engine_block_sizes=sizes.sweep_engine_block_sizes,
       engine_num_requests=sizes.sweep_engine_requests,
       **({} if sizes.sweep_requests is None else {"num_requests": sizes.sweep_requests}))
-  rows = block_size_sweep.run(sweep_config, show_progress=show_progress)
+  rows = block_size_sweep.run(sweep_config)
   block_size_sweep.write_jsonl(rows, out / "block_size_sweep" / "block_size_sweep.jsonl")
   best = block_size_sweep.best_block_sizes(rows)
   common.write_json(out / "block_size_sweep" / "block_size_sweep_best.json", best)
   block_size_sweep.plot(rows, out / "block_size_sweep" / "block_size_sweep.png", best)
   print(common.table(block_size_sweep.summary_rows(rows), block_size_sweep.HEADERS))
-  results["block_size_sweep"], seconds["block_size_sweep"] = rows, time.time() - t
+  return rows
 
-  t = stage("throughput (paged vs contiguous Orca(Max), equal KV budget)")
-  tp = throughput.run(throughput.Config(num_requests=sizes.throughput_requests),
-                      show_progress=show_progress)
+
+def _throughput(out, sizes: DemoSizes) -> Dict:
+  tp = throughput.run(throughput.Config(num_requests=sizes.throughput_requests))
   common.write_json(out / "throughput" / "throughput.json",
                     {"results": tp, "paper": throughput.PAPER_SPEEDUP})
   throughput.plot(tp, out / "throughput" / "throughput.png")
   print(common.table(throughput.summary_rows(tp), throughput.HEADERS))
-  results["throughput"], seconds["throughput"] = tp, time.time() - t
+  return tp
 
-  t = stage("serving under Poisson arrivals (paged vs Orca, equal KV memory; Fig. 12)")
-  results["serving_benchmark"] = _serving_benchmark(out)
-  seconds["serving_benchmark"] = time.time() - t
 
-  t = stage("Fig. 12 at the paper's scale (OPT-13B / A100-40GB on the device-time model)")
-  results["paper_scale"] = _paper_scale(out, sizes.paper_scale_requests)
-  seconds["paper_scale"] = time.time() - t
-
-  t = stage("prefix caching (1-shot / 5-shot shared prefix, caching on vs off)")
-  results["prefix_caching"] = _prefix_caching(out, sizes.prefix_requests,
-                                              sizes.prefix_batched_tokens)
-  for row in results["prefix_caching"].get("summary_rows") or []:
-    print(" | ".join(row))
-  seconds["prefix_caching"] = time.time() - t
-
-  t = stage("sharing (parallel sampling, beam search)")
+def _sharing(out, sizes: DemoSizes) -> List[Dict]:
   sh = sharing.run(sharing.Config(widths=sizes.sharing_widths,
-                                  num_requests=sizes.sharing_requests),
-                   show_progress=show_progress)
+                                  num_requests=sizes.sharing_requests))
   common.write_json(out / "sharing" / "sharing.json", {"rows": sh})
   sharing.plot(sh, out / "sharing" / "sharing.png")
   print(common.table(sharing.summary_rows(sh), sharing.HEADERS))
-  results["sharing"], seconds["sharing"] = sh, time.time() - t
-  results["seconds"] = seconds
+  return sh
+
+
+def _prefix_stage(out, sizes: DemoSizes) -> Dict:
+  res = _prefix_caching(out, sizes.prefix_requests, sizes.prefix_batched_tokens)
+  for row in res.get("summary_rows") or []:
+    print(" | ".join(row))
+  return res
+
+
+# name: (the stage's heading, its function, about its seconds with an empty compilation
+# cache on a 2-core CPU, 2026-12-05: `task_graph` starts the longest first).
+STAGES = {
+    "memory_waste": ("memory waste (paged vs Orca, ShareGPT-like)", _memory_waste, 12),
+    "block_size_sweep": ("block-size sweep", _block_size_sweep, 300),
+    "throughput": ("throughput (paged vs contiguous Orca(Max), equal KV budget)",
+                   _throughput, 90),
+    "serving_benchmark": ("serving under Poisson arrivals (paged vs Orca, equal KV memory; "
+                          "Fig. 12)", lambda out, sizes: _serving_benchmark(out), 40),
+    "paper_scale": ("Fig. 12 at the paper's scale (OPT-13B / A100-40GB on the device-time "
+                    "model)", lambda out, sizes: _paper_scale(out, sizes.paper_scale_requests),
+                    130),
+    "prefix_caching": ("prefix caching (1-shot / 5-shot shared prefix, caching on vs off)",
+                       _prefix_stage, 600),
+    "sharing": ("sharing (parallel sampling, beam search)", _sharing, 320),
+}
+
+
+def run_stage(name: str, out: str, sizes: DemoSizes) -> Dict:
+  """One stage of the demo (a `STAGES` name) into `out`: {"result", "seconds"}."""
+  import pathlib  # pylint: disable=g-import-not-at-top
+  heading, fn, _ = STAGES[name]
+  print(f"== {heading}", flush=True)
+  t = time.time()
+  result = fn(pathlib.Path(out), sizes)
+  return {"result": result, "seconds": time.time() - t}
+
+
+def run_all(out, sizes: DemoSizes = DemoSizes(), jobs: int = 1) -> Dict:
+  """Runs every stage, `jobs` side by side in worker processes (`experiments.task_graph`:
+  each stage compiles its own engines' steps, and XLA:CPU compiles one step on one core,
+  so two workers on two cores take about half the time); writes each stage's files;
+  returns their results + "seconds" (per stage). Each stage starts with no compiled
+  executables (XLA:CPU executables hold memory maps; a process keeping every stage's
+  would meet the kernel's per-process map limit)."""
+  from experiments import paper_scale_parts  # pylint: disable=g-import-not-at-top
+  from paged_jax import compile_cache  # pylint: disable=g-import-not-at-top
+  tasks = [task_graph.Task(name, run_stage, args=(name, str(out), sizes), cost=cost)
+           for name, (_, _, cost) in STAGES.items()]
+  t0, cpu_s = time.time(), {}
+
+  def event(kind, name, info):
+    if kind == "done":
+      cpu_s[name] = info["cpu_s"]
+      print(f"[{(time.time() - t0) / 60:5.1f} min] done {name}: {info['seconds']:.0f} s, "
+            f"{info['cpu_s']:.0f} CPU-s (worker {info['worker']}, load "
+            f"{info['load_avg_end']:.1f})", flush=True)
+
+  done = task_graph.run(tasks, jobs, init=paper_scale_parts.worker_init,
+                        init_args=(compile_cache.directory() or "none",
+                                   provenance.code_version()),
+                        after_part=paper_scale_parts.after_part, on_event=event)
+  results = {name: done[name]["result"] for name in STAGES}
+  results["seconds"] = {name: done[name]["seconds"] for name in STAGES}
+  results["cpu_s"] = cpu_s
+  # The same schedule on the stages' CPU seconds: the wall time of this run on an
+  # otherwise idle machine with `jobs` cores (the load through the run does not count).
+  results["idle_machine_s"] = task_graph.simulate(
+      [dataclasses.replace(t, cost=cpu_s[t.name]) for t in tasks], jobs)["makespan"]
   return results
 
 
 @dataclasses.dataclass(frozen=True)
 class Config(configs.ExperimentConfig):
   """Flags of experiments.demo."""
+  jobs: int = configs.flag(0, "worker processes running the stages side by side (0: this "
+                           "machine's cores; 1: one after another in this process)", lower=0)
   out: str = configs.flag("results", "output directory")
 
 
@@ -279,17 +324,21 @@ def main(f: Config, out):
   """Runs every experiment into `out`, then the closing table (the `common.run_app` main)."""
   import jax  # pylint: disable=g-import-not-at-top
   start = time.time()
-  results = run_all(out)
+  jobs = f.jobs or task_graph.default_jobs()
+  results = run_all(out, jobs=jobs)
   total = time.time() - start
   rows = summary_rows(results)
   table = common.table(rows, ["what", "ours", "paper"])
   machine = f"jax {jax.__version__} on {jax.default_backend()} ({jax.devices()[0].device_kind})"
   common.write_json(out / "summary.json", {
-      "rows": rows, "seconds": results["seconds"], "total_seconds": total,
+      "rows": rows, "seconds": results["seconds"], "total_seconds": total, "jobs": jobs,
+      "cpu_s": results["cpu_s"], "idle_machine_s": results["idle_machine_s"],
+      "load_avg_end": list(os.getloadavg()),
       "machine_line": machine, "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
       **provenance.run_metadata(f)})
   (out / "summary.md").write_text(f"{table}\n\n{machine}; {total:.0f} s in all\n")
-  print(f"\n== summary ({total:.0f} s; {machine})")
+  print(f"\n== summary ({total:.0f} s, {jobs} worker(s); on an idle machine "
+        f"{results['idle_machine_s']:.0f} s; {machine})")
   print(table)
 
 
