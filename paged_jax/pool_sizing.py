@@ -60,9 +60,6 @@ def check_sliding_fields(config: Any) -> Tuple[int, ...]:
   if config.num_sliding_blocks * config.block_size > 2**31 - 1:
     raise ValueError(f"num_sliding_blocks * block_size must be <= 2**31 - 1, got "
                      f"{config.num_sliding_blocks} * {config.block_size}")
-  if config.enable_prefix_caching:
-    raise ValueError("sliding_layers (hybrid KV) cannot be combined with "
-                     "enable_prefix_caching=True yet (pass enable_prefix_caching=False)")
   return layers
 
 

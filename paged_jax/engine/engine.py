@@ -59,8 +59,8 @@ _prefix_counters = jax.jit(lambda state: prefix_step.counters(state.prefix, stat
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _reset_prefix(state: EngineState) -> EngineState:
-  prefix, blocks = prefix_step.reset(state.prefix, state.blocks)
-  return state.replace(blocks=blocks, prefix=prefix)
+  prefix, blocks, sliding = prefix_step.reset(state.prefix, state.blocks, state.sliding_blocks)
+  return state.replace(blocks=blocks, prefix=prefix, sliding_blocks=sliding)
 
 
 class Engine:
