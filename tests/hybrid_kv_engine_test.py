@@ -192,9 +192,8 @@ def test_generate_with_hybrid_kv_prints_transformers_tokens(family, block_size):
 def test_from_memory_budget_takes_the_sliding_pool_off_the_budget():
   budget = 1 << 20
   kw = dict(block_size=BS, kv_budget_bytes=budget, max_seqs=MAX_SEQS)
-  on = CacheConfig.from_memory_budget(GEMMA, hybrid_kv=True, max_num_batched_tokens=BUDGET,
-                                      **kw)
-  off = CacheConfig.from_memory_budget(GEMMA, **kw)
+  on = CacheConfig.from_memory_budget(GEMMA, max_num_batched_tokens=BUDGET, **kw)  # default
+  off = CacheConfig.from_memory_budget(GEMMA, hybrid_kv=False, **kw)
   per_layer_block = on.kv_bytes_per_token // GEMMA.num_layers * BS
   assert on.hybrid and on.sliding_layers == (0, 2) and on.full_layers == (1,)
   assert budget - per_layer_block < on.kv_cache_bytes <= budget   # one full block short at most

@@ -72,10 +72,10 @@ def test_hit_rule_equals_the_position_model(bs, window):
   assert shorter > 10 or window == 1          # the rule did cut hits (a window of 1: never)
 
 
-def _engine(num_sliding_blocks=None, steps=1, **kw):
+def _engine(num_sliding_blocks=None, steps=1, num_blocks=96, **kw):
   extra = {} if num_sliding_blocks is None else dict(num_sliding_blocks=num_sliding_blocks)
   cc = GEMMA.cache_config(hybrid_kv=True, max_num_batched_tokens=BUDGET,
-                          decode_steps_per_sync=steps, block_size=BS, num_blocks=96,
+                          decode_steps_per_sync=steps, block_size=BS, num_blocks=num_blocks,
                           max_seqs=MAX_SEQS, max_blocks_per_seq=16,
                           enable_prefix_caching=True, **extra)
   return Engine(GEMMA, PARAMS, cc, max_num_batched_tokens=BUDGET, attention_backend="cpu",
@@ -230,4 +230,111 @@ def test_an_interrupted_step_changes_no_output_and_leaks_no_block(monkeypatch, p
     outs.update({o.request_id: o.outputs[0] for o in engine.step()})
   assert [outs[i] for i in ids] == [dense_greedy(p, GEN) for p in WAVES[1]]
   assert engine.stats["prefix_hit_tokens"] > 0 and len(first) == 3
+  _check_pools(engine)
+
+
+def test_short_shared_prefixes_hit_on_every_group():
+  """A stream of short prompts sharing a prefix shorter than the window (5 < 6 tokens)
+  and one a block longer: each hits what the trie model says (no 0% cliff), one by one."""
+  engine = _engine()
+  shared = _tok(5)
+  prompts = [shared + _tok(k) for k in (1, 2, 3, 1, 2)] + [shared + _tok(6)] * 2
+  computed, params = [], SamplingParams(max_tokens=2, temperature=0.0)
+  for prompt in prompts:
+    want = BS * _trie_hit(prompt, computed, BS)
+    before = engine.stats["prefix_hit_tokens"]
+    rid = engine.add_request(prompt, params)
+    out = {}
+    while engine.has_unfinished():
+      out.update({o.request_id: o.outputs[0] for o in engine.step()})
+    assert engine.stats["prefix_hit_tokens"] - before == want
+    assert out[rid] == dense_greedy(prompt, 2)
+    computed.append(prompt + out[rid][:-1])
+  assert engine.stats["prefix_hit_tokens"] == 4 * 5 + 8   # every later prompt hit
+  _check_pools(engine)
+
+
+def test_defaults_give_a_hybrid_model_both_and_each_can_be_turned_off():
+  both = GEMMA.cache_config()
+  assert both.hybrid and both.enable_prefix_caching and both.num_sliding_blocks > 0
+  off = GEMMA.cache_config(hybrid_kv=False)
+  assert not off.hybrid and off.enable_prefix_caching
+  no_cache = GEMMA.cache_config(enable_prefix_caching=False)
+  assert no_cache.hybrid and not no_cache.enable_prefix_caching
+  import dataclasses   # pylint: disable=g-import-not-at-top
+  all_sliding = dataclasses.replace(GEMMA, layer_types=None)    # Mistral: every layer slides
+  assert all_sliding.sliding_layers == (0, 1, 2) and not all_sliding.cache_config().hybrid
+  full = dataclasses.replace(GEMMA, layer_types=None, sliding_window=None)
+  assert not full.cache_config().hybrid and full.cache_config().enable_prefix_caching
+  with pytest.raises(TypeError, match="hybrid_kv must be a bool or None"):
+    GEMMA.cache_config(hybrid_kv="yes")
+  from paged_jax.distributed import validate_tp  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match="pass hybrid_kv=False") as e:   # one pool under TP
+    validate_tp(GEMMA, 1, both)
+  assert "\n" not in str(e.value)
+  validate_tp(GEMMA, 1, off)
+
+
+def test_generate_uses_hybrid_kv_and_caching_by_default_on_a_gemma_checkpoint(monkeypatch):
+  """`experiments.generate` on the Gemma-2 fixture builds its engine with both (and with
+  --preemption_mode=swap, which hybrid KV refuses, falls back to one pool)."""
+  import os   # pylint: disable=g-import-not-at-top
+  from experiments import generate   # pylint: disable=g-import-not-at-top
+  seen = []
+
+  class Stop(Exception):
+    pass
+
+  def record(model_config, params, cache_config, **kw):
+    del model_config, params
+    seen.append((cache_config, kw["preemption_mode"]))
+    raise Stop
+
+  monkeypatch.setattr("paged_jax.engine.Engine", record)   # generate imports it in run()
+  ckpt = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hf_golden", "gemma2")
+  for mode in ("recompute", "swap"):
+    with pytest.raises(Stop):
+      generate.run(checkpoint=ckpt, prompt_ids="1,2,3", max_tokens=4, preemption_mode=mode)
+  (rec, _), (swap, _) = seen
+  assert rec.hybrid and rec.enable_prefix_caching
+  assert not swap.hybrid and swap.enable_prefix_caching
+
+
+def test_a_tight_main_pool_preempts_evicts_and_stays_exact():
+  """10 main blocks for 4 slots: recompute preemption and main-cache evictions (whose
+  companions then go stale and are released) while waves hit; outputs stay the oracle's."""
+  engine = _engine(num_blocks=10)
+  outs, hits, _ = _run_waves(engine)
+  for wave in outs:
+    for prompt, out in wave:
+      assert out == dense_greedy(prompt, GEN)
+  assert engine.num_preemptions > 0 and sum(hits) > 0
+  assert engine.prefix_stats()["evictions"] > 0
+  _check_pools(engine)
+
+
+@pytest.mark.parametrize("steps,params", [
+    (3, SamplingParams(max_tokens=GEN, temperature=1.0, seed=3, n=2)),
+    (1, SamplingParams(max_tokens=GEN, temperature=0.0, beam_width=2, n=2)),
+])
+def test_sampling_multistep_and_beams_equal_one_pool_without_caching(steps, params):
+  """Seeded parallel samples (forks, copy-on-write in both groups) with 3 decode steps per
+  sync, and beam search, over the waves: the same tokens as one pool without caching."""
+  def run(engine):
+    got = []
+    for wave in WAVES[:2]:
+      ids = [engine.add_request(p, params) for p in wave]
+      done = {}
+      while engine.has_unfinished():
+        done.update({o.request_id: o.outputs for o in engine.step()})
+      got.append([done[i] for i in ids])
+    return got
+
+  cc = GEMMA.cache_config(hybrid_kv=False, enable_prefix_caching=False, block_size=BS,
+                          num_blocks=96, max_seqs=MAX_SEQS, max_blocks_per_seq=16)
+  plain = Engine(GEMMA, PARAMS, cc, max_num_batched_tokens=BUDGET, attention_backend="cpu",
+                 decode_steps_per_sync=steps, shape_buckets=False)
+  engine = _engine(steps=steps)
+  assert run(engine) == run(plain)
+  assert engine.stats["prefix_hit_tokens"] > 0
   _check_pools(engine)

@@ -71,7 +71,7 @@ class Engine:
     params: its parameters ({"params": ...} or the bare tree), checked against
       the model's shapes here.
     cache_config: CacheConfig whose layer/head shapes match the model;
-      automatic prefix caching is on unless `enable_prefix_caching=False` (or hybrid KV).
+      automatic prefix caching is on unless `enable_prefix_caching=False`.
     options: an `EngineOptions` (token budget, decode steps per sync, preemption mode,
       attention backend, beam width, ...); its fields are also accepted as keywords
       (`Engine(..., max_num_batched_tokens=512)`), which override `options`.
