@@ -72,8 +72,9 @@ def test_hit_rule_equals_the_position_model(bs, window):
   assert shorter > 10 or window == 1          # the rule did cut hits (a window of 1: never)
 
 
-def _engine(num_sliding_blocks=None, steps=1, num_blocks=96, **kw):
+def _engine(num_sliding_blocks=None, steps=1, num_blocks=96, eviction_policy="lru", **kw):
   extra = {} if num_sliding_blocks is None else dict(num_sliding_blocks=num_sliding_blocks)
+  extra.update(eviction_policy=eviction_policy)
   cc = GEMMA.cache_config(hybrid_kv=True, max_num_batched_tokens=BUDGET,
                           decode_steps_per_sync=steps, block_size=BS, num_blocks=num_blocks,
                           max_seqs=MAX_SEQS, max_blocks_per_seq=16,
@@ -158,19 +159,26 @@ def test_waves_equal_the_dense_oracle_hit_as_the_model_and_give_every_block_back
   assert _check_pools(engine) > 0
 
 
-def test_a_tight_sliding_pool_evicts_companions_and_stays_exact():
-  engine = _engine()             # the smallest sliding pool the engine accepts
+@pytest.mark.parametrize("kw", [{}, dict(hash_mode="constant", max_probe=64),
+                                dict(eviction_policy="protect_shallow")],
+                         ids=["lru", "every_hash_collides", "protect_shallow"])
+def test_a_tight_sliding_pool_evicts_companions_and_stays_exact(kw):
+  """The smallest sliding pool the engine accepts: companions compete with live blocks
+  and get evicted; also when every hash collides (only exact verification tells blocks
+  apart) and under the other eviction policy."""
+  engine = _engine(**kw)
   nsb = engine.cache_config.num_sliding_blocks
   outs, hits, model = _run_waves(engine)
   for wave in outs:
     for prompt, out in wave:
       assert out == dense_greedy(prompt, GEN)
-  assert all(h <= m for h, m in zip(hits, model)) and sum(hits) > 0
+  assert all(h <= m for h, m in zip(hits, model)) and 0 < sum(hits) < sum(model)
   held = _check_pools(engine)
   assert held <= nsb
   engine.reset_prefix_cache()
   s = jax.device_get(engine.state)
-  assert int(s.sliding_blocks.num_free) == nsb and int(sliding.num_companions(s.prefix.sliding)) == 0
+  assert int(s.sliding_blocks.num_free) == nsb
+  assert int(sliding.num_companions(s.prefix.sliding)) == 0
   assert engine.metrics()["num_free_blocks"] == engine.cache_config.num_blocks
 
 
@@ -337,4 +345,38 @@ def test_sampling_multistep_and_beams_equal_one_pool_without_caching(steps, para
   engine = _engine(steps=steps)
   assert run(engine) == run(plain)
   assert engine.stats["prefix_hit_tokens"] > 0
+  _check_pools(engine)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_gemma_checkpoints_in_waves_print_transformers_tokens(family):
+  """The committed Gemma-2 / Gemma-3 fixtures (window 8, transformers' greedy tokens) with
+  hybrid KV and caching by default, in three waves: the golden prompts, the same prompts
+  again (hits longer than the window), and each prompt extended by the first 16 tokens of
+  its golden output (hits into generated tokens; greedy continues with the rest)."""
+  import json   # pylint: disable=g-import-not-at-top
+  import os   # pylint: disable=g-import-not-at-top
+  from paged_jax.models import load_hf_checkpoint   # pylint: disable=g-import-not-at-top
+  directory = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hf_golden",
+                           family)
+  with open(os.path.join(directory, "golden.json")) as f:
+    golden = json.load(f)
+  mc, params = load_hf_checkpoint(directory)
+  cc = mc.cache_config(block_size=BS, num_blocks=64, max_seqs=4, max_blocks_per_seq=16)
+  assert cc.hybrid and cc.enable_prefix_caching and mc.sliding_window == 8
+  engine = Engine(mc, params, cc, attention_backend="cpu")
+  n = golden["max_tokens"]
+  waves = [[(p, o) for p, o in zip(golden["prompts"], golden["outputs"])]] * 2
+  waves.append([(p + o[:16], o[16:]) for p, o in waves[0]])
+  for k, wave in enumerate(waves):
+    before = engine.stats["prefix_hit_tokens"]
+    ids = [engine.add_request(p, SamplingParams(max_tokens=len(o), temperature=0.0))
+           for p, o in wave]
+    done = {}
+    while engine.has_unfinished():
+      done.update({o.request_id: o.outputs[0] for o in engine.step()})
+    assert [done[i] for i in ids] == [o for _, o in wave], k
+    if k:
+      assert engine.stats["prefix_hit_tokens"] - before > 0, k
+  assert n == 32
   _check_pools(engine)

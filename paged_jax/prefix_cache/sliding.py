@@ -125,7 +125,7 @@ def adopt(comp: Companions, cache: PrefixCacheState, main: bm.BlockState,
   nb, nsb = main.num_blocks, sliding.num_blocks
   b, s = main.block_tables, sliding.block_tables                  # [S, P]
   bc, sc = jnp.clip(b, 0, nb - 1), jnp.clip(s, 0, nsb - 1)
-  cand = (main.active[:, None] & (s >= 0) & (cache.block_meta[bc, st.CACHED] != 0)
+  cand = (main.active[:, None] & (b >= 0) & (s >= 0) & (cache.block_meta[bc, st.CACHED] != 0)
           & ~live(comp, cache, b) & (comp.owner[sc] < 0))
   flat = lax.iota(_I32, b.size).reshape(b.shape)
   first_b = jnp.full((nb,), _INT_MAX, _I32).at[jnp.where(cand, b, nb)].min(flat, mode="drop")
