@@ -22,12 +22,13 @@ Life of a companion (all pure ops inside the engine's one jitted step):
   attach_write the attached slot's sliding row gets those companions (ref + 1), earlier
               entries -1 (as `release_out_of_window` leaves them), the same length;
   evict_for   when the step's worst-case need of sliding blocks exceeds the free ones,
-              cache-only companions are evicted (stale ones first, then least recently
-              used main twin, deepest first); the sliding pool is sized so that blocks
-              live sequences hold never run it short (`config.sliding_pool_blocks`), so
-              evicting companions always makes room;
+              cache-only companions are evicted (stale ones, i.e. of main blocks this
+              step's main eviction took, first, then least recently used main twin,
+              deepest first); the sliding pool is sized so that blocks live sequences
+              hold never run it short (`config.sliding_pool_blocks`), so evicting
+              companions always makes room;
   drop_stale  a companion whose main twin was evicted (or re-registered: its generation
-              moved on) is released at the end of the step.
+              moved on) is released at the end of the step (once: O(NSB)).
 A companion is live iff `owner[s] == b`, `sliding_of[b] == s`, `sliding_gen[b]` equals
 b's generation and b is cached: a stale record can never be hit (exact, like the main
 cache's parent-generation check). vLLM v1's hybrid KV-cache manager is the anchor: one

@@ -209,16 +209,16 @@ def evict_for(ps: PrefixStepState, blocks: bm.BlockState, inputs, sliding=None, 
               num_decode_steps: int, max_evict: int):
   """Evicts cache-only blocks (in the cache's eviction-policy order) until the step's
   worst-case need is free. With hybrid KV (`sliding` the sliding group's BlockState), then
-  releases stale companions and evicts cache-only ones until the step's worst-case need
-  of sliding blocks is free. Returns (ps, blocks), and sliding when given."""
+  evicts cache-only companions (those the main eviction just made stale first) until the
+  step's worst-case need of sliding blocks is free. Returns (ps, blocks), and sliding
+  when given."""
   need = step_block_need(blocks, inputs, num_decode_steps)
   cache, blocks, _ = evict.ensure_free(ps.cache, blocks, need, max_evict=max_evict)
   ps = ps.replace(cache=cache)
   if sliding is None:
     return ps, blocks
-  comp, sliding = sliding_cache.drop_stale(ps.sliding, ps.cache, sliding)
   need = step_block_need(sliding, inputs, num_decode_steps)
-  comp, sliding = sliding_cache.evict_for(comp, ps.cache, sliding, need, max_evict)
+  comp, sliding = sliding_cache.evict_for(ps.sliding, ps.cache, sliding, need, max_evict)
   return ps.replace(sliding=comp), blocks, sliding
 
 
