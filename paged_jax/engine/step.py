@@ -374,7 +374,7 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     done_slots, b = _lanes(done, rows), bs[0]
     if ps is not None:
       ps, b, _ = prefix_step.after(ps, b, inp, out, max_items=max_evict, forks=not quiet)
-      ps, *bs[1:] = prefix_step.adopt(ps, b, *bs[1:]) if hybrid else (ps,)
+      ps, *bs[1:] = prefix_step.adopt(ps, b, bs[1], inp, width or 0) if hybrid else (ps,)
     bs = [b] + [bm.free(block_window.release_out_of_window(x, w), done_slots)[0]
                 for x, w in zip(bs[1:], windows[1:])]
     if ps is None:

@@ -118,15 +118,23 @@ def attach_write(comp: Companions, sliding: bm.BlockState, row, ids, n_hit):
 
 
 def adopt(comp: Companions, cache: PrefixCacheState, main: bm.BlockState,
-          sliding: bm.BlockState):
+          sliding: bm.BlockState, lanes=None, num_cols: int = 0):
   """Every (slot, j) whose main block is cached without a live companion and whose sliding
   block is no companion yet: that sliding block becomes the main block's companion (one
-  per main block and per sliding block: the first such entry in slot-major order).
-  Call after registration and before the window's release. O(max_seqs x P + NB + NSB)."""
-  nb, nsb = main.num_blocks, sliding.num_blocks
-  b, s = main.block_tables, sliding.block_tables                  # [S, P]
+  per main block and per sliding block: the first such entry in lane-major order).
+  Call after registration and before the window's release. `lanes` (i32[n], S pads;
+  default every slot): the slots whose blocks may have been registered, holding blocks
+  in their first `num_cols` columns only (0: all); a slot left out only misses its
+  companions (shorter hits later, never a wrong one). O(n x num_cols + NB + NSB)."""
+  nb, nsb, s_max = main.num_blocks, sliding.num_blocks, main.max_seqs
+  lanes = lax.iota(_I32, s_max) if lanes is None else lanes
+  cols = num_cols or main.max_blocks_per_seq
+  lc = jnp.clip(lanes, 0, s_max - 1)
+  use = ((lanes < s_max) & main.active[lc])[:, None]
+  b = jnp.where(use, main.block_tables[lc, :cols], -1)                # [n, cols]
+  s = jnp.where(use, sliding.block_tables[lc, :cols], -1)
   bc, sc = jnp.clip(b, 0, nb - 1), jnp.clip(s, 0, nsb - 1)
-  cand = (main.active[:, None] & (b >= 0) & (s >= 0) & (cache.block_meta[bc, st.CACHED] != 0)
+  cand = ((b >= 0) & (s >= 0) & (cache.block_meta[bc, st.CACHED] != 0)
           & ~live(comp, cache, b) & (comp.owner[sc] < 0))
   flat = lax.iota(_I32, b.size).reshape(b.shape)
   first_b = jnp.full((nb,), _INT_MAX, _I32).at[jnp.where(cand, b, nb)].min(flat, mode="drop")

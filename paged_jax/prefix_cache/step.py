@@ -222,10 +222,20 @@ def evict_for(ps: PrefixStepState, blocks: bm.BlockState, inputs, sliding=None, 
   return ps.replace(sliding=comp), blocks, sliding
 
 
-def adopt(ps: PrefixStepState, blocks: bm.BlockState, sliding: bm.BlockState):
+def adopt(ps: PrefixStepState, blocks: bm.BlockState, sliding: bm.BlockState, inputs=None,
+          num_cols: int = 0):
   """Hybrid KV, after `after` and before the window's release: the sliding blocks of
-  newly cached blocks become their companions (`sliding_cache.adopt`)."""
-  comp, sliding = sliding_cache.adopt(ps.sliding, ps.cache, blocks, sliding)
+  newly cached blocks become their companions (`sliding_cache.adopt`). With the step's
+  `inputs`, only the slots that computed tokens (its rows and sampled slots, at most 2R)
+  are looked at, in their first `num_cols` columns (0: all): blocks register only there."""
+  lanes = None
+  if inputs is not None:
+    s_max, rows = blocks.max_seqs, inputs.row_slot.shape[0]
+    row_slot = jnp.where(inputs.row_slot >= 0, inputs.row_slot, s_max)
+    grew = jnp.zeros((s_max,), jnp.bool_).at[row_slot].set(True, mode="drop")
+    grew = grew | (inputs.sample_row >= 0)
+    lanes = jnp.nonzero(grew, size=min(2 * rows, s_max), fill_value=s_max)[0].astype(_I32)
+  comp, sliding = sliding_cache.adopt(ps.sliding, ps.cache, blocks, sliding, lanes, num_cols)
   return ps.replace(sliding=comp), sliding
 
 
