@@ -60,8 +60,9 @@ class Config(configs.ExperimentConfig):
       "auto", "a paged_jax.attention spelling: auto|reference|xla|cpu|pallas|"
       "pallas_interpret, or pallas[_interpret]:triton|mosaic_gpu|tpu")
   dtype: str = configs.flag("float32", "parameter / KV dtype")
-  hybrid_kv: bool = configs.flag(False, "sliding-window layers give back blocks that slid out "
-                                 "of the window (needs sliding and full layers; recompute)")
+  hybrid_kv: Optional[bool] = configs.flag(
+      None, "sliding-window layers give back blocks that slid out of the window (needs "
+      "sliding and full layers; recompute); default: on for such models (Gemma-2 / 3)")
 
   def check(self) -> None:
     # Checks that need no model, so a bad value fails in a blink.
@@ -127,7 +128,9 @@ def run(config: Optional[Config] = None, **fields) -> dict:
   longest = max(len(p) for p in prompts) + max_tokens
   blocks_per_seq = cdiv(min(longest, model_config.max_position_embeddings), block_size)
   cache_config = model_config.cache_config(
-      hybrid_kv=c.hybrid_kv, max_num_batched_tokens=c.max_num_batched_tokens,
+      # Hybrid KV by default where it applies, but not under swap (it recomputes).
+      hybrid_kv=False if c.hybrid_kv is None and c.preemption_mode != "recompute" else
+      c.hybrid_kv, max_num_batched_tokens=c.max_num_batched_tokens,
       decode_steps_per_sync=c.decode_steps_per_sync, block_size=block_size,
       num_blocks=c.num_blocks or max(1, sum(seqs * cdiv(len(p) + max_tokens, block_size)
                                           for p in prompts)),

@@ -39,7 +39,7 @@ class PagedJaxRunner:
     self.num_params = num_params(self.params)
     self.cache_config = self.model_config.cache_config(
         block_size=block_size, num_blocks=num_blocks, max_seqs=max_seqs,
-        max_blocks_per_seq=cdiv(max_model_len, block_size), dtype="float32",
+        max_blocks_per_seq=cdiv(max_model_len, block_size), dtype="float32", hybrid_kv=False,
         enable_prefix_caching=False)   # as measured: the peer caches no prefix either
     self.sampling = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
     self.max_batch_tokens = max_batch_tokens

@@ -118,8 +118,10 @@ def one_context(f: Config, context: int) -> Dict:
   params = init_params(mc, jax.random.key(0))
   common_kw = dict(block_size=bs, max_blocks_per_seq=per_seq)
   opts = dict(max_num_batched_tokens=budget, model_apply=_standin_apply, shape_buckets=False)
-  off_cc = mc.cache_config(num_blocks=memory // n_layers, max_seqs=f.base_requests + 2,
-                           enable_prefix_caching=False, **common_kw)   # as hybrid KV
+  # Both without prefix caching (as measured: blocks held by sequences alone).
+  common_kw.update(enable_prefix_caching=False)
+  off_cc = mc.cache_config(hybrid_kv=False, num_blocks=memory // n_layers,
+                           max_seqs=f.base_requests + 2, **common_kw)
   on_cc = mc.cache_config(hybrid_kv=True, max_num_batched_tokens=budget,
                           num_blocks=(memory - n_sliding * pool) // n_full, max_seqs=seqs,
                           num_sliding_blocks=pool, **common_kw)

@@ -101,7 +101,8 @@ class StepCase:
     return self.model_config().cache_config(
         num_blocks=self.num_blocks, block_size=self.block_size, max_seqs=self.max_seqs,
         max_blocks_per_seq=self.context // self.block_size, dtype=self.page_dtype,
-        enable_prefix_caching=False)   # the step the committed compiles measured
+        enable_prefix_caching=False,   # the step the committed compiles measured
+        hybrid_kv=False)
 
 
 def pool_bytes(case: StepCase) -> int:

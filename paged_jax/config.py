@@ -65,9 +65,8 @@ class CacheConfig:
     dtype: K/V page dtype name: float32, bfloat16, float16, int8, float8_e4m3fn
       (int8/fp8 pages carry per-token scales).
     enable_prefix_caching: keep hashes and token ids of full blocks so later
-      requests can reuse them. None (the default) is on, as in vLLM v1, except with
-      hybrid KV (`sliding_layers`), which cannot combine with it yet; resolved to a
-      bool on construction. Its cost when every lookup misses, and its gain when
+      requests can reuse them. None (the default) is on, as in vLLM v1 (with hybrid KV
+      too: `prefix_cache.sliding`); resolved to a bool on construction. Its cost when every lookup misses, and its gain when
       prompts share a prefix: docs/notes/prefix_cache_miss.md.
     eviction_policy: which cache-only block the prefix cache evicts first, a name in
       `eviction_policy.EVICTION_POLICIES`: "lru" (default) or "protect_shallow"
@@ -116,8 +115,8 @@ class CacheConfig:
     if self.max_seq_len > 2**30:
       raise ValueError(
           f"max_blocks_per_seq * block_size must be <= 2**30, got {self.max_seq_len}")
-    if self.enable_prefix_caching is None:   # on unless hybrid KV, which cannot have it
-      object.__setattr__(self, "enable_prefix_caching", not self.sliding_layers)
+    if self.enable_prefix_caching is None:   # on by default, with hybrid KV too
+      object.__setattr__(self, "enable_prefix_caching", True)
     elif not isinstance(self.enable_prefix_caching, bool):
       raise TypeError(f"enable_prefix_caching must be a bool or None, got "
                       f"{type(self.enable_prefix_caching).__name__}")
@@ -189,7 +188,7 @@ class CacheConfig:
     blocks as a memory budget holds (`pool_sizing.from_memory_budget`). Keyword-only:
     block_size=16, exactly one of kv_budget_bytes / gpu_memory_utilization (a fraction of
     the first device's free memory), max_seqs=64, max_model_len=None (the model's max
-    positions), dtype="auto" (the model's), and `cache_config`'s own (hybrid_kv=True: the
+    positions), dtype="auto" (the model's), and `cache_config`'s own (with hybrid KV the
     sliding pool's bytes come off the budget first)."""
     return pool_sizing.from_memory_budget(model, **kwargs)
 
@@ -382,29 +381,19 @@ class ModelConfig:
     """Indices of the sliding-window layers (empty when every layer is full)."""
     return tuple(i for i in range(self.num_layers) if self.layer_sliding_window(i) is not None)
 
-  def cache_config(self, *, hybrid_kv: bool = False, max_num_batched_tokens: int = 256,
-                   decode_steps_per_sync: int = 1, **kwargs) -> CacheConfig:
+  def cache_config(self, *, hybrid_kv: Optional[bool] = None,
+                   max_num_batched_tokens: int = 256, decode_steps_per_sync: int = 1,
+                   **kwargs) -> CacheConfig:
     """A CacheConfig whose layer/head shapes match this model. K/V pages have the model's
     dtype unless `dtype` is passed ("auto", the default, means the model's; "int8" /
-    "float8_e4m3fn" quantize). `hybrid_kv=True` gives the sliding-window layers a pool of
-    their own (`CacheConfig.sliding_layers`), sized unless `num_sliding_blocks` is passed
-    for an engine with these `max_num_batched_tokens` and `decode_steps_per_sync`
-    (`sliding_pool_blocks`; the engine checks it)."""
+    "float8_e4m3fn" quantize). Hybrid KV gives the sliding-window layers a pool of their
+    own (`CacheConfig.sliding_layers`), sized unless `num_sliding_blocks` is passed for an
+    engine with these `max_num_batched_tokens` and `decode_steps_per_sync` (the engine
+    checks it); `hybrid_kv` None (the default) turns it on iff the model has both
+    sliding-window and full-attention layers (`pool_sizing.hybrid_fields`)."""
     dtype = kwargs.pop("dtype", "auto")
-    if not isinstance(hybrid_kv, bool):
-      raise TypeError(f"hybrid_kv must be a bool, got {type(hybrid_kv).__name__}")
-    if hybrid_kv:
-      layers = self.sliding_layers
-      if not layers or len(layers) == self.num_layers:
-        raise ValueError(f"hybrid_kv needs both sliding-window and full-attention layers; "
-                         f"this model has {len(layers)} sliding of {self.num_layers}")
-      check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
-      check_int("decode_steps_per_sync", decode_steps_per_sync, 1)
-      probe = CacheConfig(**{k: v for k, v in kwargs.items() if k != "num_sliding_blocks"})
-      kwargs.setdefault("num_sliding_blocks", sliding_pool_blocks(
-          self.sliding_window, probe.block_size, probe.max_seqs, max_num_batched_tokens,
-          decode_steps_per_sync))
-      kwargs.update(sliding_layers=layers, sliding_window=self.sliding_window)
+    pool_sizing.hybrid_fields(self, hybrid_kv, max_num_batched_tokens, decode_steps_per_sync,
+                              kwargs, CacheConfig)
     return CacheConfig(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
                        head_dim=self.head_dim, dtype=self.dtype if dtype == "auto" else dtype,
                        **kwargs)

@@ -1,7 +1,7 @@
 """How many blocks each KV pool gets: the main pool from a memory budget, as a serving
 system sizes it, and hybrid KV's sliding-window pool from the engine's step limits.
 
-`CacheConfig.from_memory_budget` and `ModelConfig.cache_config(hybrid_kv=True)` call in
+`CacheConfig.from_memory_budget` and `ModelConfig.cache_config` (`hybrid_fields`) call in
 here, and `CacheConfig` checks its sliding-pool fields with `check_sliding_fields`. The
 functions read configs by their fields, so this module imports nothing from paged_jax but
 `checks` (`config` imports it, and re-exports `sliding_blocks_per_seq` and
@@ -38,6 +38,30 @@ def sliding_pool_blocks(sliding_window: int, block_size: int, max_seqs: int,
   return max_seqs * (cdiv(sliding_window - 1, block_size) + 2) + tokens // block_size
 
 
+def hybrid_fields(model: Any, hybrid_kv: Optional[bool], max_num_batched_tokens: int,
+                  decode_steps_per_sync: int, kwargs: dict, config_cls: Any) -> None:
+  """`ModelConfig.cache_config`'s hybrid KV fields, added to `kwargs` (CacheConfig fields;
+  `config_cls` is CacheConfig, for its defaults). `hybrid_kv` None (the default): on iff
+  the model has both sliding-window and full-attention layers (Gemma-2 / 3; all-sliding
+  Mistral stays on one pool); True insists (one-line error otherwise); False: one pool."""
+  if hybrid_kv is not None and not isinstance(hybrid_kv, bool):
+    raise TypeError(f"hybrid_kv must be a bool or None, got {type(hybrid_kv).__name__}")
+  layers = model.sliding_layers
+  both = bool(layers) and len(layers) < model.num_layers
+  if hybrid_kv and not both:
+    raise ValueError(f"hybrid_kv needs both sliding-window and full-attention layers; "
+                     f"this model has {len(layers)} sliding of {model.num_layers}")
+  if not (both if hybrid_kv is None else hybrid_kv):
+    return
+  check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+  check_int("decode_steps_per_sync", decode_steps_per_sync, 1)
+  probe = config_cls(**{k: v for k, v in kwargs.items() if k != "num_sliding_blocks"})
+  kwargs.setdefault("num_sliding_blocks", sliding_pool_blocks(
+      model.sliding_window, probe.block_size, probe.max_seqs, max_num_batched_tokens,
+      decode_steps_per_sync))
+  kwargs.update(sliding_layers=layers, sliding_window=model.sliding_window)
+
+
 def check_sliding_fields(config: Any) -> Tuple[int, ...]:
   """A `CacheConfig`'s hybrid KV fields: all set or all off (one-line errors naming the
   field). Returns `sliding_layers` as a tuple (hashable even when given a list)."""
@@ -60,9 +84,6 @@ def check_sliding_fields(config: Any) -> Tuple[int, ...]:
   if config.num_sliding_blocks * config.block_size > 2**31 - 1:
     raise ValueError(f"num_sliding_blocks * block_size must be <= 2**31 - 1, got "
                      f"{config.num_sliding_blocks} * {config.block_size}")
-  if config.enable_prefix_caching:
-    raise ValueError("sliding_layers (hybrid KV) cannot be combined with "
-                     "enable_prefix_caching=True yet (pass enable_prefix_caching=False)")
   return layers
 
 
@@ -85,8 +106,9 @@ def from_memory_budget(
   memory; falls back to an error on devices that report no memory stats) must
   be given. `max_model_len` defaults to the model's max positions. `dtype` is the
   page dtype; "auto" (default) is the model's, and the pool's bytes are counted in it.
-  With `hybrid_kv=True` (passed on to `ModelConfig.cache_config`) the sliding pool's
-  bytes come off the budget first; the full-attention layers' pool gets the rest.
+  With hybrid KV (`ModelConfig.cache_config`'s default for a model with sliding-window and
+  full-attention layers) the sliding pool's bytes come off the budget first; the
+  full-attention layers' pool gets the rest.
   """
   if (kv_budget_bytes is None) == (gpu_memory_utilization is None):
     raise ValueError("give exactly one of kv_budget_bytes or gpu_memory_utilization")

@@ -29,13 +29,12 @@ def test_cache_config_rejects_non_int():
     CacheConfig(num_blocks=True)
 
 
-def test_prefix_caching_is_on_by_default_except_with_hybrid_kv():
+def test_prefix_caching_is_on_by_default_with_hybrid_kv_too():
   assert CacheConfig().enable_prefix_caching is True
   assert CacheConfig(enable_prefix_caching=False).enable_prefix_caching is False
   hybrid = dict(num_layers=3, sliding_layers=(1,), sliding_window=4, num_sliding_blocks=8)
-  assert CacheConfig(**hybrid).enable_prefix_caching is False
-  with pytest.raises(ValueError, match="enable_prefix_caching=False"):
-    CacheConfig(enable_prefix_caching=True, **hybrid)
+  assert CacheConfig(**hybrid).enable_prefix_caching is True
+  assert CacheConfig(enable_prefix_caching=False, **hybrid).enable_prefix_caching is False
   with pytest.raises(TypeError, match="enable_prefix_caching"):
     CacheConfig(enable_prefix_caching=1)
   assert CacheConfig() == CacheConfig(enable_prefix_caching=True)   # resolved, so equal

@@ -60,7 +60,8 @@ def model(name):
 
 
 def _cache(config):
-  return config.cache_config(block_size=fx.CACHE.block_size, num_blocks=fx.CACHE.num_blocks,
+  return config.cache_config(hybrid_kv=False,   # tensor-parallel engines keep one pool
+                             block_size=fx.CACHE.block_size, num_blocks=fx.CACHE.num_blocks,
                              max_seqs=fx.CACHE.max_seqs,
                              max_blocks_per_seq=fx.CACHE.max_blocks_per_seq)
 

@@ -12,27 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from distributed_fixtures import random_params
 from engine_oracle import run_counting_dispatches_and_syncs
+from hybrid_support import GEMMA, PARAMS, dense_greedy as _dense_greedy
 from paged_jax import block_window
-from paged_jax.config import CacheConfig, ModelConfig
+from paged_jax.config import CacheConfig
 from paged_jax.engine import Engine, SamplingParams
-from paged_jax.models import dense
 
-F, S = "full_attention", "sliding_attention"
-# Gemma-3-like: 2 sliding layers per full one, window 6 (1.5 blocks of 4), soft cap, GeGLU,
-# sandwich norms, local RoPE base.
-GEMMA = ModelConfig(
-    vocab_size=64, hidden_size=32, intermediate_size=32, num_layers=3, num_heads=2,
-    num_kv_heads=1, head_dim=16, model_type="gemma3_text", hidden_act="gelu_pytorch_tanh",
-    qk_norm=True, rms_norm_unit_offset=True, sandwich_norms=True, embedding_multiplier=32**0.5,
-    query_pre_attn_scalar=20.0, attn_logit_softcapping=3.0, sliding_window=6,
-    layer_types=(S, F, S), sliding_rope_theta=10.0, max_position_embeddings=128)
-PARAMS = random_params(GEMMA, 7)
 BS, BUDGET, MAX_SEQS = 4, 8, 4
 rng = np.random.default_rng(0)
 PROMPTS = [[int(t) for t in rng.integers(1, 64, size=n)] for n in (3, 29, 11, 17, 6, 23)]
-_DENSE = jax.jit(lambda p, t: dense.forward(p, GEMMA, t))
 
 
 def _engine(hybrid, num_blocks=96, steps=1, backend="cpu", **kw):
@@ -60,15 +48,6 @@ def _run(engine, params):
       assert engine.metrics()["num_free_sliding_blocks"] == int(st.sliding_blocks.num_free)
       np.testing.assert_array_equal(st.sliding_blocks.seq_lens, st.blocks.seq_lens)
   return [outs[i] for i in ids], peak
-
-
-def _dense_greedy(prompt, n):
-  ids = list(prompt)
-  for _ in range(n):
-    buf = np.zeros((64,), np.int32)
-    buf[:len(ids)] = ids
-    ids.append(int(np.argmax(np.asarray(_DENSE(PARAMS, jnp.asarray(buf)))[len(ids) - 1])))
-  return ids[len(prompt):]
 
 
 @pytest.mark.parametrize("backend", ["cpu", pytest.param("reference", marks=pytest.mark.slow),
@@ -121,8 +100,6 @@ def test_released_entries_read_block_zero_for_the_kernels():
         hybrid_kv=True, max_num_batched_tokens=1, block_size=BS, num_blocks=64,
         max_seqs=MAX_SEQS, max_blocks_per_seq=16), max_num_batched_tokens=BUDGET),
      "num_sliding_blocks must be >="),
-    (lambda: GEMMA.cache_config(hybrid_kv=True, enable_prefix_caching=True),
-     "cannot be combined with enable_prefix_caching"),
     (lambda: dataclasses.replace(GEMMA, layer_types=None).cache_config(hybrid_kv=True),
      "needs both sliding-window and full-attention layers"),
     (lambda: CacheConfig(num_layers=3, sliding_layers=(2, 1), sliding_window=4,
@@ -215,9 +192,8 @@ def test_generate_with_hybrid_kv_prints_transformers_tokens(family, block_size):
 def test_from_memory_budget_takes_the_sliding_pool_off_the_budget():
   budget = 1 << 20
   kw = dict(block_size=BS, kv_budget_bytes=budget, max_seqs=MAX_SEQS)
-  on = CacheConfig.from_memory_budget(GEMMA, hybrid_kv=True, max_num_batched_tokens=BUDGET,
-                                      **kw)
-  off = CacheConfig.from_memory_budget(GEMMA, **kw)
+  on = CacheConfig.from_memory_budget(GEMMA, max_num_batched_tokens=BUDGET, **kw)  # default
+  off = CacheConfig.from_memory_budget(GEMMA, hybrid_kv=False, **kw)
   per_layer_block = on.kv_bytes_per_token // GEMMA.num_layers * BS
   assert on.hybrid and on.sliding_layers == (0, 2) and on.full_layers == (1,)
   assert budget - per_layer_block < on.kv_cache_bytes <= budget   # one full block short at most

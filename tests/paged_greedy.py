@@ -27,7 +27,7 @@ def paged_greedy(config, params, prompts, max_tokens, block_size, *, backend="au
   n = len(prompts)
   per_seq = cdiv(max(len(p) for p in prompts) + max_tokens, block_size)
   cache = config.cache_config(block_size=block_size, num_blocks=n * per_seq, max_seqs=n,
-                              max_blocks_per_seq=per_seq)
+                              max_blocks_per_seq=per_seq, hybrid_kv=False)   # one pool
   tables = np.random.default_rng(seed).permutation(n * per_seq).reshape(n, per_seq)
   rows = sum(len(p) for p in prompts)
   pages = kv_cache.init(cache)

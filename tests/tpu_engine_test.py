@@ -78,7 +78,7 @@ def _tiny(dtype="bfloat16", pool=None, **model):
   fields = dict(vocab_size=96, hidden_size=128, intermediate_size=128, num_layers=1,
                 num_heads=2, num_kv_heads=1, max_position_embeddings=256, dtype="bfloat16")
   mc = ModelConfig(**{**fields, **model})
-  cc = mc.cache_config(**{**dict(block_size=16, num_blocks=16, max_seqs=2,
+  cc = mc.cache_config(**{**dict(block_size=16, num_blocks=16, max_seqs=2, hybrid_kv=False,
                                  max_blocks_per_seq=4, dtype=dtype), **(pool or {})})
   return mc, cc
 

@@ -60,7 +60,8 @@ def make_engine(*, block_size: int, kv_budget_tokens: int, max_seqs: int = 64,
     attention_backend = "reference"   # unused by the stand-in
   cache_config = model_config.cache_config(
       block_size=block_size, num_blocks=kv_budget_tokens // block_size, max_seqs=max_seqs,
-      max_blocks_per_seq=-(-max_len // block_size), enable_prefix_caching=prefix_caching)
+      max_blocks_per_seq=-(-max_len // block_size), enable_prefix_caching=prefix_caching,
+      max_num_batched_tokens=max_num_batched_tokens)   # sizes a hybrid model's sliding pool
   return Engine(model_config, params, cache_config, max_num_batched_tokens=max_num_batched_tokens,
                 preemption_mode=preemption_mode, attention_backend=attention_backend,
                 max_beam_width=max_beam_width, shape_buckets=shape_buckets,

@@ -60,6 +60,9 @@ def validate_tp(model_config: ModelConfig, tp: int,
   if cache_config is not None:
     if not isinstance(cache_config, CacheConfig):
       raise TypeError(f"cache_config must be a CacheConfig, got {type(cache_config).__name__}")
+    if cache_config.hybrid:
+      raise ValueError("tensor-parallel engines keep one KV pool: pass hybrid_kv=False to "
+                       "ModelConfig.cache_config (cache_config.sliding_layers must be ())")
     for name in ("num_layers", "num_kv_heads", "head_dim"):
       got, want = getattr(cache_config, name), getattr(c, name)
       if got != want:

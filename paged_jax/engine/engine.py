@@ -59,8 +59,8 @@ _prefix_counters = jax.jit(lambda state: prefix_step.counters(state.prefix, stat
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _reset_prefix(state: EngineState) -> EngineState:
-  prefix, blocks = prefix_step.reset(state.prefix, state.blocks)
-  return state.replace(blocks=blocks, prefix=prefix)
+  prefix, blocks, sliding = prefix_step.reset(state.prefix, state.blocks, state.sliding_blocks)
+  return state.replace(blocks=blocks, prefix=prefix, sliding_blocks=sliding)
 
 
 class Engine:
@@ -71,7 +71,7 @@ class Engine:
     params: its parameters ({"params": ...} or the bare tree), checked against
       the model's shapes here.
     cache_config: CacheConfig whose layer/head shapes match the model;
-      automatic prefix caching is on unless `enable_prefix_caching=False` (or hybrid KV).
+      automatic prefix caching is on unless `enable_prefix_caching=False`.
     options: an `EngineOptions` (token budget, decode steps per sync, preemption mode,
       attention backend, beam width, ...); its fields are also accepted as keywords
       (`Engine(..., max_num_batched_tokens=512)`), which override `options`.

@@ -15,6 +15,7 @@ and `sequence.Batch`, scheduler.py and docs/architecture.md point here.
      prompts (`attach_*`; hits reported in `hit_tokens`), take the hit tokens out of
      their first chunks (planned from position 0: `prefix_cache.step.skip_hits`),
      then evict LRU cache-only blocks until the step's worst-case block need is free
+     (with hybrid KV one hit length for both groups: `prefix_cache.sliding`)
   3. reserve   allocate first chunks, append later chunks (copy-on-write pairs)
      -> if any reservation fails, steps 3-9 are no-ops (frees, forks, attaches
         and evictions stand) and `ok` is False: the host commits those, preempts
@@ -42,15 +43,15 @@ slot is a row). Frees, appends' planning and the outputs stay slot-wide. The ste
 traces once per bucket; `TRACE_COUNT` counts traces for the no-retracing tests.
 
 KV groups: the step holds its pools as a list (`bs` BlockStates, `pgs` pages): the
-full-attention group first (the one the prefix cache works on), then, with hybrid KV
+full-attention group first (the one the prefix cache hashes), then, with hybrid KV
 (`CacheConfig.sliding_layers`), the sliding-window layers' group (`state.sliding_blocks`
 / `sliding_pages`). Every free, fork, reservation and decode-loop append runs on each
-group alike (same slots, same lengths; a reservation fails if any group's does, and then
-none changes), each with its own copy-on-write pairs and metadata
-(`AttentionMetadata.sliding`); at the end of the step a windowed group gives back the
-blocks that slid out of every window (`block_window.release_out_of_window`). The host
-plans with the full-attention group's counts only: the engine sizes the sliding pool so
-it cannot run short. (vLLM v1's KVCacheCoordinator over per-type managers is the model.)
+group alike (a reservation fails if any group's does, and then none changes), each with
+its own copy-on-write pairs and metadata (`AttentionMetadata.sliding`); at the end of the
+step a windowed group gives back the blocks that slid out of every window
+(`block_window`), but for the companions of cached blocks (`prefix_cache.sliding`). The
+host plans with the full-attention group's counts only: the sliding pool is sized so it
+cannot run short. (vLLM v1's KVCacheCoordinator over per-type managers is the model.)
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ from paged_jax.engine import sampling
 from paged_jax.engine.params import MAX_LOGPROBS
 from paged_jax.engine.state import (EngineState, StepInputs, StepOutputs, check_inputs,
                                     init_state)
-from paged_jax.prefix_cache import core as prefix_core
+from paged_jax.prefix_cache import state as prefix_state
 from paged_jax.prefix_cache import step as prefix_step
 
 _I32 = jnp.int32
@@ -247,6 +248,8 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     quiet = light or (ps is not None and prefix_admit_only)
     free_fork = lambda b: bm.fork(bm.free(b, inp.free_slots)[0], inp.fork_src,
                                   inp.fork_dst)[0]
+    hybrid = len(bs) > 1
+    bs = [bs[0]] + [free_fork(x) for x in bs[1:]]   # every group's slots free for attach
     if ps is None:
       b = free_fork(bs[0])
     elif light:
@@ -256,14 +259,14 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
       if not quiet:
         ps, b = prefix_step.free(ps, b, inp.free_slots)
         b = bm.fork(b, inp.fork_src, inp.fork_dst)[0]
-      ps, b, hits = prefix_step.attach(ps, b, inp.attach_slot, inp.attach_len,
-                                       inp.attach_start, inp.attach_tokens, inp.attach_root,
-                                       inp.attach_tag)
+      ps, b, hits, *bs[1:] = prefix_step.attach(ps, b, inp.attach_slot, inp.attach_len,
+                                                inp.attach_start, inp.attach_tokens,
+                                                inp.attach_root, inp.attach_tag, *bs[1:])
       inp = prefix_step.skip_hits(inp, hits)
     if ps is not None:
-      ps, b = prefix_step.evict_for(ps, b, inp, num_decode_steps=num_decode_steps,
-                                    max_evict=max_evict)
-    bs = [b] + [free_fork(x) for x in bs[1:]]
+      ps, b, *bs[1:] = prefix_step.evict_for(ps, b, inp, *bs[1:], max_evict=max_evict,
+                                             num_decode_steps=num_decode_steps)
+    bs = [b] + bs[1:]
     before = bs
     # 3. reservations, the same in every group (a reservation fails if any group's
     # does, and then none changes). Every reserving slot is one of the step's rows, so
@@ -366,26 +369,27 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     # 8-9. registration of newly full blocks (masked when not ok), then the finished
     # sequences' frees: with caching their full blocks stay cached, evictable. Finished
     # slots are sampled slots, at most R: the free runs on R lanes (S pads them). A
-    # windowed group first gives back the blocks that slid out of every window.
-    done_slots = _lanes(done, rows)
-    bs = [bs[0]] + [bm.free(block_window.release_out_of_window(x, w), done_slots)[0]
-                    for x, w in zip(bs[1:], windows[1:])]
-    if len(bs) > 1:
-      out = out.replace(sliding_free=bs[1].num_free)
-    b = bs[0]
+    # windowed group first gives back the blocks that slid out of every window (with
+    # caching, but for the companions of cached blocks: `prefix_step.adopt`).
+    done_slots, b = _lanes(done, rows), bs[0]
+    if ps is not None:
+      ps, b, _ = prefix_step.after(ps, b, inp, out, max_items=max_evict, forks=not quiet)
+      ps, *bs[1:] = prefix_step.adopt(ps, b, bs[1], inp, width or 0) if hybrid else (ps,)
+    bs = [b] + [bm.free(block_window.release_out_of_window(x, w), done_slots)[0]
+                for x, w in zip(bs[1:], windows[1:])]
     if ps is None:
       b, _ = bm.free(b, done_slots)
       out = out.replace(num_free=b.num_free, available=b.num_free, sole_blocks=sole_blocks(b))
     else:
-      ps, b, _ = prefix_step.after(ps, b, inp, out, max_items=max_evict, forks=not quiet)
       # The finished slots are rows: their blocks fit the step's width bucket.
       ps, b = prefix_step.free(ps, b, done_slots, num_cols=width or 0)
-      evictable = prefix_core.num_evictable(ps.cache, b)
+      ps, *bs[1:] = prefix_step.drop_stale(ps, *bs[1:]) if hybrid else (ps,)
+      evictable = prefix_state.num_evictable(ps.cache, b)
       out = out.replace(num_free=b.num_free, available=b.num_free + evictable,
                         num_evictable=evictable, prefix_hit_blocks=ps.cache.hit_blocks,
                         prefix_query_blocks=ps.cache.query_blocks,
                         sole_blocks=sole_blocks(b, ps.cache.cached))
-    hybrid = len(bs) > 1
+    out = out.replace(sliding_free=bs[1].num_free) if hybrid else out
     return EngineState(blocks=b, pages=pgs[0], prefix=ps,
                        sliding_blocks=bs[1] if hybrid else None,
                        sliding_pages=pgs[1] if hybrid else None), out

@@ -4,8 +4,8 @@
 Pure, jittable ops over `block_manager.BlockState`; the engine runs them inside
 its one jitted step. Modules (imports run one way: step -> evict, core -> state):
 
-  state  PrefixCacheState, init, and the chex shape / dtype checks every op runs first
-  core   hashing, lookup / attach, register, fork_chain, counters
+  state  PrefixCacheState, init, the chex shape / dtype checks every op runs first, counters
+  core   hashing, lookup / attach, register, fork_chain
   evict  release, free, uncache, ensure_free, reset: the LRU ring, `policy_victims`
          for other policies (and the O(num_blocks) reference order `lru_victims`)
   salt   salt_key: a request's cache salt as the root of its hash chain
@@ -16,12 +16,12 @@ its one jitted step. Modules (imports run one way: step -> evict, core -> state)
     cache, blocks, hit_tokens, status = pc.attach(cache, blocks, slot, tokens, length)
 """
 
-from paged_jax.prefix_cache.core import (attach, chain_hash, fork_chain, hit_rate, lookup,
-                                         num_cached_blocks, num_evictable, register)
+from paged_jax.prefix_cache.core import attach, chain_hash, fork_chain, lookup, register
 from paged_jax.prefix_cache.evict import (ensure_free, free, lru_victims, policy_victims,
                                           release, reset, touch, uncache)
 from paged_jax.prefix_cache.state import (HASH_MODES, ROOT_HASH, PrefixCacheState,
-                                          check_states, init)
+                                          check_states, hit_rate, init, num_cached_blocks,
+                                          num_evictable)
 from paged_jax.prefix_cache.salt import salt_key
 
 __all__ = ["HASH_MODES", "ROOT_HASH", "PrefixCacheState", "attach", "chain_hash",

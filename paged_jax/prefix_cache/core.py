@@ -52,7 +52,7 @@ arguments' shapes and dtypes with chex (`state.check_states`: at trace time unde
   free(cache, blocks, slots)                   -> (cache, blocks, status)  release + bm.free
   ensure_free(cache, blocks, num_needed, max_evict=...) -> (cache, blocks, num_evicted)
   reset(cache, blocks)                         -> (cache, blocks)
-  num_cached_blocks(cache), num_evictable(cache, blocks), hit_rate(cache)
+(the counters num_cached_blocks, num_evictable, hit_rate are in `state`)
 """
 
 from __future__ import annotations
@@ -198,11 +198,12 @@ def attach(cache: PrefixCacheState, blocks: bm.BlockState, slot, tokens, length,
 
 
 def attach_reads(cache: PrefixCacheState, blocks: bm.BlockState, slot, tokens, length,
-                 root=None, tag=0):
+                 root=None, tag=0, hit_rule=None):
   """`attach`'s lookup, without writing: (AttachWrites, hit_tokens i32[], status i32[]);
   `attach_write` applies the writes. A loop over prompts applies one prompt's writes at the
   start of the next iteration (`prefix_cache.step.attach`), so XLA updates the states in
-  place instead of copying them each iteration."""
+  place instead of copying them each iteration. `hit_rule` (n_hit i32[], ids i32[P]) ->
+  i32[] <= n_hit: the hit another KV group can serve (`prefix_cache.sliding.hit_rule`)."""
   check_states(cache, blocks)
   slot = bm.int_arg(slot, "slot", max_rank=0)
   tokens = bm.int_arg(tokens, "tokens")
@@ -220,6 +221,7 @@ def attach_reads(cache: PrefixCacheState, blocks: bm.BlockState, slot, tokens, l
   n_hit, ids = lookup(cache, tokens, jnp.where(ok, length, 0), root, tag)
   n_hit = jnp.minimum(n_hit, p)
   ids = ids[:p] if ids.shape[0] >= p else jnp.pad(ids, (0, p - ids.shape[0]), constant_values=-1)
+  n_hit = n_hit if hit_rule is None else hit_rule(n_hit, ids)
   ids = jnp.where(lax.iota(_I32, p) < n_hit, ids, -1)
   nb = blocks.num_blocks
   keys = jnp.where(ids >= 0, ids, nb)
@@ -384,23 +386,3 @@ def fork_chain(cache: PrefixCacheState, src_slot, dst_slot):
   sc = jnp.clip(src, 0, s_max - 1)
   row = jnp.where(ok, dst, s_max)
   return cache.replace(chain=cache.chain.at[row].set(cache.chain[sc], mode="drop"))
-
-
-# ---- counters ------------------------------------------------------------------------
-
-def num_cached_blocks(cache: PrefixCacheState):
-  """i32[]: blocks registered in the cache."""
-  return jnp.sum(cache.cached.astype(_I32))
-
-
-def num_evictable(cache: PrefixCacheState, blocks: bm.BlockState):
-  """i32[]: cached blocks no sequence holds (the cache's reference is their only one)."""
-  return jnp.sum((cache.cached & (blocks.ref_count == 1)).astype(_I32))
-
-
-def hit_rate(cache: PrefixCacheState):
-  """f32[]: hit blocks / looked-up blocks over all `attach` calls (0 when none)."""
-  return jnp.where(cache.query_blocks > 0,
-                   cache.hit_blocks / jnp.maximum(cache.query_blocks, 1), 0.0)
-
-

@@ -194,3 +194,23 @@ def check_states(cache: PrefixCacheState, blocks: Optional[bm.BlockState] = None
                       custom_message="blocks.ref_count vs the cache's num_blocks")
     chex.assert_shape(blocks.seq_lens, (s,), custom_message="blocks.seq_lens vs the cache's slots")
     chex.assert_equal(blocks.block_size, bs, custom_message="blocks vs the cache's block_size")
+
+
+# ---- counters ------------------------------------------------------------------------
+
+def num_cached_blocks(cache: PrefixCacheState):
+  """i32[]: blocks registered in the cache."""
+  return jnp.sum(cache.cached.astype(_I32))
+
+
+def num_evictable(cache: PrefixCacheState, blocks: bm.BlockState):
+  """i32[]: cached blocks no sequence holds (the cache's reference is their only one)."""
+  return jnp.sum((cache.cached & (blocks.ref_count == 1)).astype(_I32))
+
+
+def hit_rate(cache: PrefixCacheState):
+  """f32[]: hit blocks / looked-up blocks over all `attach` calls (0 when none)."""
+  return jnp.where(cache.query_blocks > 0,
+                   cache.hit_blocks / jnp.maximum(cache.query_blocks, 1), 0.0)
+
+

@@ -18,13 +18,19 @@ The engine step calls, in this order, all pure and without a host sync:
       rows and registration chains along the step's forks, then registers
       every block that became full (`core.register`).
 
+With hybrid KV the sliding-window group rides along (`ps.sliding`, `prefix_cache.sliding`):
+`attach` cuts each hit to what the sliding group can serve and installs its companions,
+`evict_for` makes room in the sliding pool too, `adopt` (after `after`, before the
+window's release) keeps the sliding blocks of newly cached blocks, `drop_stale` (last)
+releases the companions of evicted blocks.
+
 Reading `history` instead of host lists keeps registration on device even for
 blocks filled inside the multi-step decode loop.
 """
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import flax
 import jax
@@ -34,6 +40,7 @@ import jax.numpy as jnp
 from paged_jax import block_manager as bm
 from paged_jax.prefix_cache import core as pc
 from paged_jax.prefix_cache import evict
+from paged_jax.prefix_cache import sliding as sliding_cache
 from paged_jax.prefix_cache import state as cache_state
 
 _I32 = jnp.int32
@@ -47,16 +54,22 @@ class PrefixStepState:
     cache: the PrefixCacheState.
     history: i32[max_seqs, max_seq_len], token id at each computed position of
       each slot (stale past the slot's length).
+    sliding: hybrid KV only (else None): the sliding group's `sliding_cache.Companions`.
   """
   cache: cache_state.PrefixCacheState
   history: jax.Array
+  sliding: Optional[sliding_cache.Companions] = None
 
 
 def init(cache_config, **cache_kwargs) -> PrefixStepState:
-  """Empty cache and history for `cache_config` (kwargs go to `prefix_cache.init`)."""
+  """Empty cache and history for `cache_config` (kwargs go to `prefix_cache.init`), and
+  with hybrid KV no companion yet."""
+  c = cache_config
   return PrefixStepState(
-      cache=cache_state.init(cache_config, **cache_kwargs),
-      history=jnp.zeros((cache_config.max_seqs, cache_config.max_seq_len), _I32))
+      cache=cache_state.init(c, **cache_kwargs),
+      history=jnp.zeros((c.max_seqs, c.max_seq_len), _I32),
+      sliding=(sliding_cache.init(c.num_blocks, c.num_sliding_blocks, c.sliding_window)
+               if c.hybrid else None))
 
 
 def max_new_blocks(num_batched_tokens: int, max_seqs: int, block_size: int,
@@ -90,7 +103,7 @@ def free(ps: PrefixStepState, blocks: bm.BlockState, free_slots, num_cols: int =
 
 
 def attach(ps: PrefixStepState, blocks: bm.BlockState, attach_slot, attach_len,
-           attach_start, attach_tokens, attach_root=None, attach_tag=None):
+           attach_start, attach_tokens, attach_root=None, attach_tag=None, sliding=None):
   """Attaches the longest cached prefix of each newly admitted prompt.
 
   Args:
@@ -100,10 +113,14 @@ def attach(ps: PrefixStepState, blocks: bm.BlockState, attach_slot, attach_len,
     attach_tokens: i32[LK], the prompts packed one after the other.
     attach_root, attach_tag: u32[A, 2] / i32[A], each prompt's cache salt
       (`salt.salt_key`; None: every prompt unsalted).
+    sliding: hybrid KV only, the sliding group's BlockState: each hit is cut to what the
+      sliding group can serve (`sliding_cache.hit_rule`) and the slot's sliding row gets
+      the companions of the window before the hit's end.
   Returns:
-    (ps, blocks, hit_tokens i32[max_seqs]): cached tokens each attached slot
-    starts with (0 for other slots).
+    (ps, blocks, hit_tokens i32[max_seqs]): cached tokens each attached slot starts
+    with (0 for other slots), the same in both groups; and `sliding` when given.
   """
+  comp = ps.sliding
   max_len = ps.history.shape[1]
   buf = jnp.concatenate([attach_tokens, jnp.zeros((max_len,), _I32)])
   num = jnp.sum((attach_slot >= 0).astype(_I32))
@@ -116,21 +133,30 @@ def attach(ps: PrefixStepState, blocks: bm.BlockState, attach_slot, attach_len,
 
   # Software-pipelined: prompt i's lookup reads the states after prompt i - 1's writes,
   # applied at the top of its iteration (`core.attach_reads`).
-  def body(i, carry):
-    cache, b, hits, w = carry
+  def write(cache, b, sb, w):
     cache, b = pc.attach_write(cache, b, w)
+    if comp is not None:
+      sb = sliding_cache.attach_write(comp, sb, w.row, w.ids, w.n_hit)
+    return cache, b, sb
+
+  def body(i, carry):
+    cache, b, sb, hits, w = carry
+    cache, b, sb = write(cache, b, sb, w)
     n = attach_len[i]
     tok = lax.dynamic_slice(buf, (attach_start[i],), (max_len,))
     tok = jnp.where(lane < n, tok, 0)
+    rule = (None if comp is None else
+            lambda n_hit, ids: sliding_cache.hit_rule(comp, cache, n_hit, ids))
     w, hit, _ = pc.attach_reads(cache, b, attach_slot[i], tok, n, attach_root[i],
-                                attach_tag[i])
-    return cache, b, hits.at[attach_slot[i]].set(hit, mode="drop"), w
+                                attach_tag[i], hit_rule=rule)
+    return cache, b, sb, hits.at[attach_slot[i]].set(hit, mode="drop"), w
 
   hits = jnp.zeros((blocks.max_seqs,), _I32)
-  cache, blocks, hits, w = lax.fori_loop(0, num, body, (ps.cache, blocks, hits,
-                                                        pc.AttachWrites.idle(ps.cache, blocks)))
-  cache, blocks = pc.attach_write(cache, blocks, w)
-  return ps.replace(cache=cache), blocks, hits
+  cache, blocks, sliding, hits, w = lax.fori_loop(
+      0, num, body, (ps.cache, blocks, sliding, hits, pc.AttachWrites.idle(ps.cache, blocks)))
+  cache, blocks, sliding = write(cache, blocks, sliding, w)
+  out = ps.replace(cache=cache), blocks, hits
+  return out if sliding is None else out + (sliding,)
 
 
 def skip_hits(inputs, hits):
@@ -179,13 +205,44 @@ def skip_hits(inputs, hits):
       row_q_len=q_len, row_slot=jnp.where((dropped > 0) & (q_len == 0), -1, inputs.row_slot))
 
 
-def evict_for(ps: PrefixStepState, blocks: bm.BlockState, inputs, *, num_decode_steps: int,
-              max_evict: int) -> Tuple[PrefixStepState, bm.BlockState]:
+def evict_for(ps: PrefixStepState, blocks: bm.BlockState, inputs, sliding=None, *,
+              num_decode_steps: int, max_evict: int):
   """Evicts cache-only blocks (in the cache's eviction-policy order) until the step's
-  worst-case need is free."""
+  worst-case need is free. With hybrid KV (`sliding` the sliding group's BlockState), then
+  evicts cache-only companions (those the main eviction just made stale first) until the
+  step's worst-case need of sliding blocks is free. Returns (ps, blocks), and sliding
+  when given."""
   need = step_block_need(blocks, inputs, num_decode_steps)
   cache, blocks, _ = evict.ensure_free(ps.cache, blocks, need, max_evict=max_evict)
-  return ps.replace(cache=cache), blocks
+  ps = ps.replace(cache=cache)
+  if sliding is None:
+    return ps, blocks
+  need = step_block_need(sliding, inputs, num_decode_steps)
+  comp, sliding = sliding_cache.evict_for(ps.sliding, ps.cache, sliding, need, max_evict)
+  return ps.replace(sliding=comp), blocks, sliding
+
+
+def adopt(ps: PrefixStepState, blocks: bm.BlockState, sliding: bm.BlockState, inputs=None,
+          num_cols: int = 0):
+  """Hybrid KV, after `after` and before the window's release: the sliding blocks of
+  newly cached blocks become their companions (`sliding_cache.adopt`). With the step's
+  `inputs`, only the slots that computed tokens (its rows and sampled slots, at most 2R)
+  are looked at, in their first `num_cols` columns (0: all): blocks register only there."""
+  lanes = None
+  if inputs is not None:
+    s_max, rows = blocks.max_seqs, inputs.row_slot.shape[0]
+    row_slot = jnp.where(inputs.row_slot >= 0, inputs.row_slot, s_max)
+    grew = jnp.zeros((s_max,), jnp.bool_).at[row_slot].set(True, mode="drop")
+    grew = grew | (inputs.sample_row >= 0)
+    lanes = jnp.nonzero(grew, size=min(2 * rows, s_max), fill_value=s_max)[0].astype(_I32)
+  comp, sliding = sliding_cache.adopt(ps.sliding, ps.cache, blocks, sliding, lanes, num_cols)
+  return ps.replace(sliding=comp), sliding
+
+
+def drop_stale(ps: PrefixStepState, sliding: bm.BlockState):
+  """Hybrid KV, last in the step: releases the companions of evicted blocks."""
+  comp, sliding = sliding_cache.drop_stale(ps.sliding, ps.cache, sliding)
+  return ps.replace(sliding=comp), sliding
 
 
 def _copy_rows(ps: PrefixStepState, src, dst) -> PrefixStepState:
@@ -263,19 +320,26 @@ def after(ps: PrefixStepState, blocks: bm.BlockState, inputs, outputs, *,
   item_tokens = ps.history[owner[:, None], tok_pos]
   cache, blocks = pc.register(cache, blocks, item_slot, item_block, item_tokens, total)
   ps = ps.replace(cache=cache)
-  available = blocks.num_free + pc.num_evictable(ps.cache, blocks)
+  available = blocks.num_free + cache_state.num_evictable(ps.cache, blocks)
   return ps, blocks, available
 
 
 def counters(ps: PrefixStepState, blocks: bm.BlockState):
   """Device counters: hit / query blocks, evictions, cached / evictable / free blocks."""
   cache = ps.cache
-  return dict(hit_blocks=cache.hit_blocks, query_blocks=cache.query_blocks,
-              evictions=cache.evictions, cached_blocks=pc.num_cached_blocks(cache),
-              evictable_blocks=pc.num_evictable(cache, blocks), num_free=blocks.num_free)
+  out = dict(hit_blocks=cache.hit_blocks, query_blocks=cache.query_blocks,
+             evictions=cache.evictions, cached_blocks=cache_state.num_cached_blocks(cache),
+             evictable_blocks=cache_state.num_evictable(cache, blocks), num_free=blocks.num_free)
+  if ps.sliding is not None:
+    out.update(companion_blocks=sliding_cache.num_companions(ps.sliding))
+  return out
 
 
-def reset(ps: PrefixStepState, blocks: bm.BlockState) -> Tuple[PrefixStepState, bm.BlockState]:
-  """Drops every cached block (`evict.reset`); running sequences keep theirs."""
+def reset(ps: PrefixStepState, blocks: bm.BlockState, sliding=None):
+  """Drops every cached block (`evict.reset`) and, with hybrid KV, every companion of
+  the sliding pool `sliding`; running sequences keep theirs. Returns (ps, blocks, sliding)."""
   cache, blocks = evict.reset(ps.cache, blocks)
-  return ps.replace(cache=cache), blocks
+  ps = ps.replace(cache=cache)
+  if ps.sliding is not None:
+    ps, sliding = drop_stale(ps, sliding)
+  return ps, blocks, sliding
