@@ -83,7 +83,7 @@ class Config(configs.ExperimentConfig):
                                  "max_seqs sequences at full length)", lower=0)
   max_num_batched_tokens: int = configs.flag(64, "engine token budget per step", lower=1)
   arrivals_per_step: int = configs.flag(1, "requests added before each step", lower=1)
-  sliding_extra: Tuple[int, ...] = configs.flag((64, 128), "also run hybrid + caching with "
+  sliding_extra: Tuple[int, ...] = configs.flag((16, 32, 64), "also run hybrid + caching with "
                                                 "this many sliding blocks over the default "
                                                 "pool (room for companions)", lower=1)
   seed: int = configs.flag(0, "seed of the streams and the model's weights", lower=0)
