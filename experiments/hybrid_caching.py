@@ -17,7 +17,8 @@ than the window: a hit needs the full layers' every block and the sliding layers
 window before the hit point). "short": prefixes of bs .. W - 1 tokens, short suffixes
 (point 3's stream of short shared prompts: a hit needs every block on both groups; vLLM
 #40696 hit 0% there). Requests arrive `arrivals_per_step` before each engine step, so a
-later request can hit an earlier one's registered prefix.
+later request can hit an earlier one's registered prefix. Each stream is drawn once per
+seed of `--seeds` (the summary pools them; the weights come from the first).
 
 Fairness: **equal main pools**. Every configuration has `num_blocks` main-pool blocks (the
 one pool's, or the full-attention layers' pool with hybrid KV); hybrid KV adds its sliding
@@ -86,7 +87,8 @@ class Config(configs.ExperimentConfig):
   sliding_extra: Tuple[int, ...] = configs.flag((16, 32, 64), "also run hybrid + caching with "
                                                 "this many sliding blocks over the default "
                                                 "pool (room for companions)", lower=1)
-  seed: int = configs.flag(0, "seed of the streams and the model's weights", lower=0)
+  seeds: Tuple[int, ...] = configs.flag((0, 1, 2), "seeds of the streams (the model's "
+                                        "weights: the first)", lower=0)
   out: str = configs.flag("results/hybrid_caching", "output directory")
 
   def check(self) -> None:
@@ -109,10 +111,10 @@ def model_config(f: Config) -> ModelConfig:
                      max_position_embeddings=f.max_len)
 
 
-def stream(f: Config, kind: str) -> Tuple[List[List[int]], List[List[int]]]:
-  """Stream `kind`, seeded: (its shared prefixes, its prompts in arrival order); token ids
-  in 1..63."""
-  rng = np.random.default_rng([f.seed, STREAMS.index(kind)])
+def stream(f: Config, kind: str, seed: int) -> Tuple[List[List[int]], List[List[int]]]:
+  """Stream `kind` of `seed`: (its shared prefixes, its prompts in arrival order); token
+  ids in 1..63."""
+  rng = np.random.default_rng([seed, STREAMS.index(kind)])
   w, bs = f.window, f.block_size
   lo, hi, suffix = (w + bs, 3 * w, 2 * bs) if kind == "long" else (bs, w - 1, bs)
   tok = lambda n: [int(t) for t in rng.integers(1, 64, size=n)]
@@ -164,7 +166,7 @@ def engines(f: Config) -> Dict[str, Tuple[Engine, Dict]]:
   one model and its weights, with facts of its cache config (pool sizes in blocks,
   allocated layer-blocks, KV bytes)."""
   mc = model_config(f)
-  params = init_params(mc, jax.random.key(f.seed))
+  params = init_params(mc, jax.random.key(f.seeds[0]))
   per_seq = cdiv(f.max_len, f.block_size)
   nb = f.num_blocks or 2 * f.max_seqs * per_seq
   kw = dict(block_size=f.block_size, max_blocks_per_seq=per_seq, num_blocks=nb,
@@ -199,8 +201,8 @@ def run(f: Optional[Config] = None) -> Dict:
   n_full = mc.num_layers - n_sliding
   built = engines(f)
   rows = []
-  for kind in f.streams:
-    prefixes, prompts = stream(f, kind)
+  for kind, seed in ((k, s) for k in f.streams for s in f.seeds):
+    prefixes, prompts = stream(f, kind, seed)
     per = {}
     for name, (engine, facts) in built.items():
       if engine.state.prefix is not None:
@@ -208,38 +210,70 @@ def run(f: Optional[Config] = None) -> Dict:
       per[name] = dict(serve(engine, f, prompts, n_full, n_sliding), **facts)
     outs = {name: r.pop("outputs") for name, r in per.items()}
     if any(o != outs[CONFIGS[0]] for o in outs.values()):
-      raise RuntimeError(f"stream {kind}: greedy outputs differ across configurations")
+      raise RuntimeError(f"stream {kind} seed {seed}: greedy outputs differ across "
+                         f"configurations")
     if any(r["preemptions"] for r in per.values()):
-      raise RuntimeError(f"stream {kind}: a request was preempted (raise --num_blocks)")
-    one = per["one_pool_caching"]
-    for name, hy in per.items():
-      if name.startswith("hybrid_caching"):   # against one pool + caching
-        hy.update(memory_saved=1 - hy["held_mean"] / one["held_mean"],
-                  memory_saved_peak=1 - hy["held_peak"] / one["held_peak"],
-                  allocated_saved=1 - hy["allocated_layer_blocks"]
-                                  / one["allocated_layer_blocks"],
-                  hit_rate_kept=hy["hit_rate"] / one["hit_rate"] if one["hit_rate"] else None)
-    head = per["hybrid_caching"]
-    rows.append({"stream": kind, "requests": len(prompts),
+      raise RuntimeError(f"stream {kind} seed {seed}: a request was preempted (raise "
+                         f"--num_blocks)")
+    _headlines(per)
+    rows.append({"stream": kind, "seed": seed, "requests": len(prompts),
                  "prefix_lens": sorted(len(p) for p in prefixes), "configs": per,
-                 "outputs_equal": True,
-                 **{k: head[k] for k in ("memory_saved", "memory_saved_peak",
-                                         "allocated_saved", "hit_rate_kept")}})
-  return {"rows": rows, "num_layers": mc.num_layers, "num_sliding_layers": n_sliding,
+                 "outputs_equal": True})
+  return {"rows": rows, "summary": pooled(rows), "num_layers": mc.num_layers,
+          "num_sliding_layers": n_sliding,
           "fairness": "equal main pools; sliding pool at its default size (hybrid_caching) "
                       "or that + sliding_extra blocks (hybrid_caching+N)"}
 
 
+def _headlines(per: Dict[str, Dict]) -> None:
+  """Adds each hybrid + caching configuration's headlines against one_pool_caching."""
+  one = per["one_pool_caching"]
+  for name, hy in per.items():
+    if name.startswith("hybrid_caching"):
+      hy.update(memory_saved=1 - hy["held_mean"] / one["held_mean"],
+                memory_saved_peak=1 - hy["held_peak"] / one["held_peak"],
+                allocated_saved=1 - hy["allocated_layer_blocks"]
+                                / one["allocated_layer_blocks"],
+                hit_rate_kept=hy["hit_rate"] / one["hit_rate"] if one["hit_rate"] else None)
+
+
+def pooled(rows: List[Dict]) -> List[Dict]:
+  """Per stream: every configuration over the seeds (held and live: mean of the seeds'
+  means, peak of peaks; hits, prompt tokens, steps, requests: sums), the headlines of the
+  pooled figures, and `hit_rate_kept_per_seed`."""
+  out = []
+  for kind in dict.fromkeys(r["stream"] for r in rows):
+    mine = [r for r in rows if r["stream"] == kind]
+    per = {}
+    for name, first in mine[0]["configs"].items():
+      rs = [r["configs"][name] for r in mine]
+      total = lambda k: sum(r[k] for r in rs)   # pylint: disable=cell-var-from-loop
+      per[name] = {k: first[k] for k in ("num_sliding_blocks", "allocated_layer_blocks")}
+      per[name].update(
+          held_mean=float(np.mean([r["held_mean"] for r in rs])),
+          held_peak=max(r["held_peak"] for r in rs),
+          live_mean=float(np.mean([r["live_mean"] for r in rs])),
+          hit_tokens=total("hit_tokens"), prompt_tokens=total("prompt_tokens"),
+          hit_rate=total("hit_tokens") / total("prompt_tokens"), steps=total("steps"),
+          served=total("served"))
+      if "hit_rate_kept" in first:
+        per[name]["hit_rate_kept_per_seed"] = [r["hit_rate_kept"] for r in rs]
+    _headlines(per)
+    out.append({"stream": kind, "seeds": [r["seed"] for r in mine],
+                "requests": sum(r["requests"] for r in mine), "configs": per})
+  return out
+
+
 HEADERS = ["stream", "config", "sliding pool", "held mean", "held peak", "live mean",
            "allocated", "hit rate", "steps", "served", "saved: held mean / peak / allocated",
-           "hit rate kept"]
+           "hit rate kept (per seed)"]
 
 
 def summary_rows(result: Dict):
-  """One row per stream and configuration; the headlines (against one_pool_caching) on
-  the hybrid + caching rows."""
+  """One row per stream and configuration, pooled over the seeds; the headlines (against
+  one_pool_caching) on the hybrid + caching rows."""
   out = []
-  for row in result["rows"]:
+  for row in result["summary"]:
     for name, r in row["configs"].items():
       head = "memory_saved" in r
       kept = r.get("hit_rate_kept")
@@ -248,8 +282,13 @@ def summary_rows(result: Dict):
                   r["steps"], f"{r['served']}/{row['requests']}",
                   f"{r['memory_saved']:.3f} / {r['memory_saved_peak']:.3f} / "
                   f"{r['allocated_saved']:.3f}" if head else "",
-                  (f"{kept:.3f}" if kept is not None else "n/a") if head else ""])
+                  _kept(kept, r.get("hit_rate_kept_per_seed")) if head else ""])
   return out
+
+
+def _kept(kept: Optional[float], per_seed: List[Optional[float]]) -> str:
+  cell = lambda x: "n/a" if x is None else f"{x:.3f}"
+  return f"{cell(kept)} ({' / '.join(map(cell, per_seed))})"
 
 
 def main(f: Config, out):

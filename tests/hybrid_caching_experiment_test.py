@@ -9,7 +9,7 @@ import pytest
 from experiments import hybrid_caching
 
 TOY = hybrid_caching.Config(window=8, block_size=2, requests=12, num_prefixes=2, gen=3,
-                            sliding_extra=(),
+                            sliding_extra=(), seeds=(0,),
                             max_seqs=4, max_num_batched_tokens=16, sliding_per_full=2)
 
 
@@ -17,15 +17,20 @@ TOY = hybrid_caching.Config(window=8, block_size=2, requests=12, num_prefixes=2,
 def rows():
   result = hybrid_caching.run(TOY)
   assert [r["stream"] for r in result["rows"]] == ["long", "short"]
+  # One seed: the pooled summary is that seed's figures.
+  for row, pooled in zip(result["rows"], result["summary"]):
+    for name, r in pooled["configs"].items():
+      for k in ("hit_rate", "held_mean", "held_peak", "served", "memory_saved"):
+        assert r.get(k) == row["configs"][name].get(k), (name, k)
   return {r["stream"]: r for r in result["rows"]}
 
 
 def test_streams_share_prefixes_longer_and_shorter_than_the_window():
-  long_prefixes, _ = hybrid_caching.stream(TOY, "long")
-  short_prefixes, prompts = hybrid_caching.stream(TOY, "short")
+  long_prefixes, _ = hybrid_caching.stream(TOY, "long", 0)
+  short_prefixes, prompts = hybrid_caching.stream(TOY, "short", 0)
   assert min(map(len, long_prefixes)) > TOY.window > max(map(len, short_prefixes))
   assert all(any(p[:len(s)] == s for s in short_prefixes) for p in prompts)
-  assert hybrid_caching.stream(TOY, "short") == (short_prefixes, prompts)    # seeded
+  assert hybrid_caching.stream(TOY, "short", 0) == (short_prefixes, prompts)    # seeded
 
 
 def test_every_configuration_serves_every_request_with_the_same_tokens(rows):
