@@ -212,8 +212,8 @@ def run(f: Optional[Config] = None) -> Dict:
     if any(o != outs[CONFIGS[0]] for o in outs.values()):
       raise RuntimeError(f"stream {kind} seed {seed}: greedy outputs differ across "
                          f"configurations")
-    if any(r["preemptions"] for r in per.values()):
-      raise RuntimeError(f"stream {kind} seed {seed}: a request was preempted (raise "
+    if any(r["preemptions"] for r in per.values()):   # a flag's doing: a one-line error
+      raise ValueError(f"stream {kind} seed {seed}: a request was preempted (raise "
                          f"--num_blocks)")
     _headlines(per)
     rows.append({"stream": kind, "seed": seed, "requests": len(prompts),
