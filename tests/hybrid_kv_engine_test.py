@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from engine_oracle import run_counting_dispatches_and_syncs
-from hybrid_support import GEMMA, PARAMS, dense_greedy as _dense_greedy
+from hybrid_support import (GEMMA, PARAMS, dense_greedy as _dense_greedy,
+                            run_through_an_interrupt)
 from paged_jax import block_window
 from paged_jax.config import CacheConfig
 from paged_jax.engine import Engine, SamplingParams
@@ -132,27 +133,7 @@ def test_an_interrupted_step_changes_no_output_and_leaks_no_block(monkeypatch, p
   want, _ = _run(_engine(True), params)
   engine = _engine(True)
   ids = [engine.add_request(p, params) for p in PROMPTS]
-  count = {"n": 0}
-
-  def wrap(fn):
-    def wrapped(*a, **kw):
-      count["n"] += 1
-      if count["n"] == k:
-        raise KeyboardInterrupt
-      return fn(*a, **kw)
-    return wrapped
-
-  outs = {}
-  with monkeypatch.context() as m:
-    if point == "dispatch":
-      engine._step = wrap(engine._step)   # pylint: disable=protected-access
-    else:
-      m.setattr(jax, "device_get", wrap(jax.device_get))
-    with pytest.raises(KeyboardInterrupt):
-      while engine.has_unfinished():
-        outs.update({o.request_id: o.outputs for o in engine.step()})
-  while engine.has_unfinished():
-    outs.update({o.request_id: o.outputs for o in engine.step()})
+  outs = run_through_an_interrupt(monkeypatch, engine, point, k)
   assert [outs[i] for i in ids] == want
   sb = engine.state.sliding_blocks
   assert int(sb.num_free) == sb.num_blocks

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from engine_oracle import run_counting_dispatches_and_syncs
-from hybrid_support import GEMMA, PARAMS, dense_greedy
+from hybrid_support import GEMMA, PARAMS, dense_greedy, run_through_an_interrupt
 from paged_jax import prefix_cache as pc
 from paged_jax.config import CacheConfig
 from paged_jax.engine import Engine, SamplingParams
@@ -215,27 +215,7 @@ def test_an_interrupted_step_changes_no_output_and_leaks_no_block(monkeypatch, p
   while engine.has_unfinished():
     engine.step()
   ids = [engine.add_request(p, params) for p in WAVES[1]]
-  count = {"n": 0}
-
-  def wrap(fn):
-    def wrapped(*a, **kw):
-      count["n"] += 1
-      if count["n"] == k:
-        raise KeyboardInterrupt
-      return fn(*a, **kw)
-    return wrapped
-
-  outs = {}
-  with monkeypatch.context() as m:
-    if point == "dispatch":
-      engine._step = wrap(engine._step)   # pylint: disable=protected-access
-    else:
-      m.setattr(jax, "device_get", wrap(jax.device_get))
-    with pytest.raises(KeyboardInterrupt):
-      while engine.has_unfinished():
-        outs.update({o.request_id: o.outputs[0] for o in engine.step()})
-  while engine.has_unfinished():
-    outs.update({o.request_id: o.outputs[0] for o in engine.step()})
+  outs = {i: o[0] for i, o in run_through_an_interrupt(monkeypatch, engine, point, k).items()}
   assert [outs[i] for i in ids] == [dense_greedy(p, GEN) for p in WAVES[1]]
   assert engine.stats["prefix_hit_tokens"] > 0 and len(first) == 3
   _check_pools(engine)

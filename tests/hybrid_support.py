@@ -4,6 +4,7 @@ hybrid KV tests, and its dense greedy oracle (cache-free, `paged_jax/models/dens
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from distributed_fixtures import random_params
 from paged_jax.config import ModelConfig
@@ -31,3 +32,31 @@ def dense_greedy(prompt, n):
     buf[:len(ids)] = ids
     ids.append(int(np.argmax(np.asarray(_DENSE(PARAMS, jnp.asarray(buf)))[len(ids) - 1])))
   return ids[len(prompt):]
+
+
+def run_through_an_interrupt(monkeypatch, engine, point, k):
+  """Steps `engine` to the end with one KeyboardInterrupt raised at its k-th step dispatch
+  (`point` "dispatch") or k-th host wait for outputs ("wait"), which must reach the caller;
+  then steps on without it. Returns {request_id: outputs} of every finished request."""
+  count = {"n": 0}
+
+  def wrap(fn):
+    def wrapped(*a, **kw):
+      count["n"] += 1
+      if count["n"] == k:
+        raise KeyboardInterrupt
+      return fn(*a, **kw)
+    return wrapped
+
+  outs = {}
+  with monkeypatch.context() as m:
+    if point == "dispatch":
+      m.setattr(engine, "_step", wrap(engine._step))   # pylint: disable=protected-access
+    else:
+      m.setattr(jax, "device_get", wrap(jax.device_get))
+    with pytest.raises(KeyboardInterrupt):
+      while engine.has_unfinished():
+        outs.update({o.request_id: o.outputs for o in engine.step()})
+  while engine.has_unfinished():
+    outs.update({o.request_id: o.outputs for o in engine.step()})
+  return outs
