@@ -57,11 +57,11 @@ import numpy as np
 
 from experiments import common
 from experiments import configs
+from experiments import hybrid_kv
 from paged_jax.config import ModelConfig, cdiv, sliding_pool_blocks
 from paged_jax.engine import Engine, SamplingParams
 from paged_jax.models import init_params
 
-F, S = "full_attention", "sliding_attention"
 CONFIGS = ("hybrid_caching", "one_pool_caching", "hybrid_no_caching")
 STREAMS = ("long", "short")
 
@@ -103,12 +103,8 @@ class Config(configs.ExperimentConfig):
 
 
 def model_config(f: Config) -> ModelConfig:
-  """A tiny Gemma-3-like model: the layer pattern and window matter, not the widths."""
-  return ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=16,
-                     num_layers=f.sliding_per_full + 1, num_heads=1, num_kv_heads=1,
-                     head_dim=8, model_type="gemma3_text", hidden_act="gelu_pytorch_tanh",
-                     sliding_window=f.window, layer_types=(S,) * f.sliding_per_full + (F,),
-                     max_position_embeddings=f.max_len)
+  """`hybrid_kv.gemma_like` for these flags, positions up to --max_len."""
+  return hybrid_kv.gemma_like(f.window, f.sliding_per_full, f.max_len)
 
 
 def stream(f: Config, kind: str, seed: int) -> Tuple[List[List[int]], List[List[int]]]:

@@ -63,13 +63,20 @@ class Config(configs.ExperimentConfig):
       raise ValueError(f"--contexts must all be >= 8, got {min(self.contexts)}")
 
 
-def model_config(f: Config) -> ModelConfig:
-  """A tiny Gemma-3-like model: the layer pattern and window matter, not the widths."""
+def gemma_like(window: int, sliding_per_full: int, max_positions: int) -> ModelConfig:
+  """A tiny Gemma-3-like model: `sliding_per_full` sliding-window layers (window `window`
+  tokens) then one full-attention layer; the layer pattern and window matter, not the
+  widths (experiments.hybrid_caching uses it too)."""
   return ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=16,
-                     num_layers=f.sliding_per_full + 1, num_heads=1, num_kv_heads=1,
+                     num_layers=sliding_per_full + 1, num_heads=1, num_kv_heads=1,
                      head_dim=8, model_type="gemma3_text", hidden_act="gelu_pytorch_tanh",
-                     sliding_window=f.window, layer_types=(S,) * f.sliding_per_full + (F,),
-                     max_position_embeddings=max(f.contexts))
+                     sliding_window=window, layer_types=(S,) * sliding_per_full + (F,),
+                     max_position_embeddings=max_positions)
+
+
+def model_config(f: Config) -> ModelConfig:
+  """`gemma_like` for these flags, positions up to the longest context."""
+  return gemma_like(f.window, f.sliding_per_full, max(f.contexts))
 
 
 def _standin_apply(params, tokens, positions, pages, meta):
