@@ -74,18 +74,19 @@ def _hlo_copies(dump_dir: str, min_bytes: int) -> list:
 
 
 def pool_copy_findings(jitted, args, cache, *, pool_bytes_donated: int = 0,
-                       keep_hlo: bool = False) -> tuple:
+                       keep_hlo: bool = False, **step_kw) -> tuple:
   """Compiles for sm_90; returns (report, [what is pool-sized]) (empty: no pool copy),
   plus the optimized HLO text when `keep_hlo`.
 
   Pool-sized: temp bytes, a launch whose threads cover >= 1/FRACTION of a layer's pool
   elements (a kernel sweeping the pool), an HLO copy/slice of that size, or (when
   `pool_bytes_donated`) donated pages that the outputs do not alias (copied into new ones).
+  `step_kw`: static keywords of `jitted` (a step variant).
   """
   threshold = layer_pool_bytes(cache) // FRACTION
   elements = threshold // jnp.dtype(cache.dtype).itemsize
   with tempfile.TemporaryDirectory() as dump:
-    report = ct.compile_report(jitted, *args, dump_dir=dump)
+    report = ct.compile_report(jitted, *args, dump_dir=dump, **step_kw)
     findings = [f"HLO copy {c}" for c in _hlo_copies(dump, threshold)]
     hlo = "".join(open(p).read() for p in glob.glob(f"{dump}/*gpu_after_optimizations.txt"))
   if report.temp_bytes >= threshold:
@@ -162,8 +163,9 @@ DECODE_STEPS = 4
 
 
 @functools.lru_cache(maxsize=None)
-def _engine_step_compile():
-  """(report, findings, optimized HLO) of the engine's jitted step for sm_90 (compiled once)."""
+def _engine_step_compile(speculative: bool = False):
+  """(report, findings, optimized HLO) of the engine's jitted step for sm_90 (compiled once;
+  `speculative`: its variant verifying 3 n-gram drafts per row)."""
   from paged_jax import engine  # pylint: disable=g-import-not-at-top
   step_for_compile = getattr(engine, "step_for_compile", None)
   if step_for_compile is None:
@@ -172,10 +174,13 @@ def _engine_step_compile():
   # "auto" on this CPU host: the sharding's H200 must pick the Pallas GPU kernels.
   fn, args = step_for_compile(LLAMA8B_2L, CACHE_4G, sharding=sharding,
                               max_num_batched_tokens=64, decode_steps_per_sync=DECODE_STEPS,
-                              attention_backend="auto")
+                              attention_backend="auto", speculative_config=(
+                                  {"method": "ngram", "num_speculative_tokens": 3}
+                                  if speculative else None))
   pool = 2 * LLAMA8B_2L.num_layers * layer_pool_bytes(CACHE_4G)
   assert pool >= 4 * 2**30
-  return pool_copy_findings(fn, args, CACHE_4G, pool_bytes_donated=pool, keep_hlo=True)
+  return pool_copy_findings(fn, args, CACHE_4G, pool_bytes_donated=pool, keep_hlo=True,
+                            **({"spec": True} if speculative else {}))
 
 
 def test_auto_attention_is_decided_by_the_h200_sharding_not_the_host():
@@ -200,6 +205,18 @@ def test_engine_step_compiles_for_h200_without_pool_copies_or_spills():
   assert not findings, findings
   assert not report.spilled_kernels
   assert report.max_shared_memory <= ct.SM90_SHARED_MEMORY_BYTES
+
+
+@pytest.mark.slow
+def test_speculating_step_compiles_for_h200_without_pool_copies_or_spills():
+  """The speculative decoding variant (k + 1 logits per row, verification, rollback of
+  rejected drafts' blocks, the decode loop beside it) holds the same promises."""
+  report, findings, hlo = _engine_step_compile(speculative=True)
+  assert not findings, findings
+  assert not report.spilled_kernels
+  assert report.max_shared_memory <= ct.SM90_SHARED_MEMORY_BYTES
+  readbacks = host_readbacks(hlo)
+  assert not readbacks["while"] and not readbacks["conditional"], readbacks
 
 
 _WHILE = re.compile(r"^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = .* while\(.*op_name=\"(?P<op>[^\"]*)\"")

@@ -47,6 +47,27 @@ def test_filtered_logits_keep_exactly_the_reference_set():
     np.testing.assert_allclose(mine / mine.sum(), ref, atol=1e-5)
 
 
+def test_threshold_search_equals_the_sort_on_ties_and_a_large_vocabulary():
+  """The sorting-free cut-offs keep exactly what the sort-based reference keeps, where
+  values tie (quantized logits: both keep every token tied with a cut-off) and at a
+  4,096-token vocabulary, where the float64 NumPy rule keeps the same."""
+  rng = np.random.default_rng(7)
+  for s, v, quant in ((32, 4096, None), (64, 40, 0.5)):
+    logits = rng.normal(size=(s, v)).astype(np.float32) * 2
+    if quant:
+      logits = np.round(logits / quant) * quant
+    temperature = rng.uniform(0.3, 1.5, size=s).astype(np.float32)
+    top_k = rng.integers(-1, v + 3, size=s).astype(np.int32)
+    top_p = rng.uniform(0.05, 1.0, size=s).astype(np.float32)
+    args = [jnp.asarray(x) for x in (logits, temperature, top_k, top_p)]
+    got = np.isfinite(np.asarray(sampling.filtered_logits(*args)))
+    ref = np.isfinite(np.asarray(sampling.filtered_logits_sorted(*args)))
+    np.testing.assert_array_equal(got, ref)
+    for i in range(0, s if quant is None else 0, 8):   # the NumPy rule cuts ties by index
+      np.testing.assert_array_equal(
+          got[i], np_filtered_probs(logits[i], temperature[i], top_k[i], top_p[i]) > 0)
+
+
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, 5, 1.0),
                                                      (1.3, -1, 0.6), (0.8, 6, 0.8)])
 def test_empirical_distribution_matches_reference(temperature, top_k, top_p):

@@ -76,6 +76,7 @@ SECTIONS: Dict[str, Tuple[object, Callable]] = {
     "prefix_miss": ("prefix_miss/prefix_miss.json", engine.rows_with("prefix_miss")),
     "policies": ("policies/policies.json", engine.rows_with("policies")),
     "hybrid_caching": ("hybrid_caching/hybrid_caching.json", engine.rows_with("hybrid_caching")),
+    "speculative": ("speculative/speculative.json", engine.rows_with("speculative")),
     "prefix_caching_demo": ("prefix_caching_demo/prefix_caching_demo.json",
                             engine.rows_with("prefix_caching", "rows")),
     "host_overhead": ("host_overhead/host_overhead.json", engine.host_overhead),

@@ -77,7 +77,8 @@ class PaperSetting:
                   attention_backend: str = "reference",
                   max_num_batched_tokens: int = PAPER.max_num_batched_tokens,
                   max_beam_width: int = PAPER.max_beam_width, prefix_caching: bool = False,
-                  eviction_policy: str = "lru", scheduling_policy="fcfs"):
+                  eviction_policy: str = "lru", scheduling_policy="fcfs",
+                  speculative_config=None):
     """The real Engine with the stand-in forward on a `kv_budget_tokens`-slot pool
     (`engines.make_engine`'s keywords; attention_backend is unused by the stand-in).
 
@@ -85,7 +86,8 @@ class PaperSetting:
     the largest shape, a decode-only step T = R = max_seqs (two compiled shapes per
     geometry, not one per bucket). The model clock charges what a step computed, not its
     shape, so the shapes change host seconds only, never a latency. `eviction_policy` /
-    `scheduling_policy`: `CacheConfig` / `EngineOptions`' (docs/extending.md)."""
+    `scheduling_policy`: `CacheConfig` / `EngineOptions`' (docs/extending.md);
+    `speculative_config`: `EngineOptions`' (experiments/speculative_scale.py)."""
     from paged_jax.engine import Engine  # pylint: disable=g-import-not-at-top
     from paged_jax.models import standin  # pylint: disable=g-import-not-at-top
     del attention_backend
@@ -102,7 +104,8 @@ class PaperSetting:
                   scheduling_policy=scheduling_policy,
                   preemption_mode=preemption_mode, attention_backend="reference",
                   max_beam_width=max_beam_width, model_apply=standin.apply,
-                  shape_buckets=False, decode_shape=True)
+                  shape_buckets=False, decode_shape=True,
+                  speculative_config=speculative_config)
 
   def clock(self, block_size: int = BLOCK_SIZE, *, host_time: bool = False) -> perf.ModelClock:
     """Virtual time from the device-time model (deterministic unless host_time)."""

@@ -60,7 +60,7 @@ def chunks_need(group: Group, chunks: List[Chunk], block_size: int) -> int:
   copy-on-write rule, `block_manager.append`)."""
   need, writers = 0, None
   for c in chunks:
-    need += appended_blocks(c.start, c.num_tokens, block_size)
+    need += appended_blocks(c.start, c.num_scheduled, block_size)
     if c.seq.share_id >= 0 and c.start % block_size and not c.allocate:
       writers = writers or collections.Counter()
       writers[c.seq.share_id] += 1
@@ -80,8 +80,8 @@ def lookahead_need(group: Group, chunks: List[Chunk], block_size: int,
     return 0
   need = 0
   for c in chunks:
-    if c.samples:
-      end = c.end
-      left = group.params.max_tokens - c.seq.num_generated - 1
+    if c.samples:   # a speculating row's loop starts after its drafts, all accepted at worst
+      end = c.end + len(c.draft)
+      left = group.params.max_tokens - c.seq.num_generated - 1 - len(c.draft)
       need += appended_blocks(end, max(0, min(lookahead, left)), block_size)
   return need

@@ -49,6 +49,8 @@ class Bucket(NamedTuple):
       because it costs: 8 requests x (200 prompt + 16 generated tokens), vocabulary
       32,000, a 2-layer width-256 model on this CPU, side by side (median of 5): 1.20x
       the time with `logprobs=5`, 4.73x with `prompt_logprobs=1` (2026-12-05).
+    spec: a row carries speculative drafts (`speculative.py`): never decode_only; the
+      step reads k + 1 logits per row and verifies them. Only with speculation on.
   """
   tokens: int
   rows: int
@@ -58,6 +60,7 @@ class Bucket(NamedTuple):
   prefix_light: bool = False
   prefix_admit_only: bool = False
   logprobs: bool = False
+  spec: bool = False
 
   @property
   def step_kw(self) -> dict:
@@ -71,6 +74,8 @@ class Bucket(NamedTuple):
       kw["prefix_admit_only"] = True
     if self.logprobs:
       kw["logprobs"] = True
+    if self.spec:
+      kw["spec"] = True
     return kw
 
 
@@ -104,19 +109,20 @@ class StepBuckets:
   enabled: bool = True
   prefix_caching: bool = False
   decode_shape: bool = False
+  speculative: bool = False
 
   @classmethod
   def make(cls, *, max_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int,
            block_size: int, decode_steps: int, enabled: bool = True,
            prefix_caching: bool = False, decode_shape: bool = False,
-           width_buckets: bool = True) -> "StepBuckets":
+           width_buckets: bool = True, speculative: bool = False) -> "StepBuckets":
     """The buckets of an engine's geometry; `decode_shape` counts only when not
     `enabled` (bucketed steps always have their decode-only shapes); `width_buckets=False`:
     one width, max_blocks_per_seq (`attention_reads_width`)."""
     if not enabled:
       return cls((max_num_batched_tokens,), (max_seqs,), (max_blocks_per_seq,), block_size,
                  decode_steps, enabled=False, prefix_caching=prefix_caching,
-                 decode_shape=bool(decode_shape))
+                 decode_shape=bool(decode_shape), speculative=speculative)
     # Tokens by 4x (a prefill chunk's cost is mostly the model's matmuls, and a
     # busy engine fills its budget); rows by 2x to 16, then 1.5x / 2x alternately (8, 16, 24,
     # 32, 48, ...: every decode step's matmuls, attention and sampling scale with R, and
@@ -127,7 +133,8 @@ class StepBuckets:
                _geometric(max_seqs, min(8, max_seqs), 2, halfway_from=16),
                (_geometric(max_blocks_per_seq, min(4, max_blocks_per_seq), 2) if width_buckets
                 else (max_blocks_per_seq,)),
-               block_size, decode_steps, prefix_caching=prefix_caching)
+               block_size, decode_steps, prefix_caching=prefix_caching,
+               speculative=speculative)
 
   @property
   def decode_shapes(self) -> bool:
@@ -139,10 +146,11 @@ class StepBuckets:
   def max_variants(self) -> int:
     """Upper bound on distinct compiled steps: mixed (T, R, W) + decode-only (R, W),
     each with sampling or all-greedy (and, with prefix caching, full or light, and for
-    mixed shapes admit-only too), each with or without `logprobs`."""
-    p = int(self.prefix_caching)
-    return ((len(self.tokens) * (1 + 2 * p) + self.decode_shapes * (1 + p)) * len(self.rows)
-            * len(self.widths) * 2 * 2)
+    mixed shapes admit-only too), each with or without `logprobs` (and, with speculative
+    decoding, mixed shapes with or without drafts)."""
+    p, sp = int(self.prefix_caching), int(self.speculative)
+    return ((len(self.tokens) * (1 + 2 * p) * (1 + sp) + self.decode_shapes * (1 + p))
+            * len(self.rows) * len(self.widths) * 2 * 2)
 
   def mixed_tokens(self, num_tokens: int) -> int:
     """T of a mixed step planning `num_tokens` new tokens (its padded token bucket)."""
@@ -150,7 +158,8 @@ class StepBuckets:
 
   def pick(self, num_tokens: int, num_rows: int, max_len: int, decode_only: bool,
            all_greedy: bool = False, prefix_light: bool = False,
-           prefix_admit_only: bool = False, logprobs: bool = False) -> Bucket:
+           prefix_admit_only: bool = False, logprobs: bool = False,
+           spec: bool = False) -> Bucket:
     """The Bucket for a step with `num_tokens` new tokens, `num_rows` rows / sampled
     slots, and `max_len` tokens in its longest row after the step (`prefix_light`,
     `prefix_admit_only`: kept only with prefix caching; admit-only only on a mixed
@@ -164,7 +173,7 @@ class StepBuckets:
     light = bool(prefix_light) and self.prefix_caching
     admit_only = bool(prefix_admit_only) and self.prefix_caching and not (light or decode_only)
     return Bucket(tokens, rows, width, decode_only, bool(all_greedy), light, admit_only,
-                  bool(logprobs))
+                  bool(logprobs), bool(spec) and self.speculative and not decode_only)
 
 
 def attention_reads_width(backend: str) -> bool:
@@ -180,7 +189,8 @@ def attention_reads_width(backend: str) -> bool:
 
 def step_buckets(cache_config: CacheConfig, max_num_batched_tokens: int,
                  decode_steps_per_sync: int, shape_buckets: bool = True,
-                 decode_shape: bool = False, width_buckets: bool = True) -> StepBuckets:
+                 decode_shape: bool = False, width_buckets: bool = True,
+                 speculative: bool = False) -> StepBuckets:
   """The step's shape buckets for an engine (tokens, rows, block-table widths;
   `shape_buckets` / `decode_shape`: the `EngineOptions` fields; `width_buckets`:
   `attention_reads_width` of the step's attention)."""
@@ -190,7 +200,8 @@ def step_buckets(cache_config: CacheConfig, max_num_batched_tokens: int,
                           block_size=cache_config.block_size,
                           decode_steps=decode_steps_per_sync, enabled=shape_buckets,
                           prefix_caching=cache_config.enable_prefix_caching,
-                          decode_shape=decode_shape, width_buckets=width_buckets)
+                          decode_shape=decode_shape, width_buckets=width_buckets,
+                          speculative=speculative)
 
 
 def reachable_buckets(buckets: StepBuckets, *, max_rows: int, max_len: int,

@@ -81,7 +81,7 @@ class CompiledStep:
     self.seen.add(bucket)
     log.info("paged_jax engine: compiling step shape tokens=%d rows=%d width=%d blocks "
              "decode_only=%s all_greedy=%s prefix_light=%s prefix_admit_only=%s logprobs=%s "
-             "(%d shapes so far, at most %d)", *bucket, len(self.seen), buckets.max_variants)
+             "spec=%s (%d shapes so far, at most %d)", *bucket, len(self.seen), buckets.max_variants)
     return True
 
   def forget(self) -> None:
@@ -124,7 +124,7 @@ class CompiledStep:
       compiled += 1
       log.info("paged_jax engine: compiled step shape tokens=%d rows=%d width=%d blocks "
                "decode_only=%s all_greedy=%s prefix_light=%s prefix_admit_only=%s logprobs=%s "
-               "ahead of time in %.2f s (%d of %d)", *bucket,
+               "spec=%s ahead of time in %.2f s (%d of %d)", *bucket,
                time.perf_counter() - t1, compiled + already, len(shapes))
     seconds = time.perf_counter() - t0
     log.info("paged_jax engine: %d step shapes compiled ahead of time (%d already) in %.1f s",
@@ -134,8 +134,8 @@ class CompiledStep:
 
 class StepCall:
   """An engine's step call: `(params, state, inputs, *, width=None, decode_only=False,
-  all_greedy=False, prefix_light=False, prefix_admit_only=False, logprobs=False) ->
-  (state, outputs)`, as
+  all_greedy=False, prefix_light=False, prefix_admit_only=False, logprobs=False,
+  spec=False) -> (state, outputs)`, as
   the jitted step takes it, run by the bucket's own jit (`CompiledStep.executable`) with
   numpy inputs sent as one buffer and `outputs` a `packing.Packed` StepOutputs
   (`packing.fetch` brings it to the host in one transfer; its fields read as the
@@ -146,11 +146,12 @@ class StepCall:
     self.compiled, self.signature = compiled, signature
 
   def __call__(self, params, state, inputs: StepInputs, *, width=None, decode_only=False,
-               all_greedy=False, prefix_light=False, prefix_admit_only=False, logprobs=False):
+               all_greedy=False, prefix_light=False, prefix_admit_only=False, logprobs=False,
+               spec=False):
     caching = state.prefix is not None
     bucket = Bucket(inputs.tokens.shape[0], inputs.row_slot.shape[0], width, decode_only,
                     all_greedy, prefix_light and caching, prefix_admit_only and caching,
-                    logprobs)
+                    logprobs, spec)
     return self.compiled.executable(self.signature, bucket)(params, state,
                                                             pack_inputs(inputs))
 
@@ -223,9 +224,10 @@ def step_key(model_config: ModelConfig, cache_config: CacheConfig,
   max_evict = (prefix_step.max_new_blocks(options.max_num_batched_tokens, cache_config.max_seqs,
                                           cache_config.block_size, options.decode_steps_per_sync)
                if cache_config.enable_prefix_caching else 0)
+  spec = options.speculative_config
   return (model_config, options.attention_backend, options.decode_steps_per_sync, candidates,
           max_evict, options.model_apply, cache_config.sliding_window or 0,
-          cache_config.sliding_layers)
+          cache_config.sliding_layers, spec.num_speculative_tokens if spec else 0)
 
 
 def engine_step(model_config: ModelConfig, cache_config: CacheConfig,
@@ -237,16 +239,17 @@ def engine_step(model_config: ModelConfig, cache_config: CacheConfig,
   check_configs(model_config, cache_config)
   check_hybrid(cache_config, options)
   key = step_key(model_config, cache_config, options)
-  _, _, steps, candidates, max_evict, model_apply, window, sliding_layers = key
+  _, _, steps, candidates, max_evict, model_apply, window, sliding_layers, num_spec = key
   buckets = step_buckets(cache_config, options.max_num_batched_tokens, steps,
                          options.shape_buckets, options.decode_shape,
                          width_buckets=(options.width_buckets
                                         if options.width_buckets is not None else
                                         attention_reads_width(_resolve_backend(
                                             options.attention_backend, model_config,
-                                            cache_config, None))))
+                                            cache_config, None))),
+                         speculative=num_spec > 0)
   kw = dict(num_decode_steps=steps, num_candidates=candidates, max_evict=max_evict,
-            sliding_window=window, sliding_layers=sliding_layers)
+            sliding_window=window, sliding_layers=sliding_layers, num_spec_tokens=num_spec)
   # Dispatches send and fetch one buffer each (packing.py).
   make = lambda apply, **more: CompiledStep(packing(make_step(apply, jit=False, **more, **kw)),
                                             make_step(apply, **more, **kw))

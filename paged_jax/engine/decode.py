@@ -64,22 +64,34 @@ def scatter_lanes(values, lane_slot, s_max: int):
 
 
 def sample_iteration(i, logits, lane_slot, keep, last, inp: StepInputs, decoded: Decoded,
-                      all_greedy: bool):
+                      all_greedy: bool, offset=None):
   """Decode iteration i's sampling, the same for the step's first iteration and the
   decode loop's: lane l (logits row l, f32[R, V]) samples the next token of slot
   lane_slot[l] (S = none); the slots in `keep` (bool[S]) get it (the others keep `last`,
   i32[S]) and iteration i's row of `decoded`: token, valid, its log-probability and the
-  position's best alternatives. Returns (tokens i32[S], decoded)."""
+  position's best alternatives. `offset` (i32[S], optional): slot s's iteration i is its
+  (i + offset[s])-th token of the step (after speculative decoding's emitted tokens): its
+  sample index and row move by it. Returns (tokens i32[S], decoded)."""
   s_max, num_top = keep.shape[0], decoded.top_logprobs.shape[2]
-  lane_tok = sample_lanes(logits, lane_slot, inp, index_offset=i, all_greedy=all_greedy)
+  if offset is not None:
+    lane_off = offset[jnp.clip(lane_slot, 0, s_max - 1)]
+    lane_tok = sample_lanes(logits, lane_slot, inp, index_offset=i + lane_off,
+                            all_greedy=all_greedy)
+  else:
+    lane_tok = sample_lanes(logits, lane_slot, inp, index_offset=i, all_greedy=all_greedy)
   per_lane = (lane_tok, sampling.token_logprobs(logits, lane_tok))
   if num_top:
     per_lane += sampling.top_logprobs(logits, num_top)
   tok, lp, *top = scatter_lanes(per_lane, lane_slot, s_max)
   tok = jnp.where(keep, tok, last)
-  put = lambda a, new: a.at[i].set(jnp.where(keep.reshape((-1,) + (1,) * (new.ndim - 1)),
-                                             new, a[i]))
-  decoded = decoded.replace(tokens=put(decoded.tokens, tok), valid=decoded.valid.at[i].set(keep),
+  if offset is None:
+    put = lambda a, new: a.at[i].set(jnp.where(keep.reshape((-1,) + (1,) * (new.ndim - 1)),
+                                               new, a[i]))
+  else:   # row i + offset[s] of slot s, where kept
+    slots = jnp.arange(s_max, dtype=_I32)
+    row = jnp.where(keep, i + offset, decoded.tokens.shape[0])   # out of range: dropped
+    put = lambda a, new: a.at[row, slots].set(new, mode="drop")
+  decoded = decoded.replace(tokens=put(decoded.tokens, tok), valid=put(decoded.valid, keep),
                             logprobs=put(decoded.logprobs, lp))
   if num_top:
     decoded = decoded.replace(top_logprobs=put(decoded.top_logprobs, top[0]),

@@ -105,6 +105,7 @@ class Engine:
         preemption_mode=options.preemption_mode, prefix_caching=self.prefix_caching,
         lookup_budget=self._lookup_len, lookahead=options.decode_steps_per_sync - 1,
         token_bucket=self._buckets.mixed_tokens, policy=options.scheduling_policy,
+        speculative=options.speculative_config,
         counts=DeviceCounts.empty_pool(nb, max_seqs, cache_config.num_sliding_blocks))
     self._outbox: Dict[Any, RequestOutput] = {}    # finished, not yet returned
     # (batch, outputs, t0, report?): dispatched, outputs not yet applied

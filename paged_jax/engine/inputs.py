@@ -48,7 +48,7 @@ def build_inputs(batch: Batch, running: Seq[Group], *, buckets: StepBuckets, max
   so no new variant compiles).
   """
   chunks = batch.chunks
-  max_len = max((ch.end for ch in chunks), default=0)
+  max_len = max((ch.end + len(ch.draft) for ch in chunks), default=0)
   # Rows also hold the sampled slots (n > 1 children sample from their leader's row)
   # and the beam forks: the fork lanes are R wide (a forked beam is nearly always a row).
   num_sampled = sum(ch.samples for ch in chunks) + len(batch.post_forks)
@@ -67,10 +67,11 @@ def build_inputs(batch: Batch, running: Seq[Group], *, buckets: StepBuckets, max
   scored = [ch for ch in chunks if owner[ch.seq].prompt_scores is not None
             and ch.start < ch.seq.prompt_len - 1]
   logprobs = bool(scored) or any(g.params.logprobs for g in running)
+  spec = any(ch.draft for ch in chunks)
   bucket = buckets.pick(batch.num_tokens, max(len(chunks), num_sampled, len(batch.forks)),
-                        max_len, all(ch.num_tokens == 1 for ch in chunks), all_greedy,
+                        max_len, all(ch.num_scheduled == 1 for ch in chunks), all_greedy,
                         quiet and not batch.attaches, quiet and bool(batch.attaches),
-                        logprobs)
+                        logprobs, spec)
   a = empty_inputs(bucket.tokens, max_seqs, lookup_len, num_rows=bucket.rows)
 
   def sampling_row(seq: Sequence, group: Group, row: int):
@@ -87,10 +88,11 @@ def build_inputs(batch: Batch, running: Seq[Group], *, buckets: StepBuckets, max
 
   t, leader_row, scored = 0, {}, {id(ch) for ch in scored}
   for r, ch in enumerate(chunks):
-    seq, n = ch.seq, ch.num_tokens
-    a["tokens"][t:t + n] = seq.tokens[ch.start:ch.end]
-    a["positions"][t:t + n] = np.arange(ch.start, ch.end)
+    seq, n = ch.seq, ch.num_scheduled
+    a["tokens"][t:t + n] = seq.tokens[ch.start:ch.end] + list(ch.draft)
+    a["positions"][t:t + n] = np.arange(ch.start, ch.start + n)
     a["token_row"][t:t + n] = r
+    a["spec_len"][ch.slot] = len(ch.draft)
     if id(ch) in scored:   # position p scores prompt token p + 1
       stop = min(ch.end, seq.prompt_len - 1)
       a["target_tokens"][t:t + stop - ch.start] = seq.tokens[ch.start + 1:stop + 1]

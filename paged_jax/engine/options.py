@@ -64,6 +64,9 @@ class EngineOptions:
     width_buckets: the block-table width W as a shape bucket (True), or every step at
       W = max_blocks_per_seq (False); None: as `buckets.attention_reads_width` says for
       the step's attention (one width with the CPU kernels, where W costs nothing).
+    speculative_config: speculative decoding, vLLM's keys: {"method": "ngram",
+      "num_speculative_tokens": k, "prompt_lookup_max": m, "prompt_lookup_min": n}
+      (`speculative.py`; held as a `speculative.SpeculativeConfig`), or None (off).
     scheduling_policy: the order requests are served, admitted and preempted in:
       "fcfs" (arrival), "priority" (`add_request(..., priority=)`, lower first, ties by
       arrival) or a callable `key(request) -> sortable` (`policy.py`).
@@ -81,8 +84,11 @@ class EngineOptions:
   decode_shape: bool = False
   width_buckets: Optional[bool] = None
   scheduling_policy: Union[str, Callable[[Any], Any]] = "fcfs"
+  speculative_config: Any = None
 
   def __post_init__(self):
+    from paged_jax.engine import speculative  # pylint: disable=g-import-not-at-top
+    object.__setattr__(self, "speculative_config", speculative.parse(self.speculative_config))
     from paged_jax.attention import resolve_backend  # pylint: disable=g-import-not-at-top
     from paged_jax.prefix_cache.state import HASH_MODES  # pylint: disable=g-import-not-at-top
     for name in ("max_num_batched_tokens", "decode_steps_per_sync", "max_beam_width"):

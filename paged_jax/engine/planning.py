@@ -126,10 +126,26 @@ class _Plan:
       n = min(todo, budget)
       budget -= n
       on_device = seq.state is SeqState.RUNNING or resident or seq in forked
+      draft = self.draft(group, seq, budget) if todo == 1 and on_device else ()
+      budget -= len(draft)
       chunks.append(Chunk(seq, n, samples=seq.num_computed + n == len(seq.tokens),
                           allocate=not on_device, start=seq.num_computed,
-                          slot=self.batch.slot(seq)))
+                          slot=self.batch.slot(seq), draft=draft))
     return chunks
+
+  def draft(self, group: Group, seq: Sequence, budget: int) -> tuple:
+    """Speculative decoding's draft for a decoding sequence (`speculative.propose_ngram`),
+    cut to the budget left and to what the request may still generate (the step emits one
+    token past the accepted drafts). None for beams, requests that report logprobs, and
+    a sequence backing off (`Sequence.spec_retry_at`)."""
+    spec, sp = self.sched.speculative, group.params
+    if (spec is None or group.is_beam or sp.logprobs or group.prompt_scores is not None
+        or seq.num_generated < seq.spec_retry_at):   # backing off after misses
+      return ()
+    k = min(spec.num_speculative_tokens, budget, sp.max_tokens - seq.num_generated - 1)
+    if k <= 0:
+      return ()
+    return spec.propose(seq.tokens, k)
 
   def need(self, group: Group, chunks: List[Chunk]) -> int:
     """Blocks the group's chunks take this step, its decode loop's included."""
@@ -141,7 +157,7 @@ class _Plan:
     """Adds the group's chunks (and its samples' forks once the leader's prompt is in)."""
     b = self.batch
     b.chunks.extend(chunks)
-    self.budget -= sum(c.num_tokens for c in chunks)
+    self.budget -= sum(c.num_scheduled for c in chunks)
     lead = [c for c in chunks if c.seq is group.leader]
     if len(group.seqs) > 1 and lead and lead[0].end == group.leader.prompt_len:
       forked = {c for _, c in b.forks}
@@ -176,6 +192,9 @@ class _Plan:
       group = queue[i]
       chunks = self.chunks_for(group)
       need = self.need(group, chunks)
+      if need > self.free and any(c.draft for c in chunks):   # drafts never preempt
+        chunks = [dataclasses.replace(c, draft=()) for c in chunks]
+        need = self.need(group, chunks)
       while need > self.free and self.sole is not None and len(queue) > i + 1:
         victim = queue.pop()
         self.free += self.sole_of(q.slot for q in victim.seqs if q.state is SeqState.RUNNING)

@@ -91,9 +91,20 @@ def chunk_work(batch: Batch, hits: Optional[Dict[Sequence, int]] = None) -> Tupl
     start = max(ch.start, (hits or {}).get(ch.seq, 0))
     if start >= ch.end:
       continue
-    work = (ch.end - start, ch.end)
-    (decode if ch.num_tokens == 1 and ch.start >= ch.seq.prompt_len else prefill).append(work)
+    end = ch.end + len(ch.draft)   # a speculating row computes its drafts too (a chunk)
+    work = (end - start, end)
+    (decode if ch.num_scheduled == 1 and ch.start >= ch.seq.prompt_len else prefill).append(work)
   return tuple(prefill), tuple(decode)
+
+
+def _loop_rows(outputs, spec_tokens: int) -> Tuple[int, ...]:
+  """Live rows of each of the step's K - 1 decode-loop iterations: a slot's valid tokens
+  past those its first iteration emitted (1, or a speculating row's accepted drafts + 1)
+  are loop tokens, one per iteration, contiguous. The outputs are K deep, K + k in a step
+  with drafts (`spec_tokens` = k there, else 0)."""
+  valid = np.asarray(outputs.valid)                                   # [K (+ k), S]
+  loop = valid.sum(axis=0) - np.asarray(outputs.emitted)              # [S]
+  return tuple(int(np.sum(loop >= j)) for j in range(1, valid.shape[0] - spec_tokens))
 
 
 def _started(group: Group) -> bool:
@@ -106,12 +117,15 @@ class Before:
   plan runs, and which of them have no generated token yet."""
   running: List[Group]
   not_started: set
+  spec_tokens: int = 0    # speculative decoding's k (0: off)
 
   @classmethod
   def of(cls, batch: Batch, scheduler) -> "Before":
     running = ([g for g in scheduler.running if g not in batch.preempted]
                + batch.admitted + batch.swapped_in)
-    return cls(running, {g.request_id for g in running if not _started(g)})
+    spec = scheduler.speculative
+    return cls(running, {g.request_id for g in running if not _started(g)},
+               spec.num_speculative_tokens if spec else 0)
 
   def parts(self, batch: Batch, outputs, finished, bucket: Bucket) -> Dict[str, Any]:
     """The StepReport fields of the step once `update` applied `outputs`."""
@@ -130,7 +144,7 @@ class Before:
         prefill_chunks=prefill, decode_rows=decode,
         prefix_hit_tokens=sum(hits.values()) if ok else 0,
         cow_copies=int(outputs.cow_copies),
-        decode_loop_rows=tuple(int(v) for v in np.asarray(outputs.valid)[1:].sum(axis=1))
+        decode_loop_rows=_loop_rows(outputs, self.spec_tokens if bucket.spec else 0)
         if ok else ())
 
 
@@ -149,6 +163,12 @@ def metrics(sched, cache_config, stats) -> Dict[str, Any]:
          "prefix_hit_tokens": stats["prefix_hit_tokens"],
          "prefill_tokens": stats["prefill_tokens"],
          "steps": stats["steps"], "generated_tokens": stats["generated_tokens"]}
+  if sched.speculative is not None:   # drafts proposed / accepted, and by draft position
+    k = sched.speculative.num_speculative_tokens
+    out.update(spec_draft_tokens=stats["spec_draft_tokens"],
+               spec_accepted_tokens=stats["spec_accepted_tokens"],
+               spec_accepted_by_position=[stats[("spec_accepted", i)] for i in range(k)],
+               spec_drafted_by_position=[stats[("spec_drafted", i)] for i in range(k)])
   if cache_config.hybrid:
     out.update(num_sliding_blocks=cache_config.num_sliding_blocks,
                num_free_sliding_blocks=c.sliding_free)

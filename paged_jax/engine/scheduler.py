@@ -52,6 +52,7 @@ class Scheduler:
     token_bucket: tokens planned in a step -> the padded tokens its compiled shape
       computes (`StepBuckets.mixed_tokens`; None: no padding);
     policy: the scheduling policy's key function (`policy.py`; "fcfs" by default).
+    speculative: a `speculative.SpeculativeConfig` (decoding sequences get drafts) or None.
   Attributes (written by `update` only; `add` queues a new request):
     waiting / running / swapped: the queues (waiting and swapped in sort-key order).
     groups: unfinished requests by id.
@@ -74,6 +75,7 @@ class Scheduler:
   lookahead: int = 0
   token_bucket: Optional[Callable[[int], int]] = None
   policy: Any = "fcfs"
+  speculative: Any = None
   waiting: List[Group] = _new(list)
   running: List[Group] = _new(list)
   swapped: List[Group] = _new(list)

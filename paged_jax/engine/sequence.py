@@ -73,6 +73,9 @@ class Sequence:
     topk: beam search only: (log-probs, ids) of its next-token candidates, awaiting
       the group's selection (the step sampled it; its siblings may sample later).
     finish_reason: "stop", "length" or "abort" once finished.
+    spec_misses / spec_retry_at: speculative decoding's back-off: drafts in a row that
+      gained nothing (none accepted), and the generated-token count before which the
+      sequence drafts no more (2**misses tokens after the last miss, at most 64).
   """
   seq_id: int
   index: int
@@ -88,6 +91,8 @@ class Sequence:
   logprobs: List[float] = dataclasses.field(default_factory=list)
   top_logprobs: List[tuple] = dataclasses.field(default_factory=list)
   finish_reason: Optional[str] = None
+  spec_misses: int = 0
+  spec_retry_at: int = 0
 
   @property
   def num_generated(self) -> int:
@@ -156,10 +161,16 @@ class Chunk:
   allocate: bool                # the slot is not yet active on device
   start: int = 0
   slot: int = -1
+  draft: Tuple[int, ...] = ()   # speculative decoding: proposed tokens after the chunk
 
   @property
   def end(self) -> int:
     return self.start + self.num_tokens
+
+  @property
+  def num_scheduled(self) -> int:
+    """Tokens the step computes for this chunk: its own and its drafts."""
+    return self.num_tokens + len(self.draft)
 
 
 @dataclasses.dataclass
@@ -210,7 +221,8 @@ class Batch:
 
   @property
   def num_tokens(self) -> int:
-    return sum(c.num_tokens for c in self.chunks)
+    """Tokens the step computes (drafts included)."""
+    return sum(c.num_scheduled for c in self.chunks)
 
   def slot(self, seq: Sequence) -> int:
     """The slot `seq` runs in during this step."""

@@ -91,6 +91,8 @@ class StepInputs:
     attach_len, attach_start (offset in attach_tokens i32[LK], the packed prompts),
     attach_root u32[S, 2] / attach_tag (the request's cache salt,
     `prefix_cache.salt_key`).
+  Speculative decoding: spec_len [S], draft tokens in the slot's row after its first
+    token (0: none; the step's `spec` variant reads them).
   """
   tokens: jax.Array = _field(("T",))
   positions: jax.Array = _field(("T",))
@@ -120,6 +122,7 @@ class StepInputs:
   attach_tokens: jax.Array = _field(("LK",))
   attach_root: jax.Array = _field(("S", 2), np.asarray(pc.ROOT_HASH, np.uint32), np.uint32)
   attach_tag: jax.Array = _field(("S",))
+  spec_len: jax.Array = _field(("S",))
 
 
 def _input_shape(field, sizes) -> tuple:
@@ -152,7 +155,9 @@ class StepOutputs:
   cow_copies i32[]: copy-on-write block copies the step made (decode loop included);
   finished bool[S]: `multi_step` slots whose sequence finished (stop id, max_tokens) in
   this step, which the step freed (effect 9); sliding_free i32[]: free blocks of the
-  hybrid-KV sliding pool after the step (0 without hybrid KV).
+  hybrid-KV sliding pool after the step (0 without hybrid KV); emitted i32[S]: tokens the
+  first iteration emitted per slot (1 where sampled; with speculative drafts, the accepted
+  ones + 1), before the decode loop's.
 
   The step's `logprobs` variant also fills (L = MAX_LOGPROBS there, else 0; T' = T there,
   else 0): top_logprobs f32[K, S, L] / top_ids i32[K, S, L], each sampled token's
@@ -186,6 +191,7 @@ class StepOutputs:
   prompt_top_ids: jax.Array
   prompt_slot: jax.Array
   prompt_pos: jax.Array
+  emitted: jax.Array
 
 
 def check_inputs(inp: StepInputs, max_seqs: int) -> None:

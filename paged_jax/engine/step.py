@@ -70,6 +70,7 @@ from paged_jax.attention import AttentionMetadata
 from paged_jax.config import INVALID, OK
 from paged_jax.engine import decode
 from paged_jax.engine import sampling
+from paged_jax.engine import speculative
 from paged_jax.engine.params import MAX_LOGPROBS
 from paged_jax.engine.state import (EngineState, StepInputs, StepOutputs, check_inputs,
                                     init_state)
@@ -191,7 +192,7 @@ def _lanes(mask, num_lanes: int):
 
 def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candidates: int,
               name: str = "engine_step", max_evict: int = 0, jit: bool = True,
-              sliding_window: int = 0, sliding_layers: tuple = ()):
+              sliding_window: int = 0, sliding_layers: tuple = (), num_spec_tokens: int = 0):
   """Builds the jitted step.
 
   Args:
@@ -204,11 +205,13 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     jit: False returns the plain function (for `jax.eval_shape` / tracing).
     sliding_window, sliding_layers: hybrid KV (`CacheConfig`'s fields; used iff
       `state.sliding_blocks` is set).
+    num_spec_tokens: k, speculative decoding's drafts per row (0: off); its `spec`
+      variant verifies them (`speculative.first_iteration`) and rolls back the rejected.
 
   Returns:
     step(params, state: EngineState, inputs: StepInputs, *, width=None,
     decode_only=False, all_greedy=False, prefix_light=False, prefix_admit_only=False,
-    logprobs=False) ->
+    logprobs=False, spec=False) ->
     (EngineState, StepOutputs), jitted with `state` donated and the keywords static
     (`all_greedy`: every running request is greedy, so sampling is an argmax;
     `prefix_light`: with prefix caching, the host planned no free, fork, post-fork or
@@ -219,7 +222,9 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     model computes every token's logits, and the step reports the best MAX_LOGPROBS
     alternatives of each sampled token and each `target_tokens` entry's log-probability
     (`StepOutputs`): what requests with `SamplingParams.logprobs` / `prompt_logprobs`
-    need; without it those outputs are empty). The shape bucket of a
+    need; without it those outputs are empty; `spec`: some row carries draft tokens,
+    `inputs.spec_len` of them: each row's logits are read at k + 1 positions, the drafts
+    verified and the outputs max(K, k + 1) deep). The shape bucket of a
     call is (T tokens, R rows: `inputs.row_slot.shape`, W = `width` block-table columns
     attention reads, default max_blocks_per_seq; `decode_only`: every row has one new
     token, so attention runs the decode kernel). Prefix caching runs iff `state.prefix`
@@ -227,7 +232,8 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
   """
 
   def step(params, state: EngineState, inp: StepInputs, width=None, decode_only=False,
-           all_greedy=False, prefix_light=False, prefix_admit_only=False, logprobs=False):
+           all_greedy=False, prefix_light=False, prefix_admit_only=False, logprobs=False,
+           spec=False):
     TRACE_COUNT[name] += 1
     ps = state.prefix
     # The KV groups, as lists: [0] the full-attention pool (the prefix cache's), then, with
@@ -297,27 +303,50 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
                      decode_only)
     num_top = MAX_LOGPROBS if logprobs else 0                            # L
     row_last = meta.logits_indices                                       # [R]
+    spec = spec and num_spec_tokens > 0
+    if spec:   # k + 1 positions per row: [R * (k + 1)]
+      row_last = speculative.logits_indices(meta.cu_q_lens, jnp.where(
+          row_slot >= 0, inp.spec_len[jnp.clip(row_slot, 0, s_max - 1)], 0), num_spec_tokens)
     if logprobs:   # every token's logits (scores); each row samples from its last's
       meta = meta.replace(logits_indices=lax.iota(_I32, num_tokens))
+    elif spec:
+      meta = meta.replace(logits_indices=row_last)
     logits, pgs = _forward(apply_fn, params, inp.tokens, inp.positions, pgs, meta,
                            sliding_layers)                         # [R rows or T tokens, V]
     scores = decode.prompt_scores(logits, inp, token_row, row_slot, num_top)
     if logprobs:
-      logits = logits[row_last]                                          # [R, V]
+      logits = logits[row_last]                                  # [R or R * (k + 1), V]
+    if spec:
+      spec_logits = logits.reshape(rows, num_spec_tokens + 1, -1)       # [R, k + 1, V]
+      logits = spec_logits[:, 0]
     sampled = (inp.sample_row >= 0) & ok
     # Sampling runs on R lanes (the sampled slots), not on all S slots.
     lane_slot = _lanes(inp.sample_row >= 0, rows)
     lane_logits = logits[jnp.clip(inp.sample_row[jnp.clip(lane_slot, 0, s_max - 1)],
                                   0, rows - 1)]                          # [R lanes, V]
-    decoded = decode.Decoded.empty(k_steps, s_max, num_top)
-    tok, decoded = decode.sample_iteration(0, lane_logits, lane_slot, sampled,
-                                           jnp.zeros_like(inp.sample_row), inp, decoded,
-                                           all_greedy)
+    # A speculating slot's decode-loop tokens follow its emitted ones: iteration i writes
+    # row i + offset (offset = emitted - 1, 0 for other slots), so outputs are K + k deep.
+    offset = jnp.zeros((s_max,), _I32)
+    decoded = decode.Decoded.empty(k_steps + num_spec_tokens if spec else k_steps, s_max,
+                                   num_top)
+    if spec:   # drafts verified; rejected ones rolled back in every group
+      tok, decoded, done, emitted = speculative.first_iteration(
+          spec_logits[jnp.clip(inp.sample_row[jnp.clip(lane_slot, 0, s_max - 1)], 0, rows - 1)],
+          lane_slot, sampled, inp, meta.cu_q_lens, decoded, all_greedy)
+      cut = jnp.where(sampled & (inp.spec_len > 0), inp.spec_len + 1 - emitted, 0)
+      bs = [speculative.rollback(x, x.seq_lens - cut) for x in bs]
+      offset = jnp.maximum(emitted - 1, 0)
+    else:
+      tok, decoded = decode.sample_iteration(0, lane_logits, lane_slot, sampled,
+                                             jnp.zeros_like(inp.sample_row), inp, decoded,
+                                             all_greedy)
     # Beam candidates: the first iteration's C best per sampled slot.
     topv, topi = decode.scatter_lanes(sampling.top_logprobs(lane_logits, num_candidates),
                                       lane_slot, s_max)
     bs = [bm.fork(x, jnp.where(ok, inp.post_fork_src, -1), inp.post_fork_dst)[0] for x in bs]
-    done = sampled & inp.multi_step & decode.finished(tok, inp.remaining, inp.stop_ids)
+    if not spec:
+      done = sampled & inp.multi_step & decode.finished(tok, inp.remaining, inp.stop_ids)
+      emitted = sampled.astype(_I32)
     cont = sampled & inp.multi_step & ~done
     oob = jnp.zeros((), jnp.bool_)
     copies = jnp.sum(cows[0][:, 0] >= 0).astype(_I32)    # the full-attention group's
@@ -350,8 +379,8 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
         logits, pgs_new = _forward(apply_fn, params, last[rs], positions, pgs_new, meta,
                                    sliding_layers)                       # [R, V]
         new, decoded = decode.sample_iteration(i, logits, jnp.where(row_live, order, s_max),
-                                               live, last, inp, decoded, all_greedy)
-        fin = decode.finished(new, inp.remaining - i, inp.stop_ids)
+                                               live, last, inp, decoded, all_greedy, offset)
+        fin = decode.finished(new, inp.remaining - i - offset, inp.stop_ids)
         return (bs_new, pgs_new, new, live & ~fin, decoded, oob_before | oob, copies,
                 done | (live & fin))
 
@@ -365,7 +394,8 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
                       num_evictable=jnp.zeros((), _I32), prefix_hit_blocks=jnp.zeros((), _I32),
                       prefix_query_blocks=jnp.zeros((), _I32), sole_blocks=sole_blocks(bs[0]),
                       cow_copies=copies, finished=done, sliding_free=jnp.zeros((), _I32),
-                      top_logprobs=decoded.top_logprobs, top_ids=decoded.top_ids, **scores)
+                      top_logprobs=decoded.top_logprobs, top_ids=decoded.top_ids,
+                      emitted=emitted, **scores)
     # 8-9. registration of newly full blocks (masked when not ok), then the finished
     # sequences' frees: with caching their full blocks stay cached, evictable. Finished
     # slots are sampled slots, at most R: the free runs on R lanes (S pads them). A
@@ -397,4 +427,5 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
   if not jit:
     return step
   return jax.jit(step, donate_argnums=(1,), static_argnames=(
-      "width", "decode_only", "all_greedy", "prefix_light", "prefix_admit_only", "logprobs"))
+      "width", "decode_only", "all_greedy", "prefix_light", "prefix_admit_only", "logprobs",
+      "spec"))

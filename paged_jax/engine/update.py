@@ -241,6 +241,7 @@ class Update:
     tokens, valid = out.tokens.T.tolist(), out.valid.T.tolist()   # [S][K] Python ints
     logprobs = out.logprobs.T.tolist()
     sampled = [c.seq for c in b.chunks if c.samples]
+    drafts = {c.seq: len(c.draft) for c in b.chunks if c.draft}
     sampled += [c for _, c in b.post_forks if len(c.tokens) == c.prompt_len]
     device_freed, beam_groups = [], []
     for q in sampled:
@@ -262,6 +263,13 @@ class Update:
         if reason:
           break
       self.stats["generated_tokens"] += len(new)
+      if q in drafts:   # the first iteration's tokens before its last are accepted drafts
+        accepted = int(out.emitted[slot]) - 1
+        self.count_drafts(drafts[q], accepted)
+        # Back off after a draft that gained nothing: no drafts for 2**misses tokens.
+        misses = 0 if accepted > 0 else q.spec_misses + 1
+        ch.set(q, spec_misses=misses, spec_retry_at=(
+            q.num_generated + len(new) + 2 ** min(misses, 6) if misses else 0))
       ch.extend(q.tokens, new)
       ch.extend(q.logprobs, logprobs[slot][:len(new)])
       if sp.logprobs:
@@ -278,6 +286,16 @@ class Update:
     for group in beam_groups:
       if all(self.get(q, "topk") is not None for q in self.get(group, "seqs")):
         self.beam_step(group)
+
+  def count_drafts(self, drafted: int, accepted: int) -> None:
+    """Speculative decoding's counters: drafts proposed and accepted, in total and by
+    draft position (Engine.metrics' spec_*)."""
+    st = self.stats
+    st["spec_draft_tokens"] += drafted
+    st["spec_accepted_tokens"] += accepted
+    for i in range(drafted):
+      st[("spec_drafted", i)] += 1
+      st[("spec_accepted", i)] += i < accepted
 
   def finish_seq(self, g: Group, q: Sequence, reason: str) -> None:
     """A sequence the device finished (and freed) in this step."""
