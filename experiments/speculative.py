@@ -49,8 +49,10 @@ class Config(configs.ExperimentConfig):
   workloads: Tuple[str, ...] = configs.flag(WORKLOADS, "workloads to run", choices=WORKLOADS)
   ks: Tuple[int, ...] = configs.flag((2, 4), "num_speculative_tokens values", lower=1,
                                      upper=16)
+  lookup_max: int = configs.flag(4, "prompt_lookup_max", lower=1, upper=64)
+  lookup_min: int = configs.flag(2, "prompt_lookup_min", lower=1, upper=64)
   requests: int = configs.flag(16, "requests per workload", lower=1)
-  gen: int = configs.flag(64, "greedy tokens per request", lower=1)
+  gen: int = configs.flag(128, "greedy tokens per request", lower=1)
   echo: int = configs.flag(48, "repetitive: bytes of the story repeated after it", lower=1)
   plain_len: int = configs.flag(64, "plain / no_match: prompt bytes", lower=1)
   max_seqs: int = configs.flag(8, "sequence slots", lower=1)
@@ -58,6 +60,11 @@ class Config(configs.ExperimentConfig):
   repeats: int = configs.flag(3, "timed runs per configuration and workload", lower=1)
   seed: int = configs.flag(0, "seed of the workloads", lower=0)
   out: str = configs.flag("results/speculative", "output directory")
+
+  def check(self) -> None:
+    if self.lookup_min > self.lookup_max:
+      raise ValueError(f"--lookup_min must be <= --lookup_max={self.lookup_max}, got "
+                       f"{self.lookup_min}")
 
 
 def workload(f: Config, kind: str) -> List[List[int]]:
@@ -80,11 +87,13 @@ def workload(f: Config, kind: str) -> List[List[int]]:
 
 
 def _engine(f: Config, model, k: int) -> Engine:
+  """The shipped model's engine, speculating k tokens (0: off)."""
   mc, params = model
   longest = 300 + 2 + f.echo + f.gen + 2
   cc = mc.cache_config(block_size=16, max_seqs=f.max_seqs,
                        max_blocks_per_seq=-(-longest // 16), enable_prefix_caching=False)
-  spec = {"method": "ngram", "num_speculative_tokens": k} if k else None
+  spec = ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": f.lookup_max,
+           "prompt_lookup_min": f.lookup_min} if k else None)
   return Engine(mc, params, cc, max_num_batched_tokens=f.max_num_batched_tokens,
                 speculative_config=spec)
 

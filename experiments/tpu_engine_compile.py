@@ -73,6 +73,8 @@ class StepCase:
     attention_backend: the engine option ("auto": decided by the chip).
     num_blocks, block_size, max_seqs, context, tokens: the pool (blocks of block_size
     tokens), sequences, longest sequence, tokens per step. vocab: LM head size.
+    spec: speculative decoding's k (0: off): the step's variant verifying k n-gram drafts
+      per row (`speculative_config`, `spec=True`).
   """
   model: str
   chip: str = "v5e"
@@ -86,12 +88,14 @@ class StepCase:
   tokens: int = 256
   vocab: int = SMALL_VOCAB
   layers: int = LAYERS
+  spec: int = 0
 
   @property
   def name(self) -> str:
     extra = "" if self.attention_backend == "auto" else f":{self.attention_backend}"
     return (f"{self.chip}:tp{self.tp}:{self.model}:{self.page_dtype}:bs{self.block_size}"
-            f":vocab{self.vocab}{extra}" + ("" if self.layers == LAYERS else f":L{self.layers}"))
+            f":vocab{self.vocab}{extra}" + ("" if self.layers == LAYERS else f":L{self.layers}")
+            + (f":spec{self.spec}" if self.spec else ""))
 
   def model_config(self) -> ModelConfig:
     return ModelConfig(vocab_size=self.vocab, num_layers=self.layers, dtype="bfloat16",
@@ -115,6 +119,8 @@ def step_and_args(case: StepCase, **engine_options):
   devices = compile_target.tpu_devices(case.chip)
   options = dict(max_num_batched_tokens=case.tokens,
                  attention_backend=case.attention_backend, **engine_options)
+  if case.spec:
+    options["speculative_config"] = {"method": "ngram", "num_speculative_tokens": case.spec}
   if case.tp == 1:
     sharding = jax.sharding.SingleDeviceSharding(devices[0])
     return step_for_compile(case.model_config(), case.cache_config(), sharding=sharding,
@@ -138,7 +144,8 @@ def measure(case: StepCase, *, decode_only: bool = False,
   t0 = time.perf_counter()
   # As a user compiles on a CPU host: no TPU default device, the shardings name the chip.
   report = compile_target.compile_report(fn, *args, chip=case.chip, as_default=False,
-                                         temp_values=True, decode_only=decode_only)
+                                         temp_values=True, decode_only=decode_only,
+                                         **({"spec": True} if case.spec else {}))
   pool = pool_bytes(case)
   hbm = [b for b in report.temp_values if b.memory_space == 0]
   vmem = [b for b in report.temp_values if b.memory_space == 1]
@@ -201,6 +208,8 @@ class Config(configs.ExperimentConfig):
                              "Llama-3-8B's depth, whose weights fit one v6e, not one v5e)")
   vocab: int = configs.flag(0, "LM head size of every case (0: each case's own; 128256: "
                             "Llama-3's)")
+  spec: int = configs.flag(0, "speculative decoding's k in every case (0: off)", lower=0,
+                           upper=16)
 
 
 def cases(config: Config) -> list:
@@ -208,7 +217,8 @@ def cases(config: Config) -> list:
     chosen = [StepCase("llama8b", chip=c, tp=tp) for c in config.chips for tp in (1, 4)]
   else:
     chosen = report_cases(config.chips)
-  chosen = [dataclasses.replace(c, layers=config.layers, vocab=config.vocab or c.vocab)
+  chosen = [dataclasses.replace(c, layers=config.layers, vocab=config.vocab or c.vocab,
+                                spec=config.spec)
             for c in chosen]
   chosen = [c for c in chosen if config.only in c.name]
   if not chosen:

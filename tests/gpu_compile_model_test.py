@@ -157,8 +157,12 @@ def test_llama8b_forward_never_copies_the_kv_pool(decode_only):
 
 
 # The whole engine step: 4 GiB of bf16 pages (1 GiB per layer per K/V), a 4-step decode loop.
+# Prefix caching off: the step these tests were written for. With it (the default since
+# issue 38) the compiled step has while loops without a known trip count and conditionals
+# (the prefix cache's lookup and eviction), each a host readback on GPU: an open finding.
 CACHE_4G = LLAMA8B_2L.cache_config(num_blocks=32768, block_size=16, max_seqs=8,
-                                   max_blocks_per_seq=256, dtype="bfloat16")
+                                   max_blocks_per_seq=256, dtype="bfloat16",
+                                   enable_prefix_caching=False)
 DECODE_STEPS = 4
 
 

@@ -1,9 +1,7 @@
-"""Speculative decoding (`paged_jax.engine.speculative`): the config's one-line errors, the
-n-gram proposer against a plain-Python search, the rollback against the allocator's
-invariants, rejection sampling's distribution against the target's (chi-square), and the
-engine: greedy outputs with speculation equal the dense oracle's and speculation off's,
-under prefix caching, preemption (recompute, swap), multi-step decode and n > 1, with one
-dispatch and one sync per step."""
+"""Speculative decoding's parts (`paged_jax.engine.speculative`): the config's one-line
+errors, the n-gram proposer against a plain-Python search, the rollback against the
+allocator's invariants, rejection sampling's distribution against the target's
+(chi-square). The engine's cases: speculative_engine_test.py."""
 
 import chex
 import jax
@@ -13,13 +11,8 @@ import pytest
 
 from paged_jax import block_manager as bm
 from paged_jax.config import CacheConfig
-from paged_jax.engine import SamplingParams
 from paged_jax.engine import speculative
-from tests.engine_oracle import (PARAMS, dense_greedy, greedy, oracle_engine,
-                                 random_prompts, run_counting_dispatches_and_syncs)
-
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
-         "prompt_lookup_min": 1}
+from tests.engine_oracle import oracle_engine
 
 
 # ---- config -------------------------------------------------------------------------------
@@ -164,93 +157,3 @@ def test_greedy_verify_accepts_the_argmax_prefix():
       a += 1
     assert int(acc[r]) == a
     assert list(np.asarray(tokens)[r, :a + 1]) == list(drafts[r, :a]) + [arg[r, a]]
-
-
-# ---- the engine ---------------------------------------------------------------------------
-REPETITIVE = [[1, 2, 3, 4, 5] * 3, [7, 8, 9] * 3, [5] * 6, [10, 11, 12, 13] * 2]
-
-
-def _run(prompts, max_tokens=20, **kw):
-  engine = oracle_engine(**{**dict(block_size=4, num_blocks=64, max_seqs=4, budget=32), **kw})
-  ids = [engine.add_request(p, greedy(max_tokens)) for p in prompts]
-  outs = {}
-  while engine.has_unfinished():
-    for o in engine.step():
-      outs[o.request_id] = o.outputs
-  return [outs[i] for i in ids], engine.metrics(), engine
-
-
-@pytest.mark.parametrize("kw", [
-    dict(),
-    dict(caching=True),
-    dict(decode_steps_per_sync=3),
-    dict(num_blocks=14, preemption_mode="recompute"),
-    dict(num_blocks=14, preemption_mode="swap"),
-], ids=["plain", "caching", "multistep", "recompute", "swap"])
-def test_greedy_outputs_equal_the_oracle_and_speculation_off(kw):
-  prompts = REPETITIVE + random_prompts(4, 3)
-  off, m_off, _ = _run(prompts, **kw)
-  on, m_on, _ = _run(prompts, speculative_config=NGRAM, **kw)
-  assert on == off
-  for p, out in zip(prompts, on):
-    assert out[0] == dense_greedy(PARAMS, p, 20)
-  assert m_on["spec_draft_tokens"] == sum(m_on["spec_drafted_by_position"]) > 0
-  assert m_on["spec_accepted_tokens"] == sum(m_on["spec_accepted_by_position"]) > 0
-  assert m_on["generated_tokens"] == m_off["generated_tokens"]
-  if "num_blocks" in kw:
-    assert m_on["num_preemptions"] > 0
-  else:
-    assert m_on["steps"] < m_off["steps"]
-
-
-def test_prefix_cache_registers_only_verified_tokens():
-  """A second round of the same prompts hits blocks the first round registered; if a
-  rejected draft had been registered, its block would serve the wrong K/V and the second
-  round's outputs would differ from the oracle's."""
-  engine = oracle_engine(block_size=4, num_blocks=64, max_seqs=4, budget=32, caching=True,
-                         speculative_config=NGRAM)
-  first = engine.generate(REPETITIVE, greedy(16))
-  conts = [p + o.outputs[0] for p, o in zip(REPETITIVE, first)]
-  second = engine.generate(conts, greedy(8))
-  assert engine.metrics()["prefix_hit_tokens"] > 0
-  for c, o in zip(conts, second):
-    assert o.outputs[0] == dense_greedy(PARAMS, c, 8)
-
-
-def test_one_dispatch_and_one_sync_per_step(monkeypatch):
-  engine = oracle_engine(block_size=4, num_blocks=64, max_seqs=4, budget=32,
-                         speculative_config=NGRAM, decode_steps_per_sync=2)
-  for p in REPETITIVE:
-    engine.add_request(p, greedy(12))
-  run_counting_dispatches_and_syncs(engine, monkeypatch)
-  assert engine.metrics()["spec_accepted_tokens"] > 0
-
-
-def test_sampled_requests_and_parallel_samples_are_reproducible():
-  """Sampled rows speculate too (rejection sampling): per-request seeds give the same
-  tokens run to run; stop ids and max_tokens cut the emission exactly; n = 2 works."""
-  def run():
-    engine = oracle_engine(block_size=4, num_blocks=64, max_seqs=6, budget=32,
-                           speculative_config=NGRAM)
-    sp = SamplingParams(max_tokens=15, temperature=0.8, seed=5, n=2, stop_token_ids=[3])
-    outs = engine.generate(REPETITIVE, sp)
-    return [o.outputs for o in outs], [o.finish_reasons for o in outs], engine.metrics()
-  a, reasons, m = run()
-  b, _, _ = run()
-  assert a == b
-  for outs, rs in zip(a, reasons):
-    assert len(outs) == 2
-    for o, r in zip(outs, rs):
-      assert (3 not in o[:-1]) and (r == "stop") == (o[-1] == 3)
-      assert len(o) <= 15 and (r == "length") == (len(o) == 15 and o[-1] != 3)
-  assert m["spec_draft_tokens"] > 0
-
-
-def test_beams_do_not_speculate():
-  engine = oracle_engine(block_size=4, num_blocks=64, max_seqs=4, budget=32,
-                         speculative_config=NGRAM)
-  plain = oracle_engine(block_size=4, num_blocks=64, max_seqs=4, budget=32)
-  sp = SamplingParams(max_tokens=8, beam_width=2, temperature=0.0)
-  assert ([o.outputs for o in engine.generate(REPETITIVE[:2], sp)]
-          == [o.outputs for o in plain.generate(REPETITIVE[:2], sp)])
-  assert engine.metrics()["spec_draft_tokens"] == 0

@@ -203,6 +203,18 @@ def test_engine_step_compiles_for_tpu_without_pool_sized_temporaries(chip, tp):
 
 @NO_LIBTPU
 @pytest.mark.slow
+def test_speculating_step_compiles_for_tpu_without_pool_sized_temporaries():
+  """The speculative decoding variant (k + 1 logits per row, verification, rollback):
+  TPU kernels, pages updated in place, no temporary of 1% of the pool."""
+  from experiments import tpu_engine_compile as tec  # pylint: disable=g-import-not-at-top
+  row = tec.measure(tec.StepCase("llama8b", chip="v6e", spec=3))
+  assert row["attention"] == "pallas:tpu", row["kernels"]
+  assert row["largest_temp_bytes"] < row["pool_bytes"] // 100, row
+  assert row["alias_bytes"] >= row["pool_bytes"], row
+
+
+@NO_LIBTPU
+@pytest.mark.slow
 def test_int8_engine_step_on_tpu_copies_neither_pages_nor_scales():
   """int8 pages on v5e, tp 1: the engine holds its scales as scale rows, so no temporary
   is a layout copy of a layer's scales (f32[8, 8192, 16] tiled to 128 lanes, 32 MiB, was

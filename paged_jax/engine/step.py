@@ -66,9 +66,9 @@ import jax.numpy as jnp
 from paged_jax import block_manager as bm
 from paged_jax import block_window
 from paged_jax import kv_cache
-from paged_jax.attention import AttentionMetadata
 from paged_jax.config import INVALID, OK
 from paged_jax.engine import decode
+from paged_jax.engine import forward as forward_lib
 from paged_jax.engine import sampling
 from paged_jax.engine import speculative
 from paged_jax.engine.params import MAX_LOGPROBS
@@ -94,57 +94,6 @@ def sole_blocks(blocks: bm.BlockState, cached=None) -> jax.Array:
   if cached is not None:
     refs = refs - cached[ids].astype(refs.dtype)
   return jnp.sum((held & (refs == 1)).astype(_I32), axis=1)
-
-
-def build_metadata(blocks: bm.BlockState, row_slot, row_q_len, token_row, positions,
-                   width=None):
-  """AttentionMetadata for packed rows (after the reservation of this step's tokens).
-
-  row_slot / row_q_len: i32[R] (R = the step's row bucket, <= max_seqs); the block
-  tables are the live rows' views `block_tables[row_slot, :width]` ([R, W], W = the
-  width bucket, default max_blocks_per_seq): a gather of R x W ids, so attention
-  reads only the blocks the bucket covers, and the full-size state is untouched.
-  """
-  s_max = blocks.max_seqs
-  rows = row_slot.shape[0]
-  width = blocks.max_blocks_per_seq if width is None else width
-  live = row_slot >= 0
-  rs = jnp.clip(row_slot, 0, s_max - 1)
-  q_lens = jnp.where(live, row_q_len, 0)
-  cu = jnp.concatenate([jnp.zeros((1,), _I32), jnp.cumsum(q_lens).astype(_I32)])
-  token_slot = jnp.where(token_row >= 0, row_slot[jnp.clip(token_row, 0, rows - 1)], -1)
-  return AttentionMetadata(
-      slot_mapping=bm.token_slots(blocks, token_slot, positions),
-      block_tables=blocks.block_tables[rs, :width],
-      kv_lens=jnp.where(live, blocks.seq_lens[rs], 0),
-      cu_q_lens=cu,
-      num_seqs=jnp.sum(live).astype(_I32),
-      logits_indices=jnp.maximum(cu[1:] - 1, 0))
-
-
-def _metadata(bs, row_slot, row_q_len, token_row, positions, width, decode_only):
-  """The step's AttentionMetadata over the KV groups `bs` (BlockStates, the full-attention
-  group first); with hybrid KV its `sliding` part reads the windowed group's tables
-  (released entries as block 0)."""
-  meta = build_metadata(bs[0], row_slot, row_q_len, token_row, positions,
-                        width).replace(decode_only=decode_only)
-  if len(bs) == 1:
-    return meta
-  sm = build_metadata(bs[1], row_slot, row_q_len, token_row, positions, width)
-  sm = sm.replace(block_tables=block_window.attention_tables(sm.block_tables),
-                  decode_only=decode_only)
-  return meta.replace(sliding=sm)
-
-
-def _forward(apply_fn, params, tokens, positions, pgs, meta, sliding_layers):
-  """(logits, the groups' pages) of one forward; with hybrid KV the model gets both
-  groups' pages as one `kv_cache.HybridPages`."""
-  if len(pgs) == 1:
-    logits, pg = apply_fn(params, tokens, positions, pgs[0], meta)
-    return logits, [pg]
-  pages = kv_cache.HybridPages(full=pgs[0], sliding=pgs[1], sliding_layers=sliding_layers)
-  logits, pages = apply_fn(params, tokens, positions, pages, meta)
-  return logits, [pages.full, pages.sliding]
 
 
 def _first_failure(statuses):
@@ -299,8 +248,8 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     token_row = jnp.where(ok, inp.token_row, -1)
     k_steps = num_decode_steps
 
-    meta = _metadata(bs, row_slot, inp.row_q_len, token_row, inp.positions, width,
-                     decode_only)
+    meta = forward_lib.metadata(bs, row_slot, inp.row_q_len, token_row, inp.positions,
+                                width, decode_only)
     num_top = MAX_LOGPROBS if logprobs else 0                            # L
     row_last = meta.logits_indices                                       # [R]
     spec = spec and num_spec_tokens > 0
@@ -311,8 +260,8 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
       meta = meta.replace(logits_indices=lax.iota(_I32, num_tokens))
     elif spec:
       meta = meta.replace(logits_indices=row_last)
-    logits, pgs = _forward(apply_fn, params, inp.tokens, inp.positions, pgs, meta,
-                           sliding_layers)                         # [R rows or T tokens, V]
+    logits, pgs = forward_lib.forward(apply_fn, params, inp.tokens, inp.positions, pgs,
+                                      meta, sliding_layers)        # [R rows or T tokens, V]
     scores = decode.prompt_scores(logits, inp, token_row, row_slot, num_top)
     if logprobs:
       logits = logits[row_last]                                  # [R or R * (k + 1), V]
@@ -374,10 +323,10 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
         rs = jnp.clip(row_slot, 0, s_max - 1)
         positions = jnp.where(row_live, bs_new[0].seq_lens[rs] - 1, 0)
         token_row = jnp.where(row_live, lax.iota(_I32, rows), -1)
-        meta = _metadata(bs_new, row_slot, row_live.astype(_I32), token_row, positions,
-                         width, True)
-        logits, pgs_new = _forward(apply_fn, params, last[rs], positions, pgs_new, meta,
-                                   sliding_layers)                       # [R, V]
+        meta = forward_lib.metadata(bs_new, row_slot, row_live.astype(_I32), token_row,
+                                    positions, width, True)
+        logits, pgs_new = forward_lib.forward(apply_fn, params, last[rs], positions, pgs_new,
+                                              meta, sliding_layers)      # [R, V]
         new, decoded = decode.sample_iteration(i, logits, jnp.where(row_live, order, s_max),
                                                live, last, inp, decoded, all_greedy, offset)
         fin = decode.finished(new, inp.remaining - i - offset, inp.stop_ids)
