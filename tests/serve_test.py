@@ -315,3 +315,28 @@ def test_sigterm_drains_running_requests_and_exits_zero():
   finally:
     if proc.poll() is None:
       proc.kill()
+
+
+def test_speculating_server_answers_as_the_engine_without_speculation(reference):
+  """--speculative_config (vLLM's JSON): greedy completions equal the in-process engine's
+  without speculation."""
+  proc, url = _start(['--speculative_config={"method": "ngram", "num_speculative_tokens": 3,'
+                      ' "prompt_lookup_max": 3, "prompt_lookup_min": 1}'])
+  try:
+    c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    for prompt, text in reference.items():
+      r = c.completions.create(model="m", prompt=prompt, max_tokens=24, temperature=0)
+      assert r.choices[0].text == text
+  finally:
+    proc.terminate()
+    proc.wait(timeout=120)
+
+
+@pytest.mark.parametrize("value", ["{not json", '{"method": "ngram"}'])
+def test_bad_speculative_config_is_a_one_line_exit(value):
+  r = subprocess.run([sys.executable, "-m", "paged_jax.serve", f"--speculative_config={value}"],
+                     cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT),
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode != 0
+  last = r.stderr.strip().splitlines()[-1]
+  assert "speculative_config" in last, r.stderr[-2000:]

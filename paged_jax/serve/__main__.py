@@ -12,6 +12,7 @@ rest and exits 0.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -45,6 +46,8 @@ flags.DEFINE_enum("warm_up", "none", ["none", "greedy", "all"], "compile every s
                   "each")
 flags.DEFINE_float("drain_s", 30.0, "seconds SIGTERM lets running requests finish",
                    lower_bound=0)
+flags.DEFINE_string("speculative_config", None, "speculative decoding as JSON, vLLM's keys, "
+                    "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +66,7 @@ class ServerConfig:
   enable_prefix_caching: bool = True
   warm_up: str = "none"
   drain_s: float = 30.0
+  speculative_config: str = None
 
 
 def build_app_from_config(c: ServerConfig):
@@ -73,6 +77,11 @@ def build_app_from_config(c: ServerConfig):
   from paged_jax.models.hub import resolve_checkpoint  # pylint: disable=g-import-not-at-top
   from paged_jax.serve import app as app_lib, chat  # pylint: disable=g-import-not-at-top
   from paged_jax.serve.runner import EngineRunner  # pylint: disable=g-import-not-at-top
+  try:   # checked before any loading
+    spec = json.loads(c.speculative_config) if c.speculative_config else None
+  except json.JSONDecodeError as e:
+    raise ValueError(f"--speculative_config must be a JSON object, got "
+                     f"{c.speculative_config!r} ({e})") from None
   directory = resolve_checkpoint(c.checkpoint or DEFAULT_CHECKPOINT)
   model_config, params = load_hf_checkpoint(directory, dtype=c.dtype)
   tok = tokenizer.for_checkpoint(directory)
@@ -85,7 +94,7 @@ def build_app_from_config(c: ServerConfig):
       enable_prefix_caching=c.enable_prefix_caching)
   engine = Engine(model_config, params, cache_config,
                   max_num_batched_tokens=c.max_num_batched_tokens,
-                  attention_backend=c.attention_backend)
+                  attention_backend=c.attention_backend, speculative_config=spec)
   if c.warm_up != "none":   # every shape a request reaches (all: up to n = 16 samples)
     from paged_jax.engine import reachable_buckets  # pylint: disable=g-import-not-at-top
     shapes = reachable_buckets(engine.buckets, max_rows=cache_config.max_seqs,
