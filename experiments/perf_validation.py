@@ -109,6 +109,10 @@ class Config(configs.ExperimentConfig):
       "point", "point: each predicted point's steps scaled by the measured / fitted seconds "
       "of the calibration runs just before and after it (the machine's load then); run: "
       "the fit alone for every point", choices=("point", "run"))
+  load_from: str = configs.flag(
+      "measured", "with --rates=auto: each prediction's load factor from the measured runs' "
+      "own steps around the crossing (measured) or the calibration runs' there",
+      choices=("measured", "calibration"))
   measured_from: str = configs.flag("", "a measured.json.gz an earlier run wrote (same "
                                     "stream flags): fit and predict from it, measuring only "
                                     "the systems it lacks")
@@ -274,7 +278,7 @@ def _searched(f: Config, stream, done: Dict, save) -> Dict:
   if any(s not in done.get("searches", {}) for s in f.systems):
     search.measured_search(f, stream, done, save=save)
   recs = [done[k][s] for k in ("unloaded", "searches") for s in f.systems]
-  samples = [x for rec in recs for _, xs in rec["samples"] for x in xs]
+  samples = [x for rec in recs for _, xs in rec["samples"] for x in xs]   # calibration
   fit = calibration.fit_cpu(engines.tiny_model()[0], samples, stat=f.group_stat)
   predicted = search.predicted_search(f, stream, fit.model, done)
   return {"result": search.judge(done, predicted), "samples": samples, "fit": fit,

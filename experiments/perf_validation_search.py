@@ -19,8 +19,11 @@ the SLO: censored) and little on one slower than its second (one point over). He
 3. the fit (`calibration.fit_cpu` over every calibration step), then the same two steps
    on a `perf.ModelClock` of it (the stand-in engine charged the bucketed shapes), each
    system's search from its measured crossing, one run a rate (virtual time repeats),
-   every step scaled by the load factor of the calibration runs at that system's two
-   rates around its measured crossing (the machine's speed there);
+   every step scaled by a load factor: measured over fitted seconds of the steps the
+   measured runs themselves took at that system's two rates around its crossing
+   (--load_from=measured: the machine's speed while they ran; a calibration run minutes
+   away ran on another machine, as far as a shared one goes) or of the calibration runs
+   there (--load_from=calibration). The fit itself sees the calibration runs only.
 4. per system: rel_error = predicted / measured crossing - 1, or None (censored: a
    search that never bracketed the SLO within --max_rates rates has a bound, not a
    rate). The load average is sampled before every run.
@@ -79,13 +82,17 @@ def calibration_point(f, system: str, requests, size: Dict) -> Dict:
 
 
 def measured_point(f, system: str, requests, size: Dict) -> Dict:
-  """One run on the truth clock: `run_point`'s dict with "load_avg" (1-minute, before it)
-  and `point_steps`' per-step seconds."""
-  clock, load = calibration.truth_clock(f.truth), os.getloadavg()[0]
+  """One run on the truth clock: `run_point`'s dict with "load_avg" (1-minute, before it),
+  `point_steps`' per-step seconds and, on the CPU clock, "samples": every step as
+  (StepShape, CPU s) (`calibration.RecordingCpuClock`: the same clock, recording)."""
+  clock = (calibration.recording_clock(f.truth, f.block_size) if f.truth == "cpu" else
+           calibration.truth_clock(f.truth))
+  load = os.getloadavg()[0]
   with common.progress(total=len(requests), desc=f"measured {system}") as bar:
     point = serving_sweep.run_point(system, requests, clock=clock, progress=bar,
                                     **_kw(f, size))
-  return dict(point, load_avg=load, **point_steps(clock))
+  return dict(point, load_avg=load, samples=getattr(clock, "samples", None),
+              **point_steps(clock))
 
 
 def standin_engine(holder: Dict, **kw):
@@ -136,9 +143,10 @@ def _summary(point: Dict) -> Dict:
 def _runner(rec: Dict, start: float, run_one: Callable[[float], Dict],
             calibrate: Optional[Callable[[float], Dict]] = None) -> Callable[[float], float]:
   """measure(rate) -> normalized latency of `run_one(rate)` (a run's dict), kept in
-  rec["runs"] as [rate, `_summary`]; before a rate's first run, `calibrate(rate)` (None:
-  none), its samples in rec["samples"] as [rate, samples]. rec["loads"] gains a `_load`
-  before every run."""
+  rec["runs"] as [rate, `_summary`] (and a run's own "samples", where it has them, in
+  rec["run_samples"] as [rate, samples]); before a rate's first run, `calibrate(rate)`
+  (None: none), its samples in rec["samples"] as [rate, samples]. rec["loads"] gains a
+  `_load` before every run."""
   def measure(rate: float) -> float:
     if calibrate is not None and all(r != rate for r, _ in rec["samples"]):
       rec["loads"].append(_load(start))
@@ -148,6 +156,8 @@ def _runner(rec: Dict, start: float, run_one: Callable[[float], Dict],
     rec["loads"].append(_load(start))
     point = run_one(rate)
     rec["runs"].append([rate, _summary(point)])
+    if point.get("samples"):
+      rec.setdefault("run_samples", []).append([rate, point["samples"]])
     return _latency(point)
   return measure
 
@@ -205,14 +215,31 @@ def measured_search(f, stream: Callable, done: Dict, save: Optional[Callable] = 
   return done
 
 
-def crossing_samples(rec: Dict) -> List:
-  """The calibration steps at the judged rates around a search's crossing ("max_rate"
-  and "bound"; every judged rate when censored): the machine's speed where it counts."""
-  found = rec["found"]
-  near = {found["max_rate"], found["bound"]} - {None}
+def crossing_samples(rec: Dict, source: str = "samples") -> List:
+  """The steps of rec[source] ("samples": the calibration runs; "run_samples": the
+  measured runs themselves) at the judged rates around a search's crossing ("max_rate"
+  and "bound"; every rate when censored, or when a rec has no "found": an unloaded
+  point): the machine's speed where it counts."""
+  found = rec.get("found") or {"censored": "none"}
+  near = {found.get("max_rate"), found.get("bound")} - {None}
   if found["censored"]:
-    near = {r for r, _ in rec["samples"]}
-  return [x for r, samples in rec["samples"] if r in near for x in samples]
+    near = {r for r, _ in rec.get(source, [])}
+  return [x for r, samples in rec.get(source, []) if r in near for x in samples]
+
+
+def load_factors(f, model: perf.DeviceTimeModel, done: Dict) -> Dict:
+  """{system: {"unloaded", "search"}}: `calibration.load_factor` of the steps
+  --load_from names (the measured runs' own, else the calibration runs') at the unloaded
+  rate and around the measured crossing; the calibration runs' where the measured runs
+  kept no steps (--truth=wall)."""
+  out = {}
+  for system in f.systems:
+    out[system] = {}
+    for key, rec in (("unloaded", done["unloaded"][system]),
+                     ("search", done["searches"][system])):
+      steps = (crossing_samples(rec, "run_samples") if f.load_from == "measured" else [])
+      out[system][key] = calibration.load_factor(model, steps or crossing_samples(rec))
+  return out
 
 
 def predicted_search(f, stream: Callable, model: perf.DeviceTimeModel, done: Dict) -> Dict:
@@ -224,13 +251,7 @@ def predicted_search(f, stream: Callable, model: perf.DeviceTimeModel, done: Dic
   start = time.time()
   size = {s: sizes(f, s, stream(f.max_rate, f.seed, f.duration_s)) for s in f.systems}
   out: Dict = {"unloaded": {}, "searches": {}, "load_factor": {}}
-  factors = {}
-  for system in f.systems:
-    m = done["searches"][system]
-    factors[system] = {
-        "unloaded": calibration.load_factor(
-            model, [x for _, xs in done["unloaded"][system]["samples"] for x in xs]),
-        "search": calibration.load_factor(model, crossing_samples(m))}
+  factors = load_factors(f, model, done)
 
   def runner(system: str, rec: Dict, factor: float) -> Callable[[float], float]:
     return _runner(rec, start, lambda r: predicted_point(
@@ -303,6 +324,7 @@ def map_samples(done: Dict, fn: Callable) -> Dict:
   `fn` (`calibration.samples_as_dicts` to write, `samples_from_dicts` to read)."""
   out = dict(done)
   for key in ("unloaded", "searches"):
-    out[key] = {s: dict(rec, samples=[[r, fn(xs)] for r, xs in rec["samples"]])
+    out[key] = {s: dict(rec, **{k: [[r, fn(xs)] for r, xs in rec[k]]
+                                for k in ("samples", "run_samples") if k in rec})
                 for s, rec in done.get(key, {}).items()}
   return out

@@ -173,3 +173,24 @@ def test_the_measured_file_round_trips_a_search(tmp_path, fake_runs):
 def _shapes():
   from paged_jax import perf
   return [(perf.StepShape.decode([20, 30], bucket_tokens=8, bucket_rows=8), 0.004)]
+
+
+def test_load_factors_read_the_measured_runs_own_steps_around_the_crossing():
+  from paged_jax.bench import calibration
+  from paged_jax.bench import engines
+  model = calibration.cpu_model(engines.tiny_model()[0])
+  shape = _shapes()[0][0]
+  t = model.step_seconds(shape)
+  steps = lambda k: [(shape, k * t)]
+  found = {"max_rate": 30.0, "bound": 31.0, "censored": None}
+  search_rec = {"found": found, "samples": [[20.0, steps(9)], [30.0, steps(3)], [31.0, steps(3)]],
+                "run_samples": [[20.0, steps(9)], [30.0, steps(1.5)], [31.0, steps(2.5)]]}
+  unloaded = {"samples": [[8.0, steps(4)]], "run_samples": [[8.0, steps(1.2)]]}
+  done = {"unloaded": {"paged": unloaded}, "searches": {"paged": search_rec}}
+  got = search.load_factors(_config(systems=("paged",)), model, done)["paged"]
+  assert got == pytest.approx({"unloaded": 1.2, "search": 2.0})
+  cal = search.load_factors(_config(systems=("paged",), load_from="calibration"), model, done)
+  assert cal["paged"] == pytest.approx({"unloaded": 4.0, "search": 3.0})
+  del search_rec["run_samples"]   # --truth=wall keeps no steps of the measured runs
+  assert search.load_factors(_config(systems=("paged",)), model, done)["paged"]["search"] \
+      == pytest.approx(3.0)
