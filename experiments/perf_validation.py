@@ -34,7 +34,6 @@ load sample before every run.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import gzip
 import json
 import os

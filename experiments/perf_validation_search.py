@@ -32,7 +32,6 @@ the SLO: censored) and little on one slower than its second (one point over). He
 from __future__ import annotations
 
 import functools
-import math
 import os
 import time
 from typing import Callable, Dict, List, Optional
