@@ -208,10 +208,18 @@ def measured_search(f, stream: Callable, done: Dict, save: Optional[Callable] = 
         runner(system, rec), f.start_rate, slo, step=SEARCH_STEP, rel_tol=f.rel_tol,
         max_rates=f.max_rates, repeats=f.repeats, near=NEAR)
     done["searches"][system] = rec
+    keep_crossing_steps(done)
     if save:
       save(done)
   release_compiled()   # kept across the phases: each system's shapes compile once
   return done
+
+
+def _crossing_rates(rec: Dict, source: str) -> set:
+  found = rec.get("found") or {"censored": "none"}
+  if found["censored"]:
+    return {r for r, _ in rec.get(source, [])}
+  return {found.get("max_rate"), found.get("bound")} - {None}
 
 
 def crossing_samples(rec: Dict, source: str = "samples") -> List:
@@ -219,11 +227,18 @@ def crossing_samples(rec: Dict, source: str = "samples") -> List:
   measured runs themselves) at the judged rates around a search's crossing ("max_rate"
   and "bound"; every rate when censored, or when a rec has no "found": an unloaded
   point): the machine's speed where it counts."""
-  found = rec.get("found") or {"censored": "none"}
-  near = {found.get("max_rate"), found.get("bound")} - {None}
-  if found["censored"]:
-    near = {r for r, _ in rec.get(source, [])}
+  near = _crossing_rates(rec, source)
   return [x for r, samples in rec.get(source, []) if r in near for x in samples]
+
+
+def keep_crossing_steps(done: Dict) -> Dict:
+  """`done` with each search's measured-run steps ("run_samples") kept only at the rates
+  `crossing_samples` reads (the measured file stays small: a run records ~2,000 steps)."""
+  for rec in done.get("searches", {}).values():
+    if "run_samples" in rec and "found" in rec:
+      near = _crossing_rates(rec, "run_samples")
+      rec["run_samples"] = [[r, xs] for r, xs in rec["run_samples"] if r in near]
+  return done
 
 
 def load_factors(f, model: perf.DeviceTimeModel, done: Dict) -> Dict:

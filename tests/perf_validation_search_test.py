@@ -194,3 +194,13 @@ def test_load_factors_read_the_measured_runs_own_steps_around_the_crossing():
   del search_rec["run_samples"]   # --truth=wall keeps no steps of the measured runs
   assert search.load_factors(_config(systems=("paged",)), model, done)["paged"]["search"] \
       == pytest.approx(3.0)
+
+
+def test_the_measured_file_keeps_run_steps_only_around_the_crossing():
+  found = {"max_rate": 30.0, "bound": 31.0, "censored": None}
+  rec = {"found": found, "run_samples": [[20.0, [1]], [30.0, [2]], [31.0, [3]], [30.0, [4]]]}
+  done = search.keep_crossing_steps({"searches": {"paged": rec}})
+  assert done["searches"]["paged"]["run_samples"] == [[30.0, [2]], [31.0, [3]], [30.0, [4]]]
+  censored = {"found": dict(found, censored="above"), "run_samples": [[20.0, [1]]]}
+  assert search.keep_crossing_steps({"searches": {"a": censored}})["searches"]["a"][
+      "run_samples"] == [[20.0, [1]]]
