@@ -96,7 +96,7 @@ def perf_validation(res) -> str:
     rows.append([_LABEL.get(name, name),   # >= x: still under the SLO at the highest rate
                  _rate_cell(v["measured_max_rate"], m_cens, v.get("measured_bound")),
                  _rate_cell(v["predicted_max_rate"], p_cens, None),
-                 "-" if err is None else f"{'>= ' if p_cens and err > 0 else ''}{err:+.0%}",
+                 "-" if err is None else f"{'>= ' if p_cens and err > 0 else ''}{err:+.1%}",
                  "-" if at_slo is None else f"{at_slo:.3g}",
                  f"{max(spread):.0%}" if spread else "-",
                  f"{min(factors):.2f}-{max(factors):.2f}"])
