@@ -112,6 +112,10 @@ class Config(configs.ExperimentConfig):
       "measured", "with --rates=auto: each prediction's load factor from the measured runs' "
       "own steps around the crossing (measured) or the calibration runs' there",
       choices=("measured", "calibration"))
+  step_noise: str = configs.flag(
+      "none", "with --rates=auto: replay (each predicted step x a measured step's measured / "
+      "fitted ratio, the measured runs' around the crossing, in their order) or none",
+      choices=("none", "replay"))
   measured_from: str = configs.flag("", "a measured.json.gz an earlier run wrote (same "
                                     "stream flags): fit and predict from it, measuring only "
                                     "the systems it lacks")

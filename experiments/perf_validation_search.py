@@ -106,15 +106,45 @@ def standin_engine(holder: Dict, **kw):
   return engine
 
 
+class ReplayedNoiseClock(perf.ModelClock):
+  """A ModelClock whose k-th step costs the model's seconds x ratios[(offset + k) % n]:
+  measured over predicted seconds of a measured run's steps, replayed in their order (a
+  shared machine's slow phases last seconds: a queue sees them, not their mean)."""
+
+  def __init__(self, device_model, ratios, offset: int, **kw):
+    self._ratios, self._k = np.asarray(ratios, float), int(offset)
+    super().__init__(device_model, **kw)
+
+  def stepped(self, step=None, **kw) -> float:
+    charged = super().stepped(step, **kw)
+    extra = charged * (self._ratios[self._k % self._ratios.size] - 1.0)
+    self._k += 1
+    self._t += extra
+    self.device_s += extra
+    return charged + extra
+
+
+def noise_ratios(model: perf.DeviceTimeModel, factor: float, steps: List) -> List[float]:
+  """Each measured step's seconds over `model` x `factor`'s, in order (their
+  seconds-weighted mean is 1 when `factor` is `calibration.load_factor` of `steps`)."""
+  return [sec / (factor * model.step_seconds(shape)) for shape, sec in steps]
+
+
 def predicted_point(f, system: str, requests, size: Dict, model: perf.DeviceTimeModel,
-                    factor: float) -> Dict:
+                    factor: float, ratios: Optional[List[float]] = None) -> Dict:
   """The same run on virtual time: the stand-in engine (it schedules as the tiny model
   does) on a ModelClock of `model` x `factor`, each step charged the padded shape the
-  measured engine ran it on; "model_s" is the clock's seconds (the point's "device_s" is
-  the stand-in's own wall time)."""
+  measured engine ran it on (x the replayed `ratios`, from an offset seeded by --seed
+  and the stream's length, when given: `ReplayedNoiseClock`); "model_s" is the clock's seconds (the
+  point's "device_s" is the stand-in's own wall time)."""
   holder: Dict = {}
-  clock = perf.ModelClock(calibration.scaled(model, factor), block_size=f.block_size,
-                          to_step=lambda rep: holder["to_step"](rep))
+  kw = dict(block_size=f.block_size, to_step=lambda rep: holder["to_step"](rep))
+  scaled = calibration.scaled(model, factor)
+  if ratios:
+    offset = int(np.random.default_rng([f.seed, len(requests)]).integers(len(ratios)))
+    clock = ReplayedNoiseClock(scaled, ratios, offset, **kw)
+  else:
+    clock = perf.ModelClock(scaled, **kw)
   with common.progress(total=len(requests), desc=f"predicted {system}") as bar:
     point = serving_sweep.run_point(system, requests, clock=clock, progress=bar,
                                     engine_fn=functools.partial(standin_engine, holder),
@@ -267,12 +297,18 @@ def predicted_search(f, stream: Callable, model: perf.DeviceTimeModel, done: Dic
   out: Dict = {"unloaded": {}, "searches": {}, "load_factor": {}}
   factors = load_factors(f, model, done)
 
-  def runner(system: str, rec: Dict, factor: float) -> Callable[[float], float]:
+  ratios = {s: {k: noise_ratios(model, factors[s][k], crossing_samples(rec, "run_samples"))
+                 if f.step_noise == "replay" else None
+                 for k, rec in (("unloaded", done["unloaded"][s]),
+                                ("search", done["searches"][s]))} for s in f.systems}
+
+  def runner(system: str, rec: Dict, key: str) -> Callable[[float], float]:
     return _runner(rec, start, lambda r: predicted_point(
-        f, system, stream(r, f.seed, f.duration_s), size[system], model, factor))
+        f, system, stream(r, f.seed, f.duration_s), size[system], model,
+        factors[system][key], ratios[system][key]))
   for system in f.systems:
     rec = {"runs": [], "samples": [], "loads": [], "late": []}
-    runner(system, rec, factors[system]["unloaded"])(f.unloaded_rate)
+    runner(system, rec, "unloaded")(f.unloaded_rate)
     rec["latency"] = _median(rec, f.unloaded_rate)
     out["unloaded"][system] = rec
   slo = latency.slo_from_unloaded([out["unloaded"][s]["latency"] for s in f.systems],
@@ -282,7 +318,7 @@ def predicted_search(f, stream: Callable, model: perf.DeviceTimeModel, done: Dic
     rec = {"runs": [], "samples": [], "loads": [], "late": []}
     first = found["crossing"] or found["max_rate"] or f.start_rate
     rec["found"] = rate_search.find_saturation(
-        runner(system, rec, factors[system]["search"]), first, slo, step=PREDICTED_STEP,
+        runner(system, rec, "search"), first, slo, step=PREDICTED_STEP,
         rel_tol=PREDICTED_REL_TOL, max_rates=2 * f.max_rates, repeats=1)
     out["searches"][system] = rec
     release_compiled()

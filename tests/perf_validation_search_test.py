@@ -56,8 +56,8 @@ def fake_runs(monkeypatch):
                                                     {"samples": [("shape", 0.001)],
                                                      "late": []})[1])
   monkeypatch.setattr(search, "predicted_point",
-                      lambda f, s, requests, size, model, factor: point("predicted", s,
-                                                                        requests))
+                      lambda f, s, requests, size, model, factor, ratios=None: point(
+                          "predicted", s, requests))
   monkeypatch.setattr(search.calibration, "load_factor", lambda model, samples: 1.0)
   return state
 
@@ -204,3 +204,24 @@ def test_the_measured_file_keeps_run_steps_only_around_the_crossing():
   censored = {"found": dict(found, censored="above"), "run_samples": [[20.0, [1]]]}
   assert search.keep_crossing_steps({"searches": {"a": censored}})["searches"]["a"][
       "run_samples"] == [[20.0, [1]]]
+
+
+def test_replayed_noise_clock_charges_the_measured_ratios_in_order():
+  from paged_jax import perf
+  from paged_jax.bench import calibration
+  from paged_jax.bench import engines
+  model = calibration.cpu_model(engines.tiny_model()[0])
+  shape = _shapes()[0][0]
+  t = model.step_seconds(shape)
+  steps = [(shape, 3 * t), (shape, 1 * t)]          # measured: a slow step, then a fast one
+  factor = calibration.load_factor(model, steps)    # 2.0: the steps' mean speed
+  ratios = search.noise_ratios(model, factor, steps)
+  assert ratios == pytest.approx([1.5, 0.5])
+  clock = search.ReplayedNoiseClock(calibration.scaled(model, factor), ratios, offset=1)
+  plain = perf.ModelClock(calibration.scaled(model, factor))
+  charged = [clock.stepped(shape) for _ in range(3)]
+  assert charged == pytest.approx([0.5 * 2 * t, 1.5 * 2 * t, 0.5 * 2 * t])
+  plain_charged = [plain.stepped(shape) for _ in range(3)]
+  assert clock.now() == pytest.approx(sum(charged))
+  assert clock.now() != pytest.approx(plain.now())
+  assert sum(plain_charged) == pytest.approx(3 * 2 * t)
