@@ -108,6 +108,9 @@ class Config(configs.ExperimentConfig):
       "point", "point: each predicted point's steps scaled by the measured / fitted seconds "
       "of the calibration runs just before and after it (the machine's load then); run: "
       "the fit alone for every point", choices=("point", "run"))
+  near: float = configs.flag(1.6, "with --rates=auto: a rate whose first run is within this "
+                             "factor of the SLO gets --repeats runs (others: one)", lower=1.0,
+                             lower_open=True)
   load_from: str = configs.flag(
       "measured", "with --rates=auto: each prediction's load factor from the measured runs' "
       "own steps around the crossing (measured) or the calibration runs' there",
@@ -220,7 +223,7 @@ MEASURED_FILE = "measured.json.gz"
 _SAME_FLAGS = ("workload", "rates", "duration_s", "calibration_duration_s", "seed",
                "kv_budget_tokens", "block_size", "preemption_mode", "truth", "repeats")
 _SEARCH_FLAGS = ("unloaded_rate", "start_rate", "rel_tol", "max_rates", "slo_factor",
-                 "systems")   # a search's rates follow the SLO, and it from every system
+                 "systems", "near")   # a search's rates follow the SLO, and it from every system
 
 
 def _write_measured(path: pathlib.Path, f: Config, done: Dict) -> None:
@@ -240,7 +243,7 @@ def _read_measured(path: str, f: Config) -> Dict:
   """What `_write_measured` wrote, if measured with the same stream and engine flags."""
   with gzip.open(path, "rt") as fh:
     blob = json.load(fh)
-  before = {"truth": "wall", "repeats": 1}   # what files written before those flags hold
+  before = {"truth": "wall", "repeats": 1, "near": 1.6}   # files from before those flags
   differ = [k for k in _SAME_FLAGS + (_SEARCH_FLAGS if f.auto else ())
             if json.loads(json.dumps(common.json_ready(getattr(f, k))))
             != blob["flags"].get(k, before.get(k))]

@@ -14,7 +14,7 @@ the SLO: censored) and little on one slower than its second (one point over). He
 2. per system, `rate_search.find_saturation` on the truth clock from --start_rate: up by
    x SEARCH_STEP while under the SLO, down while over, then bisection until the bracket
    is within --rel_tol, at most --max_rates rates; a rate whose first run is within a
-   factor NEAR of the SLO gets --repeats runs, judged by their median. Before each new
+   factor --near of the SLO gets --repeats runs, judged by their median. Before each new
    rate, a calibration run of it (the samples the fit and the load factors read);
 3. the fit (`calibration.fit_cpu` over every calibration step), then the same two steps
    on a `perf.ModelClock` of it (the stand-in engine charged the bucketed shapes), each
@@ -48,7 +48,6 @@ from paged_jax.bench import sweep as serving_sweep
 from paged_jax.bench.scale import TINY
 
 SEARCH_STEP = 1.5   # the bracket's factor per rate (as --rates=auto's)
-NEAR = 1.6          # a first run within this factor of the SLO gets --repeats runs
 PREDICTED_REL_TOL = 0.01   # the model clock's bisection (deterministic: cheap to refine)
 PREDICTED_STEP = 1.15      # its bracket's factor, from the measured crossing
 
@@ -236,7 +235,7 @@ def measured_search(f, stream: Callable, done: Dict, save: Optional[Callable] = 
     rec = new()
     rec["found"] = rate_search.find_saturation(
         runner(system, rec), f.start_rate, slo, step=SEARCH_STEP, rel_tol=f.rel_tol,
-        max_rates=f.max_rates, repeats=f.repeats, near=NEAR)
+        max_rates=f.max_rates, repeats=f.repeats, near=f.near)
     done["searches"][system] = rec
     keep_crossing_steps(done)
     if save:
