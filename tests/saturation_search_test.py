@@ -46,9 +46,25 @@ def test_medians_keep_a_noisy_clock_on_the_right_side():
   assert wrong_median < wrong_single
 
 
+def test_near_repeats_only_the_rates_close_to_the_slo():
+  # Latency 0.5 below 20 req/s, 0.5 + 0.2 per req/s above: rates judged at 0.5 (a factor 2
+  # under the SLO) and far over it run once, those within a factor 1.6 three times.
+  measure = lambda r: 0.5 if r <= 20 else 0.5 + 0.2 * (r - 20)
+  res = find_saturation(measure, 8.0, SLO, rel_tol=0.02, max_rates=12, repeats=3, near=1.6)
+  runs = {}
+  for r, _ in res["measurements"]:
+    runs[r] = runs.get(r, 0) + 1
+  for r, lat in res["judged"]:
+    assert runs[r] == (3 if SLO / 1.6 < lat <= SLO * 1.6 else 1)
+  assert 1 in runs.values() and 3 in runs.values()
+  assert res["crossing"] == pytest.approx(22.5, rel=1e-9)   # linear between lo and bound
+  with pytest.raises(ValueError, match="near must be > 1"):
+    find_saturation(measure, 8.0, SLO, near=1.0)
+
+
 def test_never_saturating_is_censored_above_with_its_bound():
   res = find_saturation(lambda r: 0.1, 4.0, SLO, max_rates=5, repeats=2)
-  assert res["censored"] == "above" and res["bound"] is None
+  assert res["censored"] == "above" and res["bound"] is None and res["crossing"] is None
   assert res["max_rate"] == pytest.approx(4.0 * 1.5 ** 4)
 
 

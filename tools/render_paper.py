@@ -73,6 +73,14 @@ def paper_scale_rates(results_dir: str) -> str:
                       "Orca(Pow2)", "Orca(Max)"])
 
 
+def _rate_cell(rate, censored, bound) -> str:
+  """A max rate at the SLO: ">= x" censored above (never over the SLO up to x), "< x"
+  censored below (over it at every rate down to x), else the rate."""
+  if rate is None:
+    return f"< {bound:.3g}" if bound else "-"
+  return f"{'>= ' if censored else ''}{rate:.3g}"
+
+
 def perf_validation(res) -> str:
   """Measured vs predicted max rate of each system (the tiny model on this CPU, on the
   run's truth clock: CPU seconds or wall): at each sweep's own SLO (the target's figure)
@@ -86,9 +94,9 @@ def perf_validation(res) -> str:
     spread = [x for x in v.get("measured_repeat_spread") or [] if x is not None]
     m_cens, p_cens = v.get("measured_censored"), v.get("predicted_censored")
     rows.append([_LABEL.get(name, name),   # >= x: still under the SLO at the highest rate
-                 f"{'>= ' if m_cens else ''}{v['measured_max_rate']:.3g}",
-                 f"{'>= ' if p_cens else ''}{v['predicted_max_rate']:.3g}",
-                 "-" if err is None else f"{'>= ' if p_cens and err > 0 else ''}{err:+.0%}",
+                 _rate_cell(v["measured_max_rate"], m_cens, v.get("measured_bound")),
+                 _rate_cell(v["predicted_max_rate"], p_cens, None),
+                 "-" if err is None else f"{'>= ' if p_cens and err > 0 else ''}{err:+.1%}",
                  "-" if at_slo is None else f"{at_slo:.3g}",
                  f"{max(spread):.0%}" if spread else "-",
                  f"{min(factors):.2f}-{max(factors):.2f}"])

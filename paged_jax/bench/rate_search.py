@@ -92,13 +92,16 @@ def bracket_and_bisect(measure: Callable[[float], float], start: float, slo: flo
 
 def find_saturation(measure: Callable[[float], float], start: float, slo: float, *,
                     step: float = 1.5, rel_tol: float = 0.05, max_rates: int = 8,
-                    repeats: int = 3) -> Dict:
+                    repeats: int = 3, near: Optional[float] = None) -> Dict:
   """The highest rate whose latency stays within `slo`, found on a noisy clock.
 
   `bracket_and_bisect`'s walk (up by x `step` while under the SLO, down while over, then
   bisection until hi / lo <= 1 + rel_tol, at most `max_rates` rates), with every rate
   judged by the median of `repeats` measurements: on a shared machine's wall clock a
-  single point near the crossing lands on either side of the SLO.
+  single point near the crossing lands on either side of the SLO. `near` (> 1, None:
+  every rate): only a rate whose first measurement lies within a factor `near` of the
+  SLO (slo / near < latency <= slo x near) is measured `repeats` times; one far from it
+  is judged by that one measurement (the noise does not move it across).
 
   Returns {"max_rate": the highest rate judged within the SLO (None if none was),
   "bound": the lowest rate above it judged over the SLO (None if none was), "censored":
@@ -106,13 +109,19 @@ def find_saturation(measure: Callable[[float], float], start: float, slo: float,
   max rate is at least "max_rate"), "below" when every rate tried was (it is below
   "bound"), "monotone": False when a rate below "max_rate" was judged over the SLO,
   "judged": [(rate, median latency)] ascending, "measurements": [(rate, latency)] in the
-  order taken}. A censored result has no error to report: never score it as 0%."""
+  order taken, "crossing": where the line between the judged latencies at "max_rate" and
+  "bound" meets the SLO (None when censored)}. A censored result has no error to report:
+  never score it as 0%."""
   if repeats < 1:
     raise ValueError(f"repeats must be >= 1, got {repeats}")
+  if near is not None and not near > 1:
+    raise ValueError(f"near must be > 1 (a factor around the SLO), got {near}")
   taken: List[Tuple[float, float]] = []
 
   def judged(rate: float) -> float:
-    vals = [float(measure(rate)) for _ in range(repeats)]
+    vals = [float(measure(rate))]
+    if near is None or slo / near < vals[0] <= slo * near:
+      vals += [float(measure(rate)) for _ in range(repeats - 1)]
     taken.extend((rate, v) for v in vals)
     return float(np.median(vals))
 
@@ -121,7 +130,11 @@ def find_saturation(measure: Callable[[float], float], start: float, slo: float,
   within = [r for r, lat in pts if lat <= slo]
   lo = max(within) if within else None
   hi = min((r for r, lat in pts if lat > slo and (lo is None or r > lo)), default=None)
-  return {"max_rate": lo, "bound": hi,
+  crossing = None
+  if lo is not None and hi is not None:
+    lat = dict(pts)
+    crossing = lo + (slo - lat[lo]) / (lat[hi] - lat[lo]) * (hi - lo)
+  return {"max_rate": lo, "bound": hi, "crossing": crossing,
           "censored": None if lo is not None and hi is not None else
                       ("above" if hi is None else "below"),
           "monotone": lo is None or all(lat <= slo for r, lat in pts if r < lo),
