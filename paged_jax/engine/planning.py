@@ -137,10 +137,12 @@ class _Plan:
     """Speculative decoding's draft for a decoding sequence (`speculative.propose_ngram`),
     cut to the budget left and to what the request may still generate (the step emits one
     token past the accepted drafts). None for beams, requests that report logprobs, and
-    a sequence backing off (`Sequence.spec_retry_at`)."""
+    a sequence backing off (`Sequence.spec_retry_at`), or every sequence while the engine
+    does (`Scheduler.spec_retry_step`)."""
     spec, sp = self.sched.speculative, group.params
     if (spec is None or group.is_beam or sp.logprobs or group.prompt_scores is not None
-        or seq.num_generated < seq.spec_retry_at):   # backing off after misses
+        or seq.num_generated < seq.spec_retry_at   # this sequence backs off after misses
+        or self.sched.stats["steps"] < self.sched.spec_retry_step):   # ... or the engine
       return ()
     k = min(spec.num_speculative_tokens, budget, sp.max_tokens - seq.num_generated - 1)
     if k <= 0:

@@ -65,6 +65,10 @@ class Scheduler:
       prefix cache held, averaged over the steps that attached (each step's weight
       halves with every later one); the planner attaches ahead when it is high.
     stats: counters (steps, tokens, retries, swaps, ...); num_preemptions, num_swaps.
+    spec_step_misses / spec_retry_step: speculative decoding's engine-wide back-off: steps
+      with drafts in a row whose drafting rows gained less than `speculative.STEP_MIN_GAIN`
+      accepted tokens each, and the step count (stats["steps"]) before which no sequence
+      drafts (2**misses steps after the last such step, at most 1024).
   """
   block_size: int
   max_seqs: int
@@ -87,6 +91,8 @@ class Scheduler:
   stats: collections.Counter = _new(collections.Counter)
   num_preemptions: int = 0
   num_swaps: int = 0
+  spec_step_misses: int = 0
+  spec_retry_step: int = 0
 
   def __post_init__(self):
     check_preemption_mode(self.preemption_mode)

@@ -12,8 +12,10 @@ state the step never keeps.
 
 Proposer: "ngram" (prompt lookup, vLLM's `prompt_lookup_max` / `prompt_lookup_min`): the
 most recent earlier occurrence of the sequence's last n tokens (n from max down to min)
-proposes the tokens that followed it. It backs off by itself: no match, no draft, and the
-sequence decodes as without speculation (a plain decode row, no extra logits).
+proposes the tokens that followed it. No match, no draft: the sequence decodes as without
+speculation (a plain decode row). Drafts that do not pay back off (the planner reads
+`Sequence.spec_retry_at` and `Scheduler.spec_retry_step`, which `update` writes:
+`STEP_MIN_GAIN`).
 
 Sampling: greedy rows accept a draft iff it is the argmax, so outputs equal speculation
 off. Sampled rows use rejection sampling for a point-mass draft (Leviathan et al. 2023,
@@ -41,6 +43,12 @@ from paged_jax.engine import decode
 from paged_jax.engine import sampling
 
 METHODS = ("ngram", "draft_model")
+# Engine-wide back-off: a step with drafts whose drafting rows gained fewer accepted
+# tokens than this each, on average, counts as a miss; misses in a row double the steps
+# without drafts (`Scheduler.spec_retry_step`). A drafting step is a mixed step (ragged
+# attention, k + 1 logits a row): on this CPU it cost more than the decode step it
+# replaced, so acceptance near 0 must stop it, not only slow it (experiments.speculative).
+STEP_MIN_GAIN = 0.5
 MAX_SPECULATIVE_TOKENS = 16
 _ACCEPT_TAG = 0x5BEC   # folds the acceptance test's uniform off the token's own key
 _I32 = jnp.int32

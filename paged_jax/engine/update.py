@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from paged_jax.engine import beam
+from paged_jax.engine import speculative
 from paged_jax.engine.commit import Changes
 from paged_jax.engine.params import RequestOutput
 from paged_jax.engine.sequence import (Batch, DeviceCounts, Group, GroupStatus, SeqState,
@@ -69,6 +70,7 @@ class Update:
     self.stats = collections.Counter()
     self.done: List[Group] = []       # finished requests (outputs built after commit)
     self.preemptions = self.swaps = 0
+    self.spec_rows = self.spec_accepted = 0   # this step's drafting rows, accepted drafts
 
   def get(self, record, name):
     return self.ch.get(record, name)
@@ -290,6 +292,8 @@ class Update:
   def count_drafts(self, drafted: int, accepted: int) -> None:
     """Speculative decoding's counters: drafts proposed and accepted, in total and by
     draft position (Engine.metrics' spec_*)."""
+    self.spec_rows += 1
+    self.spec_accepted += accepted
     st = self.stats
     st["spec_draft_tokens"] += drafted
     st["spec_accepted_tokens"] += accepted
@@ -326,4 +330,9 @@ class Update:
                 after_failed_step=(not ok) or (s.after_failed_step and not ran),
                 num_preemptions=s.num_preemptions + self.preemptions,
                 num_swaps=s.num_swaps + self.swaps)
+    if self.spec_rows:   # the engine-wide back-off: a step whose drafts did not pay
+      missed = self.spec_accepted < speculative.STEP_MIN_GAIN * self.spec_rows
+      misses = s.spec_step_misses + 1 if missed else 0
+      self.ch.set(s, spec_step_misses=misses, spec_retry_step=(
+          s.stats["steps"] + self.stats["steps"] + 2 ** min(misses, 10) if missed else 0))
     self.ch.count(s.stats, self.stats)
