@@ -77,6 +77,8 @@ SECTIONS: Dict[str, Tuple[object, Callable]] = {
     "policies": ("policies/policies.json", engine.rows_with("policies")),
     "hybrid_caching": ("hybrid_caching/hybrid_caching.json", engine.rows_with("hybrid_caching")),
     "speculative": ("speculative/speculative.json", engine.rows_with("speculative")),
+    "speculative_scale": ("speculative_scale/speculative_scale.json",
+                          engine.rows_with("speculative_scale")),
     "prefix_caching_demo": ("prefix_caching_demo/prefix_caching_demo.json",
                             engine.rows_with("prefix_caching", "rows")),
     "host_overhead": ("host_overhead/host_overhead.json", engine.host_overhead),
