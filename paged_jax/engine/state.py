@@ -152,7 +152,9 @@ class StepOutputs:
   cow_copies i32[]: copy-on-write block copies the step made (decode loop included);
   finished bool[S]: `multi_step` slots whose sequence finished (stop id, max_tokens) in
   this step, which the step freed (effect 9); sliding_free i32[]: free blocks of the
-  hybrid-KV sliding pool after the step (0 without hybrid KV).
+  hybrid-KV sliding pool after the step (0 without hybrid KV); kv_log i32[E, 5] /
+  kv_log_len i32[]: the prefix cache's event log since the last step read it (rows past E
+  dropped; E = 0 without caching: `prefix_cache.events`).
 
   The step's `logprobs` variant also fills (L = MAX_LOGPROBS there, else 0; T' = T there,
   else 0): top_logprobs f32[K, S, L] / top_ids i32[K, S, L], each sampled token's
@@ -179,6 +181,8 @@ class StepOutputs:
   cow_copies: jax.Array
   finished: jax.Array
   sliding_free: jax.Array
+  kv_log: jax.Array
+  kv_log_len: jax.Array
   top_logprobs: jax.Array
   top_ids: jax.Array
   prompt_logprobs: jax.Array
