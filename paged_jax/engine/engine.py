@@ -399,8 +399,10 @@ class Engine:
     """The KV cache events since the last call, oldest first, and drains them (as vLLM's
     KV events: `prefix_cache.events.KVEvent` with `.kind` "stored" / "removed" /
     "cleared", `.block_hashes`, `.parent_block_hash` and `.medium` "device" / "host"),
-    as of the last step applied: what the device's prefix cache and the host tier stored
-    and removed, exactly (no device work)."""
+    up to now: what the device's prefix cache and the host tier stored and removed,
+    exactly. A step still in flight (after an interrupt) is finished first (its one sync);
+    otherwise no device work."""
+    self._finish_in_flight()
     out, self._kv_events = self._kv_events, []
     return out
 
