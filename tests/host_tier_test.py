@@ -133,6 +133,7 @@ def test_a_bad_num_host_blocks_is_a_one_line_value_error(bad):
                     enable_prefix_caching=False)
 
 
+@pytest.mark.long   # 270 s at load 10 (three engines, a check of both tiers after every step)
 def test_host_hits_keep_greedy_outputs_and_every_count_and_event_is_exact():
   prompts = conversations(0)
   eng, replay = make(), Replay()

@@ -60,7 +60,7 @@ log = logging.getLogger("paged_jax.engine")
 
 _prefix_counters = jax.jit(lambda state: prefix_step.counters(state.prefix, state.blocks))
 # What the device cache holds (its rows' cached flags and hash columns): read only when a
-# step's event log overflowed (`Engine._take_log`).
+# step's event log overflowed (`events.DeviceView.take`).
 _cached_hashes = jax.jit(lambda state: (state.prefix.cache.cached, state.prefix.cache.block_meta[
     :, prefix_state.HASH:prefix_state.HASH + 2], state.prefix.cache.block_meta[
         :, prefix_state.PARENT_HASH:prefix_state.PARENT_HASH + 2]))
@@ -115,7 +115,7 @@ class Engine:
                        f"chained hash), got hash_mode={options.hash_mode!r}")
     self._host = tier_lib.make_tier(cache_config, self.state.pages)
     self._kv_events: List[events_lib.KVEvent] = []
-    self._device_hashes: collections.Counter = collections.Counter()
+    self._device_view = events_lib.DeviceView()
     self.host_stats = collections.Counter()   # exchange calls, blocks in / out, hit tokens
     nb, max_seqs = cache_config.num_blocks, cache_config.max_seqs
     self.scheduler = Scheduler(
@@ -371,29 +371,13 @@ class Engine:
     finished = self.scheduler.update(batch, out)
     self._in_flight = None
     if out is not None and hasattr(out, "kv_log") and self.prefix_caching:
-      self._take_log(np.asarray(out.kv_log), int(out.kv_log_len))
+      self._kv_events += self._device_view.take(
+          np.asarray(out.kv_log), int(out.kv_log_len),
+          lambda: jax.device_get(_cached_hashes(self.state)))
     for o in finished:
       self._outbox[o.request_id] = o
     if before:
       self._applied = before.parts(batch, out, finished, batch.bucket)
-
-  def _take_log(self, rows: np.ndarray, n: int) -> None:
-    """The KV events of a step's event log (`prefix_cache.events`): decoded row by row;
-    a log that overflowed its rows is replaced by the difference between what the events
-    published and what the device cache now holds (one extra read, on that step only)."""
-    if n <= rows.shape[0]:
-      new = events_lib.decode(rows[:n], "device")
-    else:
-      cached, h, parent = jax.device_get(_cached_hashes(self.state))
-      idx = np.nonzero(np.asarray(cached))[0]
-      now = collections.Counter(events_lib.hash_int(h[i]) for i in idx)
-      parents = {events_lib.hash_int(h[i]): events_lib.hash_int(parent[i]) for i in idx}
-      new = events_lib.diff(self._device_hashes, now, parents, "device")
-    for e in new:
-      (self._device_hashes.update if e.kind == "stored" else
-       self._device_hashes.subtract)(e.block_hashes)
-    self._device_hashes += collections.Counter()    # drops zero counts
-    self._kv_events += new
 
   def kv_events(self) -> List[events_lib.KVEvent]:
     """The KV cache events since the last call, oldest first, and drains them (as vLLM's
@@ -497,9 +481,7 @@ class Engine:
     self.flush()
     self.state = _reset_prefix(self.state)
     with sigint_deferred():     # both tiers are empty now: one "cleared" event each
-      if self._device_hashes:
-        self._kv_events.append(events_lib.KVEvent("cleared", (), "device"))
-      self._device_hashes = collections.Counter()
+      self._kv_events += self._device_view.clear()
       if self._host is not None:
         self._host.clear()
         self._kv_events += self._host.take_events()

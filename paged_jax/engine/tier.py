@@ -134,7 +134,7 @@ class Plan:
     args: the `_exchange` arguments after the state (numpy).
     max_evict: static size of the victims' buffers.
     entries: host entries uploaded, in upload order (index = the `cand` value).
-    lanes: per candidate lane, the host entries of its prompt's depths ({depth: entry}).
+    lanes: per candidate lane, {depth: index in `entries`} of its prompt's host blocks.
   """
   args: tuple
   max_evict: int

@@ -394,9 +394,13 @@ def register(cache: PrefixCacheState, blocks: bm.BlockState, item_slot, item_blo
   cache, blocks, last = lax.fori_loop(0, num_items, body, (cache, blocks, idle))
   cache, blocks = write(cache, blocks, last)
   stored = (own >= 0) & (cache.block_meta[jnp.clip(own, 0, nb - 1), st.GEN] != gen_before)
+  # Two items naming one block (slots sharing it) log it once, at its first item: a sort
+  # of the R items (not a scatter over the pool: this runs every step).
+  key = jnp.where(stored, own, nb)
   pos = lax.iota(_I32, own.shape[0])
-  first = jnp.full((nb,), own.shape[0], _I32).at[jnp.where(stored, own, nb)].min(pos, mode="drop")
-  stored = stored & (first[jnp.clip(own, 0, nb - 1)] == pos)
+  s_key, s_pos = lax.sort((key, pos), num_keys=2)
+  later = jnp.concatenate([jnp.zeros((1,), jnp.bool_), s_key[1:] == s_key[:-1]])
+  stored = stored & ~jnp.zeros_like(stored).at[s_pos].set(later)
   cache = st.log_events(cache, st.EV_STORED, own, stored)
   return cache.replace(clock=cache.clock + 1), blocks
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
@@ -82,3 +82,38 @@ def diff(before: collections.Counter, after: collections.Counter, parents: dict,
   new = [KVEvent("stored", (h,), medium, parents.get(h)) for h, n in (after - before).items()
          for _ in range(n)]
   return gone + new
+
+
+class DeviceView:
+  """The device cache's hashes as the published events left them (a multiset: under a
+  hash collision two blocks may share one), so a log that overflowed can be replaced by
+  the exact difference (`take`). A record of what was published, derived from the events
+  alone; checked against the device only on overflow."""
+
+  def __init__(self):
+    self.hashes: collections.Counter = collections.Counter()
+
+  def take(self, rows: np.ndarray, n: int,
+           read_cache: Callable[[], Tuple[np.ndarray, np.ndarray, np.ndarray]]
+           ) -> List[KVEvent]:
+    """The events of a step's log: `rows` i32[E, 5], `n` rows appended (> E: overflowed;
+    then `read_cache()` -> (cached bool[NB], hash i32[NB, 2], parent hash i32[NB, 2]),
+    one device read, gives what the cache holds)."""
+    if n <= rows.shape[0]:
+      new = decode(rows[:n], "device")
+    else:
+      cached, h, parent = read_cache()
+      idx = np.nonzero(np.asarray(cached))[0]
+      now = collections.Counter(hash_int(h[i]) for i in idx)
+      new = diff(self.hashes, now, {hash_int(h[i]): hash_int(parent[i]) for i in idx},
+                 "device")
+    for e in new:
+      (self.hashes.update if e.kind == "stored" else self.hashes.subtract)(e.block_hashes)
+    self.hashes = +self.hashes              # drops zero counts
+    return new
+
+  def clear(self) -> List[KVEvent]:
+    """The cache was emptied: one "cleared" event if it held anything."""
+    out = [KVEvent("cleared", (), "device")] if self.hashes else []
+    self.hashes = collections.Counter()
+    return out
