@@ -80,6 +80,9 @@ class CacheConfig:
       iff `sliding_layers` is.
     num_sliding_blocks: blocks of the sliding pool (hybrid KV only; the engine needs
       `sliding_pool_blocks(...)` so that pool never runs short).
+    num_host_blocks: blocks of the prefix cache's host tier (0: none; needs prefix
+      caching, without hybrid KV): blocks the device cache evicts are kept in host memory
+      and come back on a later hit (`paged_jax.engine.tier`).
   """
 
   block_size: int = 16
@@ -95,6 +98,7 @@ class CacheConfig:
   sliding_window: Optional[int] = None
   num_sliding_blocks: int = 0
   eviction_policy: str = "lru"
+  num_host_blocks: int = 0
 
   def __post_init__(self):
     check_block_size(self.block_size)
@@ -122,6 +126,14 @@ class CacheConfig:
                       f"{type(self.enable_prefix_caching).__name__}")
     # Hybrid KV fields: all set or all off (`pool_sizing.check_sliding_fields`).
     object.__setattr__(self, "sliding_layers", pool_sizing.check_sliding_fields(self))
+    # A ValueError for a wrong type too (as a bad value): the contract's one-line error.
+    h = self.num_host_blocks
+    if isinstance(h, bool) or not isinstance(h, (int, np.integer)) or not 0 <= h < 2**31:
+      raise ValueError(f"num_host_blocks must be an int in [0, 2**31 - 1], got {h!r}")
+    if self.num_host_blocks and (not self.enable_prefix_caching or self.hybrid):
+      raise ValueError("num_host_blocks > 0 needs enable_prefix_caching=True and no hybrid "
+                       f"KV (the host tier sits under the prefix cache), got "
+                       f"num_host_blocks={self.num_host_blocks}")
 
   @property
   def max_seq_len(self) -> int:

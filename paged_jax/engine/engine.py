@@ -31,11 +31,13 @@ import time
 from typing import Any, Dict, List, Optional, Sequence as Seq, Union
 
 import jax
+import numpy as np
 
 from paged_jax import kv_cache
 from paged_jax.config import CacheConfig, ModelConfig
 from paged_jax.engine import report as report_lib
 from paged_jax.engine import swap
+from paged_jax.engine import tier as tier_lib
 from paged_jax.engine.buckets import Bucket, StepBuckets
 from paged_jax.engine.compile import arg_signature, engine_step
 from paged_jax.engine.inputs import build_inputs, lookup_len
@@ -49,12 +51,19 @@ from paged_jax.engine.sequence import Batch, DeviceCounts, Group
 from paged_jax.engine.packing import fetch
 from paged_jax.engine.step import EngineState, init_state as default_init_state
 from paged_jax.engine.weights import check_params
+from paged_jax.prefix_cache import events as events_lib
 from paged_jax.prefix_cache import step as prefix_step
+from paged_jax.prefix_cache import state as prefix_state
 
 log = logging.getLogger("paged_jax.engine")
 
 
 _prefix_counters = jax.jit(lambda state: prefix_step.counters(state.prefix, state.blocks))
+# What the device cache holds (its rows' cached flags and hash columns): read only when a
+# step's event log overflowed (`events.DeviceView.take`).
+_cached_hashes = jax.jit(lambda state: (state.prefix.cache.cached, state.prefix.cache.block_meta[
+    :, prefix_state.HASH:prefix_state.HASH + 2], state.prefix.cache.block_meta[
+        :, prefix_state.PARENT_HASH:prefix_state.PARENT_HASH + 2]))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -99,6 +108,15 @@ class Engine:
     # The call every step dispatches: each shape bucket's own jit, from the process's
     # executable budget (bounded by its memory-map headroom; compile.CompiledStep).
     self._step = self._compiled.caller(arg_signature(self.params, self.state, self._lookup_len))
+    # The host KV tier (`tier.py`; None without one) and the KV events not yet handed out,
+    # with the device cache's hashes as the events published them (a multiset).
+    if cache_config.num_host_blocks and options.hash_mode != "chained":
+      raise ValueError(f"num_host_blocks needs hash_mode='chained' (host hits trust the "
+                       f"chained hash), got hash_mode={options.hash_mode!r}")
+    self._host = tier_lib.make_tier(cache_config, self.state.pages)
+    self._kv_events: List[events_lib.KVEvent] = []
+    self._device_view = events_lib.DeviceView()
+    self.host_stats = collections.Counter()   # exchange calls, blocks in / out, hit tokens
     nb, max_seqs = cache_config.num_blocks, cache_config.max_seqs
     self.scheduler = Scheduler(
         block_size=cache_config.block_size, max_seqs=max_seqs, max_num_batched_tokens=budget,
@@ -291,11 +309,26 @@ class Engine:
     """Swap-ins and the jitted step; the new state is kept before anything can raise."""
     bucket = batch.bucket
     with sigint_deferred():
-      restored = []
+      restored, exchanged = [], None
       try:
         for group in batch.swapped_in:   # each its own donated call: keep every new state
           self.state = swap.copy_in(self.state, group, [batch.slot(q) for q in group.seqs])
           restored.append(group)
+        if self._host is not None:   # the host tier's one extra call, where needed
+          starts = np.full((self.cache_config.max_seqs,), -1, np.int64)
+          for ch in batch.chunks:
+            if not ch.allocate:
+              starts[ch.slot] = ch.start
+          share = bool(batch.forks or batch.post_forks or restored or any(
+              len(g.seqs) > 1 for g in self.scheduler.running))
+          tier_plan = tier_lib.plan(
+              self._host, inputs, self.scheduler.counts, swapped_in=bool(restored),
+              block_size=self.cache_config.block_size, num_blocks=self.cache_config.num_blocks,
+              num_decode_steps=self.decode_steps_per_sync, starts=starts, may_share=share)
+          if tier_plan is not None:
+            self.state, tier_out = tier_lib.exchange(self.state, tier_plan,
+                                                     self.decode_steps_per_sync)
+            exchanged = (tier_plan, tier_out)
         self._compiled.note(bucket, self._buckets)   # logs a shape's first (compiling) call
         t0 = time.perf_counter()
         self.state, out = self._step(self.params, self.state, inputs, **bucket.step_kw)
@@ -307,9 +340,22 @@ class Engine:
         if restored:   # those rows are on device now: the records must say so
           self._apply(Batch(swapped_in=restored, slot_of=batch.slot_of, group_slots={
               g: batch.group_slots[g] for g in restored}), None, None)
+        if exchanged:   # the device did it: the host tier and counts must say so
+          self._finish_exchange(*exchanged)
         raise
       self._in_flight = (batch, out, t0, before)
       self._last_all_greedy = bucket.all_greedy
+      if exchanged:      # downloads the victims while the step runs
+        self._finish_exchange(*exchanged)
+
+  def _finish_exchange(self, tier_plan, tier_out) -> None:
+    """The host side of a host-tier exchange (call with SIGINT held): victims stored on
+    the host, its events and counts recorded."""
+    promoted, counts = tier_lib.finish(self._host, tier_plan, tier_out, self.scheduler.counts)
+    self._kv_events += self._host.take_events()
+    self.scheduler.update(Batch(), counts)
+    self.host_stats.update(calls=1, promoted_blocks=promoted,
+                           prefix_host_hit_tokens=promoted * self.cache_config.block_size)
 
   def _finish_in_flight(self) -> None:
     """Waits for the step in flight (the one host sync) and updates from its outputs."""
@@ -325,10 +371,25 @@ class Engine:
     """`Scheduler.update` and the engine's own records of it (call with SIGINT held)."""
     finished = self.scheduler.update(batch, out)
     self._in_flight = None
+    if out is not None and hasattr(out, "kv_log") and self.prefix_caching:
+      self._kv_events += self._device_view.take(
+          np.asarray(out.kv_log), int(out.kv_log_len),
+          lambda: jax.device_get(_cached_hashes(self.state)))
     for o in finished:
       self._outbox[o.request_id] = o
     if before:
       self._applied = before.parts(batch, out, finished, batch.bucket)
+
+  def kv_events(self) -> List[events_lib.KVEvent]:
+    """The KV cache events since the last call, oldest first, and drains them (as vLLM's
+    KV events: `prefix_cache.events.KVEvent` with `.kind` "stored" / "removed" /
+    "cleared", `.block_hashes`, `.parent_block_hash` and `.medium` "device" / "host"),
+    up to now: what the device's prefix cache and the host tier stored and removed,
+    exactly. A step still in flight (after an interrupt) is finished first (its one sync);
+    otherwise no device work."""
+    self._finish_in_flight()
+    out, self._kv_events = self._kv_events, []
+    return out
 
   def flush(self) -> None:
     """Runs now what the last update left for the next step (frees, beam forks, a
@@ -394,7 +455,11 @@ class Engine:
   def metrics(self) -> Dict[str, Any]:
     """KV usage, queues and prefix-cache hits as of the last step (no device work);
     exact: a returned request's blocks count as free or evictable (`report.metrics`)."""
-    return report_lib.metrics(self.scheduler, self.cache_config, self.stats)
+    out = report_lib.metrics(self.scheduler, self.cache_config, self.stats)
+    out.update(num_host_blocks=self.cache_config.num_host_blocks,
+               num_free_host_blocks=self._host.num_free if self._host is not None else 0,
+               prefix_host_hit_tokens=self.host_stats["prefix_host_hit_tokens"])
+    return out
 
   def prefix_stats(self) -> Dict[str, float]:
     """Prefix-cache counters read from the device (one sync): hit / query blocks,
@@ -416,6 +481,11 @@ class Engine:
       raise ValueError("reset_prefix_cache needs cache_config.enable_prefix_caching=True")
     self.flush()
     self.state = _reset_prefix(self.state)
+    with sigint_deferred():     # both tiers are empty now: one "cleared" event each
+      self._kv_events += self._device_view.clear()
+      if self._host is not None:
+        self._host.clear()
+        self._kv_events += self._host.take_events()
     c = jax.device_get(_prefix_counters(self.state))
     free, evictable = int(c["num_free"]), int(c["evictable_blocks"])
     counts = DeviceCounts(free, free + evictable, evictable,

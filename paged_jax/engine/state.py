@@ -155,7 +155,9 @@ class StepOutputs:
   cow_copies i32[]: copy-on-write block copies the step made (decode loop included);
   finished bool[S]: `multi_step` slots whose sequence finished (stop id, max_tokens) in
   this step, which the step freed (effect 9); sliding_free i32[]: free blocks of the
-  hybrid-KV sliding pool after the step (0 without hybrid KV); emitted i32[S]: tokens the
+  hybrid-KV sliding pool after the step (0 without hybrid KV); kv_log i32[E, 5] /
+  kv_log_len i32[]: the prefix cache's event log since the last step read it (rows past E
+  dropped; E = 0 without caching: `prefix_cache.events`); emitted i32[S]: tokens the
   first iteration emitted per slot (1 where sampled; with speculative drafts, the accepted
   ones + 1), before the decode loop's.
 
@@ -184,6 +186,8 @@ class StepOutputs:
   cow_copies: jax.Array
   finished: jax.Array
   sliding_free: jax.Array
+  kv_log: jax.Array
+  kv_log_len: jax.Array
   top_logprobs: jax.Array
   top_ids: jax.Array
   prompt_logprobs: jax.Array

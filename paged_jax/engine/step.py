@@ -343,6 +343,8 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
                       num_evictable=jnp.zeros((), _I32), prefix_hit_blocks=jnp.zeros((), _I32),
                       prefix_query_blocks=jnp.zeros((), _I32), sole_blocks=sole_blocks(bs[0]),
                       cow_copies=copies, finished=done, sliding_free=jnp.zeros((), _I32),
+                      kv_log=jnp.zeros((0, prefix_state.EVENT_COLS), _I32),
+                      kv_log_len=jnp.zeros((), _I32),
                       top_logprobs=decoded.top_logprobs, top_ids=decoded.top_ids,
                       emitted=emitted, **scores)
     # 8-9. registration of newly full blocks (masked when not ok), then the finished
@@ -364,7 +366,8 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
       ps, b = prefix_step.free(ps, b, done_slots, num_cols=width or 0)
       ps, *bs[1:] = prefix_step.drop_stale(ps, *bs[1:]) if hybrid else (ps,)
       evictable = prefix_state.num_evictable(ps.cache, b)
-      out = out.replace(num_free=b.num_free, available=b.num_free + evictable,
+      ps, log, log_len = prefix_step.take_events(ps)   # what the cache stored / removed
+      out = out.replace(kv_log=log, kv_log_len=log_len,num_free=b.num_free, available=b.num_free + evictable,
                         num_evictable=evictable, prefix_hit_blocks=ps.cache.hit_blocks,
                         prefix_query_blocks=ps.cache.query_blocks,
                         sole_blocks=sole_blocks(b, ps.cache.cached))

@@ -59,6 +59,10 @@ class Update:
   def __init__(self, sched, batch: Batch, outputs, ch: Changes):
     self.s, self.b, self.ch = sched, batch, ch
     self.counts = sched.counts
+    # A counts-only report (the host tier's exchange, `engine.tier`) may land while a
+    # plan's carried work is still owed: it keeps it.
+    counts_only = isinstance(outputs, DeviceCounts) and batch.runs_nothing and not (
+        batch.swap_out or batch.reset_prefix)
     if isinstance(outputs, DeviceCounts):
       self.counts, outputs = outputs, None
     elif outputs is not None:
@@ -66,7 +70,7 @@ class Update:
     self.out = outputs
     self.running, self.waiting = list(sched.running), list(sched.waiting)
     self.swapped, self.groups = list(sched.swapped), dict(sched.groups)
-    self.carry = Batch()
+    self.carry = sched.carry if counts_only else Batch()
     self.stats = collections.Counter()
     self.done: List[Group] = []       # finished requests (outputs built after commit)
     self.preemptions = self.swaps = 0

@@ -63,6 +63,7 @@ import chex
 import jax
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 
 from paged_jax import block_manager as bm
 from paged_jax.config import INVALID, OK, TOO_LONG
@@ -76,35 +77,52 @@ _MULS = (0x85EBCA6B, 0xC2B2AE35)
 
 # ---- hashing ---------------------------------------------------------------------------
 
-def _fmix32(h):
+def _fmix32(h, xp=jnp):
   """MurmurHash3's 32-bit finalizer (a bijection with full avalanche)."""
   h = h ^ (h >> 16)
-  h = h * _U32(0x85EBCA6B)
+  h = h * xp.uint32(0x85EBCA6B)
   h = h ^ (h >> 13)
-  h = h * _U32(0xC2B2AE35)
+  h = h * xp.uint32(0xC2B2AE35)
   return h ^ (h >> 16)
 
 
-def chain_hash(parent_hash, tokens, hash_mode: str = "chained"):
+def chain_hash(parent_hash, tokens, hash_mode: str = "chained", xp=jnp):
   """u32[..., 2]: hash of a block given its parent's hash u32[..., 2] and ids i32[..., bs].
 
   Each lane sums position-tagged, avalanche-mixed token terms (order
-  sensitive, vectorized over the block) and folds in both parent lanes.
+  sensitive, vectorized over the block) and folds in both parent lanes. `xp`: jnp
+  (traced, the default) or numpy (the host tier's lookups: `host_chain_hashes`), the
+  same arithmetic (u32, wrapping).
   """
   if hash_mode == "constant":
-    return jnp.zeros(jnp.broadcast_shapes(parent_hash.shape[:-1], tokens.shape[:-1]) + (2,),
-                     _U32)
-  t = tokens.astype(_U32)
-  pos = lax.iota(_U32, tokens.shape[-1]) + _U32(1)
+    return xp.zeros(xp.broadcast_shapes(parent_hash.shape[:-1], tokens.shape[:-1]) + (2,),
+                    xp.uint32)
+  u32 = xp.uint32
+  t = tokens.astype(u32)
+  pos = xp.arange(tokens.shape[-1], dtype=u32) + u32(1)
   p0, p1 = parent_hash[..., 0], parent_hash[..., 1]
   lanes = []
   for lane in range(2):
-    terms = _fmix32(t * _U32(_MULS[lane]) + pos * _U32(_SEEDS[1 - lane]) + _U32(_SEEDS[lane]))
-    body = jnp.sum(terms, axis=-1, dtype=_U32)
+    terms = _fmix32(t * u32(_MULS[lane]) + pos * u32(_SEEDS[1 - lane]) + u32(_SEEDS[lane]), xp)
+    body = xp.sum(terms, axis=-1, dtype=u32)
     parent = _fmix32((p0 if lane == 0 else p1) ^ _fmix32((p1 if lane == 0 else p0)
-                                                         + _U32(_SEEDS[lane])))
-    lanes.append(_fmix32(body ^ parent ^ _U32((tokens.shape[-1] * 0x27D4EB2F) & 0xFFFFFFFF)))
-  return jnp.stack(lanes, axis=-1)
+                                                         + u32(_SEEDS[lane]), xp), xp)
+    lanes.append(_fmix32(body ^ parent ^ u32((tokens.shape[-1] * 0x27D4EB2F) & 0xFFFFFFFF), xp))
+  return xp.stack(lanes, axis=-1)
+
+
+def host_chain_hashes(tokens, num_blocks: int, block_size: int, root) -> np.ndarray:
+  """u32[num_blocks, 2], on the host (numpy): the chained hashes of the first
+  `num_blocks` full blocks of `tokens` from the salt root `root` (u32[2]), as the device
+  computes them (`chain_hash`)."""
+  out = np.zeros((num_blocks, 2), np.uint32)
+  h = np.asarray(root, np.uint32).reshape(1, 2)
+  tok = np.asarray(tokens[:num_blocks * block_size], np.int32).reshape(num_blocks, block_size)
+  with np.errstate(over="ignore"):
+    for j in range(num_blocks):
+      h = chain_hash(h, tok[j:j + 1], xp=np)
+      out[j] = h[0]
+  return out
 
 
 def _window(cache: PrefixCacheState, h):
@@ -342,7 +360,8 @@ def register(cache: PrefixCacheState, blocks: bm.BlockState, item_slot, item_blo
     gen = om[st.GEN] + 1
     h32 = st.as_i32(h)
     # The whole row of the inserted block, in `block_meta`'s column order.
-    meta_row = jnp.concatenate([h32, jnp.stack([parent, pgen, gen, j, c.clock, 1, pos]), tok])
+    meta_row = jnp.concatenate([h32, jnp.stack([parent, pgen, gen, j, c.clock, 1, pos]),
+                                ch[st.C_HASH:st.C_HASH + 2], tok])
     # The link's generation (an inserted block's is `gen`; `same` is not written).
     new_gen = jnp.where(insert, gen, c.block_meta[jnp.clip(same, 0, nb - 1), st.GEN])
     chain_row = jnp.concatenate([
@@ -366,8 +385,23 @@ def register(cache: PrefixCacheState, blocks: bm.BlockState, item_slot, item_blo
   zero = jnp.zeros((), _I32)
   idle = ((zero, cache.block_meta[0]), (zero, cache.table[0]), (zero, cache.chain[0]),
           (zero, blocks.ref_count[0]))
+  # The items' own blocks and their generations before: a block was inserted (stored)
+  # iff its generation moved (only an insertion bumps it), each block at most once.
+  used = lax.iota(_I32, item_slot.shape[0]) < num_items
+  own = jnp.where(used & (item_slot >= 0) & (item_block >= 0), blocks.block_tables[
+      jnp.clip(item_slot, 0, s_max - 1), jnp.clip(item_block, 0, p - 1)], -1)
+  gen_before = cache.block_meta[jnp.clip(own, 0, nb - 1), st.GEN]
   cache, blocks, last = lax.fori_loop(0, num_items, body, (cache, blocks, idle))
   cache, blocks = write(cache, blocks, last)
+  stored = (own >= 0) & (cache.block_meta[jnp.clip(own, 0, nb - 1), st.GEN] != gen_before)
+  # Two items naming one block (slots sharing it) log it once, at its first item: a sort
+  # of the R items (not a scatter over the pool: this runs every step).
+  key = jnp.where(stored, own, nb)
+  pos = lax.iota(_I32, own.shape[0])
+  s_key, s_pos = lax.sort((key, pos), num_keys=2)
+  later = jnp.concatenate([jnp.zeros((1,), jnp.bool_), s_key[1:] == s_key[:-1]])
+  stored = stored & ~jnp.zeros_like(stored).at[s_pos].set(later)
+  cache = st.log_events(cache, st.EV_STORED, own, stored)
   return cache.replace(clock=cache.clock + 1), blocks
 
 

@@ -180,6 +180,7 @@ def uncache(cache: PrefixCacheState, blocks: bm.BlockState, victims):
   blocks = blocks.replace(ref_count=ref,
                           free_stack=blocks.free_stack.at[push_at].set(victims, mode="drop"),
                           num_free=blocks.num_free + n_push)
+  cache = st.log_events(cache, st.EV_REMOVED, victims, live)
   # CACHED and TABLE_POS are adjacent columns: one scatter clears both.
   cache = cache.replace(block_meta=cache.block_meta.at[v, st.CACHED:st.TABLE_POS + 1].set(
                             jnp.asarray([0, -1], _I32), mode="drop"),
@@ -273,6 +274,17 @@ def ensure_free(cache: PrefixCacheState, blocks: bm.BlockState, num_needed, *,
     (cache, blocks, num_evicted i32[]). Never-cached free blocks are used
     first: nothing is evicted while `num_free >= num_needed`.
   """
+  cache, victims = pick_victims(cache, blocks, num_needed, max_evict=max_evict)
+  return uncache(cache, blocks, victims)
+
+
+def pick_victims(cache: PrefixCacheState, blocks: bm.BlockState, num_needed, *,
+                 max_evict: int):
+  """`ensure_free`'s choice without the eviction: (cache, victims i32[max_evict], -1
+  pad), the cache-only blocks to evict, in policy order, so that `num_free >=
+  num_needed` after `uncache(cache, blocks, victims)` (or every evictable one). The
+  LRU ring's head moves past them; the caller must uncache them (the host tier first
+  copies them out: `engine.tier`)."""
   check_states(cache, blocks)
   num_needed = bm.int_arg(num_needed, "num_needed", max_rank=0)
   short = jnp.clip(num_needed - blocks.num_free, 0, max_evict)
@@ -281,11 +293,10 @@ def ensure_free(cache: PrefixCacheState, blocks: bm.BlockState, num_needed, *,
   # at 1M blocks). With short == 0 the ring loop does not iterate and
   # `uncache` scatters nothing.
   if cache.eviction_policy == "lru":
-    cache, victims = _ring_victims(cache, blocks, short, max_evict)
-  else:   # the sort only on steps that evict
-    victims = lax.cond(short > 0, lambda: policy_victims(cache, blocks, short, max_evict),
-                       lambda: jnp.full((max_evict,), -1, _I32))
-  return uncache(cache, blocks, victims)
+    return _ring_victims(cache, blocks, short, max_evict)
+  # the sort only on steps that evict
+  return cache, lax.cond(short > 0, lambda: policy_victims(cache, blocks, short, max_evict),
+                         lambda: jnp.full((max_evict,), -1, _I32))
 
 
 def reset(cache: PrefixCacheState, blocks: bm.BlockState):
@@ -294,7 +305,8 @@ def reset(cache: PrefixCacheState, blocks: bm.BlockState):
   cleared and the counters zeroed. Generations keep counting."""
   nb = blocks.num_blocks
   cache, blocks, _ = uncache(cache, blocks, jnp.where(cache.cached, lax.iota(_I32, nb), -1))
-  return cache.replace(
+  # Every block went: the reader reports one "cleared" event instead of a row each.
+  return cache.replace(num_events=jnp.zeros((), _I32),
       table=jnp.full_like(cache.table, -1), chain=st.empty_chain(cache.chain.shape[0]),
       hit_blocks=jnp.zeros((), _I32), query_blocks=jnp.zeros((), _I32),
       evictions=jnp.zeros((), _I32), lru_head=cache.lru_tail), blocks

@@ -324,6 +324,14 @@ def after(ps: PrefixStepState, blocks: bm.BlockState, inputs, outputs, *,
   return ps, blocks, available
 
 
+def take_events(ps: PrefixStepState):
+  """(ps with an empty event log, the log i32[E, 5], rows appended i32[]): the engine's
+  step returns the log in its outputs (`prefix_cache.events`)."""
+  cache = ps.cache
+  return (ps.replace(cache=cache.replace(num_events=jnp.zeros((), _I32))), cache.events,
+          cache.num_events)
+
+
 def counters(ps: PrefixStepState, blocks: bm.BlockState):
   """Device counters: hit / query blocks, evictions, cached / evictable / free blocks."""
   cache = ps.cache
