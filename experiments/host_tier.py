@@ -42,7 +42,6 @@ import numpy as np
 
 from experiments import common
 from experiments import configs
-from experiments import provenance
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,16 +213,11 @@ def summary_rows(result: Dict):
 
 def main(f: Config, out):
   """Runs with settings `f` into directory `out` (the `common.run_app` main)."""
-  t0 = time.perf_counter()
-  result = run(f)
-  result["seconds"] = time.perf_counter() - t0
+  result = common.timed_result(lambda: run(f), f)
   result["load_average"] = list(os.getloadavg())
-  result.update(provenance.run_metadata(f))
-  print(common.table(summary_rows(result), HEADERS, digits=3))
-  print(f"greedy outputs equal across systems; load average "
-        f"{result['load_average'][0]:.1f} (wall-clock TTFT on a shared machine)")
-  if out is not None:
-    print(f"wrote {common.write_json(out / 'host_tier.json', result)}")
+  common.report(result, out, "host_tier.json", summary_rows(result), HEADERS,
+                [f"greedy outputs equal across systems; load average "
+                 f"{result['load_average'][0]:.1f} (wall-clock TTFT on a shared machine)"])
 
 
 if __name__ == "__main__":

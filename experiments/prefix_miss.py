@@ -39,7 +39,6 @@ import numpy as np
 
 from experiments import common
 from experiments import configs
-from experiments import provenance
 from paged_jax.bench import prefix_serving
 
 TARGET = 1.03   # step cost with caching on over off, every lookup a miss
@@ -187,20 +186,15 @@ def summary_rows(result: Dict):
 
 def main(f: Config, out):
   """Runs with settings `f` into directory `out` (the `common.run_app` main)."""
-  t0 = time.perf_counter()
-  result = run(f)
-  result["seconds"] = time.perf_counter() - t0
+  result = common.timed_result(lambda: run(f), f)
   result["load_average"] = list(os.getloadavg())
-  result.update(provenance.run_metadata(f))
-  print(common.table(summary_rows(result), HEADERS, digits=3))
   lo, hi = result["round_cpu_ratio_range"]
-  print(f"caching on / off, every lookup a miss: CPU {result['cpu_ratio']:.3f}x (target <= "
-        f"{TARGET}; {'met' if result['meets_target'] else 'NOT met'}), wall "
-        f"{result['wall_ratio']:.3f}x, device {result['device_ratio']:.3f}x; per-round CPU "
-        f"ratios {lo:.3f}-{hi:.3f} (median {result['round_cpu_ratio_median']:.3f}); load "
-        f"average {result['load_average'][0]:.1f}")
-  if out is not None:
-    print(f"wrote {common.write_json(out / 'prefix_miss.json', result)}")
+  common.report(result, out, "prefix_miss.json", summary_rows(result), HEADERS, [
+      f"caching on / off, every lookup a miss: CPU {result['cpu_ratio']:.3f}x (target <= "
+      f"{TARGET}; {'met' if result['meets_target'] else 'NOT met'}), wall "
+      f"{result['wall_ratio']:.3f}x, device {result['device_ratio']:.3f}x; per-round CPU "
+      f"ratios {lo:.3f}-{hi:.3f} (median {result['round_cpu_ratio_median']:.3f}); load "
+      f"average {result['load_average'][0]:.1f}"])
 
 
 if __name__ == "__main__":
