@@ -240,9 +240,9 @@ def first_iteration(lane_logits, lane_slot, sampled, inp, cu_q_lens, decoded, al
                           all_greedy=all_greedy)
   # The first emitted position that finishes the sequence cuts the emission there.
   i = jnp.arange(k1, dtype=_I32)[None, :]
-  stops = inp.stop_ids[ls]                                             # [R, M]
-  is_stop = jnp.any((stops[:, None, :] >= 0) & (stops[:, None, :] == toks[..., None]), -1)
-  fin = (is_stop | (inp.remaining[ls][:, None] - i <= 1)) & (i <= accepted[:, None])
+  fin = decode.finished(toks.reshape(-1), (inp.remaining[ls][:, None] - i).reshape(-1),
+                        jnp.repeat(inp.stop_ids[ls], k1, axis=0)).reshape(r, k1)
+  fin = fin & (i <= accepted[:, None])
   any_fin = jnp.any(fin, axis=1)
   emitted = jnp.where(any_fin, jnp.argmax(fin, axis=1) + 1, accepted + 1).astype(_I32)
   flat = lane_logits.reshape(r * k1, -1)
