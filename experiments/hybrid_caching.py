@@ -126,9 +126,9 @@ def _layer_blocks(st, n_full: int, n_sliding: int) -> Tuple[int, int]:
     tables = np.asarray(b.block_tables)[np.asarray(b.active)]
     return b.num_blocks - int(b.num_free), len(np.unique(tables[tables >= 0]))
   main = pool(st.blocks)
-  if st.sliding_blocks is None:
+  if len(st.groups) == 1:
     return tuple(m * (n_full + n_sliding) for m in main)
-  side = pool(st.sliding_blocks)
+  side = pool(st.groups[1].blocks)
   return tuple(n_full * m + n_sliding * s for m, s in zip(main, side))
 
 

@@ -104,8 +104,7 @@ def _serve(engine: Engine, num_requests: int, prompt_len: int, gen: int) -> Dict
     if n > best["batched"]:
       held = lambda b: float((np.asarray(b.block_tables)[full] >= 0).sum(axis=1).mean())
       best = {"batched": n, "full_blocks": held(st.blocks),
-              "sliding_blocks": held(st.sliding_blocks) if st.sliding_blocks is not None
-                                else held(st.blocks)}
+              "sliding_blocks": held(st.groups[-1].blocks)}   # the last: windowed if any
   best.update(steps=steps, preemptions=engine.num_preemptions)
   return best
 

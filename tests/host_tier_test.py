@@ -91,7 +91,7 @@ def truth(engine):
   dev = collections.Counter(
       events_lib.hash_int(meta[i, prefix_state.HASH:prefix_state.HASH + 2])
       for i in np.nonzero(np.asarray(cache.cached))[0])
-  host = collections.Counter(list(engine._host.hashes()) if engine._host else [])  # pylint: disable=protected-access
+  host = collections.Counter(list(engine._tiers.host.hashes()) if engine._tiers.host else [])  # pylint: disable=protected-access
   return {"device": dev, "host": host}
 
 
@@ -100,7 +100,7 @@ def assert_counts_exact(engine):
   m, s = engine.metrics(), engine.prefix_stats()
   assert (m["num_free_blocks"], m["num_evictable_blocks"]) == (s["num_free"],
                                                               s["evictable_blocks"])
-  held = len(engine._host.hashes())   # pylint: disable=protected-access
+  held = len(engine._tiers.host.hashes())   # pylint: disable=protected-access
   assert m["num_free_host_blocks"] == HOST - held and m["num_host_blocks"] == HOST
 
 

@@ -43,11 +43,13 @@ def _run(engine, params):
       outs[o.request_id] = o.outputs
     st = engine.state
     peak["full"] = max(peak["full"], st.blocks.num_blocks - int(st.blocks.num_free))
-    if st.sliding_blocks is not None:
-      held = st.sliding_blocks.num_blocks - int(st.sliding_blocks.num_free)
+    if len(st.groups) > 1:
+      sb = st.groups[1].blocks
+      assert st.groups[1].window == engine.cache_config.sliding_window > 0
+      held = sb.num_blocks - int(sb.num_free)
       peak["sliding"] = max(peak["sliding"], held)
-      assert engine.metrics()["num_free_sliding_blocks"] == int(st.sliding_blocks.num_free)
-      np.testing.assert_array_equal(st.sliding_blocks.seq_lens, st.blocks.seq_lens)
+      assert engine.metrics()["num_free_sliding_blocks"] == int(sb.num_free)
+      np.testing.assert_array_equal(sb.seq_lens, st.blocks.seq_lens)
   return [outs[i] for i in ids], peak
 
 
@@ -65,7 +67,7 @@ def test_greedy_on_equals_off_equals_dense_and_the_sliding_pool_gives_back(backe
   # Sequences reach 53 tokens (14 blocks); a sliding layer keeps at most 3 + 2 of them.
   assert peak_on["full"] == peak_off["full"]
   assert peak_on["sliding"] <= MAX_SEQS * 5 < peak_on["full"]
-  sb = engine.state.sliding_blocks
+  sb = engine.state.groups[1].blocks
   assert int(sb.num_free) == sb.num_blocks                # every block back
   assert engine.num_free == engine.cache_config.num_blocks
   m = engine.metrics()
@@ -85,7 +87,7 @@ def test_sampling_beams_multistep_and_preemption_on_equal_off(kw, params):
   assert on == off
   if kw.get("num_blocks") == 20:
     assert engine.num_preemptions > 0                     # the tight pool did preempt
-  sb = engine.state.sliding_blocks
+  sb = engine.state.groups[1].blocks
   assert int(sb.num_free) == sb.num_blocks
 
 
@@ -135,7 +137,7 @@ def test_an_interrupted_step_changes_no_output_and_leaks_no_block(monkeypatch, p
   ids = [engine.add_request(p, params) for p in PROMPTS]
   outs = run_through_an_interrupt(monkeypatch, engine, point, k)
   assert [outs[i] for i in ids] == want
-  sb = engine.state.sliding_blocks
+  sb = engine.state.groups[1].blocks
   assert int(sb.num_free) == sb.num_blocks
   assert engine.num_free == engine.cache_config.num_blocks
 

@@ -134,7 +134,7 @@ def _check_pools(engine):
   assert m["num_running"] == m["num_waiting"] == 0
   assert m["num_free_blocks"] + m["num_evictable_blocks"] == m["num_blocks"]
   s = jax.device_get(engine.state)
-  sb, comp, cache = s.sliding_blocks, s.prefix.sliding, s.prefix.cache
+  sb, comp, cache = s.groups[1].blocks, s.prefix.sliding, s.prefix.cache
   owner = np.asarray(comp.owner)
   held = owner >= 0
   assert int(sb.num_free) + held.sum() == sb.num_blocks
@@ -177,7 +177,7 @@ def test_a_tight_sliding_pool_evicts_companions_and_stays_exact(kw):
   assert held <= nsb
   engine.reset_prefix_cache()
   s = jax.device_get(engine.state)
-  assert int(s.sliding_blocks.num_free) == nsb
+  assert int(s.groups[1].blocks.num_free) == nsb
   assert int(sliding.num_companions(s.prefix.sliding)) == 0
   assert engine.metrics()["num_free_blocks"] == engine.cache_config.num_blocks
 

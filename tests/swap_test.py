@@ -45,7 +45,7 @@ def both(state, model, op, *args):
   assert (np.asarray(status) == OK).all()
   expect = getattr(model, op)(*args)
   assert (expect[0] if op == "append" else expect) == list(np.asarray(status).reshape(-1))
-  return state.replace(blocks=blocks)
+  return state.with_full(blocks=blocks)
 
 
 def as_rows(s):
@@ -66,7 +66,7 @@ def forked_group(cfg, seed, rows=False):
   pages = random_pages(cfg, rng, rows)
   assert pages.scale_rows == rows and (jax.tree_util.tree_structure(pages)
                                        == jax.tree_util.tree_structure(state.pages))
-  state = state.replace(pages=pages)
+  state = state.with_full(pages=pages)
   model = BlockModel.from_config(cfg)
   prompt = int(rng.integers(5, 11))
   state = both(state, model, "allocate", [0, 1], [7, prompt])

@@ -106,12 +106,12 @@ def warm_swaps(engine, slot: int = 0) -> None:
   while True:
     tokens = min(width, c.max_blocks_per_seq) * c.block_size
     blocks, _ = bm.allocate(engine.state.blocks, slot, tokens)
-    state = engine.state.replace(blocks=blocks)
+    state = engine.state.with_full(blocks=blocks)
     saved = swap.swap_out(state, slot, tokens)
     blocks, _ = bm.free(state.blocks, slot)
-    state, _ = swap.swap_in(state.replace(blocks=blocks), slot, saved)
+    state, _ = swap.swap_in(state.with_full(blocks=blocks), slot, saved)
     blocks, _ = bm.free(state.blocks, slot)
-    engine.state = state.replace(blocks=blocks)
+    engine.state = state.with_full(blocks=blocks)
     if width >= c.max_blocks_per_seq:
       break
     width *= 2
@@ -133,19 +133,19 @@ def time_per_preemption(block_size: int, *, seq_len: int = 256, repeats: int = 5
     blocks, status = bm.allocate(engine.state.blocks, slot, seq_len)
     if int(status) != 0:
       raise RuntimeError(f"allocate failed with status {int(status)}")
-    state = engine.state.replace(blocks=blocks)
+    state = engine.state.with_full(blocks=blocks)
     jax.block_until_ready(state)
     t0 = time.perf_counter()
     saved = swap.swap_out(state, slot, seq_len)
     t1 = time.perf_counter()
     blocks, _ = bm.free(state.blocks, slot)
-    state = state.replace(blocks=jax.block_until_ready(blocks))
+    state = state.with_full(blocks=jax.block_until_ready(blocks))
     t2 = time.perf_counter()
     state, status = swap.swap_in(state, slot, saved)
     jax.block_until_ready(state)
     t3 = time.perf_counter()
     blocks, _ = bm.free(state.blocks, slot)
-    engine.state = state.replace(blocks=blocks)
+    engine.state = state.with_full(blocks=blocks)
     outs.append(t1 - t0)
     ins.append(t3 - t2)
   prompt = list(np.random.default_rng(seed).integers(0, 256, seq_len))

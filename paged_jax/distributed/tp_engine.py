@@ -54,7 +54,7 @@ def make_tp_engine(model_config: ModelConfig, params, cache_config: CacheConfig,
     ValueError: the model or cache does not split tp ways (before device work).
   """
   from paged_jax.engine import Engine  # pylint: disable=g-import-not-at-top
-  from paged_jax.engine.step import EngineState  # pylint: disable=g-import-not-at-top
+  from paged_jax.engine.state import EngineState, KVGroup  # pylint: disable=g-import-not-at-top
   tp = tp_size(mesh)
   validate_tp(model_config, tp, cache_config)
   tp_model = TensorParallelDecoder(model_config, mesh, attention_backend=attention_backend)
@@ -64,8 +64,8 @@ def make_tp_engine(model_config: ModelConfig, params, cache_config: CacheConfig,
     prefix = None
     if cfg.enable_prefix_caching:   # replicated, like the BlockState
       prefix = jax.jit(lambda: prefix_step.init(cfg), out_shardings=NamedSharding(mesh, P()))()
-    return EngineState(blocks=init_replicated_blocks(cfg, mesh), pages=tp_model.init_pages(cfg),
-                       prefix=prefix)
+    return EngineState(groups=(KVGroup(init_replicated_blocks(cfg, mesh),
+                                       tp_model.init_pages(cfg)),), prefix=prefix)
 
   engine = Engine(model_config, tp_model.shard_params(params), cache_config,
                   attention_backend=attention_backend, model_apply=tp_model.apply,
@@ -87,7 +87,7 @@ def tp_step_for_compile(model_config: ModelConfig, cache_config: CacheConfig, *,
   """
   from paged_jax.engine import compile as engine_compile  # pylint: disable=g-import-not-at-top
   from paged_jax.engine.options import EngineOptions  # pylint: disable=g-import-not-at-top
-  from paged_jax.engine.state import EngineState  # pylint: disable=g-import-not-at-top
+  from paged_jax.engine.state import EngineState, KVGroup  # pylint: disable=g-import-not-at-top
   from paged_jax.engine.weights import param_shapes  # pylint: disable=g-import-not-at-top
   validate_tp(model_config, tp_size(mesh), cache_config)
   options = EngineOptions.of(engine_options.pop("options", None), **engine_options)
@@ -96,7 +96,7 @@ def tp_step_for_compile(model_config: ModelConfig, cache_config: CacheConfig, *,
                                         cache_config, replicated)
   tp_model = TensorParallelDecoder(model_config, mesh, attention_backend=backend)
   pages = jax.eval_shape(lambda: tp_model.init_pages(cache_config, abstract=True))
-  state = EngineState(blocks=replicated, pages=named(mesh, kv_pages_specs(pages)),
+  state = EngineState(groups=(KVGroup(replicated, named(mesh, kv_pages_specs(pages))),),
                       prefix=replicated if cache_config.enable_prefix_caching else None)
   params = named(mesh, param_specs(param_shapes(model_config)))
   return engine_compile.step_for_compile(

@@ -25,7 +25,7 @@ import inspect
 import logging
 import time
 import weakref
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Sequence, Tuple
 
 import jax
 
@@ -239,7 +239,7 @@ def engine_step(model_config: ModelConfig, cache_config: CacheConfig,
   check_configs(model_config, cache_config)
   check_hybrid(cache_config, options)
   key = step_key(model_config, cache_config, options)
-  _, _, steps, candidates, max_evict, model_apply, window, sliding_layers, num_spec = key
+  _, _, steps, candidates, max_evict, model_apply, _, sliding_layers, num_spec = key
   buckets = step_buckets(cache_config, options.max_num_batched_tokens, steps,
                          options.shape_buckets, options.decode_shape,
                          width_buckets=(options.width_buckets
@@ -249,7 +249,7 @@ def engine_step(model_config: ModelConfig, cache_config: CacheConfig,
                                             cache_config, None))),
                          speculative=num_spec > 0)
   kw = dict(num_decode_steps=steps, num_candidates=candidates, max_evict=max_evict,
-            sliding_window=window, sliding_layers=sliding_layers, num_spec_tokens=num_spec)
+            sliding_layers=sliding_layers, num_spec_tokens=num_spec)
   # Dispatches send and fetch one buffer each (packing.py).
   make = lambda apply, **more: CompiledStep(packing(make_step(apply, jit=False, **more, **kw)),
                                             make_step(apply, **more, **kw))

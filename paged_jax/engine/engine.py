@@ -25,51 +25,35 @@ run in a frees-only dispatch at the end of the `step()` that finished their requ
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import time
 from typing import Any, Dict, List, Optional, Sequence as Seq, Union
 
 import jax
-import numpy as np
 
 from paged_jax import kv_cache
 from paged_jax.config import CacheConfig, ModelConfig
 from paged_jax.engine import report as report_lib
 from paged_jax.engine import swap
 from paged_jax.engine import tier as tier_lib
+from paged_jax.engine import kv_tiers
+from paged_jax.engine.kv_tiers import KVTiers
 from paged_jax.engine.buckets import Bucket, StepBuckets
 from paged_jax.engine.compile import arg_signature, engine_step
 from paged_jax.engine.inputs import build_inputs, lookup_len
 from paged_jax.engine.options import EngineOptions
 from paged_jax.engine.params import RequestOutput, SamplingParams
-from paged_jax.engine.requests import prepare_group
+from paged_jax.engine.requests import Intake
 from paged_jax.engine.commit import sigint_deferred
 from paged_jax.engine.scheduler import Scheduler
-from paged_jax.engine.update import request_output
+from paged_jax.engine.update import partial_output
 from paged_jax.engine.sequence import Batch, DeviceCounts, Group
 from paged_jax.engine.packing import fetch
-from paged_jax.engine.step import EngineState, init_state as default_init_state
+from paged_jax.engine.step import init_state as default_init_state
 from paged_jax.engine.weights import check_params
 from paged_jax.prefix_cache import events as events_lib
-from paged_jax.prefix_cache import step as prefix_step
-from paged_jax.prefix_cache import state as prefix_state
 
 log = logging.getLogger("paged_jax.engine")
-
-
-_prefix_counters = jax.jit(lambda state: prefix_step.counters(state.prefix, state.blocks))
-# What the device cache holds (its rows' cached flags and hash columns): read only when a
-# step's event log overflowed (`events.DeviceView.take`).
-_cached_hashes = jax.jit(lambda state: (state.prefix.cache.cached, state.prefix.cache.block_meta[
-    :, prefix_state.HASH:prefix_state.HASH + 2], state.prefix.cache.block_meta[
-        :, prefix_state.PARENT_HASH:prefix_state.PARENT_HASH + 2]))
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _reset_prefix(state: EngineState) -> EngineState:
-  prefix, blocks, sliding = prefix_step.reset(state.prefix, state.blocks, state.sliding_blocks)
-  return state.replace(blocks=blocks, prefix=prefix, sliding_blocks=sliding)
 
 
 class Engine:
@@ -108,15 +92,8 @@ class Engine:
     # The call every step dispatches: each shape bucket's own jit, from the process's
     # executable budget (bounded by its memory-map headroom; compile.CompiledStep).
     self._step = self._compiled.caller(arg_signature(self.params, self.state, self._lookup_len))
-    # The host KV tier (`tier.py`; None without one) and the KV events not yet handed out,
-    # with the device cache's hashes as the events published them (a multiset).
-    if cache_config.num_host_blocks and options.hash_mode != "chained":
-      raise ValueError(f"num_host_blocks needs hash_mode='chained' (host hits trust the "
-                       f"chained hash), got hash_mode={options.hash_mode!r}")
-    self._host = tier_lib.make_tier(cache_config, self.state.pages)
-    self._kv_events: List[events_lib.KVEvent] = []
-    self._device_view = events_lib.DeviceView()
-    self.host_stats = collections.Counter()   # exchange calls, blocks in / out, hit tokens
+    # The host KV tier (None without one) and the KV events of both tiers.
+    self._tiers = KVTiers(cache_config, options, self.state.pages)
     nb, max_seqs = cache_config.num_blocks, cache_config.max_seqs
     self.scheduler = Scheduler(
         block_size=cache_config.block_size, max_seqs=max_seqs, max_num_batched_tokens=budget,
@@ -129,11 +106,13 @@ class Engine:
     # (batch, outputs, t0, report?): dispatched, outputs not yet applied
     self._in_flight = None
     self._last_all_greedy = True   # sampling variant of the last step (for frees-only ones)
-    self._next_id = self._arrivals = self._seq_ids = 0
+    self._intake = Intake(self._in_use, vocab_size=model_config.vocab_size,
+                          cache_config=cache_config, max_beam_width=self.max_beam_width,
+                          max_model_len=self.max_model_len)
     self.timing = collections.Counter()
     self._last_step = report_lib.StepReport()
     self._applied = None             # the report parts of the last step applied
-    self._report_base = (0, 0, 0)    # stats the last report was made at
+    self._report_base = (0, 0, 0)    # the counters the last report was made at
     log.info("paged_jax engine: block_size=%d num_blocks=%d KV capacity=%d tokens "
              "(%.1f MiB %s), max_seqs=%d, max_model_len=%d, budget=%d tokens/step, "
              "decode_steps_per_sync=%d, preemption=%s, prefix_caching=%s",
@@ -141,6 +120,11 @@ class Engine:
              cache_config.kv_cache_bytes / 2**20, cache_config.dtype, max_seqs,
              self.max_model_len, budget, options.decode_steps_per_sync,
              options.preemption_mode, self.prefix_caching)
+
+  @property
+  def host_stats(self) -> collections.Counter:
+    """Host-tier counters: exchange "calls", "promoted_blocks", "prefix_host_hit_tokens"."""
+    return self._tiers.stats
 
   @property
   def stats(self) -> collections.Counter:
@@ -152,31 +136,9 @@ class Engine:
   def _in_use(self, request_id) -> bool:
     return request_id in self.scheduler.groups or request_id in self._outbox
 
-  def _prepare(self, prompt, params, request_id, priority: int = 0) -> Group:
-    """Validates one request (no state changes) and builds its Group."""
-    try:
-      hash(request_id)
-    except TypeError:
-      raise ValueError(f"request_id must be hashable, got {type(request_id).__name__}") from None
-    if request_id is not None and self._in_use(request_id):
-      raise ValueError(f"request_id {request_id!r} is already in use")
-    return prepare_group(prompt, params, request_id, vocab_size=self.model_config.vocab_size,
-                         cache_config=self.cache_config, max_beam_width=self.max_beam_width,
-                         max_model_len=self.max_model_len, priority=priority)
-
   def _queue(self, group: Group) -> Any:
-    """Gives the group its id (automatic ids skip any id in use) and queues it."""
-    if group.request_id is None:
-      while self._in_use(self._next_id):
-        self._next_id += 1
-      group.request_id = self._next_id
-      self._next_id += 1
-    group.arrival = self._arrivals
-    self._arrivals += 1
-    for q in group.seqs:
-      q.seq_id = self._seq_ids
-      self._seq_ids += 1
-    self.scheduler.add(group)
+    """Numbers the group (`requests.Intake`) and queues it; returns its id."""
+    self.scheduler.add(self._intake.number(group))
     return group.request_id
 
   def add_request(self, prompt: Seq[int], params: Optional[SamplingParams] = None,
@@ -187,7 +149,7 @@ class Engine:
     fit the cache is rejected here with the numbers. `priority`: its place under the
     "priority" scheduling policy (lower first, ties by arrival; `policy.py`).
     """
-    return self._queue(self._prepare(prompt, params, request_id, priority))
+    return self._queue(self._intake.prepare(prompt, params, request_id, priority))
 
   def has_unfinished(self) -> bool:
     """Requests queued or running, or finished outputs not yet returned by `step`."""
@@ -204,7 +166,7 @@ class Engine:
       params = [params] * len(prompts)
     if len(params) != len(prompts):
       raise ValueError(f"params must be one SamplingParams or {len(prompts)}, got {len(params)}")
-    groups = [self._prepare(p, sp, None) for p, sp in zip(prompts, params)]
+    groups = [self._intake.prepare(p, sp, None) for p, sp in zip(prompts, params)]
     ids = [self._queue(g) for g in groups]
     while any(i not in self._outbox for i in ids):
       if not self._step_once():
@@ -231,13 +193,7 @@ class Engine:
     change until the end: beams give empty outputs until then. For streaming: read
     between steps, no device work."""
     group = self.scheduler.groups.get(request_id)
-    if group is None:
-      return None
-    if group.params.beam_width > 1:
-      n = group.params.n
-      return RequestOutput(request_id, group.prompt, [[] for _ in range(n)], [None] * n)
-    seqs = sorted(list(group.seqs) + list(group.finished), key=lambda q: q.index)
-    return request_output(group, seqs)
+    return None if group is None else partial_output(group)
 
   # ---- the step ------------------------------------------------------------------------
   def step(self) -> List[RequestOutput]:
@@ -261,13 +217,9 @@ class Engine:
     ran = self._advance()
     if self.scheduler.frees_owed():
       self.flush()
-    sched, base = self.scheduler, self._report_base
-    now = tuple(self.stats[k] for k in ("device_steps", "swapped_blocks", "generated_tokens"))
-    self._last_step = report_lib.StepReport(
-        dispatches=now[0] - base[0], swapped_blocks=now[1] - base[1],
-        generated_tokens=now[2] - base[2], num_running_groups=len(sched.running),
-        num_running_seqs=sum(len(g.seqs) for g in sched.running), **(self._applied or {}))
-    self._report_base, self._applied = now, None
+    self._last_step, self._report_base = report_lib.step_report(
+        self.scheduler, self._report_base, self._applied)
+    self._applied = None
     return ran
 
   def _advance(self) -> bool:
@@ -296,14 +248,12 @@ class Engine:
       return
     before = report_lib.Before.of(batch, self.scheduler)
     batch.swapped_out = swap.copy_out(self.state, batch)   # before the step frees them
-    inputs, batch.bucket = build_inputs(batch, before.running, **self._input_kw())
+    inputs, batch.bucket = build_inputs(
+        batch, before.running, buckets=self._buckets, max_seqs=self.cache_config.max_seqs,
+        lookup_len=self._lookup_len, vocab_size=self.model_config.vocab_size,
+        idle_all_greedy=self._last_all_greedy)
     self._dispatch(batch, inputs, before if report else None)
     self._finish_in_flight()
-
-  def _input_kw(self) -> Dict[str, Any]:
-    return dict(buckets=self._buckets, max_seqs=self.cache_config.max_seqs,
-                lookup_len=self._lookup_len, vocab_size=self.model_config.vocab_size,
-                idle_all_greedy=self._last_all_greedy)
 
   def _dispatch(self, batch: Batch, inputs, before) -> None:
     """Swap-ins and the jitted step; the new state is kept before anything can raise."""
@@ -314,21 +264,12 @@ class Engine:
         for group in batch.swapped_in:   # each its own donated call: keep every new state
           self.state = swap.copy_in(self.state, group, [batch.slot(q) for q in group.seqs])
           restored.append(group)
-        if self._host is not None:   # the host tier's one extra call, where needed
-          starts = np.full((self.cache_config.max_seqs,), -1, np.int64)
-          for ch in batch.chunks:
-            if not ch.allocate:
-              starts[ch.slot] = ch.start
-          share = bool(batch.forks or batch.post_forks or restored or any(
-              len(g.seqs) > 1 for g in self.scheduler.running))
-          tier_plan = tier_lib.plan(
-              self._host, inputs, self.scheduler.counts, swapped_in=bool(restored),
-              block_size=self.cache_config.block_size, num_blocks=self.cache_config.num_blocks,
-              num_decode_steps=self.decode_steps_per_sync, starts=starts, may_share=share)
-          if tier_plan is not None:
-            self.state, tier_out = tier_lib.exchange(self.state, tier_plan,
-                                                     self.decode_steps_per_sync)
-            exchanged = (tier_plan, tier_out)
+        # The host tier's one extra call, where needed (kv_tiers.py, tier.py).
+        tier_plan = self._tiers.plan(batch, inputs, self.scheduler, bool(restored))
+        if tier_plan is not None:
+          self.state, tier_out = tier_lib.exchange(self.state, tier_plan,
+                                                   self.decode_steps_per_sync)
+          exchanged = (tier_plan, tier_out)
         self._compiled.note(bucket, self._buckets)   # logs a shape's first (compiling) call
         t0 = time.perf_counter()
         self.state, out = self._step(self.params, self.state, inputs, **bucket.step_kw)
@@ -349,13 +290,9 @@ class Engine:
         self._finish_exchange(*exchanged)
 
   def _finish_exchange(self, tier_plan, tier_out) -> None:
-    """The host side of a host-tier exchange (call with SIGINT held): victims stored on
-    the host, its events and counts recorded."""
-    promoted, counts = tier_lib.finish(self._host, tier_plan, tier_out, self.scheduler.counts)
-    self._kv_events += self._host.take_events()
-    self.scheduler.update(Batch(), counts)
-    self.host_stats.update(calls=1, promoted_blocks=promoted,
-                           prefix_host_hit_tokens=promoted * self.cache_config.block_size)
+    """The host side of a host-tier exchange (call with SIGINT held)."""
+    self.scheduler.update(Batch(), self._tiers.finish(tier_plan, tier_out,
+                                                      self.scheduler.counts))
 
   def _finish_in_flight(self) -> None:
     """Waits for the step in flight (the one host sync) and updates from its outputs."""
@@ -371,10 +308,7 @@ class Engine:
     """`Scheduler.update` and the engine's own records of it (call with SIGINT held)."""
     finished = self.scheduler.update(batch, out)
     self._in_flight = None
-    if out is not None and hasattr(out, "kv_log") and self.prefix_caching:
-      self._kv_events += self._device_view.take(
-          np.asarray(out.kv_log), int(out.kv_log_len),
-          lambda: jax.device_get(_cached_hashes(self.state)))
+    self._tiers.read_step_log(out, self.state)
     for o in finished:
       self._outbox[o.request_id] = o
     if before:
@@ -388,8 +322,7 @@ class Engine:
     exactly. A step still in flight (after an interrupt) is finished first (its one sync);
     otherwise no device work."""
     self._finish_in_flight()
-    out, self._kv_events = self._kv_events, []
-    return out
+    return self._tiers.drain()
 
   def flush(self) -> None:
     """Runs now what the last update left for the next step (frees, beam forks, a
@@ -456,9 +389,7 @@ class Engine:
     """KV usage, queues and prefix-cache hits as of the last step (no device work);
     exact: a returned request's blocks count as free or evictable (`report.metrics`)."""
     out = report_lib.metrics(self.scheduler, self.cache_config, self.stats)
-    out.update(num_host_blocks=self.cache_config.num_host_blocks,
-               num_free_host_blocks=self._host.num_free if self._host is not None else 0,
-               prefix_host_hit_tokens=self.host_stats["prefix_host_hit_tokens"])
+    out.update(self._tiers.metrics())
     return out
 
   def prefix_stats(self) -> Dict[str, float]:
@@ -467,12 +398,7 @@ class Engine:
     if self.state.prefix is None:
       raise ValueError("prefix_stats needs cache_config.enable_prefix_caching=True")
     self._finish_in_flight()
-    d = {k: int(v) for k, v in jax.device_get(_prefix_counters(self.state)).items()}
-    d.update(hit_tokens=self.stats["prefix_hit_tokens"],
-             prefill_tokens=self.stats["prefill_tokens"],
-             computed_tokens=self.stats["computed_tokens"])
-    d["hit_rate"] = d["hit_blocks"] / d["query_blocks"] if d["query_blocks"] else 0.0
-    return d
+    return kv_tiers.prefix_stats(self.state, self.stats)
 
   def reset_prefix_cache(self) -> None:
     """Drops every cached block (running sequences keep theirs) and zeroes the
@@ -480,15 +406,9 @@ class Engine:
     if self.state.prefix is None:
       raise ValueError("reset_prefix_cache needs cache_config.enable_prefix_caching=True")
     self.flush()
-    self.state = _reset_prefix(self.state)
+    self.state = kv_tiers.reset_device_cache(self.state)
     with sigint_deferred():     # both tiers are empty now: one "cleared" event each
-      self._kv_events += self._device_view.clear()
-      if self._host is not None:
-        self._host.clear()
-        self._kv_events += self._host.take_events()
-    c = jax.device_get(_prefix_counters(self.state))
-    free, evictable = int(c["num_free"]), int(c["evictable_blocks"])
-    counts = DeviceCounts(free, free + evictable, evictable,
-                          sole_blocks=self.scheduler.counts.sole_blocks)
+      self._tiers.cleared()
+    counts = kv_tiers.counts_after_reset(self.state, self.scheduler.counts)
     with sigint_deferred():
       self.scheduler.update(Batch(reset_prefix=True), counts)

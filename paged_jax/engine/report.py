@@ -148,6 +148,21 @@ class Before:
         if ok else ())
 
 
+REPORT_COUNTERS = ("device_steps", "swapped_blocks", "generated_tokens")
+
+
+def step_report(sched, base: Tuple[int, ...], applied: Optional[Dict[str, Any]]
+                ) -> Tuple[StepReport, Tuple[int, ...]]:
+  """The StepReport of one `Engine.step()` and the counters it was made at: `base`,
+  the `REPORT_COUNTERS` at the last report; `applied`, `Before.parts` of the step
+  applied (None: none was)."""
+  now = tuple(sched.stats[k] for k in REPORT_COUNTERS)
+  return StepReport(
+      dispatches=now[0] - base[0], swapped_blocks=now[1] - base[1],
+      generated_tokens=now[2] - base[2], num_running_groups=len(sched.running),
+      num_running_seqs=sum(len(g.seqs) for g in sched.running), **(applied or {})), now
+
+
 def metrics(sched, cache_config, stats) -> Dict[str, Any]:
   """`Engine.metrics()`: the scheduler's queues and the device counts of the last step
   (`sched.counts`), with the engine's host counters `stats`; no device work."""

@@ -1,9 +1,10 @@
-"""One request validated in full (prompt, sampling params, fit in the cache)
-before anything changes, and built into a scheduler `Group`."""
+"""Requests in: each validated in full (prompt, sampling params, id, fit in the cache)
+before anything changes, built into a scheduler `Group`, then given its request id,
+arrival order and sequence ids when queued (`Intake`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -56,3 +57,41 @@ def prepare_group(prompt, params, request_id: Any, *, vocab_size: int, cache_con
                seqs=seqs, slots_needed=params.num_seqs, priority=int(priority),
                prompt_scores=scores)
 
+
+
+class Intake:
+  """Builds an engine's Groups (`prepare`, no state changes) and numbers them (`number`).
+
+  Args:
+    in_use: request_id -> bool, the ids the engine holds (queued, running, or finished
+      and not yet returned); **limits: `prepare_group`'s keywords.
+  """
+
+  def __init__(self, in_use: Callable[[Any], bool], **limits):
+    self._in_use, self._limits = in_use, limits
+    self._next_id = self._arrivals = self._seq_ids = 0
+
+  def prepare(self, prompt, params, request_id, priority: int = 0) -> Group:
+    """Validates one request (no state changes) and builds its Group."""
+    try:
+      hash(request_id)
+    except TypeError:
+      raise ValueError(f"request_id must be hashable, got {type(request_id).__name__}") from None
+    if request_id is not None and self._in_use(request_id):
+      raise ValueError(f"request_id {request_id!r} is already in use")
+    return prepare_group(prompt, params, request_id, priority=priority, **self._limits)
+
+  def number(self, group: Group) -> Group:
+    """Gives the group its id (automatic ids skip any id in use), its arrival order and
+    its sequences' ids."""
+    if group.request_id is None:
+      while self._in_use(self._next_id):
+        self._next_id += 1
+      group.request_id = self._next_id
+      self._next_id += 1
+    group.arrival = self._arrivals
+    self._arrivals += 1
+    for q in group.seqs:
+      q.seq_id = self._seq_ids
+      self._seq_ids += 1
+    return group

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import chex
 import flax
@@ -22,39 +22,66 @@ from paged_jax.prefix_cache import step as prefix_step
 
 
 @flax.struct.dataclass
+class KVGroup:
+  """One KV group: the layers that share a block table (vLLM v1's KV cache group).
+
+  Attributes:
+    blocks: its BlockState (block tables, ref counts, free stack); every group has the
+      same slots and lengths.
+    pages: its KVPages, [num_layers_in_group, kv_heads, num_blocks, block_size, D].
+    window: its keep rule, static: 0 keeps every block (full attention); W > 0 keeps
+      only the blocks inside a W-token sliding window (`paged_jax.block_window`), and a
+      prefix hit needs only those (`prefix_cache.sliding`).
+  """
+  blocks: bm.BlockState
+  pages: kv_cache.KVPages
+  window: int = flax.struct.field(pytree_node=False, default=0)
+
+
+@flax.struct.dataclass
 class EngineState:
   """Everything the device keeps between steps (donated into every step).
 
   Attributes:
-    blocks: the BlockState (block tables, ref counts, free stack).
-    pages: the KVPages.
+    groups: the KV groups, a tuple of KVGroup: [0] the full-attention layers' (the one
+      the prefix cache hashes and the host plans with), then, with hybrid KV
+      (`CacheConfig.sliding_layers`), the sliding-window layers' (its pool sized so it
+      never runs short: `CacheConfig.sliding_pool`).
     prefix: the prefix cache's `PrefixStepState` (None without prefix caching).
-    sliding_blocks: hybrid KV only (`CacheConfig.sliding_layers`, else None): the
-      sliding-window layers' BlockState (same slots and lengths as `blocks`, blocks out
-      of the window released; `paged_jax.block_window`).
-    sliding_pages: hybrid KV only: the sliding-window layers' KVPages (`pages` then holds
-      the full-attention layers').
   """
-  blocks: bm.BlockState
-  pages: kv_cache.KVPages
+  groups: Tuple[KVGroup, ...]
   prefix: Any = None
-  sliding_blocks: Any = None
-  sliding_pages: Any = None
+
+  @property
+  def blocks(self) -> bm.BlockState:
+    """The full-attention group's BlockState (group 0)."""
+    return self.groups[0].blocks
+
+  @property
+  def pages(self) -> kv_cache.KVPages:
+    """The full-attention group's KVPages (group 0)."""
+    return self.groups[0].pages
+
+  def with_full(self, blocks=None, pages=None, **fields) -> "EngineState":
+    """This state with group 0's `blocks` / `pages` (those given) and other `fields`."""
+    g = self.groups[0]
+    g = g.replace(blocks=g.blocks if blocks is None else blocks,
+                  pages=g.pages if pages is None else pages)
+    return self.replace(groups=(g,) + tuple(self.groups[1:]), **fields)
 
 
 def init_state(cache_config, *, scale_rows: bool = False, **prefix_kwargs) -> EngineState:
   """An empty EngineState (prefix state iff `cache_config.enable_prefix_caching`; the
-  sliding pool iff hybrid KV). `scale_rows`: int8 / fp8 scales held as scale rows, the
+  sliding group iff hybrid KV). `scale_rows`: int8 / fp8 scales held as scale rows, the
   TPU kernels' layout (`kv_cache.scale_rows_for(attention_backend)`)."""
   prefix = (prefix_step.init(cache_config, **prefix_kwargs)
             if cache_config.enable_prefix_caching else None)
-  sliding_blocks = sliding_pages = None
+  groups = [KVGroup(bm.init(cache_config), kv_cache.init(cache_config, scale_rows=scale_rows))]
   if cache_config.hybrid:
-    sliding_blocks = bm.init(cache_config.sliding_pool())
-    sliding_pages = kv_cache.init_sliding(cache_config, scale_rows=scale_rows)
-  pages = kv_cache.init(cache_config, scale_rows=scale_rows)
-  return EngineState(blocks=bm.init(cache_config), pages=pages,
-                     prefix=prefix, sliding_blocks=sliding_blocks, sliding_pages=sliding_pages)
+    groups.append(KVGroup(bm.init(cache_config.sliding_pool()),
+                          kv_cache.init_sliding(cache_config, scale_rows=scale_rows),
+                          window=cache_config.sliding_window))
+  return EngineState(groups=tuple(groups), prefix=prefix)
 
 
 def _field(dims, fill=0, dtype=np.int32):

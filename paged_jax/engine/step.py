@@ -44,8 +44,8 @@ traces once per bucket; `TRACE_COUNT` counts traces for the no-retracing tests.
 
 KV groups: the step holds its pools as a list (`bs` BlockStates, `pgs` pages): the
 full-attention group first (the one the prefix cache hashes), then, with hybrid KV
-(`CacheConfig.sliding_layers`), the sliding-window layers' group (`state.sliding_blocks`
-/ `sliding_pages`). Every free, fork, reservation and decode-loop append runs on each
+(`CacheConfig.sliding_layers`), the sliding-window layers' group (`state.groups`, each
+a `KVGroup`: its BlockState, pages and keep rule, `window`). Every free, fork, reservation and decode-loop append runs on each
 group alike (a reservation fails if any group's does, and then none changes), each with
 its own copy-on-write pairs and metadata (`AttentionMetadata.sliding`); at the end of the
 step a windowed group gives back the blocks that slid out of every window
@@ -141,7 +141,7 @@ def _lanes(mask, num_lanes: int):
 
 def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candidates: int,
               name: str = "engine_step", max_evict: int = 0, jit: bool = True,
-              sliding_window: int = 0, sliding_layers: tuple = (), num_spec_tokens: int = 0):
+              sliding_layers: tuple = (), num_spec_tokens: int = 0):
   """Builds the jitted step.
 
   Args:
@@ -152,8 +152,8 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     max_evict: static bound on blocks evicted per step (prefix caching;
       `prefix_cache.step.max_new_blocks`).
     jit: False returns the plain function (for `jax.eval_shape` / tracing).
-    sliding_window, sliding_layers: hybrid KV (`CacheConfig`'s fields; used iff
-      `state.sliding_blocks` is set).
+    sliding_layers: hybrid KV's sliding-window layers (`CacheConfig.sliding_layers`;
+      used iff `state.groups` has a windowed group, whose `window` the state carries).
     num_spec_tokens: k, speculative decoding's drafts per row (0: off); its `spec`
       variant verifies them (`speculative.first_iteration`) and rolls back the rejected.
 
@@ -188,10 +188,8 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
     # The KV groups, as lists: [0] the full-attention pool (the prefix cache's), then, with
     # hybrid KV, the sliding-window one. Every block op below runs on each group alike;
     # only the prefix cache's ops (group 0) and the end-of-step release rule differ.
-    bs, pgs = [state.blocks], [state.pages]
-    if state.sliding_blocks is not None:
-      bs, pgs = bs + [state.sliding_blocks], pgs + [state.sliding_pages]
-    windows = [0] + [sliding_window] * (len(bs) - 1)   # 0: keeps every block
+    bs, pgs = [g.blocks for g in state.groups], [g.pages for g in state.groups]
+    windows = [g.window for g in state.groups]   # 0: keeps every block
     s_max = bs[0].max_seqs
     check_inputs(inp, s_max)
     rows = inp.row_slot.shape[0]          # R: row bucket (live rows and sampled slots)
@@ -372,9 +370,9 @@ def make_step(apply_fn: Callable[..., Any], *, num_decode_steps: int, num_candid
                         prefix_query_blocks=ps.cache.query_blocks,
                         sole_blocks=sole_blocks(b, ps.cache.cached))
     out = out.replace(sliding_free=bs[1].num_free) if hybrid else out
-    return EngineState(blocks=b, pages=pgs[0], prefix=ps,
-                       sliding_blocks=bs[1] if hybrid else None,
-                       sliding_pages=pgs[1] if hybrid else None), out
+    bs[0] = b
+    return EngineState(groups=tuple(g.replace(blocks=x, pages=p) for g, x, p in
+                                    zip(state.groups, bs, pgs)), prefix=ps), out
 
   if not jit:
     return step

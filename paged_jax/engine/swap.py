@@ -152,7 +152,7 @@ def _swap_in(state: EngineState, slots, tables, num_tokens, num_blocks, data):
                                          width=width)
   ids = jnp.where(fresh >= 0, fresh, blocks.num_blocks)   # out of range: dropped
   pages = kv_cache.write_blocks(state.pages, ids, data)
-  return EngineState(blocks=blocks, pages=pages, prefix=prefix), status
+  return state.with_full(blocks=blocks, pages=pages, prefix=prefix), status
 
 
 def swap_in(state: EngineState, slots: Union[int, Sequence[int]], saved: SwappedKV):

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Dict, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 from jax import lax
@@ -273,7 +273,7 @@ def _exchange(state: EngineState, need_in, slot, length, start, tokens, root, ta
   out = dict(victim_meta=v_meta, victim_ok=v_ok, victim_pages=v_pages, promoted=k,
              device_hit=n_dev,
              num_free=b.num_free, num_evictable=evictable)
-  return state.replace(blocks=b, pages=pages, prefix=ps.replace(cache=cache)), out
+  return state.with_full(blocks=b, pages=pages, prefix=ps.replace(cache=cache)), out
 
 
 def exchange(state: EngineState, p: Plan, num_decode_steps: int):

@@ -39,6 +39,17 @@ def request_output(group: Group, seqs: List[Sequence]) -> RequestOutput:
       **_prompt_fields(group.prompt_scores))
 
 
+def partial_output(group: Group) -> RequestOutput:
+  """What a queued or running group has so far: its samples in index order (a running
+  sample's finish reason None); beams give empty outputs (hypotheses change until the
+  end)."""
+  if group.params.beam_width > 1:
+    n = group.params.n
+    return RequestOutput(group.request_id, group.prompt, [[] for _ in range(n)], [None] * n)
+  return request_output(group, sorted(list(group.seqs) + list(group.finished),
+                                      key=lambda q: q.index))
+
+
 def _prompt_fields(scores) -> Dict[str, Any]:
   """RequestOutput's prompt_logprobs / prompt_top_logprobs from `Group.prompt_scores`."""
   if scores is None:

@@ -343,11 +343,12 @@ def counters(ps: PrefixStepState, blocks: bm.BlockState):
   return out
 
 
-def reset(ps: PrefixStepState, blocks: bm.BlockState, sliding=None):
+def reset(ps: PrefixStepState, blocks: bm.BlockState, *sliding):
   """Drops every cached block (`evict.reset`) and, with hybrid KV, every companion of
-  the sliding pool `sliding`; running sequences keep theirs. Returns (ps, blocks, sliding)."""
+  the sliding pool (`sliding`: its BlockState, the one windowed group); running sequences
+  keep theirs. Returns (ps, blocks, *sliding)."""
   cache, blocks = evict.reset(ps.cache, blocks)
   ps = ps.replace(cache=cache)
   if ps.sliding is not None:
-    ps, sliding = drop_stale(ps, sliding)
-  return ps, blocks, sliding
+    ps, *sliding = drop_stale(ps, *sliding)
+  return (ps, blocks, *sliding)
