@@ -91,8 +91,8 @@ class Tally:
 
 
 def instrument(engine) -> Tally:
-  """Counts `engine`'s steps into a new Tally (wraps its `scheduler.schedule` and `step`;
-  one jitted step per `step()`, decode_steps_per_sync 1, no prefix caching)."""
+  """Counts `engine`'s steps into a new Tally (wraps its `scheduler.schedule` and `step`:
+  drive it with `step()`, not `generate`; decode_steps_per_sync 1, no prefix caching)."""
   from paged_jax.engine.sequence import SeqState  # pylint: disable=g-import-not-at-top
   if engine.decode_steps_per_sync != 1 or engine.prefix_caching:
     raise ValueError("speculative_blocks.instrument needs decode_steps_per_sync 1 and no "
@@ -176,8 +176,11 @@ def cpu_run(f: Config, k: int) -> Dict:
   cf = spec_cpu.Config(ks=(k,), requests=f.cpu_requests, gen=f.cpu_gen, seed=f.seed)
   engine = spec_cpu._engine(cf, models.load_hf_checkpoint(models.DEFAULT_CHECKPOINT), k)  # pylint: disable=protected-access
   tally = instrument(engine)
-  engine.generate(spec_cpu.workload(cf, "repetitive"),
-                  SamplingParams(max_tokens=f.cpu_gen, temperature=0.0))
+  sp = SamplingParams(max_tokens=f.cpu_gen, temperature=0.0)
+  for prompt in spec_cpu.workload(cf, "repetitive"):
+    engine.add_request(prompt, sp)
+  while engine.has_unfinished():   # step() is what `instrument` counts
+    engine.step()
   m = engine.metrics()
   return dict(run="cpu", k=k, alpha=None, tally=dataclasses.asdict(tally),
               **tally.summary(), acceptance=m["spec_accepted_tokens"] / max(1, m["spec_draft_tokens"]))
