@@ -18,9 +18,10 @@ rejected ones rolled back.
 
 Where KV memory binds: `--kv_fraction` < 1 gives the pool that share of the deployment's
 budget (and the stream's slots, `sweep.system_sizes`, shrink with it), and
-`--fixed_rate_fraction` near 1 loads it; `kv_rows` then shows the batch and preemptions
-beside each (k, alpha) (also at the highest rate tried within the SLO) and the share of
-decode rows that drafted, which the back-off (`speculative.STEP_MIN_GAIN`, per sequence
+`--fixed_rate_fraction` near 1 loads it; `kv_rows` then shows each (k, alpha)'s
+saturation throughput (every request at t = 0: the pool full) with its batch and
+preemptions, the same at the highest rate tried within the SLO, and the share of decode
+rows that drafted, which the back-off (`speculative.STEP_MIN_GAIN`, per sequence
 and engine-wide; not a config key) thins out. The fixed-rate point also counts what a
 'keep' rule for rejected blocks would change (`speculative_blocks.instrument`).
 
@@ -30,7 +31,8 @@ and bisection (`rate_search.bracket_and_bisect`; "interpolated" between the last
 under and over it; censored, ">= X", when no rate tried missed the SLO: a stream of
 `--num_requests` drains in bounded time, so a configuration fast enough never crosses),
 and TPOT p50 / p99 at `--fixed_rate_fraction` x speculation-off's max rate (a moderately
-loaded server). Where lookahead's KV and compute cost outweighs its
+loaded server). `--nosearch` skips the searches (a point each costs minutes of CPU):
+saturation throughput and TPOT at `--fixed_rate_fraction` x off's saturation rate. Where lookahead's KV and compute cost outweighs its
 gain shows as a max rate below speculation off's. Writes OUT/speculative_scale.json.
 """
 
@@ -76,6 +78,9 @@ class Config(configs.ExperimentConfig):
   full_drafts: bool = configs.flag(False, "every draft is k tokens (the ones after its first "
                                    "wrong token wrong too, as prompt lookup or a draft "
                                    "model proposes k); off: it ends at its first wrong token")
+  search: bool = configs.flag(True, "search each configuration's max rate at the SLO "
+                              "(off: saturation throughput and the fixed-rate point only, "
+                              "TPOT at --fixed_rate_fraction x off's saturation rate)")
   seed: int = configs.flag(0, "stream seed", lower=0)
   out: str = configs.flag("results/speculative_scale", "output directory")
 
@@ -155,54 +160,61 @@ class Setup:
         sizes=self.sizes, clock=s.clock(bs), preemption_mode="recompute", engine_fn=make)
 
 
+def _load(point: Dict) -> Dict:
+  """A point's batch and preemptions: mean / max running requests, preemptions, steps."""
+  return dict(preemptions=point["preemptions"], mean_running=point["mean_running"],
+              max_running=point["max_running"], steps=point["steps"])
+
+
 def run(f: Config) -> Dict:
   from experiments import speculative_blocks  # pylint: disable=g-import-not-at-top
   setup = Setup(f)
   norm = lambda p: p["summary"]["normalized_latency_s_per_token"]
-  probe = rate_search.probe_rate(setup.point(0, 1.0, float("inf")))
+  probe_point = setup.point(0, 1.0, float("inf"))
+  probe = rate_search.probe_rate(probe_point)
   unloaded = norm(setup.point(0, 1.0, probe * rate_search.UNLOADED_FRACTION))
   slo = latency.slo_from_unloaded([unloaded], f.slo_factor)
   configs_run: List[Tuple[int, float]] = [(0, 1.0)] + [(k, a) for k in f.ks for a in f.alphas]
-  rows, off_rate = [], None
+  rows, off_rate, off_sat = [], None, probe
   for k, alpha in common.progress(configs_run, total=len(configs_run)):
-    runs: Dict[float, Dict] = {}
+    # Saturation: every request at t = 0, the pool full (where KV memory binds most).
+    sat = probe_point if k == 0 else setup.point(k, alpha, float("inf"))
+    row = dict(k=k, alpha=alpha if k else None, saturation_req_s=rate_search.probe_rate(sat),
+               saturation=_load(sat), max_rate=None, found=None, censored=None, vs_off=None,
+               curve=[], curve_load=[], at_slo=None)
+    row["saturation_vs_off"] = row["saturation_req_s"] / off_sat
+    if f.search:
+      runs: Dict[float, Dict] = {}
 
-    def measure(rate: float, k=k, alpha=alpha, runs=runs) -> float:
-      runs[rate] = setup.point(k, alpha, rate)
-      return norm(runs[rate])
+      def measure(rate: float, k=k, alpha=alpha, runs=runs) -> float:
+        runs[rate] = setup.point(k, alpha, rate)
+        return norm(runs[rate])
 
-    start = off_rate or rate_search.PROBE_FACTOR * probe
-    curve = rate_search.bracket_and_bisect(measure, start, slo, rel_tol=0.05,
-                                           max_points=f.max_points)
-    found = latency.max_rate_at_slo([r for r, _ in curve], [v for _, v in curve], slo)
-    best = found["interpolated"] or found["swept"]
-    if k == 0:
-      off_rate = best
+      start = off_rate or rate_search.PROBE_FACTOR * probe
+      curve = rate_search.bracket_and_bisect(measure, start, slo, rel_tol=0.05,
+                                             max_points=f.max_points)
+      found = latency.max_rate_at_slo([r for r, _ in curve], [v for _, v in curve], slo)
+      best = found["interpolated"] or found["swept"]
+      if k == 0:
+        off_rate = best
+      under = [r for r, v in curve if v <= slo]
+      row.update(max_rate=best, found=found, censored=found["interpolated"] is None,
+                 vs_off=best / off_rate, curve=[(r, v) for r, v in curve],
+                 curve_load=[dict(rate=r, **_load(runs[r])) for r, _ in curve],
+                 # the highest rate tried within the SLO
+                 at_slo=dict(rate=max(under), **_load(runs[max(under)])) if under else None)
     tallies = []
-    fixed = setup.point(k, alpha, f.fixed_rate_fraction * off_rate,
+    fixed_rate = f.fixed_rate_fraction * (off_rate if f.search else off_sat)
+    fixed = setup.point(k, alpha, fixed_rate,
                         on_engine=lambda e, t=tallies: t.append(speculative_blocks.instrument(e)))
     m = setup.made[0].metrics()
-    under = [r for r, v in curve if v <= slo]
-    at_slo = runs[max(under)] if under else None   # the highest rate tried within the SLO
-    rows.append(dict(k=k, alpha=alpha if k else None, max_rate=best, found=found,
-                     censored=found["interpolated"] is None,
-                     vs_off=best / off_rate if off_rate else None,
-                     curve=[(r, v) for r, v in curve],
-                     curve_load=[dict(rate=r, preemptions=runs[r]["preemptions"],
-                                      mean_running=runs[r]["mean_running"],
-                                      max_running=runs[r]["max_running"],
-                                      steps=runs[r]["steps"]) for r, _ in curve],
-                     tpot_p50_s=fixed["summary"]["tpot_p50_s"],
-                     tpot_p99_s=fixed["summary"]["tpot_p99_s"],
-                     fixed_rate=f.fixed_rate_fraction * off_rate,
-                     acceptance=(m.get("spec_accepted_tokens", 0) / m["spec_draft_tokens"]
-                                 if m.get("spec_draft_tokens") else None),
-                     preemptions=fixed.get("preemptions"),
-                     mean_running=fixed.get("mean_running"), steps=fixed.get("steps"),
-                     blocks=dict(dataclasses.asdict(tallies[-1]), **tallies[-1].summary()),
-                     at_slo=None if at_slo is None else dict(
-                         rate=max(under), preemptions=at_slo["preemptions"],
-                         mean_running=at_slo["mean_running"])))
+    row.update(tpot_p50_s=fixed["summary"]["tpot_p50_s"],
+               tpot_p99_s=fixed["summary"]["tpot_p99_s"], fixed_rate=fixed_rate,
+               acceptance=(m.get("spec_accepted_tokens", 0) / m["spec_draft_tokens"]
+                           if m.get("spec_draft_tokens") else None),
+               blocks=dict(dataclasses.asdict(tallies[-1]), **tallies[-1].summary()),
+               **_load(fixed))
+    rows.append(row)
   return {"setting": setup.setting.as_dict(), "kv_budget_tokens": setup.budget,
           "max_seqs": setup.sizes["max_seqs"], "slo_s_per_token": slo,
           "unloaded_s_per_token": unloaded, "probe_req_s": probe, "rows": rows}
@@ -217,30 +229,34 @@ def summary_rows(result: Dict):
           for r in result["rows"]]
 
 
-KV_HEADERS = ("k", "alpha", "max rate at SLO (req/s)", "vs off", "TPOT p50 (ms)",
-              "acceptance", "drafting rows / decode rows", "mean batch", "preemptions",
-              "mean batch at max rate", "preemptions at max rate")
+KV_HEADERS = ("k", "alpha", "acceptance", "drafting rows / decode rows",
+              "saturation (req/s)", "vs off", "mean batch", "preemptions",
+              "max rate at SLO (req/s)", "vs off", "mean batch at max rate",
+              "preemptions at max rate", "TPOT p50 (ms)", "TPOT p50 rate (req/s)")
 
 
 def kv_rows(result: Dict):
-  """The table of a sweep where KV memory binds: beside max rate and TPOT, the batch
-  (mean running requests) and preemptions at the TPOT rate and at the highest rate
-  tried within the SLO, and the share of decode rows that drafted (the back-off's)."""
+  """A sweep where KV memory binds: each (k, alpha)'s saturation throughput (every
+  request at t = 0) with its batch (mean running requests) and preemptions, the max rate
+  at the SLO with the batch and preemptions at the highest rate tried within it ("-":
+  not searched, --nosearch), TPOT p50 at the fixed rate, and the share of decode rows
+  that drafted (the back-off thins it)."""
   ms = lambda s: None if s is None else 1000 * s
-  rate = lambda r: f">= {r['max_rate']:.3g}" if r.get("censored") else r["max_rate"]
+  dash = lambda x: "-" if x is None else x
+  rate = lambda r: (f">= {r['max_rate']:.3g}" if r.get("censored") else dash(r["max_rate"]))
   at = lambda r, key: "-" if r.get("at_slo") is None else r["at_slo"][key]
-  return [("off" if r["k"] == 0 else r["k"], "-" if r["alpha"] is None else r["alpha"],
-           rate(r), r["vs_off"], ms(r["tpot_p50_s"]),
-           "-" if r["acceptance"] is None else r["acceptance"],
-           r["blocks"]["drafting_share"] if r["k"] else "-", r["mean_running"],
-           r["preemptions"], at(r, "mean_running"), at(r, "preemptions"))
+  return [("off" if r["k"] == 0 else r["k"], dash(r["alpha"]), dash(r["acceptance"]),
+           r["blocks"]["drafting_share"] if r["k"] else "-", r["saturation_req_s"],
+           r["saturation_vs_off"], r["saturation"]["mean_running"],
+           r["saturation"]["preemptions"], rate(r), dash(r["vs_off"]), at(r, "mean_running"),
+           at(r, "preemptions"), ms(r["tpot_p50_s"]), r["fixed_rate"])
           for r in result["rows"]]
 
 
 def main(f: Config, out):
   """Runs with settings `f` into directory `out` (the `common.run_app` main)."""
   result = common.timed_result(lambda: run(f), f)
-  common.report(result, out, "speculative_scale.json", summary_rows(result), HEADERS)
+  common.report(result, out, "speculative_scale.json", kv_rows(result), KV_HEADERS)
 
 
 if __name__ == "__main__":
