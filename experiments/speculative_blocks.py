@@ -191,14 +191,13 @@ def paper_run(f: Config, k: int, alpha: float) -> Dict:
   from experiments import speculative_scale  # pylint: disable=g-import-not-at-top
   sf = speculative_scale.Config(num_requests=f.num_requests, seed=f.seed, full_drafts=True,
                                 kv_fraction=f.kv_fraction)
-  tallies = []
-  p = speculative_scale.Setup(sf).point(k, alpha, f.paper_rate,
-                                        on_engine=lambda e: tallies.append(instrument(e)))
+  tallies, setup = [], speculative_scale.Setup(sf)
+  p = setup.point(k, alpha, f.paper_rate, on_engine=lambda e: tallies.append(instrument(e)))
   tally = tallies[-1]
   s = tally.summary()
-  model = speculative_scale.paper_scale.setting(sf.model, sf.gpu).as_dict()
+  model = setup.setting.as_dict()
   bw = model["gpu"]["hbm_bandwidth"] * model["efficiency"]["elementwise_bandwidth"]["value"]
-  step_s = p["seconds"] / max(1, p["steps"])
+  step_s = setup.clock.device_s / max(1, setup.clock.num_steps)   # model s a device step
   return dict(run="paper", k=k, alpha=alpha, tally=dataclasses.asdict(tally), **s,
               rate=f.paper_rate, preemptions=p["preemptions"], model_step_s=step_s,
               pop_s=POP_BYTES / bw, saved_pop_s_per_step=s["saved_pops_per_step"] * POP_BYTES / bw,

@@ -154,10 +154,11 @@ class Setup:
         on_engine(self.made[0])
       return self.made[0]
     bs = paper_scale.BLOCK_SIZE
+    self.clock = s.clock(bs)   # the point's model clock (device_s, num_steps after it)
     return rate_search.serve_point(
         "paged", rate, self.f.num_requests, workload=self.f.workload, seed=self.f.seed,
         max_len=s.max_len, scale=s.scale, kv_budget_tokens=self.budget, block_size=bs,
-        sizes=self.sizes, clock=s.clock(bs), preemption_mode="recompute", engine_fn=make)
+        sizes=self.sizes, clock=self.clock, preemption_mode="recompute", engine_fn=make)
 
 
 def _load(point: Dict) -> Dict:
