@@ -148,3 +148,14 @@ def test_block_tally_on_the_engine_matches_its_used_blocks_every_step():
   t = row["tally"]
   assert t["checked_steps"] > 0 and t["mismatched_steps"] == 0
   assert t["draft_rows"] > 0 and 0 <= t["saved_pops"] <= t["pops"]
+
+
+def test_paper_run_smoke_counts_match_the_engine_and_render():
+  """A 10-request paper-scale point (OPT-13B / A100-40GB, half the KV budget): the tally
+  agrees with the engine every step, and the section's row renders."""
+  row = speculative_blocks.paper_run(
+      speculative_blocks.Config(num_requests=10, kv_fraction=0.5, paper_rate=2.0), 2, 0.6)
+  assert row["tally"]["mismatched_steps"] == 0 and row["tally"]["draft_rows"] > 0
+  assert 0 < row["pop_s"] < 1e-9 and row["model_step_s"] > 0.01   # ps vs tens of ms
+  (rendered,) = speculative_blocks.summary_rows({"rows": [row]})
+  assert rendered[:3] == ("paper", 2, 0.6) and len(rendered) == len(speculative_blocks.HEADERS)
