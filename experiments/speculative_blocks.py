@@ -35,7 +35,8 @@ from experiments import configs
 
 HEADERS = ("run", "k", "alpha", "drafting rows / decode rows", "blocks freed by rollback "
            "/ step", "pops 'keep' saves / step (next step)", "extra blocks 'keep' holds / step",
-           "rows 'keep' costs (% of batch)", "mismatched steps")
+           "rows 'keep' costs (% of batch)", "pop time 'keep' saves (model s / step)",
+           "rows' time 'keep' costs where KV binds (model s / step)", "mismatched steps")
 POP_BYTES = 12   # assumption: a pop reads the stack top, writes a table entry and a refcount
 
 
@@ -213,9 +214,11 @@ def run(f: Config) -> Dict:
 
 
 def summary_rows(result: Dict):
+  sci = lambda x: "-" if x is None else f"{x:.2g}"
   return [(r["run"], r["k"], "-" if r["alpha"] is None else r["alpha"], r["drafting_share"],
            r["freed_per_step"], f"{r['saved_pops_per_step']:.3f} ({r['saved_next_per_step']:.3f})",
            r["kept_blocks_per_step"], f"{r['rows_lost']:.3f} ({100 * r['rows_lost_share']:.2f}%)",
+           sci(r.get("saved_pop_s_per_step")), sci(r.get("kept_cost_s_per_step")),
            r["tally"]["mismatched_steps"]) for r in result["rows"]]
 
 
