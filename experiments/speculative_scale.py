@@ -231,8 +231,8 @@ def summary_rows(result: Dict):
 
 
 KV_HEADERS = ("k", "alpha", "acceptance", "drafting rows / decode rows",
-              "saturation (req/s)", "vs off", "mean batch", "preemptions",
-              "max rate at SLO (req/s)", "vs off", "mean batch at max rate",
+              "saturation (req/s)", "saturation vs off", "mean batch", "preemptions",
+              "max rate at SLO (req/s)", "max rate vs off", "mean batch at max rate",
               "preemptions at max rate", "TPOT p50 (ms)", "TPOT p50 rate (req/s)")
 
 
@@ -252,6 +252,16 @@ def kv_rows(result: Dict):
            r["saturation"]["preemptions"], rate(r), dash(r["vs_off"]), at(r, "mean_running"),
            at(r, "preemptions"), ms(r["tpot_p50_s"]), r["fixed_rate"])
           for r in result["rows"]]
+
+
+KV_RUNS_HEADERS = ("run", "KV budget", "seed") + KV_HEADERS
+
+
+def kv_runs_rows(doc: Dict):
+  """`kv_rows` of several runs, {"runs": [(name, result), ...]}, each row led by the
+  run's name, its share of the KV budget (--kv_fraction) and its stream seed."""
+  return [(name, d["flags"]["kv_fraction"], d["flags"]["seed"]) + tuple(row)
+          for name, d in doc["runs"] for row in kv_rows(d)]
 
 
 def main(f: Config, out):

@@ -159,3 +159,26 @@ def test_paper_run_smoke_counts_match_the_engine_and_render():
   assert 0 < row["pop_s"] < 1e-9 and row["model_step_s"] > 0.01   # ps vs tens of ms
   (rendered,) = speculative_blocks.summary_rows({"rows": [row]})
   assert rendered[:3] == ("paper", 2, 0.6) and len(rendered) == len(speculative_blocks.HEADERS)
+
+
+def test_kv_rows_render_searched_and_unsearched_runs():
+  """kv_runs_rows: a row per (run, configuration) led by the run's name, KV share and
+  seed; an unsearched run (--nosearch) shows '-' for the max rate and its batch."""
+  load = dict(preemptions=5, mean_running=9.5, max_running=12, steps=100)
+  base = dict(saturation_req_s=1.5, saturation_vs_off=1.0, saturation=load, tpot_p50_s=0.02,
+              fixed_rate=3.0, acceptance=None, blocks={"drafting_share": 0.0}, **load)
+  searched = dict(base, k=0, alpha=None, max_rate=4.0, censored=False, vs_off=1.0,
+                  at_slo=dict(rate=3.9, **load))
+  unsearched = dict(base, k=4, alpha=0.5, max_rate=None, censored=None, vs_off=None,
+                    at_slo=None, acceptance=0.25, blocks={"drafting_share": 0.2})
+  doc = {"runs": [("a", {"flags": {"kv_fraction": 0.5, "seed": 1}, "rows": [searched]}),
+                  ("b", {"flags": {"kv_fraction": 1.0, "seed": 0}, "rows": [unsearched]})]}
+  rows = speculative_scale.kv_runs_rows(doc)
+  h = speculative_scale.KV_RUNS_HEADERS
+  assert all(len(r) == len(h) for r in rows)
+  a, b = (dict(zip(h, r)) for r in rows)
+  assert (a["run"], a["KV budget"], a["seed"], a["k"]) == ("a", 0.5, 1, "off")
+  assert a["max rate at SLO (req/s)"] == 4.0 and a["mean batch at max rate"] == 9.5
+  assert a["TPOT p50 (ms)"] == pytest.approx(20.0)
+  assert (b["k"], b["alpha"], b["drafting rows / decode rows"]) == (4, 0.5, 0.2)
+  assert b["max rate at SLO (req/s)"] == "-" and b["preemptions at max rate"] == "-"
