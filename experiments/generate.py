@@ -7,7 +7,9 @@ Qwen2.5, Qwen3, Mistral, Gemma-2, Gemma-3 text; see paged_jax/hf_config.py).
 
 Prints only JSON on stdout: {"outputs": [[ids...], ...]} (one list per prompt;
 with n > 1 or beam search, sample / hypothesis 0), plus "text" (decoded) when
---prompt is given. Text goes through the checkpoint's own tokenizer.json (the
+--prompt is given, and "speculative" (draft tokens proposed and accepted) with
+--speculative_config='{"method": "ngram", "num_speculative_tokens": 3}' (vLLM's keys,
+as the server's flag; docs/notes/speculative.md). Text goes through the checkpoint's own tokenizer.json (the
 `tokenizers` package), or the byte-level tokenizer of the shipped default model.
 Logs (cache sizing etc.) go to stderr. Cache shapes come from the checkpoint's
 config (layers, KV heads, head dim), so any model size works; by default the
@@ -63,6 +65,9 @@ class Config(configs.ExperimentConfig):
   hybrid_kv: Optional[bool] = configs.flag(
       None, "sliding-window layers give back blocks that slid out of the window (needs "
       "sliding and full layers; recompute); default: on for such models (Gemma-2 / 3)")
+  speculative_config: Optional[str] = configs.flag(
+      None, "speculative decoding as JSON, vLLM's keys (as python -m paged_jax.serve), e.g. "
+      "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'")
 
   def check(self) -> None:
     # Checks that need no model, so a bad value fails in a blink.
@@ -73,6 +78,7 @@ class Config(configs.ExperimentConfig):
       parse_ids(self.prompt_ids, "prompt_ids")
     if self.stop_token_ids is not None:
       parse_ids(self.stop_token_ids, "stop_token_ids")
+    parse_speculative(self.speculative_config)
 
 
 def define_flags(flag_values=None):
@@ -97,6 +103,26 @@ def parse_ids(text: str, name: str):
       raise ValueError(f"--{name}: ids must be >= 0, got {min(ids)} in {text!r}")
     out.append(ids)
   return out
+
+
+def parse_speculative(text: Optional[str]) -> Optional[dict]:
+  """--speculative_config's JSON -> the engine's `speculative_config` dict (None: off),
+  checked by `speculative.parse`; a one-line ValueError naming the flag otherwise."""
+  if text is None:
+    return None
+  try:
+    config = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"--speculative_config must be a JSON object, got {text!r} ({e})"
+                     ) from None
+  if not isinstance(config, dict):
+    raise ValueError(f"--speculative_config must be a JSON object, got {text!r}")
+  from paged_jax.engine import speculative  # pylint: disable=g-import-not-at-top
+  try:
+    speculative.parse(config)
+  except ValueError as e:
+    raise ValueError(f"--speculative_config: {e}") from None
+  return config
 
 
 def run(config: Optional[Config] = None, **fields) -> dict:
@@ -141,11 +167,16 @@ def run(config: Optional[Config] = None, **fields) -> dict:
                   max_num_batched_tokens=c.max_num_batched_tokens,
                   decode_steps_per_sync=c.decode_steps_per_sync,
                   preemption_mode=c.preemption_mode, attention_backend=c.attention_backend,
-                  max_beam_width=max(4, c.beam_width))
+                  max_beam_width=max(4, c.beam_width),
+                  speculative_config=parse_speculative(c.speculative_config))
   outs = engine.generate(prompts, sp)
   logging.info("preemptions=%d swaps=%d steps=%d", engine.num_preemptions, engine.num_swaps,
                engine.stats["steps"])
   result = {"outputs": [o.outputs[0] for o in outs]}
+  if c.speculative_config is not None:   # drafts proposed / accepted (Engine.metrics)
+    m = engine.metrics()
+    result["speculative"] = {key: m[key] for key in ("spec_draft_tokens",
+                                                      "spec_accepted_tokens")}
   if prompt:
     result["text"] = [tok.decode(o.outputs[0]) for o in outs]
     for p, t in zip(prompt, result["text"]):

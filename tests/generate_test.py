@@ -1,6 +1,10 @@
 """experiments.generate on a checkpoint that brings its own tokenizer.json: text in, text out."""
 
 import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -10,6 +14,8 @@ from paged_jax.config import ModelConfig
 from paged_jax.models import dense, llama, save_hf_checkpoint
 from tokenizer_fixture import WORDS, write_tokenizer_json  # pylint: disable=g-bad-import-order
 
+
+ROOT = str(pathlib.Path(__file__).resolve().parents[1])
 
 # One cache shape for both tests (2 blocks of 8 per sequence), so the step compiles once.
 RUN_KW = dict(max_tokens=6, block_size=8, num_blocks=8, max_seqs=2,
@@ -51,3 +57,46 @@ def test_token_ids_need_no_tokenizer(checkpoint):
     (path / "moved.json").rename(path / "tokenizer.json")
   assert result == {"outputs": [dense.greedy_generate(params, config, p, 6, stop_token_ids=())
                                 for p in ([2, 3, 4], [4])]}
+
+
+SPEC = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, '
+        '"prompt_lookup_min": 1}')
+
+
+def test_speculative_config_drafts_and_greedy_outputs_equal_the_dense_model(checkpoint):
+  """--speculative_config: prompt lookup proposes drafts (the prompts repeat themselves),
+  and greedy outputs are the dense model's, token for token."""
+  path, config, params = checkpoint
+  prompts = [[2, 3, 4, 2, 3, 4, 2, 3], [5, 6, 5, 6, 5]]
+  result = generate.run(checkpoint=str(path), prompt_ids="2,3,4,2,3,4,2,3;5,6,5,6,5",
+                        speculative_config=SPEC, stop_token_ids="0", **RUN_KW)
+  assert result["outputs"] == [dense.greedy_generate(params, config, p, 6, stop_token_ids=(0,))
+                               for p in prompts]
+  spec = result["speculative"]
+  assert spec["spec_draft_tokens"] > 0
+  assert 0 <= spec["spec_accepted_tokens"] <= spec["spec_draft_tokens"]
+
+
+@pytest.mark.parametrize("value, says", [
+    ("{not json", "must be a JSON object"),
+    ("[3]", "must be a JSON object"),
+    ('{"method": "ngram"}', "num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 99}', "[1, 16]"),
+])
+def test_bad_speculative_config_is_a_one_line_error_naming_the_flag(value, says):
+  with pytest.raises(ValueError) as e:
+    generate.Config(prompt_ids="1,2", speculative_config=value)
+  text = str(e.value)
+  assert text.startswith("--speculative_config") and says in text and "\n" not in text
+
+
+def test_bad_speculative_config_exits_before_loading_a_model(tmp_path):
+  """The CLI ends with one line `error: ...` naming the flag (no checkpoint is read: the
+  directory given does not exist)."""
+  r = subprocess.run([sys.executable, "-m", "experiments.generate", "--prompt_ids=1,2",
+                      f"--checkpoint={tmp_path / 'absent'}", '--speculative_config={"k": 1}'],
+                     cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT),
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 1
+  last = r.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: --speculative_config") and "unknown key 'k'" in last, r.stderr

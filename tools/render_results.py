@@ -79,6 +79,13 @@ SECTIONS: Dict[str, Tuple[object, Callable]] = {
     "speculative": ("speculative/speculative.json", engine.rows_with("speculative")),
     "speculative_scale": ("speculative_scale/speculative_scale.json",
                           engine.rows_with("speculative_scale")),
+    "speculative_scale_kv": (lambda d: {"runs": [
+        (run, load(d, f"speculative_scale/{run}/speculative_scale.json")) for run in (
+            "kv_half", "kv_half_seed1", "kv_half_alpha", "kv_quarter", "kv_full")]},
+                             engine.rows_with("speculative_scale", None, "kv_runs_rows",
+                                              "KV_RUNS_HEADERS")),
+    "speculative_blocks": ("speculative_blocks/speculative_blocks.json",
+                           engine.rows_with("speculative_blocks")),
     "prefix_caching_demo": ("prefix_caching_demo/prefix_caching_demo.json",
                             engine.rows_with("prefix_caching", "rows")),
     "host_overhead": ("host_overhead/host_overhead.json", engine.host_overhead),
