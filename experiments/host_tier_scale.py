@@ -26,9 +26,12 @@ chats at a low rate: `--unloaded_conversations`, `--unloaded_rate`), the paper's
 rule. Each system's max rate at the SLO is found by `rate_search.bracket_and_bisect` from
 `--start_rate` (up x1.5 while under, down while over, then bisection; at most
 `--max_points` rates) and read off by `latency.max_rate_at_slo` (interpolated; censored
-">= X" when no rate tried missed it). Every system's first point is at `--start_rate`:
-TTFT p50 / p99 and prompt tokens computed are reported there, at one common load.
-Writes OUT/host_tier_scale.json (flags, versions, machine, the stream's sizes).
+">= X" when no rate tried missed it). Every system's first point is at `--start_rate`,
+and with `--ttft_rate` every system also serves the stream at that rate (a load
+device-only sustains): TTFT p50 / p99 and prompt tokens computed are reported at both,
+each one load for all systems. Writes OUT/host_tier_scale.json (flags, versions, machine,
+the stream's sizes). `--systems` runs some systems only and `--merge` joins such runs
+(and a `--search=false --ttft_rate=R` run) into one result.
 """
 
 from __future__ import annotations
@@ -56,8 +59,10 @@ VLLM_TTFT_RANGE = (2.0, 22.0)
 VLLM_THROUGHPUT_MAX = 9.0
 
 HEADERS = ("system", "host blocks", "max rate at SLO (req/s)", "vs device-only",
-           "TTFT p50 (ms)", "TTFT p99 (ms)", "TTFT p50 speed-up", "prompt tok computed",
-           "host hits (tok)", "blocks in / out", "host tier s", "vLLM blog")
+           "TTFT p50 / p99 (ms), moderate load", "TTFT p50 / p99 speed-up",
+           "TTFT p50 / p99 (ms), start rate", "TTFT p50 / p99 speed-up, start rate",
+           "prompt tok computed", "host hits (tok)", "blocks in / out", "host tier s",
+           "vLLM blog")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +94,13 @@ class Config(configs.ExperimentConfig):
   max_seqs: int = configs.flag(0, "sequence slots (0: 1.5x what the KV memory holds "
                                "for the stream's mean turn, as sweep.system_sizes)", lower=0)
   serial_stores: bool = configs.flag(False, "charge host-tier downloads after the step")
+  ttft_rate: float = configs.flag(0.0, "also serve every system at this rate (req/s) for "
+                                  "TTFT at a load device-only sustains; 0: none", lower=0)
+  search: bool = configs.flag(True, "search each system's max rate at the SLO (False: "
+                              "only the --ttft_rate point)")
+  slo_s_per_token: float = configs.flag(0.0, "the SLO (s/token) of an earlier run of the "
+                                        "same stream, to split a run (0: from the unloaded "
+                                        "point)", lower=0)
   systems: str = configs.flag("", "run only these systems (comma-separated names, e.g. "
                               "device_only,host_1x; empty: all)")
   merge: str = configs.flag("", "instead of running: merge these result JSONs (comma-"
@@ -183,45 +195,83 @@ def run(f: Optional[Config] = None, checkpoint: Optional[Callable] = None) -> Di
     return res
 
   norm = lambda p: p["summary"]["normalized_latency_s_per_token"]
-  unloaded_point = point(0, f.unloaded_rate, f.unloaded_conversations)
-  slo = latency.slo_from_unloaded([norm(unloaded_point)], f.slo_factor)
+  unloaded_point = None if f.slo_s_per_token else point(0, f.unloaded_rate,
+                                                          f.unloaded_conversations)
+  slo = f.slo_s_per_token or latency.slo_from_unloaded([norm(unloaded_point)],
+                                                       f.slo_factor)
   result = {"setting": setting.as_dict(), "workload": workload, "stream": stats,
             "device_blocks": device_blocks, "max_seqs": max_seqs, "slo_s_per_token": slo,
-            "unloaded_s_per_token": norm(unloaded_point),
-            "unloaded_point": unloaded_point["summary"], "systems": {}}
+            "unloaded_s_per_token": unloaded_point and norm(unloaded_point),
+            "unloaded_point": unloaded_point and unloaded_point["summary"], "systems": {}}
   for name, host in common.progress(list(systems.items()), desc="systems"):
-    runs: Dict[float, Dict] = {}
-
-    def measure(rate: float, host=host, runs=runs) -> float:
-      runs[rate] = point(host, rate, f.conversations)
-      return norm(runs[rate])
-
-    curve = rate_search.bracket_and_bisect(measure, f.start_rate, slo, rel_tol=f.rel_tol,
-                                           max_points=f.max_points)
-    found = latency.max_rate_at_slo([r for r, _ in curve], [v for _, v in curve], slo)
-    at_start = runs[f.start_rate]
-    result["systems"][name] = dict(
-        num_host_blocks=host, host_factor=host / device_blocks, found=found,
-        max_rate=found["interpolated"] or found["swept"],
-        censored=found["interpolated"] is None, curve=[list(x) for x in curve],
-        at_start={k: v for k, v in at_start.items() if k != "clock"},
-        host_tier_s=at_start["clock"]["by_part_s"]["host_tier"],
-        device_s=at_start["clock"]["device_s"])
+    entry = result["systems"][name] = dict(num_host_blocks=host,
+                                           host_factor=host / device_blocks)
+    if f.search:
+      def seen(rate, lat, entry=entry):   # each point as it comes (a cut run keeps them)
+        entry.setdefault("points_so_far", []).append([rate, lat])
+        if checkpoint:
+          checkpoint(result)
+      entry.update(search(f, lambda rate, host=host: point(host, rate, f.conversations), slo,
+                          seen))
+    if f.ttft_rate:
+      at = point(host, f.ttft_rate, f.conversations)
+      entry.update(ttft_rate=f.ttft_rate, at_ttft_rate=_point_summary(at),
+                   host_tier_s_at_ttft_rate=at["clock"]["by_part_s"]["host_tier"])
     if checkpoint:
       checkpoint(result)
   return compare(result)
 
 
+def _point_summary(p: Dict) -> Dict:
+  return {k: v for k, v in p.items() if k != "clock"}
+
+
+def search(f: Config, serve_at: Callable[[float], Dict], slo: float,
+           seen: Optional[Callable] = None) -> Dict:
+  """One system's max rate at the SLO from `--start_rate` (module docstring), and its
+  point at the start rate; `seen(rate, latency)` after each point."""
+  runs: Dict[float, Dict] = {}
+
+  def measure(rate: float) -> float:
+    runs[rate] = serve_at(rate)
+    lat = runs[rate]["summary"]["normalized_latency_s_per_token"]
+    if seen:
+      seen(rate, lat)
+    return lat
+
+  curve = rate_search.bracket_and_bisect(measure, f.start_rate, slo, rel_tol=f.rel_tol,
+                                         max_points=f.max_points)
+  found = latency.max_rate_at_slo([r for r, _ in curve], [v for _, v in curve], slo)
+  at_start = runs[f.start_rate]
+  return dict(found=found, max_rate=found["interpolated"] or found["swept"],
+              censored=found["interpolated"] is None, curve=[list(x) for x in curve],
+              at_start=_point_summary(at_start),
+              host_tier_s=at_start["clock"]["by_part_s"]["host_tier"],
+              device_s=at_start["clock"]["device_s"])
+
+
 def compare(result: Dict) -> Dict:
   """Adds each system's ratios to device-only's (when it ran) and vLLM's range."""
+  for r in result["systems"].values():   # a search cut short: what its points show
+    if "max_rate" not in r and r.get("points_so_far"):
+      pts = r["points_so_far"]
+      found = latency.max_rate_at_slo([p[0] for p in pts], [p[1] for p in pts],
+                                      result["slo_s_per_token"])
+      r.update(found=found, max_rate=found["interpolated"] or found["swept"],
+               censored=found["interpolated"] is None, curve=sorted(pts),
+               search_cut_short=True)
+      if not found["swept"]:         # every rate tried missed the SLO: only a bound
+        r.update(max_rate=None, below=min(p[0] for p in pts))
   base = result["systems"].get("device_only")
+  ttft = lambda r, at, q: r[at]["summary"][f"ttft_{q}_s"]
   for r in result["systems"].values() if base else ():
-    r["max_rate_vs_device_only"] = (r["max_rate"] / base["max_rate"] if base["max_rate"]
-                                    else None)
-    r["ttft_p50_speedup"] = (base["at_start"]["summary"]["ttft_p50_s"]
-                             / r["at_start"]["summary"]["ttft_p50_s"])
-    r["ttft_p99_speedup"] = (base["at_start"]["summary"]["ttft_p99_s"]
-                             / r["at_start"]["summary"]["ttft_p99_s"])
+    if "max_rate" in r and "max_rate" in base:
+      r["max_rate_vs_device_only"] = (r["max_rate"] / base["max_rate"]
+                                      if base["max_rate"] and r["max_rate"] else None)
+    for at, suffix in (("at_start", ""), ("at_ttft_rate", "_at_ttft_rate")):
+      if at in r and at in base:
+        for q in ("p50", "p99"):
+          r[f"ttft_{q}_speedup{suffix}"] = ttft(base, at, q) / ttft(r, at, q)
   result["vllm_published"] = {
       "ttft_speedup": list(VLLM_TTFT_RANGE), "throughput_speedup_max": VLLM_THROUGHPUT_MAX,
       "source": "vLLM blog, 'Inside vLLM's New KV Offloading Connector' (blog.vllm.ai, "
@@ -244,25 +294,48 @@ def merge(paths: List[str]) -> Dict:
   order = ["device_only"] + sorted((k for d in docs for k in d["systems"]
                                     if k != "device_only"),
                                    key=lambda k: float(k[len("host_"):-1]))
-  for k in order:
-    out["systems"][k] = next(d["systems"][k] for d in docs if k in d["systems"])
+  for k in dict.fromkeys(order):
+    out["systems"][k] = {}
+    for d in docs:   # a system's search and its TTFT point may come from two runs
+      out["systems"][k].update(d["systems"].get(k, {}))
   return compare(out)
 
 
 def summary_rows(result: Dict):
-  ms = lambda s: 1000 * s
+  """One row per system: the max rate; TTFT at the --ttft_rate point (moderate load) and
+  at the start rate; tokens and copies at the former (else the latter); "-" where a part
+  did not run."""
+  def pair(r, at):
+    if at not in r:
+      return "-"
+    t = r[at]["summary"]
+    return f"{1000 * t['ttft_p50_s']:.0f} / {1000 * t['ttft_p99_s']:.0f}"
+
+  def speedups(r, suffix):
+    got = [r.get(f"ttft_{q}_speedup{suffix}") for q in ("p50", "p99")]
+    return "-" if None in got else f"{got[0]:.2f} / {got[1]:.2f}"
+
   rows = []
   for name, r in result["systems"].items():
-    s = r["at_start"]
-    rate = f">= {r['max_rate']:.3g}" if r["censored"] else r["max_rate"]
+    rate = "-" if "max_rate" not in r else (
+        f"< {r['below']:.3g}" if r.get("below") else
+        f">= {r['max_rate']:.3g}" if r["censored"] else r["max_rate"])
+    if r.get("search_cut_short"):
+      rate = f"{rate} (cut: {len(r['curve'])} rate{'s' if len(r['curve']) > 1 else ''})"
+    at = "at_ttft_rate" if "at_ttft_rate" in r else "at_start"
+    s = r.get(at, {})
     vllm = "-" if name == "device_only" else (
         f"TTFT {VLLM_TTFT_RANGE[0]:g}-{VLLM_TTFT_RANGE[1]:g}x, throughput <= "
         f"{VLLM_THROUGHPUT_MAX:g}x")
-    rows.append((name, r["num_host_blocks"], rate, r.get("max_rate_vs_device_only", "-"),
-                 ms(s["summary"]["ttft_p50_s"]), ms(s["summary"]["ttft_p99_s"]),
-                 r.get("ttft_p50_speedup", "-"), s["prompt_tokens_computed"], s["host_hit_tokens"],
+    vs = r.get("max_rate_vs_device_only") or "-"
+    if vs != "-" and r.get("censored"):
+      vs = f">= {vs:.3g}"
+    rows.append((name, r["num_host_blocks"], rate, vs,
+                 pair(r, "at_ttft_rate"), speedups(r, "_at_ttft_rate"),
+                 pair(r, "at_start"), speedups(r, ""),
+                 s.get("prompt_tokens_computed", "-"), s.get("host_hit_tokens", "-"),
                  f"{s.get('host_in_blocks', 0)} / {s.get('host_out_blocks', 0)}",
-                 r["host_tier_s"], vllm))
+                 r.get("host_tier_s_at_ttft_rate", r.get("host_tier_s", "-")), vllm))
   return rows
 
 
@@ -280,8 +353,8 @@ def main(f: Config, out):
   common.report(result, out, "host_tier_scale.json", summary_rows(result), HEADERS, [
       f"workload {result['workload']}: {st['conversations']} chats, {st['turns']} turns, "
       f"mean prompt {st['mean_prompt_len']:.0f} tok; device pool {result['device_blocks']} "
-      f"blocks; SLO {1000 * result['slo_s_per_token']:.1f} ms/token; TTFT and tokens at "
-      f"{f.start_rate:g} req/s"])
+      f"blocks; SLO {1000 * result['slo_s_per_token']:.1f} ms/token; moderate load "
+      f"{f.ttft_rate:g} req/s, start rate {f.start_rate:g} req/s"])
   if out is not None and (out / "host_tier_scale.partial.json").exists():
     (out / "host_tier_scale.partial.json").unlink()
 

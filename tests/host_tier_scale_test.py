@@ -153,15 +153,51 @@ def test_tiny_paper_scale_run_writes_the_table(tmp_path):
   f = host_tier_scale.Config(workload="synthetic", conversations=3, synthetic_turns=2,
                              synthetic_first="16,32", synthetic_user="8,16",
                              synthetic_output="4,8", unloaded_conversations=1, max_points=2,
-                             host_factors="1", think_s=1.0, max_seqs=4)
+                             host_factors="1", think_s=1.0, max_seqs=4, ttft_rate=0.5)
   host_tier_scale.main(f, tmp_path)
   res = json.loads((tmp_path / "host_tier_scale.json").read_text())
   assert set(res["systems"]) == {"device_only", "host_1x"}
   assert res["workload"] == "synthetic" and res["device_blocks"] == 987
   assert res["systems"]["host_1x"]["num_host_blocks"] == 987
   assert "versions" in res and res["flags"]["host_factors"] == "1"
+  assert res["systems"]["host_1x"]["at_ttft_rate"]["summary"]["requests"] == 6
   rows = host_tier_scale.summary_rows(res)
   assert len(rows) == 2 and len(rows[0]) == len(host_tier_scale.HEADERS)
+
+
+def test_merge_joins_runs_of_one_stream_and_refuses_others(tmp_path):
+  from experiments import host_tier_scale
+  summ = lambda p50: {"summary": {"ttft_p50_s": p50, "ttft_p99_s": 2 * p50},
+                      "prompt_tokens_computed": 1, "host_hit_tokens": 0}
+  common = dict(workload="synthetic", stream={"turns": 4}, device_blocks=10, max_seqs=4,
+                slo_s_per_token=0.1)
+  a = dict(common, systems={"device_only": dict(num_host_blocks=0, max_rate=2.0,
+                                                censored=False, at_start=summ(4.0))})
+  b = dict(common, systems={"host_4x": dict(num_host_blocks=40, max_rate=3.0,
+                                            censored=False, at_start=summ(1.0))})
+  c = dict(common, systems={s: dict(num_host_blocks=n, at_ttft_rate=summ(p))
+                            for s, n, p in (("device_only", 0, 0.5), ("host_4x", 40, 0.25))})
+  paths = []
+  for name, doc in (("a", a), ("b", b), ("c", c)):
+    paths.append(str(tmp_path / f"{name}.json"))
+    (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+  m = host_tier_scale.merge(paths)
+  assert list(m["systems"]) == ["device_only", "host_4x"]
+  h = m["systems"]["host_4x"]
+  assert h["max_rate_vs_device_only"] == 1.5 and h["ttft_p50_speedup"] == 4.0
+  assert h["ttft_p50_speedup_at_ttft_rate"] == 2.0 and h["at_ttft_rate"]["summary"]
+  assert len(host_tier_scale.summary_rows(m)) == 2
+  # a search cut short keeps what its points show: a bound, marked
+  cut = host_tier_scale.compare(dict(common, systems={
+      "device_only": dict(num_host_blocks=0, max_rate=2.0, censored=False),
+      "host_1x": dict(num_host_blocks=10, points_so_far=[[3.0, 0.05]]),
+      "host_4x": dict(num_host_blocks=40, points_so_far=[[3.0, 0.5]])}))
+  rows = {r[0]: r for r in host_tier_scale.summary_rows(cut)}
+  assert rows["host_1x"][2] == ">= 3 (cut: 1 rate)" and rows["host_1x"][3] == ">= 1.5"
+  assert rows["host_4x"][2] == "< 3 (cut: 1 rate)" and rows["host_4x"][3] == "-"
+  (tmp_path / "c.json").write_text(json.dumps(dict(c, slo_s_per_token=0.2)))
+  with pytest.raises(ValueError, match="slo_s_per_token differ"):
+    host_tier_scale.merge(paths)
 
 
 @pytest.mark.parametrize("kw, msg", [
