@@ -105,17 +105,19 @@ def make_engine(f: Config, num_host_blocks: int):
 
 
 class Chats:
-  """The seeded workload: first prompts, user turns, start times and think times."""
+  """The seeded workload (`bench.multi_turn.synthetic`'s draws): first prompts, user
+  turns (entry 0 unused), start times and think times, in engine steps."""
 
   def __init__(self, f: Config, vocab: int):
-    rng = np.random.default_rng(f.seed)
-    self.first = [rng.integers(1, vocab, int(n)).tolist()
-                  for n in rng.integers(f.min_first, f.max_first + 1, f.conversations)]
-    self.user = [[rng.integers(1, vocab, int(n)).tolist()
-                  for n in rng.integers(f.min_user, f.max_user + 1, f.turns)]
-                 for _ in range(f.conversations)]
-    self.start = np.cumsum(rng.exponential(1 / f.start_rate, f.conversations))
-    self.think = rng.exponential(f.think_steps, (f.conversations, f.turns))
+    from paged_jax.bench import multi_turn  # pylint: disable=g-import-not-at-top
+    convs = multi_turn.synthetic(
+        f.conversations, f.turns, first=(f.min_first, f.max_first),
+        user=(f.min_user, f.max_user), output=(f.max_tokens, f.max_tokens),
+        start_rate=f.start_rate, think_mean=f.think_steps, vocab=vocab, seed=f.seed)
+    self.first = [c.user[0].tolist() for c in convs]
+    self.user = [[[]] + [u.tolist() for u in c.user[1:]] for c in convs]
+    self.start = np.array([c.start for c in convs])
+    self.think = np.array([c.think for c in convs])
 
 
 def serve(engine, chats: Chats, f: Config) -> Dict:

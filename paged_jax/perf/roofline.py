@@ -12,6 +12,11 @@ A roofline per part of the step, summed (the parts run one after another as kern
        + rows * row_host_s                                                   host, per row
        + copy-on-write bytes / (HBM * e_el)
        + swap bytes / (PCIe * e_pcie) + copies * swap_copy_latency
+       + host tier: promoted bytes / (PCIe * e_pcie) + stored and promoted bytes x 2 /
+         (HBM * e_el) (staging copies) + 2 batched copies a direction * swap_copy_latency
+     the host tier's device -> host download of the stored blocks runs beside the step
+     (an asynchronous copy): the step takes max(the above, download bytes / (PCIe * e_pcie)
+     + 2 * swap_copy_latency)
 
 Every figure is per GPU under Megatron-style tensor parallelism (weights, heads and K/V
 split tp ways). The time is positively homogeneous and piecewise linear in the parameter
@@ -45,8 +50,12 @@ COMBINATION = ("sum over the step's parts (kernels run one after another) of eac
 COUNTS = ("linear_flops", "attention_flops", "weight_bytes", "activation_bytes", "kv_bytes",
           "logits_bytes", "allreduce_bytes")
 
+# The host tier moves each direction's blocks as one batched copy of K and one of V
+# (`paged_jax.engine.tier`: one transfer of the gathered blocks per K/V field).
+HOST_TIER_COPIES = 2
+
 PARTS = ("linear", "attention", "sampler", "allreduce", "overhead", "row_host", "copy_on_write",
-         "swap")
+         "swap", "host_tier")
 
 
 def theta_of(eff: Efficiency) -> np.ndarray:
@@ -65,19 +74,33 @@ def efficiency_of(theta: np.ndarray, source: str) -> Efficiency:
 
 @dataclasses.dataclass
 class StepWork:
-  """One step's coefficients: time(theta) = sum(max(theta[ci] * cv, theta[mi] * mv)) over
-  `pairs` + sum(theta[k] * v) over `terms`; each entry is tagged with its part name."""
+  """One step's coefficients: time(theta) = max(serial, beside), serial =
+  sum(max(theta[ci] * cv, theta[mi] * mv)) over `pairs` + sum(theta[k] * v) over `terms`,
+  beside = sum(theta[k] * v) over `beside` (work that runs concurrently with the step: the
+  host tier's asynchronous download; empty: time = serial); each entry is tagged with its
+  part name."""
 
   pairs: List[Tuple[str, int, float, int, float]] = dataclasses.field(default_factory=list)
   terms: List[Tuple[str, int, float]] = dataclasses.field(default_factory=list)
+  beside: List[Tuple[str, int, float]] = dataclasses.field(default_factory=list)
 
-  def seconds(self, theta: np.ndarray) -> float:
+  def _serial(self, theta: np.ndarray) -> float:
     t = sum(max(theta[ci] * cv, theta[mi] * mv) for _, ci, cv, mi, mv in self.pairs)
     return float(t + sum(theta[k] * v for _, k, v in self.terms))
+
+  def _beside(self, theta: np.ndarray) -> float:
+    return float(sum(theta[k] * v for _, k, v in self.beside))
+
+  def seconds(self, theta: np.ndarray) -> float:
+    return max(self._serial(theta), self._beside(theta))
 
   def gradient(self, theta: np.ndarray) -> np.ndarray:
     """d seconds / d theta (the active side of each max); seconds == gradient @ theta."""
     g = np.zeros(len(PARAMS))
+    if self.beside and self._beside(theta) > self._serial(theta):
+      for _, k, v in self.beside:
+        g[k] += v
+      return g
     for _, ci, cv, mi, mv in self.pairs:
       if theta[ci] * cv >= theta[mi] * mv:
         g[ci] += cv
@@ -88,11 +111,14 @@ class StepWork:
     return g
 
   def by_part(self, theta: np.ndarray) -> dict:
+    """Seconds by part; what `beside` adds past the serial work counts as "host_tier"."""
     out = dict.fromkeys(PARTS, 0.0)
     for part, ci, cv, mi, mv in self.pairs:
       out[part] += float(max(theta[ci] * cv, theta[mi] * mv))
     for part, k, v in self.terms:
       out[part] += float(theta[k] * v)
+    if self.beside:
+      out["host_tier"] += max(0.0, self._beside(theta) - self._serial(theta))
     return out
 
 
@@ -188,7 +214,25 @@ class DeviceTimeModel:
       copies = step.swapped_blocks * m.num_layers * catalog.SWAP_COPIES_PER_BLOCK_LAYER
       work.terms.append(("swap", _I["pcie"], bytes_ / g.pcie_bandwidth))
       work.terms.append(("swap", _I["swap_copy_latency_s"], float(copies)))
+    self._host_tier(work, step.host_in_blocks, step.host_out_blocks, step.block_size * kvb)
     return work
+
+  def _host_tier(self, work: StepWork, blocks_in: int, blocks_out: int,
+                 block_bytes: float) -> None:
+    """The host tier's transfers (`StepShape.host_in_blocks` / `host_out_blocks`), each
+    direction one batched copy per K and V (HOST_TIER_COPIES): promotions are uploaded
+    over PCIe before the step and written into their blocks (a device copy); stored
+    blocks are gathered into a staging buffer before the step (a device copy) and
+    downloaded over PCIe beside it (`StepWork.beside`)."""
+    g = self.gpu
+    for n, pcie_terms in ((blocks_in, work.terms), (blocks_out, work.beside)):
+      if not n:
+        continue
+      bytes_ = n * block_bytes
+      work.terms.append(("host_tier", _I["elementwise_bandwidth"],
+                         2.0 * bytes_ / g.hbm_bandwidth))
+      pcie_terms.append(("host_tier", _I["pcie"], bytes_ / g.pcie_bandwidth))
+      pcie_terms.append(("host_tier", _I["swap_copy_latency_s"], float(HOST_TIER_COPIES)))
 
   def counts(self, step: StepShape) -> dict:
     """FLOPs and HBM bytes of the step's forward passes, summed over passes, per GPU: the
@@ -284,6 +328,7 @@ class DeviceTimeModel:
         "structure": {
             "allreduces_per_layer": catalog.ALLREDUCES_PER_LAYER,
             "swap_copies_per_block_layer": catalog.SWAP_COPIES_PER_BLOCK_LAYER,
+            "host_tier_copies_per_direction": HOST_TIER_COPIES,
             "sampler_bytes_per_logit": catalog.SAMPLER_BYTES_PER_LOGIT,
             "sources": dict(catalog.STRUCTURE_SOURCES),
         },

@@ -52,6 +52,11 @@ class StepShape:
       row still reads the weights.
     cow_blocks: KV blocks copied by copy-on-write this step.
     swapped_blocks: KV blocks moved between host and device this step (either way).
+    host_in_blocks: KV blocks the prefix cache's host tier copied host -> device before
+      the step (promotions: the step's prompts need them).
+    host_out_blocks: KV blocks the host tier copied device -> host (blocks the device
+      evicted, new to the host): staged on the device before the step, downloaded while
+      it runs (`paged_jax.engine.tier`).
     block_size: tokens per KV block (sizes the copies and swaps).
   """
 
@@ -64,6 +69,8 @@ class StepShape:
   bucket_rows: int = 0
   cow_blocks: int = 0
   swapped_blocks: int = 0
+  host_in_blocks: int = 0
+  host_out_blocks: int = 0
   block_size: int = 16
 
   def __post_init__(self):
@@ -96,6 +103,8 @@ class StepShape:
     pj_config.check_int("bucket_rows", self.bucket_rows, 0)
     pj_config.check_int("cow_blocks", self.cow_blocks, 0)
     pj_config.check_int("swapped_blocks", self.swapped_blocks, 0)
+    pj_config.check_int("host_in_blocks", self.host_in_blocks, 0)
+    pj_config.check_int("host_out_blocks", self.host_out_blocks, 0)
     pj_config.check_block_size(self.block_size)
 
   # ---- constructors ----
