@@ -66,17 +66,22 @@ from paged_jax.perf import budget as budget_lib
 CONFIGS = {"neither": (False, False), "caching": (False, True), "hybrid": (True, False),
            "hybrid_caching": (True, True)}
 
-# vLLM's published figures for hybrid allocation (the comparison rows of the docs' table).
+# vLLM's published figures for hybrid allocation (the comparison rows of the docs' table;
+# rendered from here, the cited constants, not from a run).
 VLLM_FIGURES = (
     dict(source="vLLM RFC #11382 (github.com/vllm-project/vllm/issues/11382)",
-         model="Gemma-2", figure="KV memory wasted without hybrid allocation", value="25%",
-         setup="one pool sized for full attention on every layer; max context 8K, window 4K"),
-    dict(source="vLLM RFC #11382", model="Ministral", figure="KV memory wasted without "
-         "hybrid allocation", value="56%", setup="as above, Ministral's window and context"),
+         model="Gemma-2", figure="KV memory wasted allocating every layer the whole context",
+         value="25%", setup="the RFC's count (block size 1): half the layers need only the "
+         "4K window of an 8K context; no serving run"),
+    dict(source="vLLM RFC #11382", model="Ministral", figure="the same", value="56.25%",
+         setup="as above, Ministral's window pattern"),
     dict(source="vLLM PR #11938 (github.com/vllm-project/vllm/pull/11938)",
-         model="Gemma-2-27B", figure="throughput, tok/s (before -> after hybrid allocator)",
-         value="1,077 -> 1,240 (1.15x)", setup="vLLM v1 on real GPUs, its benchmark stream; "
-         "prefix caching as in that release"),
+         model="Gemma-2-27B-it", figure="throughput, total (input + output) tok/s, main -> "
+         "hybrid allocator", value="1,077.11 -> 1,239.96 (1.15x; output tok/s 153.87 -> "
+         "177.14)", setup="vLLM V1 benchmark_throughput.py: 50 prompts of 6,144 random "
+         "tokens + 1,024 generated, all at once, no shared prefix; one pool for both groups, "
+         "out-of-window blocks freed into it; GPU not stated (the follow-up PR #12655 ran "
+         "the same command on an H100)"),
 )
 VLLM_HEADERS = ("source", "model", "figure", "value", "setup")
 
@@ -93,6 +98,10 @@ class Config(configs.ExperimentConfig):
   gpu: str = configs.flag("a100-80gb", "catalog GPU")
   configs_run: Tuple[str, ...] = configs.flag(tuple(CONFIGS), "configurations (the first "
                                               "sets the SLO)", choices=tuple(CONFIGS))
+  mode: str = configs.flag("search", "search: max rate at the SLO and a fixed-rate point per "
+                           "configuration; burst: every request at t = 0 (saturated "
+                           "throughput, where KV memory bounds the batch)",
+                           choices=("search", "burst"))
   num_prefixes: int = configs.flag(8, "distinct shared system prompts", lower=1)
   prefix_min: int = configs.flag(2048, "shortest system prompt (tokens)", lower=1)
   prefix_max: int = configs.flag(7168, "longest system prompt (tokens)", lower=1)
@@ -255,6 +264,29 @@ def run(f: Config) -> Dict:
   norm = lambda p: p["summary"]["normalized_latency_s_per_token"]
   first = f.configs_run[0]
   all_sizes = {c: sizes(f, setting, prefixes, base, *CONFIGS[c]) for c in f.configs_run}
+  head = {"mode": f.mode, "setting": setting.as_dict(),
+          "forward": "paged_jax.models.standin.hybrid_config (2 layers: one sliding, one "
+          "full; no attention)", "prefix_lens": [len(p) for p in prefixes],
+          "prompt_tokens": prompt_tokens, "mean_prompt_len": prompt_tokens / len(base),
+          "mean_output_len": float(np.mean([r.output_len for r in base])),
+          "share_over_window": float(np.mean([r.total_len > spec.sliding_window
+                                              for r in base])),
+          "vllm": list(VLLM_FIGURES)}
+  if f.mode == "burst":
+    rows = []
+    for name in common.progress(f.configs_run, total=len(f.configs_run)):
+      p = point(name, all_sizes[name], math.inf)
+      hybrid, caching = CONFIGS[name]
+      rows.append(dict(config=name, hybrid_kv=hybrid, prefix_caching=caching,
+                       sizes=all_sizes[name], summary=p["summary"], hit_rate=p["hit_rate"],
+                       layer_blocks_per_request=p["layer_blocks_per_request"],
+                       mean_running=p["mean_running"], max_running=p["max_running"],
+                       preemptions=p["preemptions"], steps=p["steps"]))
+      release_compiled()
+    first_tok = rows[0]["summary"]["throughput_tok_s"]
+    for r in rows:
+      r["vs_first"] = r["summary"]["throughput_tok_s"] / first_tok
+    return dict(head, rows=rows)
   probe = rate_search.probe_rate(point(first, all_sizes[first], math.inf))
   unloaded = norm(point(first, all_sizes[first], probe * rate_search.UNLOADED_FRACTION, 24))
   slo = latency.slo_from_unloaded([unloaded], f.slo_factor)
@@ -295,14 +327,8 @@ def run(f: Config) -> Dict:
       if r["layer_blocks_per_request"] and twin["layer_blocks_per_request"]:
         r["memory_saved"] = 1 - r["layer_blocks_per_request"] / twin["layer_blocks_per_request"]
       r["analytic_saved"] = 1 - r["analytic_layer_blocks"] / twin["analytic_layer_blocks"]
-  return {"setting": setting.as_dict(), "forward": "paged_jax.models.standin.hybrid_config "
-          "(2 layers: one sliding, one full; no attention)", "slo_s_per_token": slo,
-          "unloaded_s_per_token": unloaded, "probe_req_s": probe,
-          "prefix_lens": [len(p) for p in prefixes], "prompt_tokens": prompt_tokens,
-          "mean_prompt_len": prompt_tokens / len(base),
-          "mean_output_len": float(np.mean([r.output_len for r in base])),
-          "share_over_window": float(np.mean([r.total_len > spec.sliding_window for r in base])),
-          "rows": rows, "vllm": list(VLLM_FIGURES)}
+  return dict(head, slo_s_per_token=slo, unloaded_s_per_token=unloaded, probe_req_s=probe,
+              rows=rows)
 
 
 def summary_rows(result: Dict):
@@ -315,16 +341,34 @@ def summary_rows(result: Dict):
            dash(r["analytic_saved"]), r["preemptions"]) for r in result["rows"]]
 
 
+BURST_HEADERS = ("config", "max_seqs", "full pool blocks", "sliding pool blocks",
+                 "throughput (tok/s)", "vs first", "requests running (mean / max)",
+                 "hit rate", "layer-blocks / request", "TTFT p50 (s)", "preemptions")
+
+
+def burst_rows(result: Dict):
+  return [(r["config"], r["sizes"]["max_seqs"], r["sizes"]["num_blocks"],
+           r["sizes"]["num_sliding_blocks"] or "-", r["summary"]["throughput_tok_s"],
+           r["vs_first"], f"{r['mean_running']:.1f} / {r['max_running']}",
+           r["hit_rate"] if r["prefix_caching"] else "-", r["layer_blocks_per_request"],
+           r["summary"]["ttft_p50_s"], r["preemptions"]) for r in result["rows"]]
+
+
 def vllm_rows(result: Dict):
-  return [tuple(v[k] for k in VLLM_HEADERS) for v in result["vllm"]]
+  """VLLM_FIGURES (cited constants; `result` is not read)."""
+  del result
+  return [tuple(v[k] for k in VLLM_HEADERS) for v in VLLM_FIGURES]
 
 
 def main(f: Config, out):
   """Runs with settings `f` into directory `out` (the `common.run_app` main)."""
   result = common.timed_result(lambda: run(f), f)
-  common.report(result, out, "hybrid_scale.json", summary_rows(result), HEADERS,
-                lines=[f"SLO {result['slo_s_per_token']:.4g} s/token; prompts mean "
-                       f"{result['mean_prompt_len']:.0f} tokens, "
+  burst = f.mode == "burst"
+  slo = "" if burst else f"SLO {result['slo_s_per_token']:.4g} s/token; "
+  common.report(result, out, "hybrid_scale.json",
+                (burst_rows if burst else summary_rows)(result),
+                BURST_HEADERS if burst else HEADERS,
+                lines=[f"{slo}prompts mean {result['mean_prompt_len']:.0f} tokens, "
                        f"{result['share_over_window']:.0%} of requests outgrow the window"])
 
 
