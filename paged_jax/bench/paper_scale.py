@@ -41,9 +41,10 @@ PAPER_TP = {(m, g): n for (m, g, n) in perf.catalog.PAPER_TABLE1}
 
 
 @functools.lru_cache(maxsize=4)
-def _standin(max_len: int):
+def _standin(max_len: int, sliding_window: Optional[int] = None):
   from paged_jax.models import standin  # pylint: disable=g-import-not-at-top
-  return standin.model(VOCAB_SIZE, max_position_embeddings=max_len)
+  return standin.model(VOCAB_SIZE, max_position_embeddings=max_len,
+                       sliding_window=sliding_window)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +79,8 @@ class PaperSetting:
                   max_num_batched_tokens: int = PAPER.max_num_batched_tokens,
                   max_beam_width: int = PAPER.max_beam_width, prefix_caching: bool = False,
                   eviction_policy: str = "lru", scheduling_policy="fcfs",
-                  speculative_config=None, num_host_blocks: int = 0):
+                  speculative_config=None, num_host_blocks: int = 0,
+                  hybrid_kv: Optional[bool] = None, num_sliding_blocks: int = 0):
     """The real Engine with the stand-in forward on a `kv_budget_tokens`-slot pool
     (`engines.make_engine`'s keywords; attention_backend is unused by the stand-in).
 
@@ -89,7 +91,11 @@ class PaperSetting:
     `scheduling_policy`: `CacheConfig` / `EngineOptions`' (docs/extending.md);
     `speculative_config`: `EngineOptions`' (experiments/speculative_scale.py);
     `num_host_blocks`: the prefix cache's host tier (`CacheConfig`'s;
-    experiments/host_tier_scale.py)."""
+    experiments/host_tier_scale.py).
+    `hybrid_kv` (None: the 1-layer stand-in): a model with sliding-window layers served
+    by the 2-layer hybrid stand-in (`standin.hybrid_config`, the model's window) with its
+    sliding layer in a pool of `num_sliding_blocks` blocks (True; `perf.budget.pool_config`
+    sizes both pools) or in the one pool (False); experiments/hybrid_scale.py."""
     from paged_jax.engine import Engine  # pylint: disable=g-import-not-at-top
     from paged_jax.models import standin  # pylint: disable=g-import-not-at-top
     del attention_backend
@@ -97,12 +103,22 @@ class PaperSetting:
     if kv_budget_tokens % block_size:
       raise ValueError(f"kv_budget_tokens must be a multiple of block_size={block_size}, "
                        f"got {kv_budget_tokens}")
-    config, params = _standin(self.max_len)
+    window = None
+    hybrid = {}
+    if hybrid_kv is not None:
+      window = self.device_model.model.sliding_window
+      if window is None:
+        raise ValueError(f"hybrid_kv needs a model with sliding-window layers; "
+                         f"{self.model} has none")
+      hybrid = dict(hybrid_kv=bool(hybrid_kv), max_num_batched_tokens=max_num_batched_tokens)
+      if hybrid_kv:
+        hybrid["num_sliding_blocks"] = num_sliding_blocks
+    config, params = _standin(self.max_len, window)
     cache = config.cache_config(block_size=block_size, num_blocks=kv_budget_tokens // block_size,
                                 max_seqs=max_seqs, max_blocks_per_seq=-(-max_len // block_size),
                                 enable_prefix_caching=prefix_caching,
                                 eviction_policy=eviction_policy,
-                                num_host_blocks=num_host_blocks)
+                                num_host_blocks=num_host_blocks, **hybrid)
     return Engine(config, params, cache, max_num_batched_tokens=max_num_batched_tokens,
                   scheduling_policy=scheduling_policy,
                   preemption_mode=preemption_mode, attention_backend="reference",

@@ -20,7 +20,8 @@ trace's output length.
 
 from __future__ import annotations
 
-from typing import Tuple
+import dataclasses
+from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -43,12 +44,25 @@ def config(vocab_size: int = 256, max_position_embeddings: int = 2048) -> ModelC
                      head_dim=HEAD_DIM, max_position_embeddings=max_position_embeddings)
 
 
-def model(vocab_size: int = 256, max_position_embeddings: int = 2048
-          ) -> Tuple[ModelConfig, dict]:
+def hybrid_config(vocab_size: int = 256, max_position_embeddings: int = 2048,
+                  sliding_window: int = 4096) -> ModelConfig:
+  """`config` with 2 layers, layer 0 sliding-window (`sliding_window` tokens) and layer 1
+  full attention: the least a hybrid-KV engine needs (`CacheConfig.sliding_layers`), for
+  a sliding-window model's paper-scale runs (`bench.paper_scale`). A pool's blocks serve
+  every layer of their group alike, so 2 layers schedule as Gemma-2's 42 do."""
+  return dataclasses.replace(config(vocab_size, max_position_embeddings), num_layers=2,
+                             sliding_window=sliding_window,
+                             layer_types=("sliding_attention", "full_attention"))
+
+
+def model(vocab_size: int = 256, max_position_embeddings: int = 2048,
+          sliding_window: Optional[int] = None) -> Tuple[ModelConfig, dict]:
   """(config, params): params of the real model's shapes (the Engine checks them); `apply`
-  reads only the vocabulary size from them. A few KB at vocab 256."""
+  reads only the vocabulary size from them. A few KB at vocab 256. `sliding_window`: the
+  2-layer `hybrid_config` instead (None: the 1-layer `config`)."""
   from paged_jax.models.llama import init_params  # pylint: disable=g-import-not-at-top
-  cfg = config(vocab_size, max_position_embeddings)
+  cfg = (config(vocab_size, max_position_embeddings) if sliding_window is None else
+         hybrid_config(vocab_size, max_position_embeddings, sliding_window))
   return cfg, init_params(cfg, jax.random.key(0))
 
 
@@ -67,17 +81,24 @@ def apply(params, tokens: jax.Array, positions: jax.Array, kv_pages: kv_cache.KV
   Args:
     params: `model`'s params ({"params": ...}); only the vocabulary size is read.
     tokens: i32[T] new token ids; positions: i32[T] their positions.
-    kv_pages: KVPages of `config`'s shapes.
-    meta: AttentionMetadata (slot_mapping i32[T], logits_indices i32[R]).
+    kv_pages: KVPages of `config`'s shapes, or with hybrid KV (`hybrid_config`) a
+      HybridPages of its two pools.
+    meta: AttentionMetadata (slot_mapping i32[T], logits_indices i32[R]; with hybrid KV
+      `meta.sliding` maps the sliding pool's slots).
   Returns:
-    (f32[R, vocab] logits, pages with each new token's K/V written to its slot: K holds
-    the token id, V its position, in every feature).
+    (f32[R, vocab] logits, pages with each new token's K/V written to its slot of the
+    first layer of each pool: K holds the token id, V its position, in every feature).
   """
   vocab = params["params"]["model"]["embed_tokens"]["embedding"].shape[0]   # static
   tok = tokens.astype(jnp.float32)
   k_new = jnp.broadcast_to(tok[:, None, None], tok.shape + (1, HEAD_DIM))
   v_new = jnp.broadcast_to(positions.astype(jnp.float32)[:, None, None], k_new.shape)
-  pages = kv_cache.write(kv_pages, 0, k_new, v_new, meta.slot_mapping)
+  if isinstance(kv_pages, kv_cache.HybridPages):
+    pages = kv_pages.replace(
+        full=kv_cache.write(kv_pages.full, 0, k_new, v_new, meta.slot_mapping),
+        sliding=kv_cache.write(kv_pages.sliding, 0, k_new, v_new, meta.sliding.slot_mapping))
+  else:
+    pages = kv_cache.write(kv_pages, 0, k_new, v_new, meta.slot_mapping)
   rows = meta.logits_indices
   row_tok = tokens[rows].astype(jnp.uint32)
   row_pos = positions[rows].astype(jnp.uint32)

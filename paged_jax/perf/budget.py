@@ -85,3 +85,44 @@ def kv_budget(model: Union[str, ModelSpec, pj_config.ModelConfig],
       total_bytes=tp * dev.hbm_bytes, weight_bytes=spec.weight_bytes,
       reserve_bytes=reserve_bytes, kv_bytes=int(tp * kv_per_gpu),
       kv_bytes_per_token=int(round(tp * per_token)), kv_slots=slots)
+
+
+def kv_shapes(model: Union[str, ModelSpec], tp: int = 1) -> pj_config.ModelConfig:
+  """A ModelConfig with ONE GPU's share of `model`'s K/V shapes (its layers, the GPU's KV
+  heads, head_dim, sliding window and which layers slide; nothing else of the model), for
+  paged_jax's own pool sizing (`pool_config`)."""
+  spec = catalog.model_spec(model)
+  pj_config.check_int("tp", tp, 1, 1024)
+  heads = math.ceil(spec.num_kv_heads / tp)
+  types = None
+  if spec.sliding_layers:
+    slide = set(spec.sliding_layers)
+    types = tuple("sliding_attention" if i in slide else "full_attention"
+                  for i in range(spec.num_layers))
+  return pj_config.ModelConfig(
+      vocab_size=1, hidden_size=heads * spec.head_dim, intermediate_size=1,
+      num_layers=spec.num_layers, num_heads=heads, num_kv_heads=heads,
+      head_dim=spec.head_dim, max_position_embeddings=spec.max_context, dtype=spec.dtype,
+      sliding_window=spec.sliding_window, layer_types=types)
+
+
+def pool_config(model: Union[str, ModelSpec], budget: KvBudget, *, block_size: int,
+                max_seqs: int, max_len: int, max_num_batched_tokens: int, hybrid_kv: bool,
+                kv_dtype: Optional[str] = None) -> pj_config.CacheConfig:
+  """The engine's KV pools for `model` in `budget`'s K/V memory (one GPU's share of it),
+  sized by `pool_sizing.from_memory_budget`, as an engine sizes its own (`kv_shapes`).
+
+  hybrid_kv False: one pool for every layer (`num_blocks` = the budget's whole blocks).
+  True: the sliding-window layers' pool first, at `pool_sizing.sliding_pool_blocks` for
+  `max_seqs` sequences and `max_num_batched_tokens` a step (the size the engine requires:
+  every slot's window, whether or not sequences share it), then the full-attention layers'
+  pool (`num_blocks`) from what is left. Needs a model with both kinds of layer (one-line
+  ValueError otherwise, or when the sliding pool leaves no block for the full layers).
+  The returned CacheConfig's `num_blocks` / `num_sliding_blocks` are what the stand-in
+  engine's pools get; its layer shapes are the real model's."""
+  spec = catalog.model_spec(model)
+  shapes = kv_shapes(spec, budget.tp)
+  return pj_config.CacheConfig.from_memory_budget(
+      shapes, block_size=block_size, kv_budget_bytes=int(budget.kv_bytes // budget.tp),
+      max_seqs=max_seqs, max_model_len=max_len, dtype=kv_dtype or "auto",
+      hybrid_kv=bool(hybrid_kv), max_num_batched_tokens=max_num_batched_tokens)

@@ -64,6 +64,14 @@ _OPT_COMMON = dict(vocab_size=50272, gated_mlp=False, linear_bias=True, norm_vec
 _LLAMA_COMMON = dict(gated_mlp=True, linear_bias=False, norm_vectors=1,
                      tie_word_embeddings=False)   # SwiGLU, no biases, RMSNorm, own lm_head
 
+# Gemma-2: RMSNorm with four norms a layer (pre / post attention and MLP), GeGLU (gated),
+# no biases, tied embeddings, local (sliding, 4,096 tokens) and global attention layers
+# alternating from a local layer 0 (HF Gemma2: layer i slides iff i is even), bfloat16.
+_GEMMA2_REPORT = ("Gemma 2 report (Gemma Team 2024, arXiv:2408.00118) Tables 1-2 and sec. 2 "
+                  "(sliding window 4,096 tokens on every other layer, global span 8,192)")
+_GEMMA2_COMMON = dict(gated_mlp=True, linear_bias=False, norm_vectors=1, norms_per_layer=4,
+                      tie_word_embeddings=True, dtype="bfloat16", sliding_window=4096)
+
 MODELS: Dict[str, ModelSpec] = {
     "opt-13b": ModelSpec(
         name="opt-13b", num_layers=40, hidden_size=5120, num_heads=40, num_kv_heads=40,
@@ -95,6 +103,32 @@ MODELS: Dict[str, ModelSpec] = {
         source="meta-llama/Meta-Llama-3-8B config.json (hidden 4096, 32 layers, 32 heads, "
         "8 KV heads, intermediate 14336, vocab 128256, bfloat16); 8.03B parameters "
         "(model card)"),
+    # Sliding-window models (issue 38, point 4(c)): hybrid KV prices and sizes these.
+    "gemma-2-9b": ModelSpec(
+        name="gemma-2-9b", num_layers=42, hidden_size=3584, num_heads=16, num_kv_heads=8,
+        head_dim=256, ffn_size=14336, vocab_size=256000, max_context=8192,
+        reported_params=9.24e9, sliding_layers=tuple(range(0, 42, 2)), **_GEMMA2_COMMON,
+        source="google/gemma-2-9b config.json (hidden 3584, 42 layers, 16 heads, 8 KV heads, "
+        "head_dim 256, intermediate 14336, vocab 256000, max positions 8192, sliding_window "
+        "4096, GeGLU, tied embeddings); " + _GEMMA2_REPORT + ": 917,504,000 embedding + "
+        "8,324,201,984 non-embedding parameters = 9.24B"),
+    "gemma-2-27b": ModelSpec(
+        name="gemma-2-27b", num_layers=46, hidden_size=4608, num_heads=32, num_kv_heads=16,
+        head_dim=128, ffn_size=36864, vocab_size=256000, max_context=8192,
+        reported_params=27.2e9, sliding_layers=tuple(range(0, 46, 2)), **_GEMMA2_COMMON,
+        source="google/gemma-2-27b config.json (hidden 4608, 46 layers, 32 heads, 16 KV "
+        "heads, head_dim 128, intermediate 36864, vocab 256000, max positions 8192, "
+        "sliding_window 4096); " + _GEMMA2_REPORT + ": 27.2B parameters (model card: 27B)"),
+    "mistral-7b": ModelSpec(
+        name="mistral-7b", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
+        head_dim=128, ffn_size=14336, vocab_size=32000, dtype="bfloat16", max_context=32768,
+        reported_params=7.24e9, sliding_window=4096, sliding_layers=tuple(range(32)),
+        **_LLAMA_COMMON,
+        source="mistralai/Mistral-7B-v0.1 config.json (hidden 4096, 32 layers, 32 heads, 8 "
+        "KV heads, intermediate 14336, vocab 32000, max positions 32768, sliding_window 4096 "
+        "on every layer); Mistral 7B paper (Jiang et al. 2023, arXiv:2310.06825) Table 1 "
+        "(window 4096, context 8192); 7.24B parameters (model card). Every layer slides, so "
+        "hybrid KV (sliding and full layers) does not apply: one pool, window-capped reads"),
 }
 
 # ---------------------------------------------------------------------------------------

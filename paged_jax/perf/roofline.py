@@ -18,6 +18,10 @@ A roofline per part of the step, summed (the parts run one after another as kern
      (an asynchronous copy): the step takes max(the above, download bytes / (PCIe * e_pcie)
      + 2 * swap_copy_latency)
 
+Attention's FLOPs and K/V bytes are summed over layers: a sliding-window layer
+(`ModelSpec.sliding_layers`) computes and reads at most the window's keys per query
+(`attention_extent`), wherever its pages live (hybrid KV or one pool).
+
 Every figure is per GPU under Megatron-style tensor parallelism (weights, heads and K/V
 split tp ways). The time is positively homogeneous and piecewise linear in the parameter
 vector theta = (1/e_lf, 1/e_wb, 1/e_af, 1/e_kv, 1/e_el, 1/e_pcie, 1/e_nv, pass_overhead_s,
@@ -120,6 +124,28 @@ class StepWork:
     if self.beside:
       out["host_tier"] += max(0.0, self._beside(theta) - self._serial(theta))
     return out
+
+
+def _window_sum(x: np.ndarray, window: Optional[int]) -> np.ndarray:
+  """sum over q = 1..x of min(q, window) (window None: x (x + 1) / 2), elementwise."""
+  if window is None:
+    return x * (x + 1) / 2.0
+  inside = np.minimum(x, window)
+  return inside * (inside + 1) / 2.0 + np.maximum(x - window, 0) * window
+
+
+def attention_extent(new: np.ndarray, ctx: np.ndarray, window: Optional[int] = None
+                     ) -> Tuple[np.ndarray, np.ndarray]:
+  """(query-key pairs, K/V tokens read) of one layer's attention per row, f64[rows] each.
+
+  A row computes `new` tokens whose last attends to `ctx` tokens: its j-th token (j < new)
+  sits at position ctx - new + j and sees ctx - new + j + 1 keys, or at most `window` of
+  them in a sliding-window layer (None: the whole context). The keys read are the union,
+  min(ctx, new + window - 1) for a window, ctx without one."""
+  new, ctx = np.asarray(new, np.float64), np.asarray(ctx, np.float64)
+  pairs = _window_sum(ctx, window) - _window_sum(ctx - new, window)
+  reads = ctx if window is None else np.minimum(ctx, new + window - 1)
+  return pairs, reads
 
 
 def _later_passes(step: StepShape) -> List[Tuple[np.ndarray, np.ndarray]]:
@@ -247,8 +273,14 @@ class DeviceTimeModel:
     """One forward pass over rows (new, ctx) computing `tokens` tokens, `sampled` of them
     through the LM head: COUNTS (FLOPs; bytes; all-reduce ring bytes), per GPU."""
     m, tp = self.model, self.tp
-    # Query-key pairs: the chunk's j-th token sees ctx - new + j + 1 keys.
-    pairs = new * (ctx - new) + new * (new + 1) / 2.0
+    # Query-key pairs and K/V tokens read, summed over layers (layer_pairs, layer_kv).
+    pairs, reads = attention_extent(new, ctx)
+    layer_pairs = m.num_full_layers * pairs
+    layer_kv = m.num_full_layers * (reads + new)            # read the context, write new
+    if m.num_sliding_layers:
+      pairs_w, reads_w = attention_extent(new, ctx, m.sliding_window)
+      layer_pairs = layer_pairs + m.num_sliding_layers * pairs_w
+      layer_kv = layer_kv + m.num_sliding_layers * (reads_w + new)
     ring = 0.0
     if tp > 1:
       count = catalog.ALLREDUCES_PER_LAYER * m.num_layers
@@ -256,10 +288,10 @@ class DeviceTimeModel:
     return dict(
         linear_flops=(2.0 * m.num_layers * m.layer_matmul_params * tokens
                       + 2.0 * m.lm_head_params * sampled) / tp,
-        attention_flops=4.0 * (m.num_heads // tp) * m.head_dim * m.num_layers * pairs.sum(),
+        attention_flops=4.0 * (m.num_heads // tp) * m.head_dim * float(layer_pairs.sum()),
         weight_bytes=m.weight_bytes_per_pass / tp,
         activation_bytes=float(tokens * m.activation_bytes_per_token(tp)),
-        kv_bytes=float(((ctx + new) * self.kv_bytes_per_token).sum()),  # read ctx, write new
+        kv_bytes=float(layer_kv.sum()) * self.kv_bytes_per_token / m.num_layers,
         logits_bytes=float(sampled * m.vocab_size * catalog.SAMPLER_BYTES_PER_LOGIT),
         allreduce_bytes=ring)
 

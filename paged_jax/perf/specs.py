@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 from paged_jax import config as pj_config
 
@@ -73,6 +73,15 @@ class ModelSpec:
     max_context: longest context the model serves (tokens).
     reported_params: the parameter count the model's publisher states (None: none).
     source: where the shapes come from.
+    norms_per_layer: norms in each layer (2: pre-attention and pre-MLP; Gemma-2's
+      sandwich norms: 4).
+    sliding_window: tokens a sliding-window layer's query sees, itself included (None:
+      every layer attends to the whole context).
+    sliding_layers: indices of the sliding-window layers (empty unless `sliding_window`;
+      Gemma-2: every even layer, Mistral-7B v0.1: all of them). Their attention reads and
+      computes over at most the window (a kernel that skips the blocks outside it, as
+      FlashAttention's `window_size` does), and hybrid KV (`budget.pool_config`) gives
+      their K/V a pool of their own.
   """
 
   name: str
@@ -92,12 +101,26 @@ class ModelSpec:
   max_context: int = 2048
   reported_params: Optional[float] = None
   source: str = ""
+  norms_per_layer: int = 2
+  sliding_window: Optional[int] = None
+  sliding_layers: Tuple[int, ...] = ()
 
   def __post_init__(self):
     for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
                   "ffn_size", "vocab_size", "max_context"):
       pj_config.check_int(f"ModelSpec.{field}", getattr(self, field), 1)
     pj_config.check_int("ModelSpec.learned_positions", self.learned_positions, 0)
+    pj_config.check_int("ModelSpec.norms_per_layer", self.norms_per_layer, 0)
+    layers = tuple(int(i) for i in self.sliding_layers)
+    object.__setattr__(self, "sliding_layers", layers)
+    if (self.sliding_window is None) != (not layers):
+      raise ValueError(f"ModelSpec.sliding_window and sliding_layers must be set together, "
+                       f"got {self.sliding_window} and {list(layers)}")
+    if layers:
+      pj_config.check_int("ModelSpec.sliding_window", self.sliding_window, 1)
+      if list(layers) != sorted(set(layers)) or layers[0] < 0 or layers[-1] >= self.num_layers:
+        raise ValueError(f"ModelSpec.sliding_layers must be sorted distinct indices in "
+                         f"[0, {self.num_layers}), got {list(layers)}")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"ModelSpec.num_kv_heads must divide num_heads={self.num_heads}, "
                        f"got {self.num_kv_heads}")
@@ -110,13 +133,27 @@ class ModelSpec:
 
     Families with biases on q/k/v (Qwen2) read `attention_bias` when the config has it.
     """
+    window = cfg.sliding_window if cfg.sliding_layers else None
     return cls(
+        sliding_window=window, sliding_layers=cfg.sliding_layers,
+        norms_per_layer=4 if getattr(cfg, "sandwich_norms", False) else 2,
         name=name, num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
         num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
         ffn_size=cfg.intermediate_size, vocab_size=cfg.vocab_size, gated_mlp=True,
         linear_bias=bool(getattr(cfg, "attention_bias", False)), norm_vectors=1,
         tie_word_embeddings=cfg.tie_word_embeddings, dtype=cfg.dtype,
         max_context=cfg.max_position_embeddings, source=source)
+
+  # ---- layer kinds ----
+
+  @property
+  def num_sliding_layers(self) -> int:
+    return len(self.sliding_layers)
+
+  @property
+  def num_full_layers(self) -> int:
+    """Layers that attend to the whole context."""
+    return self.num_layers - self.num_sliding_layers
 
   # ---- sizes (parameters) ----
 
@@ -138,12 +175,13 @@ class ModelSpec:
 
   @property
   def layer_params(self) -> int:
-    """Every parameter of one layer: projections, their biases (if any), two norms."""
+    """Every parameter of one layer: projections, their biases (if any), its norms."""
     bias = 0
     if self.linear_bias:
       bias = self.q_size + 2 * self.kv_size + self.hidden_size   # q, k, v, o
       bias += (2 if self.gated_mlp else 1) * self.ffn_size + self.hidden_size
-    return self.layer_matmul_params + bias + 2 * self.norm_vectors * self.hidden_size
+    return (self.layer_matmul_params + bias
+            + self.norms_per_layer * self.norm_vectors * self.hidden_size)
 
   @property
   def lm_head_params(self) -> int:
