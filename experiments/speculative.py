@@ -11,12 +11,19 @@ experiments/data/stories.txt:
               model copies the story, which prompt lookup proposes (high acceptance);
   plain       a story's first `--plain_len` bytes: free continuation of templated text;
   no_match    `--plain_len` seeded random printable bytes: little for prompt lookup to
-              match, so speculation must back off (no draft, a plain decode row).
+              match, so speculation must back off (no draft, a plain decode row);
+  always_miss the plain prompts with a proposer that drafts k NUL bytes every step, a
+              token the model never emits: acceptance 0 with a draft on every step
+              the back-off allows, the case where speculation must cost nothing
+              (issue 39: at most 3% slower than off).
 
 Each configuration (speculation off, and ngram with each k of `--ks`) runs every workload
 `--repeats` times after one untimed warm-up run (which compiles its step shapes), in
-interleaved order, one engine per configuration; the median wall time gives tokens/s and
-`ratio` = tokens/s / speculation off's in the same workload (> 1: faster). Steps are the
+interleaved order, one engine per configuration and workload (fresh back-off state,
+shared compiled steps); the median time on `--clock` (cpu: this process's CPU seconds,
+which other tenants of a shared machine barely move; wall) gives tokens/s and `ratio` =
+tokens/s / speculation off's in the same workload (> 1: faster), with a bootstrap 90%
+interval of the ratio of medians (`ratio_ci90`). Steps are the
 engine's device steps; acceptance = accepted drafts / drafted (`Engine.metrics()`
 spec_*), and by draft position. Greedy outputs must equal speculation off's (checked;
 RuntimeError otherwise). Writes OUT/speculative.json (flags, versions, machine).
@@ -37,10 +44,12 @@ from experiments import configs
 from paged_jax import models
 from paged_jax import tokenizer
 from paged_jax.engine import Engine, SamplingParams
+from paged_jax.engine import speculative
 
-WORKLOADS = ("repetitive", "plain", "no_match")
-HEADERS = ("workload", "k", "tokens/s ratio", "steps", "steps off", "acceptance",
-           "accepted by position")
+WORKLOADS = ("repetitive", "plain", "no_match", "always_miss")
+NUL = tokenizer.encode("\x00")[-1]   # the byte the always_miss proposer drafts
+HEADERS = ("workload", "k", "tokens/s ratio", "90% interval", "steps", "steps off",
+           "drafted", "acceptance", "accepted by position")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +67,8 @@ class Config(configs.ExperimentConfig):
   max_seqs: int = configs.flag(8, "sequence slots", lower=1)
   max_num_batched_tokens: int = configs.flag(256, "token budget per step", lower=8)
   repeats: int = configs.flag(3, "timed runs per configuration and workload", lower=1)
+  clock: str = configs.flag("cpu", "what a run's time is: cpu (process CPU seconds) or "
+                            "wall", choices=("cpu", "wall"))
   seed: int = configs.flag(0, "seed of the workloads", lower=0)
   out: str = configs.flag("results/speculative", "output directory")
 
@@ -78,7 +89,7 @@ def workload(f: Config, kind: str) -> List[List[int]]:
     story = stories[int(i)][:300]
     if kind == "repetitive":
       text = story + "\n\n" + story[:f.echo]
-    elif kind == "plain":
+    elif kind in ("plain", "always_miss"):
       text = story[:f.plain_len]
     else:
       text = "".join(chr(int(c)) for c in rng.integers(33, 127, f.plain_len))
@@ -86,24 +97,31 @@ def workload(f: Config, kind: str) -> List[List[int]]:
   return out
 
 
-def _engine(f: Config, model, k: int) -> Engine:
-  """The shipped model's engine, speculating k tokens (0: off)."""
+def _never(tokens, k):   # the always_miss proposer
+  del tokens
+  return (NUL,) * k
+
+
+def _engine(f: Config, model, k: int, kind: str = "") -> Engine:
+  """The shipped model's engine, speculating k tokens (0: off) on workload `kind`."""
   mc, params = model
   longest = 300 + 2 + f.echo + f.gen + 2
   cc = mc.cache_config(block_size=16, max_seqs=f.max_seqs,
                        max_blocks_per_seq=-(-longest // 16), enable_prefix_caching=False)
-  spec = ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": f.lookup_max,
-           "prompt_lookup_min": f.lookup_min} if k else None)
+  spec = (speculative.SpeculativeConfig("ngram", k, f.lookup_max, f.lookup_min,
+                                        proposer=_never if kind == "always_miss" else None)
+          if k else None)
   return Engine(mc, params, cc, max_num_batched_tokens=f.max_num_batched_tokens,
                 speculative_config=spec)
 
 
-def _serve(engine: Engine, prompts, gen: int):
-  """(outputs, wall seconds, metrics delta) of one run of `prompts`."""
+def _serve(engine: Engine, prompts, gen: int, clock: str = "wall"):
+  """(outputs, seconds on `clock`, metrics delta) of one run of `prompts`."""
+  now = time.process_time if clock == "cpu" else time.perf_counter
   before = dict(engine.metrics())
-  t0 = time.perf_counter()
+  t0 = now()
   outs = engine.generate(prompts, SamplingParams(max_tokens=gen, temperature=0.0))
-  seconds = time.perf_counter() - t0
+  seconds = now() - t0
   after = engine.metrics()
   delta = {}
   for key, v in after.items():
@@ -117,9 +135,9 @@ def _serve(engine: Engine, prompts, gen: int):
 def run(f: Config) -> Dict:
   model = models.load_hf_checkpoint(models.DEFAULT_CHECKPOINT)
   ks = (0,) + tuple(f.ks)
-  engines = {k: _engine(f, model, k) for k in ks}
   rows = []
   for kind in f.workloads:
+    engines = {k: _engine(f, model, k, kind) for k in ks}
     prompts = workload(f, kind)
     base = None
     for k in ks:   # warm-up: compiles each configuration's shapes; outputs checked
@@ -133,7 +151,7 @@ def run(f: Config) -> Dict:
     for rep in common.progress(range(f.repeats), total=f.repeats):
       order = ks if rep % 2 == 0 else ks[::-1]
       for k in order:
-        _, seconds, delta = _serve(engines[k], prompts, f.gen)
+        _, seconds, delta = _serve(engines[k], prompts, f.gen, f.clock)
         times[k].append(seconds)
         metrics[k] = delta
     tokens = f.requests * f.gen
@@ -143,6 +161,7 @@ def run(f: Config) -> Dict:
       drafted = m.get("spec_draft_tokens", 0)
       rows.append(dict(
           workload=kind, k=k, tokens_per_s=tps, ratio=tps / off_tps, seconds=times[k],
+          ratio_ci90=_ratio_ci(times[0], times[k], f.seed),
           steps=m["steps"], steps_off=metrics[0]["steps"], generated=m["generated_tokens"],
           drafted=drafted, accepted=m.get("spec_accepted_tokens", 0),
           acceptance=(m["spec_accepted_tokens"] / drafted) if drafted else None,
@@ -151,11 +170,23 @@ def run(f: Config) -> Dict:
   return {"rows": rows}
 
 
+def _ratio_ci(off: List[float], on: List[float], seed: int) -> Tuple[float, float]:
+  """A bootstrap 90% interval of median(off) / median(on) (2,000 resamples, seeded)."""
+  rng = np.random.default_rng(seed)
+  a, b = np.asarray(off), np.asarray(on)
+  ia = rng.integers(0, len(a), (2000, len(a)))
+  ib = rng.integers(0, len(b), (2000, len(b)))
+  r = np.median(a[ia], axis=1) / np.median(b[ib], axis=1)
+  return float(np.quantile(r, 0.05)), float(np.quantile(r, 0.95))
+
+
 def summary_rows(result: Dict):
   fmt = lambda xs: " ".join("-" if x is None else f"{x:.2f}" for x in xs)
-  return [(r["workload"], r["k"] or "off", r["ratio"], r["steps"], r["steps_off"],
-           "-" if r["acceptance"] is None else r["acceptance"], fmt(r["accepted_by_position"]))
-          for r in result["rows"]]
+  ci = lambda r: "-" if not r["k"] or "ratio_ci90" not in r else (
+      f"{r['ratio_ci90'][0]:.3f}-{r['ratio_ci90'][1]:.3f}")
+  return [(r["workload"], r["k"] or "off", r["ratio"], ci(r), r["steps"], r["steps_off"],
+           r["drafted"], "-" if r["acceptance"] is None else r["acceptance"],
+           fmt(r["accepted_by_position"])) for r in result["rows"]]
 
 
 def main(f: Config, out):

@@ -23,7 +23,7 @@ saturation throughput (every request at t = 0: the pool full) with its batch and
 preemptions, the same at the highest rate tried within the SLO, and the share of decode
 rows that drafted, which the back-off (`speculative.STEP_MIN_GAIN`, per sequence
 and engine-wide; not a config key) thins out. The fixed-rate point also counts what a
-'keep' rule for rejected blocks would change (`speculative_blocks.instrument`).
+'keep' rule for rejected blocks would change (`speculative_tally.instrument`).
 
 The SLO is `--slo_factor` x the unloaded normalized latency without speculation, the same
 for every configuration. For each (k, alpha): the max rate at the SLO found by bracketing
@@ -45,6 +45,7 @@ import numpy as np
 
 from experiments import common
 from experiments import configs
+from experiments import speculative_tally
 from paged_jax.bench import latency
 from paged_jax.bench import paper_scale
 from paged_jax.bench import rate_search
@@ -168,7 +169,6 @@ def _load(point: Dict) -> Dict:
 
 
 def run(f: Config) -> Dict:
-  from experiments import speculative_blocks  # pylint: disable=g-import-not-at-top
   setup = Setup(f)
   norm = lambda p: p["summary"]["normalized_latency_s_per_token"]
   probe_point = setup.point(0, 1.0, float("inf"))
@@ -207,7 +207,7 @@ def run(f: Config) -> Dict:
     tallies = []
     fixed_rate = f.fixed_rate_fraction * (off_rate if f.search else off_sat)
     fixed = setup.point(k, alpha, fixed_rate,
-                        on_engine=lambda e, t=tallies: t.append(speculative_blocks.instrument(e)))
+                        on_engine=lambda e, t=tallies: t.append(speculative_tally.instrument(e)))
     m = setup.made[0].metrics()
     row.update(tpot_p50_s=fixed["summary"]["tpot_p50_s"],
                tpot_p99_s=fixed["summary"]["tpot_p99_s"], fixed_rate=fixed_rate,

@@ -8,7 +8,9 @@ import pytest
 from experiments import speculative as spec_cpu
 from experiments import speculative_blocks
 from experiments import speculative_scale
+from experiments import speculative_tally
 from paged_jax import kv_cache
+from paged_jax import tokenizer
 from paged_jax.models import standin
 
 
@@ -124,7 +126,7 @@ def test_block_tally_counts_a_scripted_run_by_hand():
   # (start, tokens, draft, num_computed after)
   script = [(0, 5, (), 5), (5, 1, (7, 7, 7), 6), (6, 1, (7, 7, 7), 10)]
   engine = _Engine(seq, script, used=[2, 2, 3])
-  tally = speculative_blocks.instrument(engine)
+  tally = speculative_tally.instrument(engine)
   for _ in script:
     engine.step()
   assert (tally.steps, tally.pops, tally.saved_pops, tally.saved_next) == (3, 4, 1, 1)
@@ -135,7 +137,7 @@ def test_block_tally_counts_a_scripted_run_by_hand():
   s = tally.summary()
   assert s["rows_lost"] == pytest.approx((1 / 3) / (7 / 3))
   bad = _Engine(_Seq(5), script, used=[2, 3, 3])   # the engine's count differs once
-  t = speculative_blocks.instrument(bad)
+  t = speculative_tally.instrument(bad)
   for _ in script:
     bad.step()
   assert t.mismatched_steps == 1
@@ -182,3 +184,20 @@ def test_kv_rows_render_searched_and_unsearched_runs():
   assert a["TPOT p50 (ms)"] == pytest.approx(20.0)
   assert (b["k"], b["alpha"], b["drafting rows / decode rows"]) == (4, 0.5, 0.2)
   assert b["max rate at SLO (req/s)"] == "-" and b["preemptions at max rate"] == "-"
+
+
+def test_always_miss_drafts_the_nul_byte_over_the_plain_prompts():
+  f = spec_cpu.Config(requests=3, plain_len=30)
+  assert spec_cpu.workload(f, "always_miss") == spec_cpu.workload(f, "plain")
+  assert spec_cpu._never([1, 2, 3], 4) == (spec_cpu.NUL,) * 4   # pylint: disable=protected-access
+  assert tokenizer.decode([spec_cpu.NUL]) == "\x00"     # the byte tokenizer's NUL
+
+
+def test_ratio_interval_brackets_the_ratio_of_medians():
+  rng = np.random.default_rng(3)
+  off = list(1.0 + 0.02 * rng.standard_normal(15))
+  on = list(1.25 + 0.02 * rng.standard_normal(15))
+  lo, hi = spec_cpu._ratio_ci(off, on, 0)   # pylint: disable=protected-access
+  assert lo < np.median(off) / np.median(on) < hi
+  assert 0.75 < lo < hi < 0.85            # the true 0.8 within, a tight interval
+  assert spec_cpu._ratio_ci(off, on, 0) == (lo, hi)   # pylint: disable=protected-access
