@@ -60,6 +60,11 @@ TARGET = 0.05   # issue 42 (0.15 before: issue 25)
 CALIBRATION_SEED_OFFSET = 1000   # the calibration streams' seed: seed + this
 
 
+# --quick: the flags a short run replaces (two systems, short windows, one run a rate).
+QUICK = dict(systems=("paged", "orca_max"), duration_s=3.0, calibration_duration_s=1.5,
+             repeats=1, max_rates=5, rel_tol=0.10)
+
+
 @dataclasses.dataclass(frozen=True)
 class Config(configs.ExperimentConfig):
   """Flags of experiments.perf_validation."""
@@ -122,9 +127,15 @@ class Config(configs.ExperimentConfig):
   measured_from: str = configs.flag("", "a measured.json.gz an earlier run wrote (same "
                                     "stream flags): fit and predict from it, measuring only "
                                     "the systems it lacks")
+  quick: bool = configs.flag(False, "a short run for the demo and tests, replacing "
+                             "the flags QUICK names: 2 systems, 3 s arrival windows, one "
+                             "run per rate, at most 5 rates, bisection to 10%")
   out: str = configs.flag("results/perf_validation", "output directory")
 
   def check(self) -> None:
+    if self.quick:   # the preset's values replace the flags', so flags() records them
+      for name, value in QUICK.items():
+        object.__setattr__(self, name, value)
     if not self.rates or not self.systems:
       raise ValueError("--rates and --systems must not be empty")
     if "auto" in self.rates and len(self.rates) > 1:

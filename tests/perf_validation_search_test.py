@@ -225,3 +225,26 @@ def test_replayed_noise_clock_charges_the_measured_ratios_in_order():
   assert clock.now() == pytest.approx(sum(charged))
   assert clock.now() != pytest.approx(plain.now())
   assert sum(plain_charged) == pytest.approx(3 * 2 * t)
+
+
+def test_quick_replaces_the_flags_it_names_and_records_them():
+  f = perf_validation.Config(quick=True, systems=("orca_pow2",), repeats=5)
+  for name, value in perf_validation.QUICK.items():
+    assert getattr(f, name) == value and f.flags()[name] == value
+  assert f.flags()["quick"] is True and f.auto   # the rest is untouched
+  assert perf_validation.Config().systems == perf_validation.serving_sweep.SYSTEMS
+
+
+@pytest.mark.slow
+def test_quick_run_judges_or_censors_every_system(tmp_path):
+  """The real --quick run on this CPU: every system's max rate is either judged (both
+  crossings found, an error reported) or reported censored with its bound, never 0%."""
+  result = perf_validation.run(perf_validation.Config(quick=True, out=str(tmp_path)), tmp_path)
+  assert set(result["systems"]) == set(perf_validation.QUICK["systems"])
+  for name, v in result["systems"].items():
+    if v["rel_error"] is None:
+      assert name in result["censored"]
+      assert v["measured_censored"] or v["predicted_censored"]
+    else:
+      assert v["rel_error"] == pytest.approx(v["predicted_max_rate"] / v["measured_max_rate"] - 1)
+  assert result["flags"]["quick"] and result["load_avg"]["samples"]
