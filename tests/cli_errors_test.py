@@ -102,7 +102,8 @@ def _cases(tmp):
                                    "--num_blocks_list: 16 blocks is too small"),
       "calibrate_unknown_gpu": (pc, ["--gpu=v100", out], "--gpu must be one of a100-40gb"),
       "calibrate_not_a_llama": (pc, ["--model=opt-13b", out],
-                                "--model must be one of llama-13b, llama-3-8b, got 'opt-13b'"),
+                                "--model must be one of llama-13b, llama-3-8b, gemma-2-9b, "
+                                "gemma-2-27b, mistral-7b, got 'opt-13b'"),
       "calibrate_small_pool": (pc, ["--kv_budget_tokens=1024", out],
                                "--kv_budget_tokens must be >= 33280 (the largest batch"),
       "paper_scale_paged_first": ("experiments.paper_scale", ["--systems=orca_max,paged", out],
