@@ -126,14 +126,7 @@ class CacheConfig:
                       f"{type(self.enable_prefix_caching).__name__}")
     # Hybrid KV fields: all set or all off (`pool_sizing.check_sliding_fields`).
     object.__setattr__(self, "sliding_layers", pool_sizing.check_sliding_fields(self))
-    # A ValueError for a wrong type too (as a bad value): the contract's one-line error.
-    h = self.num_host_blocks
-    if isinstance(h, bool) or not isinstance(h, (int, np.integer)) or not 0 <= h < 2**31:
-      raise ValueError(f"num_host_blocks must be an int in [0, 2**31 - 1], got {h!r}")
-    if self.num_host_blocks and (not self.enable_prefix_caching or self.hybrid):
-      raise ValueError("num_host_blocks > 0 needs enable_prefix_caching=True and no hybrid "
-                       f"KV (the host tier sits under the prefix cache), got "
-                       f"num_host_blocks={self.num_host_blocks}")
+    pool_sizing.check_host_blocks(self)
 
   @property
   def max_seq_len(self) -> int:
@@ -196,12 +189,8 @@ class CacheConfig:
 
   @classmethod
   def from_memory_budget(cls, model: "ModelConfig", **kwargs) -> "CacheConfig":
-    """Sizes the block pool like a serving system: `model.cache_config(...)` with as many
-    blocks as a memory budget holds (`pool_sizing.from_memory_budget`). Keyword-only:
-    block_size=16, exactly one of kv_budget_bytes / gpu_memory_utilization (a fraction of
-    the first device's free memory), max_seqs=64, max_model_len=None (the model's max
-    positions), dtype="auto" (the model's), and `cache_config`'s own (with hybrid KV the
-    sliding pool's bytes come off the budget first)."""
+    """Sizes the block pool like a serving system: as many blocks as a memory budget
+    holds; keywords and defaults: `pool_sizing.from_memory_budget`."""
     return pool_sizing.from_memory_budget(model, **kwargs)
 
 

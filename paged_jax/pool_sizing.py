@@ -87,6 +87,19 @@ def check_sliding_fields(config: Any) -> Tuple[int, ...]:
   return layers
 
 
+def check_host_blocks(config: Any) -> None:
+  """A `CacheConfig`'s `num_host_blocks`: an int in [0, 2**31 - 1] (a ValueError for a
+  wrong type too, the contract's one-line error), > 0 only under the prefix cache and
+  without hybrid KV (the host tier sits under the prefix cache)."""
+  h = config.num_host_blocks
+  if isinstance(h, bool) or not isinstance(h, (int, np.integer)) or not 0 <= h < 2**31:
+    raise ValueError(f"num_host_blocks must be an int in [0, 2**31 - 1], got {h!r}")
+  if h and (not config.enable_prefix_caching or config.hybrid):
+    raise ValueError("num_host_blocks > 0 needs enable_prefix_caching=True and no hybrid "
+                     f"KV (the host tier sits under the prefix cache), got "
+                     f"num_host_blocks={h}")
+
+
 def from_memory_budget(
     model: Any,
     *,

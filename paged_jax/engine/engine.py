@@ -113,13 +113,8 @@ class Engine:
     self._last_step = report_lib.StepReport()
     self._applied = None             # the report parts of the last step applied
     self._report_base = (0, 0, 0)    # the counters the last report was made at
-    log.info("paged_jax engine: block_size=%d num_blocks=%d KV capacity=%d tokens "
-             "(%.1f MiB %s), max_seqs=%d, max_model_len=%d, budget=%d tokens/step, "
-             "decode_steps_per_sync=%d, preemption=%s, prefix_caching=%s",
-             cache_config.block_size, nb, cache_config.num_slots,
-             cache_config.kv_cache_bytes / 2**20, cache_config.dtype, max_seqs,
-             self.max_model_len, budget, options.decode_steps_per_sync,
-             options.preemption_mode, self.prefix_caching)
+    log.info("paged_jax engine: %s", report_lib.describe(cache_config, options,
+                                                         self.max_model_len))
 
   @property
   def host_stats(self) -> collections.Counter:
@@ -128,8 +123,7 @@ class Engine:
 
   @property
   def stats(self) -> collections.Counter:
-    """Counters: steps, device_steps, tokens (generated, computed, prefill, prefix hits,
-    bucket), swaps, retries (the scheduler's, written by its `update`)."""
+    """The scheduler's counters (steps, tokens by kind, swaps, retries; its `update`)."""
     return self.scheduler.stats
 
   # ---- requests ------------------------------------------------------------------------
@@ -159,9 +153,8 @@ class Engine:
   def generate(self, prompts: Seq[Seq[int]],
                params: Union[SamplingParams, Seq[SamplingParams], None] = None
                ) -> List[RequestOutput]:
-    """Runs prompts to completion; their outputs in prompt order. All or nothing:
-    the whole batch is validated before any request is queued. Outputs of other
-    requests finishing meanwhile stay for the next `step()`."""
+    """Runs prompts to completion; their outputs in prompt order. All or nothing: the whole
+    batch is validated first. Other requests' outputs stay for the next `step()`."""
     if params is None or isinstance(params, SamplingParams):
       params = [params] * len(prompts)
     if len(params) != len(prompts):
@@ -174,9 +167,8 @@ class Engine:
     return [self._outbox.pop(i) for i in ids]
 
   def abort(self, request_id: Any) -> Optional[RequestOutput]:
-    """Stops a request and frees its blocks now; returns its output so far
-    (finish reason "abort"), or its full output if it had finished but was not
-    yet returned, or None for an unknown id."""
+    """Stops a request and frees its blocks now; returns its output so far (finish reason
+    "abort"), its full output if finished but not yet returned, None for an unknown id."""
     self._finish_in_flight()
     if request_id in self._outbox:
       return self._outbox.pop(request_id)
@@ -187,11 +179,9 @@ class Engine:
     return self._outbox.pop(request_id)
 
   def partial_outputs(self, request_id: Any) -> Optional[RequestOutput]:
-    """What a queued or running request has so far, as a RequestOutput (samples in index
-    order; a running sample's finish reason None), as of the last step applied; None
-    once it finished (its output is in `step()`'s) or for an unknown id. Beam hypotheses
-    change until the end: beams give empty outputs until then. For streaming: read
-    between steps, no device work."""
+    """For streaming, with no device work: a queued or running request's output so far
+    as of the last step applied (samples in index order, a running one's finish reason
+    None; beams: empty until the end); None once finished or for an unknown id."""
     group = self.scheduler.groups.get(request_id)
     return None if group is None else partial_output(group)
 
@@ -315,12 +305,11 @@ class Engine:
       self._applied = before.parts(batch, out, finished, batch.bucket)
 
   def kv_events(self) -> List[events_lib.KVEvent]:
-    """The KV cache events since the last call, oldest first, and drains them (as vLLM's
-    KV events: `prefix_cache.events.KVEvent` with `.kind` "stored" / "removed" /
-    "cleared", `.block_hashes`, `.parent_block_hash` and `.medium` "device" / "host"),
-    up to now: what the device's prefix cache and the host tier stored and removed,
-    exactly. A step still in flight (after an interrupt) is finished first (its one sync);
-    otherwise no device work."""
+    """Drains the KV cache events since the last call, oldest first (vLLM's KV events:
+    `prefix_cache.events.KVEvent`, `.kind` "stored" / "removed" / "cleared",
+    `.block_hashes`, `.parent_block_hash`, `.medium` "device" / "host"): exactly what
+    both tiers stored and removed. A step still in flight is finished first (its sync).
+    """
     self._finish_in_flight()
     return self._tiers.drain()
 
@@ -351,15 +340,12 @@ class Engine:
 
   def compile_buckets(self, shapes: Seq[Bucket], *, all_greedy: Seq[bool] = (False, True),
                       max_shapes: Optional[int] = None) -> Dict[str, Any]:
-    """Compiles the step ahead of time for each shape bucket in `shapes` (from
-    `reachable_buckets(engine.buckets, ...)`; (T, R, W, decode_only) tuples) and each
-    sampling variant in `all_greedy` (False: sampling requests run; True: every running
-    request is greedy), unless compiled already for this engine's argument shapes. No
-    step of those shapes traces or compiles later; nothing runs on the device.
-
-    Bounded: at most `max_shapes` (default `buckets.max_variants`) steps, else
-    ValueError. Logged at INFO. Returns {"compiled", "already", "seconds"}.
-    """
+    """Compiles the step ahead of time, with no device work, for each shape bucket in
+    `shapes` ((T, R, W, decode_only) tuples, e.g. `buckets.reachable_buckets`) and each
+    sampling variant in `all_greedy` (True: every running request greedy), unless done
+    already for this engine's argument shapes; no step of those shapes compiles later.
+    At most `max_shapes` (default `buckets.max_variants`), else ValueError. Returns
+    {"compiled", "already", "seconds"}."""
     bound = self._buckets.max_variants if max_shapes is None else max_shapes
     return self._compiled.compile_ahead(self.params, self.state, shapes,
                                         lookup_tokens=self._lookup_len,

@@ -188,3 +188,13 @@ def metrics(sched, cache_config, stats) -> Dict[str, Any]:
     out.update(num_sliding_blocks=cache_config.num_sliding_blocks,
                num_free_sliding_blocks=c.sliding_free)
   return out
+
+
+def describe(cache_config, options, max_model_len: int) -> str:
+  """One line on the engine's pool and options (logged at INFO when one is built)."""
+  c, o = cache_config, options
+  return (f"block_size={c.block_size} num_blocks={c.num_blocks} KV capacity={c.num_slots} "
+          f"tokens ({c.kv_cache_bytes / 2**20:.1f} MiB {c.dtype}), max_seqs={c.max_seqs}, "
+          f"max_model_len={max_model_len}, budget={o.max_num_batched_tokens} tokens/step, "
+          f"decode_steps_per_sync={o.decode_steps_per_sync}, preemption="
+          f"{o.preemption_mode}, prefix_caching={c.enable_prefix_caching}")

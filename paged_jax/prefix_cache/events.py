@@ -7,7 +7,7 @@ engine's step returns the log in its outputs and starts it over, so the events c
 what the step did, exactly, in order. The host tier (`host_tier.HostTier`) reports its
 own stores and removals. `Engine.kv_events()` hands them out and drains them.
 
-A block hash is the chained 64-bit hash of `core.chain_hash` as one int (lane 0 the low
+A block hash is the chained 64-bit hash of `hashing.chain_hash` as one int (lane 0 the low
 32 bits); a block's parent hash is its parent's hash (at depth 0 the request's salt root,
 `salt.salt_key`), so a consumer can rebuild the chains.
 """

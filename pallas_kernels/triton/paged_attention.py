@@ -50,8 +50,7 @@ from pallas_kernels import reference
 from pallas_kernels.triton import tuning
 
 SUPPORTED_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-Q_DTYPES = ("float32", "bfloat16", "float16")
-PAGE_DTYPES = Q_DTYPES + ("int8", "float8_e4m3fn")
+Q_DTYPES, PAGE_DTYPES = tuning.Q_DTYPES, tuning.PAGE_DTYPES
 NUM_WARPS = tuning.NUM_WARPS
 _MIN_TILE_TOKENS = 16
 _MIN_Q_ROWS = 16           # Triton's tl.dot needs M, N, K >= 16.
@@ -62,14 +61,8 @@ def check_supported(shapes: checks.AttentionShapes, q, k_pages, k_scales) -> Non
   if shapes.block_size not in SUPPORTED_BLOCK_SIZES:
     raise ValueError(f"k_pages has shape {tuple(k_pages.shape)}; expected a block_size "
                      f"(dim 2) that is a power of two in [1, 256] (Triton decode kernel)")
-  if not 16 <= shapes.head_dim <= 256:
-    raise ValueError(f"q has shape {tuple(q.shape)}; expected head_dim (dim 2) in [16, 256] "
-                     f"(computed padded to a power of two)")
-  if shapes.q_dtype.name not in Q_DTYPES:
-    raise ValueError(f"q has dtype {shapes.q_dtype.name}; expected one of {Q_DTYPES}")
+  tuning.check_dtypes(shapes, q)
   page = shapes.page_dtype.name
-  if page not in PAGE_DTYPES:
-    raise ValueError(f"k_pages has dtype {page}; expected one of {PAGE_DTYPES}")
   quantized = page in ("int8", "float8_e4m3fn")
   if quantized and not shapes.quantized:
     raise ValueError(f"k_pages has dtype {page}; {page} pages need k_scales and v_scales "

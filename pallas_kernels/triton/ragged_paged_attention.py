@@ -16,25 +16,20 @@ Design (Triton backend, chosen explicitly through `plgpu.CompilerParams`):
     of its KV head for its q_per_tile rows (R = q_per_tile * G logit rows), so every K/V
     page is read once per (tile, KV head), not once per query head.
   * KV loop. Keys are visited `kv_per_tile` tokens at a time from the first visible key
-    (0, or the sliding-window start) up to the tile's last query position. The physical
-    page of every key is read from the block table inside the kernel (page =
-    block_tables[seq, pos // block_size], offset pos % block_size) and K/V rows are
-    gathered straight from the paged arrays: no contiguous copy of the cache. This works
-    for any block size, smaller or larger than the KV tile. Table entries past the
-    tile's causal bound are never dereferenced; keys at or past the sequence end are
-    masked out of the logits and their values zeroed (stale NaN pages cannot leak).
+    (0, or the sliding-window start) up to the tile's last query position; each key's page
+    is read from the block table inside the kernel (block_tables[seq, pos // block_size],
+    offset pos % block_size) and K/V rows are gathered straight from the paged arrays, for
+    any block size: no contiguous copy. Keys at or past the sequence end are masked out
+    and their values zeroed (stale NaN pages cannot leak).
   * Online softmax in base 2 with float32 accumulation; bf16/fp16 operands go to the
     tensor cores as-is, float32 as 3-pass TF32 (IEEE in interpret mode; triton/tuning.py).
     int8 / fp8 pages are converted to the query dtype in registers (to bf16 under f32
     queries, which are split into bf16 hi + lo parts: tuning.splits_f32_queries); their
     per-token scales multiply the logits (K) and the probabilities (V).
-  * Split-K (`kv_splits`): when the grid is too small to fill the GPU (few long
-    sequences) the KV range of each tile is cut into splits whose partial (acc, max, sum)
-    are merged by a log-sum-exp combine in jnp. Partials are per (split, tile): their
-    size follows the tiles of the split launch, not the batch's token count.
-  * Rows no tile covers (padding past cu_q_lens[num_seqs]) are zero: the output buffer is
-    a zero-initialised input aliased to the output (the second launch aliases the
-    first launch's result).
+  * Split-K (`kv_splits`): when the grid is too small to fill the GPU, each tile's KV
+    range is cut into splits whose partials (sized by the tiles, not the batch's T rows)
+    are merged by `common.combine_splits`.
+  * Rows no tile covers (padding) are zero: the output aliases a zero-initialised input.
 """
 
 from __future__ import annotations
@@ -56,8 +51,7 @@ from pallas_kernels import reference
 from pallas_kernels import tiling
 from pallas_kernels.triton import tuning
 
-Q_DTYPES = ("float32", "bfloat16", "float16")
-PAGE_DTYPES = Q_DTYPES + ("int8", "float8_e4m3fn")
+Q_DTYPES, PAGE_DTYPES = tuning.Q_DTYPES, tuning.PAGE_DTYPES
 NUM_WARPS = tuning.NUM_WARPS
 _LOG2E = math.log2(math.e)
 _SQ = pl.Squeezed()  # a block dimension indexed by the grid and squeezed out of the ref
@@ -67,14 +61,7 @@ def check_supported(shapes: checks.AttentionShapes, q, k_pages) -> None:
   """What this kernel takes beyond `checks.check_ragged` (one-line ValueError)."""
   if shapes.rows < 1:
     raise ValueError(f"q has shape {tuple(q.shape)}; expected at least one row (T >= 1)")
-  if shapes.q_dtype.name not in Q_DTYPES:
-    raise ValueError(f"q has dtype {shapes.q_dtype.name}; expected one of {Q_DTYPES}")
-  if shapes.page_dtype.name not in PAGE_DTYPES:
-    raise ValueError(f"k_pages has dtype {shapes.page_dtype.name}; expected one of "
-                     f"{PAGE_DTYPES}")
-  if not 16 <= shapes.head_dim <= 256:
-    raise ValueError(f"q has shape {tuple(q.shape)}; expected head_dim (dim 2) in [16, 256] "
-                     f"(computed padded to a power of two)")
+  tuning.check_dtypes(shapes, q)
   if shapes.num_blocks < 1 or not 1 <= shapes.block_size <= 1024:
     raise ValueError(f"k_pages has shape {tuple(k_pages.shape)}; expected num_blocks >= 1 "
                      f"and a block_size (dim 2) in [1, 1024]")
@@ -248,27 +235,10 @@ def _ragged_kernel(
     l_ref[...] = l_i.reshape(q_per_tile, group)
 
 
-def _combine_splits(acc, m, l, out_dtype):
-  """Log-sum-exp merge of split-K partials (base-2 maxima) over the leading axis.
-
-  acc: f32[splits, *R, D]; m, l: f32[splits, *R] -> [*R, D].
-  """
-  m_max = jnp.max(m, axis=0)
-  weight = jnp.exp2(m - m_max[None])
-  l_sum = jnp.sum(weight * l, axis=0)
-  acc_sum = jnp.sum(weight[..., None] * acc, axis=0)
-  return (acc_sum / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]).astype(out_dtype)
-
-
 def _kernel_call(q4, k_pages, v_pages, block_tables, k_scales, v_scales, tiles, init, *,
                  q_per_tile, kv_splits, sem, cfg, interpret, precision, split_q):
-  """One pallas_call over `tiles`; returns [T, Hkv, G, D] in q4.dtype.
-
-  Rows of the tiles are (re)written; every other row keeps its value from `init` (the
-  output buffer is `init`, aliased). Split-K partials are sized by the tiles (splits x
-  num_tiles x q_per_tile rows, not the T rows of the batch), combined there and
-  scattered into `init` at the tiles' rows.
-  """
+  """One pallas_call over `tiles`; returns [T, Hkv, G, D] in q4.dtype: the tiles' rows
+  (re)written, every other row as in `init` (aliased, or scattered into with split-K)."""
   num_tokens, num_kv_heads, group_p, head_dim = q4.shape
   _, num_blocks, block_size, _ = k_pages.shape
   num_seqs_max, pages_per_seq = block_tables.shape
@@ -336,7 +306,11 @@ def _kernel_call(q4, k_pages, v_pages, block_tables, k_scales, v_scales, tiles, 
   )(*args, *inits)
   if kv_splits == 1:
     return outs[0]
-  part = _combine_splits(*outs, q4.dtype)                     # [tiles, Hkv, tq, G, D]
+  acc, m, l = outs                     # [splits, tiles, Hkv, tq, G(, D)], maxima in base 2
+  lse = jnp.where(l > 0, m / _LOG2E + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+  part = common.combine_splits(            # split axis third from last: [tiles, Hkv, tq, G, D]
+      jnp.moveaxis(acc / jnp.where(l > 0, l, 1.0)[..., None], 0, -3),
+      jnp.moveaxis(lse, 0, -2)).astype(q4.dtype)
   part = jnp.swapaxes(part, 1, 2).reshape(num_tiles * q_per_tile, num_kv_heads, group_p,
                                           head_dim)
   local = jnp.arange(q_per_tile, dtype=jnp.int32)

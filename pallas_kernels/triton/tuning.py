@@ -37,6 +37,23 @@ F32_GPU_PRECISION = lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 _SCRATCH_BYTES = 8192                # reduction / layout-conversion scratch (measured)
 
 
+# What both Triton kernels take (each adds its own shape limits in `check_supported`).
+Q_DTYPES = ("float32", "bfloat16", "float16")
+PAGE_DTYPES = Q_DTYPES + ("int8", "float8_e4m3fn")
+
+
+def check_dtypes(shapes: checks.AttentionShapes, q) -> None:
+  """q's and the pages' dtypes and a head_dim in [16, 256] (one-line ValueError)."""
+  if not 16 <= shapes.head_dim <= 256:
+    raise ValueError(f"q has shape {tuple(q.shape)}; expected head_dim (dim 2) in [16, 256] "
+                     f"(computed padded to a power of two)")
+  if shapes.q_dtype.name not in Q_DTYPES:
+    raise ValueError(f"q has dtype {shapes.q_dtype.name}; expected one of {Q_DTYPES}")
+  if shapes.page_dtype.name not in PAGE_DTYPES:
+    raise ValueError(f"k_pages has dtype {shapes.page_dtype.name}; expected one of "
+                     f"{PAGE_DTYPES}")
+
+
 def padded_head_dim(head_dim: int) -> int:
   """Head dim the kernels compute with: the next power of two (Triton tensor sizes).
 
