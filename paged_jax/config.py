@@ -79,7 +79,7 @@ class CacheConfig:
     sliding_window: tokens a sliding layer's query sees (itself included), >= 1; set
       iff `sliding_layers` is.
     num_sliding_blocks: blocks of the sliding pool (hybrid KV only; the engine needs
-      `sliding_pool_blocks(...)` so that pool never runs short).
+      `sliding_pool_blocks(...)`, at most `num_blocks`, so that pool never runs short).
     num_host_blocks: blocks of the prefix cache's host tier (0: none; needs prefix
       caching, without hybrid KV): blocks the device cache evicts are kept in host memory
       and come back on a later hit (`paged_jax.engine.tier`).

@@ -28,14 +28,23 @@ def sliding_blocks_per_seq(sliding_window: int, block_size: int, tokens_per_step
 
 
 def sliding_pool_blocks(sliding_window: int, block_size: int, max_seqs: int,
-                        max_num_batched_tokens: int, decode_steps_per_sync: int = 1) -> int:
-  """Blocks a hybrid-KV sliding pool needs so it can never run short: sequence s holds at
-  most cdiv(W - 1, bs) + 1 + cdiv(n_s, bs) blocks (`sliding_blocks_per_seq`, n_s the
-  tokens it adds in a step), and a step adds at most `max_num_batched_tokens` tokens plus
-  `decode_steps_per_sync - 1` per sequence in all, so the pool needs
-  max_seqs * (cdiv(W - 1, bs) + 2) + (those tokens) // bs (each cdiv rounds up by < 1)."""
+                        max_num_batched_tokens: int, decode_steps_per_sync: int = 1,
+                        num_blocks: Optional[int] = None) -> int:
+  """Blocks a hybrid-KV sliding pool needs so it can never run short: the fewer of two
+  bounds. (1) Windows: sequence s holds at most cdiv(W - 1, bs) + 1 + cdiv(n_s, bs)
+  blocks (`sliding_blocks_per_seq`, n_s the tokens it adds in a step), and a step adds at
+  most `max_num_batched_tokens` tokens plus `decode_steps_per_sync - 1` per sequence in
+  all: max_seqs * (cdiv(W - 1, bs) + 2) + (those tokens) // bs (each cdiv rounds up by
+  < 1). (2) The main pool's `num_blocks` (when given): every sliding block in use is the
+  twin of a distinct main block (a slot's sliding block at logical j of its main block
+  at j; a cached one, `prefix_cache.sliding`'s companion, of its cached main block, and
+  companions whose twin was evicted go first when the step needs room), so the sliding
+  pool never holds more blocks than the main one. (1) binds for long sequences and
+  many slots, (2) whenever sequences are shorter than the window: then a window per
+  slot would be memory no sequence can use."""
   tokens = max_num_batched_tokens + max_seqs * (decode_steps_per_sync - 1)
-  return max_seqs * (cdiv(sliding_window - 1, block_size) + 2) + tokens // block_size
+  windows = max_seqs * (cdiv(sliding_window - 1, block_size) + 2) + tokens // block_size
+  return windows if num_blocks is None else min(windows, int(num_blocks))
 
 
 def hybrid_fields(model: Any, hybrid_kv: Optional[bool], max_num_batched_tokens: int,
@@ -58,7 +67,7 @@ def hybrid_fields(model: Any, hybrid_kv: Optional[bool], max_num_batched_tokens:
   probe = config_cls(**{k: v for k, v in kwargs.items() if k != "num_sliding_blocks"})
   kwargs.setdefault("num_sliding_blocks", sliding_pool_blocks(
       model.sliding_window, probe.block_size, probe.max_seqs, max_num_batched_tokens,
-      decode_steps_per_sync))
+      decode_steps_per_sync, probe.num_blocks))
   kwargs.update(sliding_layers=layers, sliding_window=model.sliding_window)
 
 
@@ -120,8 +129,8 @@ def from_memory_budget(
   be given. `max_model_len` defaults to the model's max positions. `dtype` is the
   page dtype; "auto" (default) is the model's, and the pool's bytes are counted in it.
   With hybrid KV (`ModelConfig.cache_config`'s default for a model with sliding-window and
-  full-attention layers) the sliding pool's bytes come off the budget first; the
-  full-attention layers' pool gets the rest.
+  full-attention layers) both pools share the budget: the sliding pool is
+  `sliding_pool_blocks` (never more than the main pool's blocks), the main pool the rest.
   """
   if (kv_budget_bytes is None) == (gpu_memory_utilization is None):
     raise ValueError("give exactly one of kv_budget_bytes or gpu_memory_utilization")
@@ -139,15 +148,24 @@ def from_memory_budget(
     kv_budget_bytes = int(free * gpu_memory_utilization)
   check_int("kv_budget_bytes", int(kv_budget_bytes), 1)
   max_model_len = max_model_len or model.max_position_embeddings
-  probe = model.cache_config(block_size=block_size, num_blocks=1, max_seqs=max_seqs,
+  # A probe as large as int32 slots allow: its sliding pool is the window bound alone.
+  probe = model.cache_config(block_size=block_size, num_blocks=(2**31 - 1) // block_size,
+                             max_seqs=max_seqs,
                              max_blocks_per_seq=max(1, cdiv(max_model_len, block_size)),
                              dtype=dtype, **kwargs)
   per_layer_block = probe.kv_bytes_per_token // probe.num_layers * block_size
-  # Hybrid KV: the sliding pool (sized for max_seqs) first, the rest to the full layers.
-  sliding = per_layer_block * len(probe.sliding_layers) * probe.num_sliding_blocks
-  num_blocks = (int(kv_budget_bytes) - sliding) // (per_layer_block * len(probe.full_layers))
+  full, slide = len(probe.full_layers), len(probe.sliding_layers)
+  budget, bound = int(kv_budget_bytes), probe.num_sliding_blocks
+  # Hybrid KV: N main blocks cost full * N and the sliding pool slide * min(bound, N)
+  # layer-blocks (`sliding_pool_blocks`); the largest N the budget holds. A sliding pool
+  # given explicitly comes off the budget as it is.
+  num_blocks = budget // (per_layer_block * (full + slide))
+  if slide and ("num_sliding_blocks" in kwargs or num_blocks > bound):
+    num_blocks = (budget - per_layer_block * slide * bound) // (per_layer_block * full)
   if num_blocks < 1:
     raise ValueError(
         f"kv_budget_bytes={kv_budget_bytes} holds no block of {block_size} tokens "
         f"({probe.kv_bytes_per_token * block_size} bytes per block)")
+  if slide and "num_sliding_blocks" not in kwargs:
+    return probe.replace(num_blocks=num_blocks, num_sliding_blocks=min(bound, num_blocks))
   return probe.replace(num_blocks=num_blocks)

@@ -16,7 +16,7 @@ from engine_oracle import run_counting_dispatches_and_syncs
 from hybrid_support import (GEMMA, PARAMS, dense_greedy as _dense_greedy,
                             run_through_an_interrupt)
 from paged_jax import block_window
-from paged_jax.config import CacheConfig
+from paged_jax.config import CacheConfig, sliding_pool_blocks
 from paged_jax.engine import Engine, SamplingParams
 
 BS, BUDGET, MAX_SEQS = 4, 8, 4
@@ -170,6 +170,26 @@ def test_generate_with_hybrid_kv_prints_transformers_tokens(family, block_size):
   result = generate.run(checkpoint=directory, prompt_ids=ids, max_tokens=golden["max_tokens"],
                         block_size=block_size, hybrid_kv=True)
   assert result == {"outputs": golden["outputs"]}
+
+
+@pytest.mark.parametrize("max_seqs", [1, 4, 64, 4096])
+def test_from_memory_budget_never_gives_hybrid_fewer_main_blocks_than_one_pool(max_seqs):
+  """Both pools from one budget: the sliding pool is the fewer of a window per slot and
+  the main pool's blocks, so hybrid KV's main pool is never smaller than one pool's (equal
+  once the windows outgrow the main pool), and the budget holds both."""
+  for budget in (1 << 16, 1 << 20, 3 << 20):
+    kw = dict(block_size=BS, kv_budget_bytes=budget, max_seqs=max_seqs)
+    on = CacheConfig.from_memory_budget(GEMMA, max_num_batched_tokens=BUDGET, **kw)
+    off = CacheConfig.from_memory_budget(GEMMA, hybrid_kv=False, **kw)
+    windows = sliding_pool_blocks(GEMMA.sliding_window, BS, max_seqs, BUDGET)
+    assert on.num_sliding_blocks == min(windows, on.num_blocks)
+    assert on.num_blocks >= off.num_blocks and on.kv_cache_bytes <= budget
+    if windows >= on.num_blocks:
+      assert on.num_blocks == off.num_blocks == on.num_sliding_blocks
+    # One more main block would not fit beside its sliding pool.
+    more = on.replace(num_blocks=on.num_blocks + 1, num_sliding_blocks=min(
+        windows, on.num_blocks + 1))
+    assert more.kv_cache_bytes > budget
 
 
 def test_from_memory_budget_takes_the_sliding_pool_off_the_budget():

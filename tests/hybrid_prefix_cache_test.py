@@ -18,7 +18,7 @@ import pytest
 from engine_oracle import run_counting_dispatches_and_syncs
 from hybrid_support import GEMMA, PARAMS, dense_greedy, run_through_an_interrupt
 from paged_jax import prefix_cache as pc
-from paged_jax.config import CacheConfig
+from paged_jax.config import CacheConfig, sliding_pool_blocks
 from paged_jax.engine import Engine, SamplingParams
 from paged_jax.prefix_cache import sliding
 from paged_jax.prefix_cache import state as st
@@ -292,6 +292,7 @@ def test_a_tight_main_pool_preempts_evicts_and_stays_exact():
   """10 main blocks for 4 slots: recompute preemption and main-cache evictions (whose
   companions then go stale and are released) while waves hit; outputs stay the oracle's."""
   engine = _engine(num_blocks=10)
+  assert engine.cache_config.num_sliding_blocks == 10   # the main pool's size: below 18
   outs, hits, _ = _run_waves(engine)
   for wave in outs:
     for prompt, out in wave:
@@ -301,13 +302,18 @@ def test_a_tight_main_pool_preempts_evicts_and_stays_exact():
   _check_pools(engine)
 
 
-@pytest.mark.parametrize("steps,params", [
-    (3, SamplingParams(max_tokens=GEN, temperature=1.0, seed=3, n=2)),
-    (1, SamplingParams(max_tokens=GEN, temperature=0.0, beam_width=2, n=2)),
-])
-def test_sampling_multistep_and_beams_equal_one_pool_without_caching(steps, params):
+@pytest.mark.parametrize("steps,params,num_blocks", [
+    (3, SamplingParams(max_tokens=GEN, temperature=1.0, seed=3, n=2), 96),
+    (1, SamplingParams(max_tokens=GEN, temperature=0.0, beam_width=2, n=2), 96),
+    (3, SamplingParams(max_tokens=GEN, temperature=1.0, seed=3, n=2), 12),
+], ids=["samples", "beams", "samples_sliding_pool_as_main"])
+def test_sampling_multistep_and_beams_equal_one_pool_without_caching(steps, params,
+                                                                      num_blocks):
   """Seeded parallel samples (forks, copy-on-write in both groups) with 3 decode steps per
-  sync, and beam search, over the waves: the same tokens as one pool without caching."""
+  sync, and beam search, over the waves: the same tokens as one pool without caching. With
+  12 main blocks the sliding pool is the main pool's size (`sliding_pool_blocks`' second
+  bound, under its window bound of 20): preemption, evictions and forks never run it
+  short."""
   def run(engine):
     got = []
     for wave in WAVES[:2]:
@@ -322,9 +328,14 @@ def test_sampling_multistep_and_beams_equal_one_pool_without_caching(steps, para
                           num_blocks=96, max_seqs=MAX_SEQS, max_blocks_per_seq=16)
   plain = Engine(GEMMA, PARAMS, cc, max_num_batched_tokens=BUDGET, attention_backend="cpu",
                  decode_steps_per_sync=steps, shape_buckets=False)
-  engine = _engine(steps=steps)
+  engine = _engine(steps=steps, num_blocks=num_blocks)
+  windows = sliding_pool_blocks(W, BS, MAX_SEQS, BUDGET, steps)   # 20 at 3 steps a sync
+  assert engine.cache_config.num_sliding_blocks == min(num_blocks, windows)
   assert run(engine) == run(plain)
-  assert engine.stats["prefix_hit_tokens"] > 0
+  if num_blocks == 96:
+    assert engine.stats["prefix_hit_tokens"] > 0
+  else:   # the pools were tight: the main cache's blocks were taken back
+    assert engine.num_preemptions > 0 or engine.prefix_stats()["evictions"] > 0
   _check_pools(engine)
 
 

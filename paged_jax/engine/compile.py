@@ -207,11 +207,12 @@ def check_hybrid(cache_config: CacheConfig, options: EngineOptions) -> None:
                      f"got {options.preemption_mode!r}")
   c = cache_config
   need = sliding_pool_blocks(c.sliding_window, c.block_size, c.max_seqs,
-                             options.max_num_batched_tokens, options.decode_steps_per_sync)
+                             options.max_num_batched_tokens, options.decode_steps_per_sync,
+                             c.num_blocks)
   if c.num_sliding_blocks < need:
     raise ValueError(f"num_sliding_blocks must be >= {need} (config.sliding_pool_blocks for "
-                     f"these max_seqs, max_num_batched_tokens, decode_steps_per_sync), got "
-                     f"{c.num_sliding_blocks}")
+                     f"these max_seqs, max_num_batched_tokens, decode_steps_per_sync, "
+                     f"num_blocks), got {c.num_sliding_blocks}")
 
 
 def step_key(model_config: ModelConfig, cache_config: CacheConfig,

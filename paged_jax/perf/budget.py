@@ -113,10 +113,10 @@ def pool_config(model: Union[str, ModelSpec], budget: KvBudget, *, block_size: i
   sized by `pool_sizing.from_memory_budget`, as an engine sizes its own (`kv_shapes`).
 
   hybrid_kv False: one pool for every layer (`num_blocks` = the budget's whole blocks).
-  True: the sliding-window layers' pool first, at `pool_sizing.sliding_pool_blocks` for
-  `max_seqs` sequences and `max_num_batched_tokens` a step (the size the engine requires:
-  every slot's window, whether or not sequences share it), then the full-attention layers'
-  pool (`num_blocks`) from what is left. Needs a model with both kinds of layer (one-line
+  True: both pools from the budget, the sliding-window layers' at
+  `pool_sizing.sliding_pool_blocks` for `max_seqs` sequences and `max_num_batched_tokens` a
+  step (the size the engine requires: every slot's window, or the main pool's blocks if
+  fewer), the full-attention layers' (`num_blocks`) from the rest. Needs a model with both kinds of layer (one-line
   ValueError otherwise, or when the sliding pool leaves no block for the full layers).
   The returned CacheConfig's `num_blocks` / `num_sliding_blocks` are what the stand-in
   engine's pools get; its layer shapes are the real model's."""

@@ -25,8 +25,9 @@ Life of a companion (all pure ops inside the engine's one jitted step):
               cache-only companions are evicted (stale ones, i.e. of main blocks this
               step's main eviction took, first, then least recently used main twin,
               deepest first); the sliding pool is sized so that blocks live sequences
-              hold never run it short (`config.sliding_pool_blocks`), so evicting
-              companions always makes room;
+              hold never run it short (`config.sliding_pool_blocks`: a window per
+              slot, or the main pool's size, each sliding block in use being the twin
+              of a distinct main one), so evicting companions always makes room;
   drop_stale  a companion whose main twin was evicted (or re-registered: its generation
               moved on) is released at the end of the step (once: O(NSB)).
 A companion is live iff `owner[s] == b`, `sliding_of[b] == s`, `sliding_gen[b]` equals
