@@ -10,7 +10,9 @@ and the KV cache events of both tiers.
 
 The device call and its rules are `tier.py`'s; this module keeps what the engine holds
 between steps for them: the host pool (`prefix_cache.host_tier.HostTier`, None without
-`CacheConfig.num_host_blocks`), the events not yet handed out, the device cache's hashes
+`CacheConfig.num_host_blocks`; in pinned host memory on a GPU / TPU, numpy on a CPU, as
+`host_tier.host_memory_kind` chooses from the pages' device), the events not yet handed
+out, the device cache's hashes
 as the events published them (`events.DeviceView`), and the exchange counters. Every
 method that changes them is called with SIGINT held (`commit.sigint_deferred`).
 """

@@ -26,11 +26,21 @@ bound the call freed), so every eviction of a step planned this way reaches the 
 Evictions the call does not see (a ring overflow in `evict.release`, a swap-in's room)
 leave without a host copy; the event log reports them all the same.
 
-Transfers: host -> device is the call's K/V argument (numpy on CPU, `jax.device_put` to
-the device on a GPU / TPU); device -> host is `finish`'s `jax.device_get` of the
-victims, made after the step is dispatched so it overlaps the step. The extra call and
-that second host sync happen only on the steps listed above (`Engine.stats`:
-"host_tier_calls"); every other step keeps one dispatch and one sync.
+Transfers (where the host pool lives: `host_tier.host_memory_kind`): on a GPU / TPU the
+pool is in pinned host memory and both copies are jitted calls of their own, one for all
+of a step's blocks: `plan` dispatches `host_tier._fetch` (host -> device, the promoted
+blocks), `finish` dispatches `host_tier._stash` (device -> host, the victims) after
+downloading only the victims' metadata. On a CPU the pool is numpy: host -> device is the
+call's K/V argument (`jax.device_put`), device -> host `finish`'s `jax.device_get` of the
+victims. `finish` runs after the step is dispatched, so its host work (and, on a CPU, the
+download) overlaps the step. The device copies do not: a device runs the programs
+dispatched to it in order, so `_stash` runs after the step and `_fetch` before the
+exchange (whose writes need its blocks). Overlapping them with the step would need the
+copies on a stream of their own beside the step's (vLLM's connector runs its DMA on its
+own CUDA stream), or folded into the step's program, where XLA can schedule host copies
+asynchronously beside its compute. The extra calls and the metadata sync happen only on
+the steps listed above (`Engine.stats`: "host_tier_calls"); every other step keeps one
+dispatch and one sync.
 
 Interrupts: the call's arguments are built before it, and the engine keeps its returned
 state before anything else can raise, so an interrupt before or during the upload
@@ -101,7 +111,10 @@ def make_tier(cache_config, pages: kv_cache.KVPages) -> Optional[HostTier]:
     return None
   shapes = jax.eval_shape(lambda p: kv_cache.read_blocks(p, jnp.zeros((1,), _I32)), pages)
   fields = {f: (s.shape[:2] + s.shape[3:], s.dtype) for f, s in shapes.items()}
-  return HostTier(n, cache_config.block_size, fields)
+  devices = {d for x in jax.tree_util.tree_leaves(pages) if isinstance(x, jax.Array)
+             for d in x.sharding.device_set}
+  return HostTier(n, cache_config.block_size, fields,
+                  device=next(iter(devices)) if len(devices) == 1 else None)
 
 
 def need_bound(inputs, block_size: int, num_decode_steps: int, starts=None,
@@ -283,15 +296,18 @@ def exchange(state: EngineState, p: Plan, num_decode_steps: int):
 
 
 def finish(tier: HostTier, p: Plan, out, counts: DeviceCounts):
-  """Downloads the victims (device -> host), stores them in `tier`, marks the promoted
-  entries used. Returns (blocks brought back, the DeviceCounts after the call)."""
-  host = _download(out)               # device -> host (the victims' K/V)
+  """Downloads the victims' metadata (and K/V, to a numpy pool), stores them in `tier`
+  (a pinned pool copies them in itself), marks the promoted entries used. Returns
+  (blocks brought back, the DeviceCounts after the call)."""
+  on_host = tier.memory_kind is None   # numpy pool: download the victims' K/V too
+  host = _download(out if on_host else
+                   {k: v for k, v in out.items() if k != "victim_pages"})
   meta, rows = host["victim_meta"], np.nonzero(host["victim_ok"])[0]
   lanes = lambda c: meta[rows, c:c + 2]
   tier.store(dict(hash=[hash_int(x) for x in lanes(st.HASH)],
                   parent=[hash_int(x) for x in lanes(st.PARENT_HASH)],
                   depth=meta[rows, st.DEPTH], tokens=meta[rows, st.TOKENS:]),
-             {f: v[:, :, rows] for f, v in host["victim_pages"].items()})
+             (host if on_host else out)["victim_pages"], index=rows)
   # Lane i brought back its depths [device hit, device hit + promoted).
   used = [p.entries[found[d]] for found, lo, n in zip(p.lanes, host["device_hit"],
                                                       host["promoted"])
