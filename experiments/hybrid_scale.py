@@ -15,13 +15,14 @@ experiments.paper_scale runs the paper's Fig. 12). Four configurations, same KV 
 
 Pools (`perf.budget.pool_config`: `pool_sizing.from_memory_budget`, as the engine sizes its
 own): one pool gets every whole block the budget holds; hybrid KV takes its sliding pool
-first at `sliding_pool_blocks` for `max_seqs` slots (every slot's whole window: the size
-the engine requires so that pool never runs short), the full-attention layers' pool gets
-the rest. So a hybrid slot costs window x sliding layers of K/V whether it is used or not,
-and `max_seqs` is sized per configuration: one pool: `--headroom` x the requests its
-memory holds at the stream's mean (rounded up to 4; `sweep.system_sizes`' rule); hybrid:
-the most slots (a multiple of 4) whose sliding pool leaves the full pool room for that many
-mean requests. With caching the shared prompts' whole blocks count once.
+at `sliding_pool_blocks` for `max_seqs` slots (every slot's whole window, or the main
+pool's blocks if fewer: the size the engine requires so that pool never runs short), the
+full-attention layers' pool gets the rest. So while windows are fewer than main blocks a
+hybrid slot costs window x sliding layers of K/V whether it is used or not, and `max_seqs`
+is sized per configuration: one pool: `--headroom` x the requests its memory holds at the
+stream's mean (rounded up to 4; `sweep.system_sizes`' rule); hybrid: the most slots (a
+multiple of 4) no more than `--headroom` x the mean requests the full pool then holds.
+With caching the shared prompts' whole blocks count once.
 
 Stream (`stream`): `--num_prefixes` seeded system prompts of `--prefix_min`..`--prefix_max`
 tokens (uniform), each request one of them (uniform) plus a ShareGPT-like tail (prompt and
@@ -170,7 +171,8 @@ def sizes(f: Config, setting, prefixes, reqs, hybrid: bool, caching: bool) -> Di
     max_seqs = max(4, min(f.max_seqs_cap, 4 * math.ceil(f.headroom * conc(c) / 4)))
   else:
     max_seqs = 4
-    while max_seqs + 4 <= f.max_seqs_cap and conc(pools(max_seqs + 4)) >= max_seqs + 4:
+    while (max_seqs + 4 <= f.max_seqs_cap
+           and f.headroom * conc(pools(max_seqs + 4)) >= max_seqs + 4):
       max_seqs += 4
   c = pools(max_seqs)
   if c.num_blocks * bs < setting.max_len:
