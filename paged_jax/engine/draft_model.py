@@ -139,9 +139,12 @@ def make_propose(apply_fn, k: int):
     meta = meta.replace(kv_lens=kv_lens)
     logits, pages = apply_fn(params, inp["tokens"], inp["positions"], pages, meta)
     tok = jnp.argmax(logits, axis=-1).astype(_I32)                     # [R]
-    drafts = [tok]
-    pos = kv_lens                     # the next draft's position
-    for _ in range(k - 1):
+    drafts = jnp.zeros((rows, k), _I32).at[:, 0].set(tok)
+
+    # A fixed trip count (as the target's decode loop): an unrolled Python loop made XLA
+    # copy the whole pool around each forward in the H200 compile.
+    def body(i, carry):
+      b, pages, ok, tok, pos, drafts = carry
       b, pages, ok = grow(b, pages, ok)
       # One token a live row, packed into the first rows (ragged layout: a row's tokens
       # start at its cu_q_lens offset), as the target's decode loop packs them.
@@ -153,9 +156,13 @@ def make_propose(apply_fn, k: int):
       meta = meta.replace(kv_lens=jnp.where(packed, pos[order] + 1, 0), decode_only=True)
       logits, pages = apply_fn(params, tok[order], pos[order], pages, meta)
       tok = jnp.zeros_like(tok).at[order].set(jnp.argmax(logits, axis=-1).astype(_I32))
-      drafts.append(tok)
-      pos = pos + 1
-    return jnp.stack(drafts, axis=1), ok, pages
+      drafts = lax.dynamic_update_slice(drafts, tok[:, None], (0, i + 1))
+      return b, pages, ok, tok, pos + 1, drafts
+
+    # `pos`: the next draft's position (the catch-up's last token is at kv_lens - 1).
+    _, pages, ok, _, _, drafts = lax.fori_loop(0, k - 1, body,
+                                               (b, pages, ok, tok, kv_lens, drafts))
+    return drafts, ok, pages
 
   return jax.jit(propose, donate_argnums=(1,))
 
