@@ -17,8 +17,9 @@ to its last token, then runs k - 1 single-token iterations, each drafting the ar
 (greedy drafts; the target's `verify` runs rejection sampling for point-mass drafts, so
 sampled rows keep the target's distribution). Positions past the target's computed
 length (the last token, the drafts) need blocks the sequence does not hold yet: the
-dispatch appends them to a local copy of group 0's BlockState (the real one is read, not
-donated, and never changes), so that scratch K/V goes to blocks free in the real state
+dispatch appends all k at once to a local copy of group 0's BlockState (the real one is
+read, not donated, and never changes; a row whose append fails drafts nothing), so that
+scratch K/V goes to blocks free in the real state
 or to the sequence's own partial last block; the next catch-up overwrites it. A
 sequence's `computed` is therefore its target's computed length after a full catch-up
 (the blocks under it are its own and stay so while it runs) and restarts from 0 after a
@@ -123,45 +124,50 @@ def make_propose(apply_fn, k: int):
     rs = jnp.clip(row_slot, 0, s_max - 1)
     live_row = row_slot >= 0
 
-    def grow(b, pages, row_mask):
-      """Appends one position to the masked rows' slots in the local copy (scratch)."""
-      mask = jnp.zeros((s_max,), jnp.bool_).at[rs].max(row_mask)
-      b, status, cow = bm.append(b, mask, 1)
-      ok_row = row_mask & (status[rs] == OK)
-      pairs = jnp.where(ok_row[:, None], cow[rs], -1)
-      return b, kv_cache.copy_blocks(pages, pairs), ok_row
+    # Scratch positions for the drafting rows' last token and their k - 1 drafts, all
+    # appended once to the local copy of group 0's allocator (a row whose append fails
+    # drafts nothing); attention reads each row's own length (`kv_lens`), not seq_lens.
+    mask = jnp.any((lax.iota(_I32, s_max)[:, None] == rs[None, :])
+                   & (drafting & live_row)[None, :], axis=1)             # [S], no scatter
+    b, status, cow = bm.append(blocks, mask, k)
+    ok = drafting & live_row & (status[rs] == OK)
+    pages = kv_cache.copy_blocks(pages, jnp.where(ok[:, None], cow[rs], -1))
 
-    # Catch-up: the drafting rows' last token needs a (scratch) position.
-    b, pages, ok = grow(blocks, pages, drafting & live_row)
+    # Catch-up over the rows' tokens since their last one.
     meta = forward_lib.build_metadata(b, row_slot, inp["row_q_len"], inp["token_row"],
                                       inp["positions"])
     kv_lens = jnp.where(live_row, inp["row_start"] + inp["row_q_len"], 0)
     meta = meta.replace(kv_lens=kv_lens)
     logits, pages = apply_fn(params, inp["tokens"], inp["positions"], pages, meta)
     tok = jnp.argmax(logits, axis=-1).astype(_I32)                     # [R]
-    drafts = jnp.zeros((rows, k), _I32).at[:, 0].set(tok)
 
-    # A fixed trip count (as the target's decode loop): an unrolled Python loop made XLA
-    # copy the whole pool around each forward in the H200 compile.
+    # The k - 1 iterations run on the drafting rows packed into the first rows, one token
+    # each (ragged layout: a row's tokens start at its cu_q_lens offset). A fixed trip
+    # count with no allocator op inside, as found by compiling for an H200: unrolled in
+    # Python the loop copied the whole pool around each forward (jax 0.10.2); an append
+    # per iteration made jax 0.11.2's sm_90 compile fail on a register-spilling kernel.
+    order = jnp.argsort(~ok, stable=True).astype(_I32)
+    packed = ok[order]
+    slot_p = jnp.where(packed, row_slot[order], -1)
+    token_row = jnp.where(packed, lax.iota(_I32, rows), -1)
+    col = lax.iota(_I32, k)[None, :]
+
     def body(i, carry):
-      b, pages, ok, tok, pos, drafts = carry
-      b, pages, ok = grow(b, pages, ok)
-      # One token a live row, packed into the first rows (ragged layout: a row's tokens
-      # start at its cu_q_lens offset), as the target's decode loop packs them.
-      order = jnp.argsort(~ok, stable=True).astype(_I32)
-      packed = ok[order]
-      meta = forward_lib.build_metadata(
-          b, jnp.where(packed, row_slot[order], -1), packed.astype(_I32),
-          jnp.where(packed, lax.iota(_I32, rows), -1), pos[order])
-      meta = meta.replace(kv_lens=jnp.where(packed, pos[order] + 1, 0), decode_only=True)
-      logits, pages = apply_fn(params, tok[order], pos[order], pages, meta)
-      tok = jnp.zeros_like(tok).at[order].set(jnp.argmax(logits, axis=-1).astype(_I32))
-      drafts = lax.dynamic_update_slice(drafts, tok[:, None], (0, i + 1))
-      return b, pages, ok, tok, pos + 1, drafts
+      pages, tok_p, pos_p, drafts_p = carry
+      meta = forward_lib.build_metadata(b, slot_p, packed.astype(_I32), token_row, pos_p)
+      meta = meta.replace(kv_lens=jnp.where(packed, pos_p + 1, 0), decode_only=True)
+      logits, pages = apply_fn(params, tok_p, pos_p, pages, meta)
+      tok_p = jnp.argmax(logits, axis=-1).astype(_I32)
+      drafts_p = jnp.where(col == i + 1, tok_p[:, None], drafts_p)
+      return pages, tok_p, pos_p + 1, drafts_p
 
-    # `pos`: the next draft's position (the catch-up's last token is at kv_lens - 1).
-    _, pages, ok, _, _, drafts = lax.fori_loop(0, k - 1, body,
-                                               (b, pages, ok, tok, kv_lens, drafts))
+    tok_p = tok[order]
+    drafts_p = jnp.where(col == 0, tok_p[:, None], 0)
+    # pos: the first draft's position (the catch-up's last token is at kv_lens - 1).
+    pages, _, _, drafts_p = lax.fori_loop(0, k - 1, body,
+                                          (pages, tok_p, kv_lens[order], drafts_p))
+    inverse = jnp.argsort(order)
+    drafts = drafts_p[inverse]
     return drafts, ok, pages
 
   return jax.jit(propose, donate_argnums=(1,))
@@ -260,7 +266,14 @@ class DraftModel:
                token_row=np.asarray(token_row + [-1] * pad, np.int32),
                row_slot=row_slot, row_q_len=row_q_len, row_start=row_start,
                drafting=drafting)
-    drafts, ok, self.pages = self._propose(self.params, self.pages, blocks, inp)
+    try:
+      drafts, ok, pages = self._propose(self.params, self.pages, blocks, inp)
+    except BaseException:   # e.g. KeyboardInterrupt: donated pages may be gone
+      if any(getattr(x, "is_deleted", lambda: False)()
+             for x in jax.tree_util.tree_leaves(self.pages)):
+        self.pages, self.computed = kv_cache.init(self.cache_config), {}   # recomputed
+      raise
+    self.pages = pages
     drafts, ok = np.asarray(drafts), np.asarray(ok)
     self.stats["dispatches"] += 1
     self.stats["catchup_tokens"] += len(tokens)
