@@ -15,7 +15,14 @@ experiments/data/stories.txt:
   always_miss the plain prompts with a proposer that drafts k NUL bytes every step, a
               token the model never emits: acceptance 0 with a draft on every step
               the back-off allows, the case where speculation must cost nothing
-              (issue 39: at most 3% slower than off).
+              (issue 39: at most 3% slower than off);
+  always_hit  the plain prompts with a proposer that drafts speculation off's own
+              greedy continuation (from the warm-up run): acceptance 1, the case where
+              the back-off must never stop drafting;
+  draft_self  the plain prompts, method draft_model with the shipped model as its own
+              draft (greedy: acceptance 1);
+  draft_half  the plain prompts, method draft_model with the shipped model's first half
+              of its layers as the draft (`draft_model.truncated`).
 
 Each configuration (speculation off, and ngram with each k of `--ks`) runs every workload
 `--repeats` times after one untimed warm-up run (which compiles its step shapes), in
@@ -24,7 +31,8 @@ shared compiled steps); the median time on `--clock` (cpu: this process's CPU se
 which other tenants of a shared machine barely move; wall) gives tokens/s and `ratio` =
 tokens/s / speculation off's in the same workload (> 1: faster), with a bootstrap 90%
 interval of the ratio of medians (`ratio_ci90`). Steps are the
-engine's device steps; acceptance = accepted drafts / drafted (`Engine.metrics()`
+engine's device steps, drafting steps those with at least one draft (`spec_steps`, what
+the engine-wide back-off thins out); acceptance = accepted drafts / drafted (`Engine.metrics()`
 spec_*), and by draft position. Greedy outputs must equal speculation off's (checked;
 RuntimeError otherwise). Writes OUT/speculative.json (flags, versions, machine).
 """
@@ -44,12 +52,18 @@ from experiments import configs
 from paged_jax import models
 from paged_jax import tokenizer
 from paged_jax.engine import Engine, SamplingParams
+from paged_jax.engine import draft_model
 from paged_jax.engine import speculative
 
-WORKLOADS = ("repetitive", "plain", "no_match", "always_miss")
+WORKLOADS = ("repetitive", "plain", "no_match", "always_miss", "always_hit", "draft_self",
+             "draft_half")
 NUL = tokenizer.encode("\x00")[-1]   # the byte the always_miss proposer drafts
 HEADERS = ("workload", "k", "tokens/s ratio", "90% interval", "steps", "steps off",
            "drafted", "acceptance", "accepted by position")
+COUNT_HEADERS = ("workload", "k", "steps", "steps off", "drafting steps",
+                 "drafting steps / steps", "drafting rows", "drafted", "acceptance",
+                 "accepted per drafting row", "first run: drafting steps / steps",
+                 "draft model dispatches (catch-up tokens)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +103,7 @@ def workload(f: Config, kind: str) -> List[List[int]]:
     story = stories[int(i)][:300]
     if kind == "repetitive":
       text = story + "\n\n" + story[:f.echo]
-    elif kind in ("plain", "always_miss"):
+    elif kind in ("plain", "always_miss", "always_hit", "draft_self", "draft_half"):
       text = story[:f.plain_len]
     else:
       text = "".join(chr(int(c)) for c in rng.integers(33, 127, f.plain_len))
@@ -102,15 +116,34 @@ def _never(tokens, k):   # the always_miss proposer
   return (NUL,) * k
 
 
-def _engine(f: Config, model, k: int, kind: str = "") -> Engine:
-  """The shipped model's engine, speculating k tokens (0: off) on workload `kind`."""
+def _oracle(reference):
+  """The always_hit proposer: drafts the next tokens of `reference` (dict prompt tuple ->
+  greedy output, filled once speculation off has run) after a request's tokens so far."""
+  def propose(tokens, k):
+    for p, out in reference.items():
+      if tuple(tokens[:len(p)]) == p:
+        done = len(tokens) - len(p)
+        return tuple(out[done:done + k])
+    return ()
+  return propose
+
+
+def _engine(f: Config, model, k: int, kind: str = "", reference=None) -> Engine:
+  """The shipped model's engine, speculating k tokens (0: off) on workload `kind`
+  (always_hit: `reference`, the dict `_oracle` reads)."""
   mc, params = model
   longest = 300 + 2 + f.echo + f.gen + 2
   cc = mc.cache_config(block_size=16, max_seqs=f.max_seqs,
                        max_blocks_per_seq=-(-longest // 16), enable_prefix_caching=False)
+  proposer = {"always_miss": _never,
+              "always_hit": _oracle(reference if reference is not None else {})}
   spec = (speculative.SpeculativeConfig("ngram", k, f.lookup_max, f.lookup_min,
-                                        proposer=_never if kind == "always_miss" else None)
+                                        proposer=proposer.get(kind))
           if k else None)
+  if k and kind.startswith("draft_"):
+    draft = model if kind == "draft_self" else draft_model.truncated(
+        mc, params, max(1, mc.num_layers // 2))
+    spec = speculative.SpeculativeConfig("draft_model", k, model=draft)
   return Engine(mc, params, cc, max_num_batched_tokens=f.max_num_batched_tokens,
                 speculative_config=spec)
 
@@ -137,13 +170,15 @@ def run(f: Config) -> Dict:
   ks = (0,) + tuple(f.ks)
   rows = []
   for kind in f.workloads:
-    engines = {k: _engine(f, model, k, kind) for k in ks}
+    reference = {}   # always_hit's proposer reads speculation off's outputs
+    engines = {k: _engine(f, model, k, kind, reference) for k in ks}
     prompts = workload(f, kind)
-    base = None
+    base, first = None, {}
     for k in ks:   # warm-up: compiles each configuration's shapes; outputs checked
-      outs, _, _ = _serve(engines[k], prompts, f.gen)
+      outs, _, first[k] = _serve(engines[k], prompts, f.gen)
       if base is None:
         base = outs
+        reference.update((tuple(p), o) for p, o in zip(prompts, outs))
       elif outs != base:
         raise RuntimeError(f"{kind}: greedy outputs with k={k} differ from speculation off")
     times = {k: [] for k in ks}
@@ -163,6 +198,12 @@ def run(f: Config) -> Dict:
           workload=kind, k=k, tokens_per_s=tps, ratio=tps / off_tps, seconds=times[k],
           ratio_ci90=_ratio_ci(times[0], times[k], f.seed),
           steps=m["steps"], steps_off=metrics[0]["steps"], generated=m["generated_tokens"],
+          drafting_steps=m.get("spec_steps", 0),
+          first_run_steps=first[k]["steps"],
+          first_run_drafting_steps=first[k].get("spec_steps", 0),
+          drafting_rows=sum(m.get("spec_drafted_by_position", [0])[:1]),
+          draft_dispatches=m.get("draft_dispatches"),
+          draft_catchup_tokens=m.get("draft_catchup_tokens"),
           drafted=drafted, accepted=m.get("spec_accepted_tokens", 0),
           acceptance=(m["spec_accepted_tokens"] / drafted) if drafted else None,
           accepted_by_position=[a / d if d else None for a, d in zip(
@@ -189,10 +230,28 @@ def summary_rows(result: Dict):
            fmt(r["accepted_by_position"])) for r in result["rows"]]
 
 
+def count_rows(result: Dict):
+  """The step counts alone (what the engine-wide back-off decides), one row a run: the
+  timed run's (the back-off state carried over from the warm-up run on the same engine)
+  and the warm-up's, a fresh engine's first run."""
+  out = []
+  for r in result["rows"]:
+    rows = r.get("drafting_rows", 0)
+    out.append((r["workload"], r["k"] or "off", r["steps"], r["steps_off"],
+                r.get("drafting_steps", 0), r.get("drafting_steps", 0) / r["steps"], rows,
+                r["drafted"], "-" if r["acceptance"] is None else r["acceptance"],
+                r["accepted"] / rows if rows else "-",
+                f"{r.get('first_run_drafting_steps', 0)} / {r.get('first_run_steps', '-')}",
+                "-" if r.get("draft_dispatches") is None else
+                f"{r['draft_dispatches']} ({r['draft_catchup_tokens']})"))
+  return out
+
+
 def main(f: Config, out):
   """Runs with settings `f` into directory `out` (the `common.run_app` main)."""
   result = common.timed_result(lambda: run(f), f)
-  common.report(result, out, "speculative.json", summary_rows(result), HEADERS)
+  common.report(result, out, "speculative.json", summary_rows(result), HEADERS,
+                [common.table(count_rows(result), COUNT_HEADERS)])
 
 
 if __name__ == "__main__":

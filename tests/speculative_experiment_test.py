@@ -201,3 +201,19 @@ def test_ratio_interval_brackets_the_ratio_of_medians():
   assert lo < np.median(off) / np.median(on) < hi
   assert 0.75 < lo < hi < 0.85            # the true 0.8 within, a tight interval
   assert spec_cpu._ratio_ci(off, on, 0) == (lo, hi)   # pylint: disable=protected-access
+
+
+def test_cpu_run_smoke_counts_drafting_steps_and_draft_model_acceptance():
+  """experiments.speculative at tiny sizes: the oracle proposer and the model drafting for
+  itself accept every draft (greedy), the half-depth draft some; the counts table renders
+  one row per (workload, k)."""
+  f = spec_cpu.Config(workloads=("always_hit", "draft_self", "draft_half"), ks=(2,),
+                      requests=2, gen=8, repeats=1)
+  result = spec_cpu.run(f)
+  rows = {(r["workload"], r["k"]): r for r in result["rows"]}
+  for kind in ("always_hit", "draft_self"):
+    r = rows[(kind, 2)]
+    assert r["acceptance"] == 1.0 and 0 < r["drafting_steps"] <= r["steps"] < r["steps_off"]
+  assert rows[("draft_self", 2)]["draft_dispatches"] >= rows[("draft_self", 2)]["drafting_steps"]
+  assert rows[("draft_half", 2)]["drafted"] > 0
+  assert len(spec_cpu.count_rows(result)) == len(result["rows"]) == 6

@@ -27,7 +27,7 @@ from tests.engine_oracle import oracle_engine
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5,
       "prompt_lookup_max": 3}, "prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 2, "speed": 1}, "speed"),
-    ({"method": "draft_model", "num_speculative_tokens": 2, "model": "x"}, "draft_model"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": "x"}, "model"),
     ("ngram", "speculative_config"),
 ])
 def test_bad_config_is_one_line_naming_the_key(config, names):

@@ -89,6 +89,9 @@ SECTIONS: Dict[str, Tuple[object, Callable]] = {
     "hybrid_scale_vllm": ("hybrid_scale/hybrid_scale.json",
                           engine.rows_with("hybrid_scale", None, "vllm_rows", "VLLM_HEADERS")),
     "speculative": ("speculative/speculative.json", engine.rows_with("speculative")),
+    "speculative_backoff": ("speculative/backoff_counts/speculative.json",
+                            engine.rows_with("speculative", None, "count_rows",
+                                             "COUNT_HEADERS")),
     "speculative_scale": ("speculative_scale/speculative_scale.json",
                           engine.rows_with("speculative_scale")),
     "speculative_scale_kv": (lambda d: {"runs": [

@@ -33,6 +33,7 @@ import jax
 
 from paged_jax import kv_cache
 from paged_jax.config import CacheConfig, ModelConfig
+from paged_jax.engine import draft_model
 from paged_jax.engine import report as report_lib
 from paged_jax.engine import swap
 from paged_jax.engine import tier as tier_lib
@@ -75,6 +76,7 @@ class Engine:
     self.options = options = EngineOptions.of(options, **engine_options)
     self._compiled, self._buckets = engine_step(model_config, cache_config, options)
     self.params = check_params(model_config, params)
+    self._drafter = draft_model.for_engine(model_config, cache_config, options)
     self.model_config = model_config
     self.cache_config = cache_config
     self.decode_steps_per_sync = options.decode_steps_per_sync
@@ -100,7 +102,7 @@ class Engine:
         preemption_mode=options.preemption_mode, prefix_caching=self.prefix_caching,
         lookup_budget=self._lookup_len, lookahead=options.decode_steps_per_sync - 1,
         token_bucket=self._buckets.mixed_tokens, policy=options.scheduling_policy,
-        speculative=options.speculative_config,
+        speculative=options.speculative_config, drafter=self._drafter,
         counts=DeviceCounts.empty_pool(nb, max_seqs, cache_config.num_sliding_blocks))
     self._outbox: Dict[Any, RequestOutput] = {}    # finished, not yet returned
     # (batch, outputs, t0, report?): dispatched, outputs not yet applied
@@ -108,7 +110,7 @@ class Engine:
     self._last_all_greedy = True   # sampling variant of the last step (for frees-only ones)
     self._intake = Intake(self._in_use, vocab_size=model_config.vocab_size,
                           cache_config=cache_config, max_beam_width=self.max_beam_width,
-                          max_model_len=self.max_model_len)
+                          max_model_len=self.max_model_len, max_n=1 if self._drafter else 0)
     self.timing = collections.Counter()
     self._last_step = report_lib.StepReport()
     self._applied = None             # the report parts of the last step applied
@@ -220,6 +222,8 @@ class Engine:
     sched = self.scheduler
     if not sched.has_unfinished():
       return False
+    if self._drafter is not None:   # the draft model's dispatch, before the plan takes its drafts
+      self._drafter.prepare(self.state.blocks, sched)
     batch = sched.schedule()
     if batch.runs_nothing:
       raise RuntimeError(

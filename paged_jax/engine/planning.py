@@ -134,19 +134,16 @@ class _Plan:
     return chunks
 
   def draft(self, group: Group, seq: Sequence, budget: int) -> tuple:
-    """Speculative decoding's draft for a decoding sequence (`speculative.propose_ngram`),
-    cut to the budget left and to what the request may still generate (the step emits one
-    token past the accepted drafts). None for beams, requests that report logprobs, and
-    a sequence backing off (`Sequence.spec_retry_at`), or every sequence while the engine
-    does (`Scheduler.spec_retry_step`)."""
-    spec, sp = self.sched.speculative, group.params
-    if (spec is None or group.is_beam or sp.logprobs or group.prompt_scores is not None
-        or seq.num_generated < seq.spec_retry_at   # this sequence backs off after misses
-        or self.sched.stats["steps"] < self.sched.spec_retry_step):   # ... or the engine
-      return ()
-    k = min(spec.num_speculative_tokens, budget, sp.max_tokens - seq.num_generated - 1)
+    """Speculative decoding's draft for a decoding sequence (`may_draft`): prompt lookup
+    (`speculative.propose_ngram`, or the config's proposer), or the draft model's tokens
+    for it (`draft_model.DraftModel.prepare` ran before this plan), cut to the budget
+    left and to what the request may still generate."""
+    k = min(may_draft(self.sched, group, seq), budget)
     if k <= 0:
       return ()
+    spec = self.sched.speculative
+    if spec.method == "draft_model":
+      return self.sched.drafter.for_seq(seq, k)
     return spec.propose(seq.tokens, k)
 
   def need(self, group: Group, chunks: List[Chunk]) -> int:
@@ -312,3 +309,17 @@ def plan(sched, num_free_blocks: Optional[int] = None, sole_blocks=None) -> Batc
     p.swap_in()
     p.admit_waiting()
   return batch
+
+
+def may_draft(sched, group: Group, seq: Sequence) -> int:
+  """Drafts `seq` may take in the next step before the token budget (0: none): k cut to
+  what the request may still generate (the step emits one token past the accepted
+  drafts). 0 for beams, requests that report logprobs, a sequence that is not decoding
+  on device, one backing off (`Sequence.spec_retry_at`), or every sequence while the
+  engine does (`Scheduler.spec_retry_step`)."""
+  spec, sp = sched.speculative, group.params
+  if (spec is None or group.is_beam or sp.logprobs or group.prompt_scores is not None
+      or seq.num_generated < seq.spec_retry_at   # this sequence backs off after misses
+      or sched.stats["steps"] < sched.spec_retry_step):   # ... or the engine does
+    return 0
+  return max(0, min(spec.num_speculative_tokens, sp.max_tokens - seq.num_generated - 1))

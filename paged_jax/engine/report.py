@@ -180,10 +180,14 @@ def metrics(sched, cache_config, stats) -> Dict[str, Any]:
          "steps": stats["steps"], "generated_tokens": stats["generated_tokens"]}
   if sched.speculative is not None:   # drafts proposed / accepted, and by draft position
     k = sched.speculative.num_speculative_tokens
-    out.update(spec_draft_tokens=stats["spec_draft_tokens"],
+    out.update(spec_steps=stats["spec_steps"],   # steps with at least one draft
+               spec_draft_tokens=stats["spec_draft_tokens"],
                spec_accepted_tokens=stats["spec_accepted_tokens"],
                spec_accepted_by_position=[stats[("spec_accepted", i)] for i in range(k)],
                spec_drafted_by_position=[stats[("spec_drafted", i)] for i in range(k)])
+    if sched.drafter is not None:   # the draft model's dispatches and catch-up tokens
+      out.update(draft_dispatches=sched.drafter.stats["dispatches"],
+                 draft_catchup_tokens=sched.drafter.stats["catchup_tokens"])
   if cache_config.hybrid:
     out.update(num_sliding_blocks=cache_config.num_sliding_blocks,
                num_free_sliding_blocks=c.sliding_free)

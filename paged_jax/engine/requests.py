@@ -15,7 +15,8 @@ from paged_jax.engine.sequence import Group, SeqState, Sequence
 
 
 def prepare_group(prompt, params, request_id: Any, *, vocab_size: int, cache_config: CacheConfig,
-                  max_beam_width: int, max_model_len: int, priority: int = 0) -> Group:
+                  max_beam_width: int, max_model_len: int, priority: int = 0,
+                  max_n: int = 0) -> Group:
   """A Group for the request (id, arrival and sequence ids set when queued).
 
   Raises a one-line ValueError naming the argument and its allowed range, or the
@@ -35,6 +36,9 @@ def prepare_group(prompt, params, request_id: Any, *, vocab_size: int, cache_con
   if params.beam_width > max_beam_width:
     raise ValueError(f"beam_width must be in [1, max_beam_width={max_beam_width}], "
                      f"got {params.beam_width}")
+  if max_n and params.beam_width == 1 and params.n > max_n:   # draft_model speculation
+    raise ValueError(f"n must be in [1, {max_n}] with speculative_config method "
+                     f"'draft_model', got {params.n}")
   p, m = len(prompt), params.max_tokens
   if p + m - 1 > max_model_len:
     raise ValueError(f"prompt of {p} tokens + max_tokens={m} needs {p + m - 1} cached tokens; "

@@ -53,6 +53,8 @@ class Scheduler:
       computes (`StepBuckets.mixed_tokens`; None: no padding);
     policy: the scheduling policy's key function (`policy.py`; "fcfs" by default).
     speculative: a `speculative.SpeculativeConfig` (decoding sequences get drafts) or None.
+    drafter: with method "draft_model", the engine's `draft_model.DraftModel` (its
+      `drafts` are what the planner gives decoding sequences); None otherwise.
   Attributes (written by `update` only; `add` queues a new request):
     waiting / running / swapped: the queues (waiting and swapped in sort-key order).
     groups: unfinished requests by id.
@@ -65,10 +67,12 @@ class Scheduler:
       prefix cache held, averaged over the steps that attached (each step's weight
       halves with every later one); the planner attaches ahead when it is high.
     stats: counters (steps, tokens, retries, swaps, ...); num_preemptions, num_swaps.
-    spec_step_misses / spec_retry_step: speculative decoding's engine-wide back-off: steps
-      with drafts in a row whose drafting rows gained less than `speculative.STEP_MIN_GAIN`
-      accepted tokens each, and the step count (stats["steps"]) before which no sequence
-      drafts (2**misses steps after the last such step, at most 1024).
+    spec_gain_ema / spec_step_misses / spec_retry_step: speculative decoding's
+      engine-wide back-off (`speculative.back_off`): the running average of drafting
+      steps' accepted drafts per drafting row (None before the first), drafting steps in
+      a row that left it under `speculative.STEP_MIN_GAIN`, and the step count
+      (stats["steps"]) before which no sequence drafts (2**misses steps after the last
+      such step, at most 1024; 0 while the average is at or above the threshold).
   """
   block_size: int
   max_seqs: int
@@ -80,6 +84,7 @@ class Scheduler:
   token_bucket: Optional[Callable[[int], int]] = None
   policy: Any = "fcfs"
   speculative: Any = None
+  drafter: Any = None
   waiting: List[Group] = _new(list)
   running: List[Group] = _new(list)
   swapped: List[Group] = _new(list)
@@ -91,6 +96,7 @@ class Scheduler:
   stats: collections.Counter = _new(collections.Counter)
   num_preemptions: int = 0
   num_swaps: int = 0
+  spec_gain_ema: Optional[float] = None
   spec_step_misses: int = 0
   spec_retry_step: int = 0
 

@@ -43,12 +43,19 @@ from paged_jax.engine import decode
 from paged_jax.engine import sampling
 
 METHODS = ("ngram", "draft_model")
-# Engine-wide back-off: a step with drafts whose drafting rows gained fewer accepted
-# tokens than this each, on average, counts as a miss; misses in a row double the steps
-# without drafts (`Scheduler.spec_retry_step`). A drafting step is a mixed step (ragged
-# attention, k + 1 logits a row): on this CPU it cost more than the decode step it
-# replaced, so acceptance near 0 must stop it, not only slow it (experiments.speculative).
+# Engine-wide back-off (`back_off`, written by engine/update.py only): a running average of
+# the gain of drafting steps (accepted drafts per drafting row, one sample per step that
+# had drafts), each new step weighted 1 - GAIN_DECAY. While the average is below
+# STEP_MIN_GAIN, each drafting step doubles the steps without drafts that follow it
+# (2, 4, ... 1024; `Scheduler.spec_retry_step`); the drafting steps let through are the
+# probes, and once their gains lift the average to STEP_MIN_GAIN the wait resets. A
+# drafting step is a mixed step (ragged attention, k + 1 logits a row): on this CPU it
+# cost more than the decode step it replaced, so low acceptance must stop it, not only
+# slow it (experiments.speculative). One accepted draft no longer resets the wait (the
+# rule it replaces counted misses in a row, and ran 0.87-0.93x at acceptance 0.06-0.22).
 STEP_MIN_GAIN = 0.5
+GAIN_DECAY = 0.75      # a drafting step's weight in the average falls by 3/4 each later one
+MAX_BACK_OFF_DOUBLINGS = 10
 MAX_SPECULATIVE_TOKENS = 16
 _ACCEPT_TAG = 0x5BEC   # folds the acceptance test's uniform off the token's own key
 _I32 = jnp.int32
@@ -59,7 +66,8 @@ class SpeculativeConfig:
   """Validated `speculative_config` (vLLM's keys).
 
   Attributes:
-    method: "ngram" (prompt lookup over the request's own tokens).
+    method: "ngram" (prompt lookup over the request's own tokens) or "draft_model" (a
+      smaller paged model drafts: `draft_model.py`).
     num_speculative_tokens: k, drafts per speculating sequence and step, [1, 16].
     prompt_lookup_max / prompt_lookup_min: longest / shortest n-gram matched, 1 <= min <=
       max <= 64; as vLLM, one given sets the other, neither gives 5 and 5.
@@ -67,18 +75,42 @@ class SpeculativeConfig:
       (host Python, called once per decoding sequence and step); given only by building
       a SpeculativeConfig (e.g. the paper-scale runs' stand-in proposer of a set
       acceptance rate, experiments/speculative_scale.py), None: `propose_ngram`.
+    model: "draft_model" only: (ModelConfig, params) or a checkpoint directory, sharing
+      the target's vocabulary (checked when the engine is built).
   """
   method: str = "ngram"
   num_speculative_tokens: int = 3
   prompt_lookup_max: int = 5
   prompt_lookup_min: int = 5
   proposer: Optional[Callable[[Seq[int], int], tuple]] = None
+  model: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
 
   def propose(self, tokens: Seq[int], k: int) -> tuple:
     """Up to k drafts to follow `tokens`."""
     if self.proposer is not None:
       return tuple(int(t) for t in self.proposer(tokens, k))[:k]
     return propose_ngram(tokens, k, self.prompt_lookup_max, self.prompt_lookup_min)
+
+
+def back_off(ema: Optional[float], misses: int, gain: float, steps: int):
+  """The engine-wide back-off after a step with drafts.
+
+  Args:
+    ema: the running average of earlier drafting steps' gains (None: none yet).
+    misses: drafting steps in a row that left the average below STEP_MIN_GAIN.
+    gain: this step's accepted drafts per drafting row (>= 0).
+    steps: the engine's step count after this step (`Scheduler.stats["steps"]`).
+  Returns:
+    (ema, misses, retry_step): the new average (the first gain itself, then
+    GAIN_DECAY * ema + (1 - GAIN_DECAY) * gain), the new miss count, and the step count
+    before which no sequence drafts (steps + 2**misses, misses capped at
+    MAX_BACK_OFF_DOUBLINGS; 0 while the average is at or above STEP_MIN_GAIN).
+  """
+  ema = gain if ema is None else GAIN_DECAY * ema + (1.0 - GAIN_DECAY) * gain
+  if ema >= STEP_MIN_GAIN:
+    return ema, 0, 0
+  misses += 1
+  return ema, misses, steps + 2 ** min(misses, MAX_BACK_OFF_DOUBLINGS)
 
 
 def parse(config: Any) -> Optional[SpeculativeConfig]:
@@ -99,9 +131,13 @@ def parse(config: Any) -> Optional[SpeculativeConfig]:
     raise ValueError(f"speculative_config['method'] must be one of {', '.join(METHODS)}, "
                      f"got {method!r}")
   if method == "draft_model":
-    raise ValueError("speculative_config['method']: 'draft_model' is not supported yet "
-                     "(only 'ngram' is); drop the key 'model' and use method 'ngram'")
-  if "model" in config:
+    extra = sorted(set(config) & {"prompt_lookup_max", "prompt_lookup_min"})
+    if extra:
+      raise ValueError(f"speculative_config[{extra[0]!r}] is only for method 'ngram'")
+    if config.get("model") is None:
+      raise ValueError("speculative_config['model'] is required with method 'draft_model': "
+                       "(ModelConfig, params) or a checkpoint directory")
+  elif "model" in config:
     raise ValueError("speculative_config['model'] is only for method 'draft_model'")
   if "num_speculative_tokens" not in config:
     raise ValueError("speculative_config['num_speculative_tokens'] is required, an int in "
@@ -109,6 +145,11 @@ def parse(config: Any) -> Optional[SpeculativeConfig]:
   k = config["num_speculative_tokens"]
   hi = config.get("prompt_lookup_max", config.get("prompt_lookup_min", 5))
   lo = config.get("prompt_lookup_min", hi)
+  if method == "draft_model":
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+      raise ValueError(f"speculative_config['num_speculative_tokens'] must be an int in "
+                       f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+    return SpeculativeConfig("draft_model", k, model=config["model"])
   for name, value, top in (("num_speculative_tokens", k, MAX_SPECULATIVE_TOKENS),
                            ("prompt_lookup_max", hi, 64), ("prompt_lookup_min", lo, 64)):
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:

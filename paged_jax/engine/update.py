@@ -345,9 +345,10 @@ class Update:
                 after_failed_step=(not ok) or (s.after_failed_step and not ran),
                 num_preemptions=s.num_preemptions + self.preemptions,
                 num_swaps=s.num_swaps + self.swaps)
-    if self.spec_rows:   # the engine-wide back-off: a step whose drafts did not pay
-      missed = self.spec_accepted < speculative.STEP_MIN_GAIN * self.spec_rows
-      misses = s.spec_step_misses + 1 if missed else 0
-      self.ch.set(s, spec_step_misses=misses, spec_retry_step=(
-          s.stats["steps"] + self.stats["steps"] + 2 ** min(misses, 10) if missed else 0))
+    if self.spec_rows:   # the engine-wide back-off: a running average of the gain
+      steps = s.stats["steps"] + self.stats["steps"]
+      ema, misses, retry = speculative.back_off(
+          s.spec_gain_ema, s.spec_step_misses, self.spec_accepted / self.spec_rows, steps)
+      self.ch.set(s, spec_gain_ema=ema, spec_step_misses=misses, spec_retry_step=retry)
+      self.stats["spec_steps"] += 1
     self.ch.count(s.stats, self.stats)
