@@ -133,7 +133,7 @@ class Engine:
     return request_id in self.scheduler.groups or request_id in self._outbox
 
   def _queue(self, group: Group) -> Any:
-    """Numbers the group (`requests.Intake`) and queues it; returns its id."""
+    """Numbers the group (`requests.Intake`), queues it, returns its id."""
     self.scheduler.add(self._intake.number(group))
     return group.request_id
 
@@ -222,7 +222,7 @@ class Engine:
     sched = self.scheduler
     if not sched.has_unfinished():
       return False
-    if self._drafter is not None:   # the draft model's dispatch, before the plan takes its drafts
+    if self._drafter is not None:   # the draft model's dispatch: the plan takes its drafts
       self._drafter.prepare(self.state.blocks, sched)
     batch = sched.schedule()
     if batch.runs_nothing:
@@ -234,8 +234,7 @@ class Engine:
     return True
 
   def _run(self, batch: Batch, report: bool) -> None:
-    """Runs a plan: its swap-outs, inputs, the jitted step and the update from its
-    outputs (a plan with no device work is applied without a dispatch)."""
+    """Runs a plan: swap-outs, inputs, the jitted step, the update (no work: no dispatch)."""
     if batch.runs_nothing and not batch.swap_out:
       with sigint_deferred():
         self._apply(batch, None, None)
@@ -318,8 +317,8 @@ class Engine:
     return self._tiers.drain()
 
   def flush(self) -> None:
-    """Runs now what the last update left for the next step (frees, beam forks, a
-    swap-out), in one dispatch that computes nothing; a no-op when nothing is left."""
+    """Runs what the last update left (frees, beam forks, a swap-out) in a dispatch that
+    computes nothing; a no-op when nothing is left."""
     self._finish_in_flight()
     batch = self.scheduler.carried()
     if batch.runs_nothing and not batch.swap_out:
@@ -327,8 +326,7 @@ class Engine:
     self._run(batch, report=False)
 
   def fresh_copy(self) -> "Engine":
-    """A new engine with this one's model, params and options and a fresh state; it
-    shares the jitted step (and so every shape compiled for it)."""
+    """A fresh-state engine of the same model, params and options, sharing its jitted step."""
     return Engine(self.model_config, self.params, self.cache_config, options=self.options)
 
   # ---- compiled shapes -----------------------------------------------------------------
@@ -367,13 +365,8 @@ class Engine:
     """Blocks the next plan may use: free plus evictable (as of the last step)."""
     return self.scheduler.counts.available
 
-  @property
-  def num_preemptions(self) -> int:
-    return self.scheduler.num_preemptions
-
-  @property
-  def num_swaps(self) -> int:
-    return self.scheduler.num_swaps
+  num_preemptions = property(lambda self: self.scheduler.num_preemptions)
+  num_swaps = property(lambda self: self.scheduler.num_swaps)
 
   def metrics(self) -> Dict[str, Any]:
     """KV usage, queues and prefix-cache hits as of the last step (no device work);
