@@ -95,7 +95,7 @@ def test_a_pool_returns_exactly_the_blocks_it_stored(monkeypatch, pinned):
 def test_an_engine_with_a_pinned_pool_equals_no_caching(monkeypatch):
   """The pinned path end to end on this CPU: greedy outputs equal no caching, host hits
   happen, events replayed equal both tiers after every step."""
-  import host_tier_test as ht  # pylint: disable=g-import-not-at-top
+  import host_tier_support as ht  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(host_tier, "host_memory_kind", lambda d: "pinned_host")
   prompts = ht.conversations(1, num=4, turns=2)
   eng = ht.make()

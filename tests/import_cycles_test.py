@@ -100,3 +100,20 @@ def test_detects_cycles_through_functions_and_relative_imports(tmp_path):
   graph = import_graph(str(tmp_path), packages=("paged_jax",))
   assert graph["paged_jax.sub.c"] == {"paged_jax.a", "paged_jax.sub"}
   assert cycles(graph) == [("paged_jax.a", "paged_jax.b", "paged_jax.sub.c")]
+
+
+def test_no_test_file_imports_another_test_file():
+  """Each Bazel py_test holds its own file and the shared helpers (`tests/*.py` that are not
+  `*_test.py`: tests/BUILD's test_support), so a test importing another test module passes
+  under pytest and fails under Bazel: shared helpers belong in a *_support module."""
+  tests_dir = os.path.join(ROOT, "tests")
+  tests = {fn[:-3] for fn in os.listdir(tests_dir) if fn.endswith("_test.py")}
+  bad = []
+  for name in sorted(tests):
+    with open(os.path.join(tests_dir, name + ".py"), encoding="utf-8") as f:
+      tree = ast.parse(f.read())
+    for node in ast.walk(tree):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+               [node.module] if isinstance(node, ast.ImportFrom) and not node.level else [])
+      bad += [f"{name} imports {n}" for n in names if n in tests]
+  assert not bad, bad
