@@ -54,6 +54,8 @@ from paged_jax import block_manager as bm
 from paged_jax import kv_cache
 from paged_jax.config import OK
 from paged_jax.engine import forward as forward_lib
+from paged_jax.engine.commit import consumed
+from pallas_kernels.common import next_pow2
 
 _I32 = jnp.int32
 
@@ -181,9 +183,12 @@ def for_engine(model_config, cache_config, options) -> Optional["DraftModel"]:
   return DraftModel(model_config, cache_config, options, spec)
 
 
-def _bucket(n: int, lo: int = 16) -> int:
-  """The power of two >= max(n, lo)."""
-  return max(lo, 1 << max(0, int(n - 1).bit_length()))
+def _draft_cache(draft_config, cache_config):
+  """The draft model's page shapes on the target's group-0 geometry (same block ids)."""
+  c = cache_config
+  return draft_config.cache_config(
+      hybrid_kv=False, block_size=c.block_size, num_blocks=c.num_blocks, max_seqs=c.max_seqs,
+      max_blocks_per_seq=c.max_blocks_per_seq)
 
 
 class DraftModel:
@@ -206,10 +211,7 @@ class DraftModel:
     check_supported(model_config, self.config, cache_config, options)
     self.params = check_params(self.config, params)
     self.k = spec.num_speculative_tokens
-    c = cache_config
-    self.cache_config = self.config.cache_config(
-        hybrid_kv=False, block_size=c.block_size, num_blocks=c.num_blocks,
-        max_seqs=c.max_seqs, max_blocks_per_seq=c.max_blocks_per_seq)
+    self.cache_config = _draft_cache(self.config, cache_config)
     self.pages = kv_cache.init(self.cache_config)
     self.catchup_tokens = options.max_num_batched_tokens
     self._propose = _proposer(self.config, options.attention_backend, self.k)
@@ -259,7 +261,7 @@ class DraftModel:
       row_slot[r], row_q_len[r], row_start[r], drafting[r] = q.slot, n, done, full
       rows.append((g, q, done + n if not full else q.num_computed, full))
       room -= n
-    t = _bucket(len(tokens))
+    t = max(16, next_pow2(len(tokens)))    # a power-of-two bucket of catch-up tokens
     pad = t - len(tokens)
     inp = dict(tokens=np.asarray(tokens + [0] * pad, np.int32),
                positions=np.asarray(positions + [0] * pad, np.int32),
@@ -269,8 +271,7 @@ class DraftModel:
     try:
       drafts, ok, pages = self._propose(self.params, self.pages, blocks, inp)
     except BaseException:   # e.g. KeyboardInterrupt: donated pages may be gone
-      if any(getattr(x, "is_deleted", lambda: False)()
-             for x in jax.tree_util.tree_leaves(self.pages)):
+      if consumed(self.pages):
         self.pages, self.computed = kv_cache.init(self.cache_config), {}   # recomputed
       raise
     self.pages = pages
@@ -302,9 +303,7 @@ def propose_for_compile(draft_config, cache_config, *, k: int, num_tokens: int,
   from paged_jax.engine.weights import param_shapes  # pylint: disable=g-import-not-at-top
   from paged_jax.models.llama import LlamaForCausalLM  # pylint: disable=g-import-not-at-top
   c = cache_config
-  draft_cache = draft_config.cache_config(
-      hybrid_kv=False, block_size=c.block_size, num_blocks=c.num_blocks, max_seqs=c.max_seqs,
-      max_blocks_per_seq=c.max_blocks_per_seq)
+  draft_cache = _draft_cache(draft_config, c)
   if sharding is not None:
     attention_backend = engine_compile.step_backend(attention_backend, draft_config,
                                                     draft_cache, sharding)

@@ -29,8 +29,6 @@ import logging
 import time
 from typing import Any, Dict, List, Optional, Sequence as Seq, Union
 
-import jax
-
 from paged_jax import kv_cache
 from paged_jax.config import CacheConfig, ModelConfig
 from paged_jax.engine import draft_model
@@ -45,7 +43,7 @@ from paged_jax.engine.inputs import build_inputs, lookup_len
 from paged_jax.engine.options import EngineOptions
 from paged_jax.engine.params import RequestOutput, SamplingParams
 from paged_jax.engine.requests import Intake
-from paged_jax.engine.commit import sigint_deferred
+from paged_jax.engine.commit import consumed, sigint_deferred
 from paged_jax.engine.scheduler import Scheduler
 from paged_jax.engine.update import partial_output
 from paged_jax.engine.sequence import Batch, DeviceCounts, Group
@@ -267,8 +265,7 @@ class Engine:
         t0 = time.perf_counter()
         self.state, out = self._step(self.params, self.state, inputs, **bucket.step_kw)
       except BaseException:
-        if any(getattr(x, "is_deleted", lambda: False)()
-               for x in jax.tree_util.tree_leaves(self.state)):
+        if consumed(self.state):
           raise RuntimeError("the engine's device state was consumed by a step that failed; "
                              "the engine cannot continue") from None
         if restored:   # those rows are on device now: the records must say so

@@ -145,16 +145,15 @@ def parse(config: Any) -> Optional[SpeculativeConfig]:
   k = config["num_speculative_tokens"]
   hi = config.get("prompt_lookup_max", config.get("prompt_lookup_min", 5))
   lo = config.get("prompt_lookup_min", hi)
-  if method == "draft_model":
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-      raise ValueError(f"speculative_config['num_speculative_tokens'] must be an int in "
-                       f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
-    return SpeculativeConfig("draft_model", k, model=config["model"])
-  for name, value, top in (("num_speculative_tokens", k, MAX_SPECULATIVE_TOKENS),
-                           ("prompt_lookup_max", hi, 64), ("prompt_lookup_min", lo, 64)):
+  limits = [("num_speculative_tokens", k, MAX_SPECULATIVE_TOKENS)]
+  if method == "ngram":
+    limits += [("prompt_lookup_max", hi, 64), ("prompt_lookup_min", lo, 64)]
+  for name, value, top in limits:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
       raise ValueError(f"speculative_config['{name}'] must be an int in [1, {top}], "
                        f"got {value!r}")
+  if method == "draft_model":
+    return SpeculativeConfig("draft_model", k, model=config["model"])
   if lo > hi:
     raise ValueError(f"speculative_config['prompt_lookup_min'] must be <= "
                      f"prompt_lookup_max ({hi}), got {lo}")

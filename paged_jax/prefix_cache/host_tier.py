@@ -52,6 +52,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import numpy as np
 
 from paged_jax.prefix_cache.events import KVEvent
+from pallas_kernels.common import next_pow2
 
 
 LANES = 128
@@ -242,7 +243,7 @@ class HostTier:
       for f, pool in self.pages.items():
         pool[np.asarray(entries)] = np.moveaxis(np.asarray(pages[f])[:, :, index], 2, 0)
       return
-    n = 1 << (len(entries) - 1).bit_length()      # a few shapes; the last pair repeats
+    n = next_pow2(len(entries))                   # a few shapes; the last pair repeats
     pad = lambda x: np.asarray(x + x[-1:] * (n - len(x)), np.int32)
     self.pages = _stash(self.pages, pad(entries), pad(index), pages)
 
