@@ -9,8 +9,8 @@ import pytest
 import jax
 
 from pallas_kernels.deviceless import target as ct
-from tests.gpu_compile_model_test import (CACHE_4G, LLAMA8B_2L, host_readbacks,
-                                          layer_pool_bytes, pool_copy_findings)
+from tests.gpu_compile_support import (CACHE_4G, LLAMA8B_2L, host_readbacks,
+                                       layer_pool_bytes, pool_copy_findings)
 
 pytestmark = pytest.mark.skipif(ct.unavailable_reason() is not None,
                                 reason=str(ct.unavailable_reason()))
