@@ -104,6 +104,74 @@ def test_an_engine_with_a_pinned_pool_equals_no_caching(monkeypatch):
   assert eng.metrics()["prefix_host_hit_tokens"] > 0
 
 
+def _consume_then_fail(real, fail_on):
+  """A `_stash` that fails on its `fail_on`-th call after taking the donated pool (as a
+  device error inside the copy would): the pool's arrays deleted, then an error."""
+  calls = {"n": 0}
+
+  def stash(pools, *args):
+    calls["n"] += 1
+    if calls["n"] == fail_on:
+      for p in pools.values():
+        p.delete()
+      raise RuntimeError("injected: the device-to-host copy failed")
+    return real(pools, *args)
+  return stash, calls
+
+
+def test_a_store_whose_copy_took_the_pool_and_failed_leaves_an_empty_usable_tier(
+    monkeypatch):
+  """The pinned pool is donated to `_stash`: when the copy fails after taking it, the
+  blocks it held are gone, so the tier starts again empty ("removed" for the blocks of
+  the failed store, then "cleared"), its pool live in pinned memory, and stores again."""
+  cpu = jax.devices("cpu")[0]
+  monkeypatch.setattr(host_tier, "host_memory_kind", lambda d: "pinned_host")
+  tier = host_tier.HostTier(4, 16, FIELDS, device=cpu)
+  rng = np.random.default_rng(1)
+  src = jax.device_put(_blocks(rng, 3), cpu)
+  tier.store(_meta([1, 2], 16), src, index=[0, 1])
+  tier.take_events()
+  stash, calls = _consume_then_fail(host_tier._stash, fail_on=1)  # pylint: disable=protected-access
+  monkeypatch.setattr(host_tier, "_stash", stash)
+  with pytest.raises(RuntimeError, match="injected"):
+    tier.store(_meta([3], 16), src, index=[2])
+  assert calls["n"] == 1 and tier.hashes() == {} and tier.num_free == 4
+  assert [(e.kind, e.block_hashes) for e in tier.take_events()] == [
+      ("stored", (3,)), ("removed", (3,)), ("cleared", ())]
+  assert all(not p.is_deleted() and p.sharding.memory_kind == "pinned_host"
+             for p in tier.pages.values())
+  tier.store(_meta([4], 16), src, index=[2])          # the rebuilt pool serves
+  got = tier.gather([tier._lru[4]], 2)  # pylint: disable=protected-access
+  for f in FIELDS:
+    np.testing.assert_array_equal(np.asarray(got[f])[:, :, 0], np.asarray(src[f])[:, :, 2])
+
+
+def test_an_engine_whose_host_store_fails_keeps_serving_exactly(monkeypatch):
+  """The same failure inside an engine step: the step raises it, the device's counts and
+  the blocks it brought back still stand, the events still equal both tiers, and every
+  request then finishes with the outputs of no caching."""
+  import host_tier_support as ht  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(host_tier, "host_memory_kind", lambda d: "pinned_host")
+  prompts = ht.conversations(2, num=3, turns=2)
+  ref = ht.reference(prompts)
+  eng, replay = ht.make(), ht.Replay()
+  stash, calls = _consume_then_fail(host_tier._stash, fail_on=2)  # pylint: disable=protected-access
+  monkeypatch.setattr(host_tier, "_stash", stash)
+  ids = [eng.add_request(p, ht.greedy()) for p in prompts]
+  outs, failures = {}, 0
+  while eng.has_unfinished():
+    try:
+      outs.update({o.request_id: o.outputs for o in eng.step()})
+    except RuntimeError as e:
+      assert "injected" in str(e)
+      failures += 1
+    replay.apply(eng.kv_events())
+    assert replay.tiers == ht.truth(eng)
+    ht.assert_counts_exact(eng)
+  assert failures == 1 and calls["n"] > 2        # it failed once, then stored again
+  assert [outs[i] for i in ids] == ref
+
+
 # ---- compiled for an H200 and a TPU v6e, without a device -----------------------------
 
 def _avals(device, num_host_blocks):

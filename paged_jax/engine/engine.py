@@ -281,8 +281,10 @@ class Engine:
 
   def _finish_exchange(self, tier_plan, tier_out) -> None:
     """The host side of a host-tier exchange (call with SIGINT held)."""
-    self.scheduler.update(Batch(), self._tiers.finish(tier_plan, tier_out,
-                                                      self.scheduler.counts))
+    counts, error = self._tiers.finish(tier_plan, tier_out, self.scheduler.counts)
+    self.scheduler.update(Batch(), counts)
+    if error is not None:   # the host tier dropped what it could not store; all else stands
+      raise error
 
   def _finish_in_flight(self) -> None:
     """Waits for the step in flight (the one host sync) and updates from its outputs."""

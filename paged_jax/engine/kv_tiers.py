@@ -4,7 +4,7 @@ and the KV cache events of both tiers.
     tiers = KVTiers(cache_config, options, state.pages)
     plan = tiers.plan(batch, inputs, scheduler, swapped_in)    # None: no extra call
     state, out = tier.exchange(state, plan, num_decode_steps)  # the device call (tier.py)
-    counts = tiers.finish(plan, out, scheduler.counts)         # victims stored, events
+    counts, error = tiers.finish(plan, out, scheduler.counts)  # victims stored, events
     tiers.read_step_log(outputs, state)                        # the step's device events
     tiers.drain()                                              # -> [KVEvent], oldest first
 
@@ -109,14 +109,15 @@ class KVTiers:
                          num_decode_steps=self._num_decode_steps, starts=starts,
                          may_share=share)
 
-  def finish(self, plan: tier_lib.Plan, out, counts: DeviceCounts) -> DeviceCounts:
+  def finish(self, plan: tier_lib.Plan, out, counts: DeviceCounts):
     """The host side of an exchange the device ran: its victims stored on the host, its
-    events and counters recorded. Returns the device counts after it."""
-    promoted, counts = tier_lib.finish(self.host, plan, out, counts)
+    events and counters recorded. Returns (the device counts after it, the host store's
+    exception or None: the caller re-raises it once the counts are recorded)."""
+    promoted, counts, error = tier_lib.finish(self.host, plan, out, counts)
     self._events += self.host.take_events()
     self.stats.update(calls=1, promoted_blocks=promoted,
                       prefix_host_hit_tokens=promoted * self._cache_config.block_size)
-    return counts
+    return counts, error
 
   def read_step_log(self, out, state) -> None:
     """Records the device events in a step's outputs (`StepOutputs.kv_log`); an

@@ -298,16 +298,24 @@ def exchange(state: EngineState, p: Plan, num_decode_steps: int):
 def finish(tier: HostTier, p: Plan, out, counts: DeviceCounts):
   """Downloads the victims' metadata (and K/V, to a numpy pool), stores them in `tier`
   (a pinned pool copies them in itself), marks the promoted entries used. Returns
-  (blocks brought back, the DeviceCounts after the call)."""
+  (blocks brought back, the DeviceCounts after the call, the store's exception or None).
+
+  A store that raises leaves the tier consistent (`HostTier.store`) and costs only host
+  hits later; what the device did (its counts, the blocks it brought back) stands either
+  way, so the caller records it before re-raising."""
   on_host = tier.memory_kind is None   # numpy pool: download the victims' K/V too
   host = _download(out if on_host else
                    {k: v for k, v in out.items() if k != "victim_pages"})
   meta, rows = host["victim_meta"], np.nonzero(host["victim_ok"])[0]
   lanes = lambda c: meta[rows, c:c + 2]
-  tier.store(dict(hash=[hash_int(x) for x in lanes(st.HASH)],
-                  parent=[hash_int(x) for x in lanes(st.PARENT_HASH)],
-                  depth=meta[rows, st.DEPTH], tokens=meta[rows, st.TOKENS:]),
-             (host if on_host else out)["victim_pages"], index=rows)
+  error = None
+  try:
+    tier.store(dict(hash=[hash_int(x) for x in lanes(st.HASH)],
+                    parent=[hash_int(x) for x in lanes(st.PARENT_HASH)],
+                    depth=meta[rows, st.DEPTH], tokens=meta[rows, st.TOKENS:]),
+               (host if on_host else out)["victim_pages"], index=rows)
+  except BaseException as e:  # pylint: disable=broad-except  (re-raised by the engine)
+    error = e
   # Lane i brought back its depths [device hit, device hit + promoted).
   used = [p.entries[found[d]] for found, lo, n in zip(p.lanes, host["device_hit"],
                                                       host["promoted"])
@@ -315,4 +323,4 @@ def finish(tier: HostTier, p: Plan, out, counts: DeviceCounts):
   tier.touch(used)
   free, evictable = int(host["num_free"]), int(host["num_evictable"])
   return len(used), dataclasses.replace(counts, num_free=free, num_evictable=evictable,
-                                        available=free + evictable)
+                                        available=free + evictable), error

@@ -137,21 +137,25 @@ class HostTier:
     self.num_blocks, self.block_size = num_blocks, block_size
     self.memory_kind = host_memory_kind(device)
     self._shapes = tuple((f, tuple(shape)) for f, (shape, _) in fields.items())
-    if self.memory_kind is None:
-      self.pages = {f: np.zeros((num_blocks,) + tuple(shape), dtype)
-                    for f, (shape, dtype) in fields.items()}
-    else:
-      where = NamedSharding(Mesh(np.array([device]), ("x",)), PartitionSpec(),
-                            memory_kind=self.memory_kind)
-      self.pages = {f: jax.device_put(
-          np.zeros((num_blocks, block_rows(shape), LANES), dtype), where)
-                    for f, (shape, dtype) in fields.items()}
+    self._fields, self._device = fields, device
+    self.pages = self._new_pool()
     self.depth = np.full((num_blocks,), -1, np.int32)
     self.tokens = np.zeros((num_blocks, block_size), np.int32)
     self.parent = [0] * num_blocks        # each entry's parent hash (for its events)
     self._lru: "collections.OrderedDict[int, int]" = collections.OrderedDict()  # hash -> entry
     self._free = list(range(num_blocks - 1, -1, -1))                            # a stack
     self.events: List[KVEvent] = []
+
+  def _new_pool(self) -> dict:
+    """An empty pool: field -> numpy [num_blocks, *block shape], or (pinned) a jax array
+    [num_blocks, R, LANES] in the device's pinned host memory."""
+    if self.memory_kind is None:
+      return {f: np.zeros((self.num_blocks,) + tuple(shape), dtype)
+              for f, (shape, dtype) in self._fields.items()}
+    where = NamedSharding(Mesh(np.array([self._device]), ("x",)), PartitionSpec(),
+                          memory_kind=self.memory_kind)
+    return {f: jax.device_put(np.zeros((self.num_blocks, block_rows(shape), LANES), dtype),
+                              where) for f, (shape, dtype) in self._fields.items()}
 
   # ---- counts --------------------------------------------------------------------------
   @property
@@ -186,10 +190,12 @@ class HostTier:
     return out
 
   def touch(self, entries: Sequence[int]) -> None:
-    """Marks entries used now (a hit brought them back to the device)."""
+    """Marks entries used now (a hit brought them back to the device); an entry no longer
+    held (a failed store dropped it) is skipped."""
     by_entry = {e: h for h, e in self._lru.items()} if entries else {}
     for e in entries:
-      self._lru.move_to_end(by_entry[e])
+      if e in by_entry:
+        self._lru.move_to_end(by_entry[e])
 
   # ---- store ---------------------------------------------------------------------------
   def store(self, meta: Dict[str, np.ndarray], pages: Dict[str, np.ndarray],
@@ -204,7 +210,9 @@ class HostTier:
     A block already held is only marked used. When the pool is full the least recently
     used block leaves (a "removed" event), then the new one is stored ("stored"). The
     K/V are written last, in one copy; if that raises, the blocks stored now leave again
-    (their "removed" events), so the index never names a block it does not hold.
+    (their "removed" events), so the index never names a block it does not hold. If the
+    failed copy had already taken the donated pinned pool, every block is gone: the tier
+    starts again empty (a "cleared" event), a cache miss later, never a wrong block.
     """
     index = np.arange(len(meta["hash"])) if index is None else np.asarray(index)
     writes, new = {}, []             # entry -> pages' index (last wins); hashes stored
@@ -233,6 +241,9 @@ class HostTier:
           self._free.append(e)
           self.depth[e] = -1
           self.events.append(KVEvent("removed", (h,), "host"))
+      if any(getattr(p, "is_deleted", lambda: False)() for p in self.pages.values()):
+        self.clear()                    # `_stash` consumed the pool before it failed
+        self.pages = self._new_pool()
       raise
 
   def _write(self, entries: List[int], index: List[int], pages) -> None:
