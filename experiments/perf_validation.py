@@ -4,31 +4,24 @@ r"""Validation of the device-time model where the truth can be measured: this CP
 
 1. Measures engine steps of the shipped tiny model on this CPU: before each point of
    step 3, the same system and rate serve ANOTHER seed's stream on the truth's clock
-   recording every step (`bench.calibration.RecordingCpuClock`, or `RecordingWallClock`
-   with --truth=wall: what the loop paid between step ends, beside the work the step's
-   StepReport says it did, padding included);
+   recording every step (`bench.calibration`: what the loop paid between step ends,
+   beside the work the step's StepReport says it did, padding included);
 2. fits the device-time model's efficiencies to them (`perf.fit_efficiency`: the same
    roofline that prices an A100 step, on the CPU's nominal peaks);
-3. runs a `serving_benchmark` sweep on the truth's clock (the tiny model, Poisson
-   arrivals, paged and Orca Max / Pow2 / Oracle at equal KV memory), every point
-   --repeats times, the median kept. The default truth is `clocks.CpuClock` (each step
-   costs this process's CPU seconds): on this shared 2-core machine wall-clock runs of
-   the same point do not repeat (other tenants take the cores), CPU seconds nearly do;
-   --truth=wall measures real time;
-4. predicts the same sweep: the same engines and arrivals on a `perf.ModelClock` of the
-   fit (virtual time: each step costs what the fitted model says), and compares each
+3. serves the tiny model on the truth's clock (Poisson arrivals, paged and Orca Max /
+   Pow2 / Oracle at equal KV memory), the median of --repeats runs near the SLO. The
+   default truth is `clocks.CpuClock` (each step costs this process's CPU seconds, XLA
+   on one thread: --xla_threads): on this shared 2-core machine wall-clock runs of the
+   same point do not repeat, CPU seconds nearly do; --truth=wall measures real time;
+4. predicts the same on a `perf.ModelClock` of the fit (virtual time) and compares each
    system's max rate at the SLO and its latency curve with the measured ones.
 
-Writes DIR/perf_validation.json ({"systems": {NAME: {"measured_max_rate",
-"predicted_max_rate", "rel_error", "measured", "predicted" (curves),
-"measured_repeat_spread"}}, "fit": {...}, "truth", "cpu_over_wall", "load_avg", flags,
-versions, machine}) and DIR/perf_validation.png (measured solid, predicted dashed).
-Target (issue 42): |predicted / measured - 1| <= 0.05 per system, none censored.
-
 With --rates=auto (the default) steps 1-4 run on each system's search for its max rate
-at the SLO instead of a grid (`experiments.perf_validation_search`): the JSON's systems
-hold the two searches' judged points, their crossings and censoring; "load_avg" holds a
-load sample before every run.
+at the SLO instead of a grid (`experiments.perf_validation_search`). Writes
+DIR/perf_validation.json ({"systems": {NAME: {"measured_max_rate", "predicted_max_rate",
+"rel_error", "measured", "predicted" (curves), ...}}, "fit", "truth", "load_avg"
+(a sample before every run), flags, versions, machine) and DIR/perf_validation.png.
+Target (issue 42): |predicted / measured - 1| <= 0.05 per system, none censored.
 """
 
 from __future__ import annotations
@@ -38,6 +31,7 @@ import gzip
 import json
 import os
 import pathlib
+import sys
 import time
 from typing import Dict, Tuple
 
@@ -131,6 +125,8 @@ class Config(configs.ExperimentConfig):
   quick: bool = configs.flag(False, "a short run for the demo and tests, replacing "
                              "the flags QUICK names: 2 systems, 3 s arrival windows, one "
                              "run per rate, at most 5 rates, bisection to 10%")
+  xla_threads: str = configs.flag("one", "XLA:CPU threads: one (ONE_THREAD, the process "
+                                  "re-run with it) or all (XLA's pool)", choices=("one", "all"))
   out: str = configs.flag("results/perf_validation", "output directory")
 
   def check(self) -> None:
@@ -160,13 +156,10 @@ class Config(configs.ExperimentConfig):
 
 def measured_sweep(f: Config, streams: Dict, calibration_streams: Dict, done: Dict,
                    save=None) -> Dict:
-  """The measured sweep on the --truth clock, each point preceded by a calibration point
-  (the same system and rate on another seed's stream, on the truth's recording clock) and
-  run --repeats times back to back, of every system of f.systems not in `done` yet.
-  `done` ({"measured": {system: curve (median of the repeats)}, and per system "samples"
-  (calibration steps), "loads" (load average read before each point), "late" (how late
-  the calibration loops' waits woke)}) gains each system as it finishes, and `save(done)`
-  runs then: a stopped run keeps the systems it finished."""
+  """The grid's measured sweep on the --truth clock (each point after a calibration run
+  of it, --repeats runs) of every system not in `done` yet. `done` ({"measured": {system:
+  median curve}, per system "samples", "loads", "late"}) gains each system as it
+  finishes, then `save(done)` runs: a stopped run keeps the systems it finished."""
   from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
   for key in ("measured", "samples", "loads", "late"):
     done.setdefault(key, {})
@@ -344,14 +337,14 @@ def run(f: Config, out: pathlib.Path = pathlib.Path(".")) -> Dict:
                    "another seed's stream on the truth's clock before the rate's first "
                    "measured run; each step charged what the loop paid between step ends"},
       seconds=time.time() - start, measured_from=f.measured_from or None, flags=f.flags(),
+      xla_flags=os.environ.get("XLA_FLAGS", ""),
       versions=provenance.versions(), machine=provenance.machine(),
       code=provenance.code_version())
   return result
 
 
 def _cpu_over_wall(measured: Dict) -> Dict:
-  """CPU over wall seconds of the measured steps, per system and point (every repeat):
-  1.0 where the process had a core to itself, one thread busy; the load average beside."""
+  """CPU over wall seconds of the measured steps, per system and point (every repeat)."""
   out = {}
   for s, c in measured.items():
     reps = c.get("repeats") or []
@@ -378,7 +371,17 @@ def plot(result: Dict, path):
   return common.save_png(fig, path)
 
 
+# XLA:CPU on one thread: the default pool's spinning threads count on the CPU clock as
+# they happen to meet (docs/paper_scale.md: a step's CPU seconds spread half as much).
+ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
 def main(f: Config, out):
+  if f.xla_threads == "one" and ONE_THREAD not in os.environ.get("XLA_FLAGS", ""):
+    # XLA reads its flags when the backend starts: run this process again with them.
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {ONE_THREAD}".strip()
+    os.execv(sys.executable, [sys.executable, "-m", "experiments.perf_validation",
+                              *sys.argv[1:]])
   result = run(f, out)
   common.write_json(out / "perf_validation.json", result)
   png = plot(result, out / "perf_validation.png")

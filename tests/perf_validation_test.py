@@ -223,3 +223,30 @@ def test_a_measured_file_from_before_the_truth_flag_reads_as_wall_one_run(tmp_pa
   assert perf_validation._read_measured(str(path), old)["loads"] == {"paged": [1.0]}
   with pytest.raises(ValueError, match="other flags: truth, repeats"):
     perf_validation._read_measured(str(path), f)
+
+
+def test_one_xla_thread_reruns_the_process_with_the_flag_once(monkeypatch):
+  """--xla_threads=one (the default) re-runs the process with ONE_THREAD appended to
+  XLA_FLAGS (read when the backend starts); with it there, or with =all, it runs."""
+  calls = []
+
+  def execv(path, args):
+    calls.append((path, args, perf_validation.os.environ["XLA_FLAGS"]))
+    raise SystemExit(0)
+  monkeypatch.setattr(perf_validation.os, "execv", execv)
+  monkeypatch.setattr(perf_validation, "run", lambda f, out: (_ for _ in ()).throw(
+      RuntimeError("ran")))
+  monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+  monkeypatch.setattr(perf_validation.sys, "argv", ["pv", "--quick"])
+  with pytest.raises(SystemExit):
+    perf_validation.main(perf_validation.Config(), None)
+  (path, args, flags), = calls
+  assert path == args[0] == perf_validation.sys.executable
+  assert args[1:] == ["-m", "experiments.perf_validation", "--quick"]
+  assert flags == "--xla_dump_to=/tmp/x " + perf_validation.ONE_THREAD
+  for env, f in ((flags, perf_validation.Config()),
+                 ("", perf_validation.Config(xla_threads="all"))):
+    monkeypatch.setenv("XLA_FLAGS", env)
+    with pytest.raises(RuntimeError, match="ran"):
+      perf_validation.main(f, None)
+  assert len(calls) == 1
