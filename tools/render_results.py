@@ -137,6 +137,10 @@ SECTIONS: Dict[str, Tuple[object, Callable]] = {
                                paper.perf_validation),
     "perf_validation_fine": ("perf_validation/fine/perf_validation.json",
                              paper.perf_validation),
+    "perf_validation_near3_load13": ("perf_validation/near3_load13/perf_validation.json",
+                                     paper.perf_validation),
+    "perf_validation_quiet": ("perf_validation/quiet_load1_5/perf_validation.json",
+                              paper.perf_validation),
 }
 
 
