@@ -39,6 +39,7 @@ import numpy as np
 
 from experiments import common
 from experiments import configs
+from experiments import perf_validation_paired as paired
 from experiments import perf_validation_search as search
 from experiments import provenance
 from paged_jax import perf
@@ -119,6 +120,10 @@ class Config(configs.ExperimentConfig):
       "none", "with --rates=auto: replay (each predicted step x a measured step's measured / "
       "fitted ratio, the measured runs' around the crossing, in their order) or none",
       choices=("none", "replay"))
+  predict: str = configs.flag(
+      "search", "with --rates=auto: search (the model's own search, one load factor per "
+      "system) or paired (each measured run around the crossing predicted at its own "
+      "load factor: experiments.perf_validation_paired)", choices=("search", "paired"))
   measured_from: str = configs.flag("", "a measured.json.gz an earlier run wrote (same "
                                     "stream flags): fit and predict from it, measuring only "
                                     "the systems it lacks")
@@ -226,7 +231,8 @@ def predicted_sweep(f: Config, streams: Dict, model: perf.DeviceTimeModel,
 
 MEASURED_FILE = "measured.json.gz"
 _SAME_FLAGS = ("workload", "rates", "duration_s", "calibration_duration_s", "seed",
-               "kv_budget_tokens", "block_size", "preemption_mode", "truth", "repeats")
+               "kv_budget_tokens", "block_size", "preemption_mode", "truth", "repeats",
+               "xla_threads")
 _SEARCH_FLAGS = ("unloaded_rate", "start_rate", "rel_tol", "max_rates", "slo_factor",
                  "systems", "near")   # a search's rates follow the SLO, and it from every system
 
@@ -248,7 +254,8 @@ def _read_measured(path: str, f: Config) -> Dict:
   """What `_write_measured` wrote, if measured with the same stream and engine flags."""
   with gzip.open(path, "rt") as fh:
     blob = json.load(fh)
-  before = {"truth": "wall", "repeats": 1, "near": 1.6}   # files from before those flags
+  before = {"truth": "wall", "repeats": 1, "near": 1.6,   # files from before those flags
+            "xla_threads": "all"}
   differ = [k for k in _SAME_FLAGS + (_SEARCH_FLAGS if f.auto else ())
             if json.loads(json.dumps(common.json_ready(getattr(f, k))))
             != blob["flags"].get(k, before.get(k))]
@@ -291,7 +298,8 @@ def _searched(f: Config, stream, done: Dict, save) -> Dict:
   recs = [done[k][s] for k in ("unloaded", "searches") for s in f.systems]
   samples = [x for rec in recs for _, xs in rec["samples"] for x in xs]   # calibration
   fit = calibration.fit_cpu(engines.tiny_model()[0], samples, stat=f.group_stat)
-  predicted = search.predicted_search(f, stream, fit.model, done)
+  predicted = (paired.paired_prediction if f.predict == "paired" else
+               search.predicted_search)(f, stream, fit.model, done)
   return {"result": search.judge(done, predicted), "samples": samples, "fit": fit,
           "measured": {}, "loads": [p["load_avg"] for rec in recs for _, p in rec["runs"]],
           "late": [x for rec in recs for x in rec["late"]],
@@ -322,7 +330,7 @@ def run(f: Config, out: pathlib.Path = pathlib.Path(".")) -> Dict:
              "rule": {"cpu": "clocks.CpuClock: each step costs this process's CPU seconds "
                       "since the last step or wait; waits jump ahead",
                       "wall": "clocks.WallClock: real time"}[f.truth]},
-      cpu_over_wall=_cpu_over_wall(got["measured"]),
+      cpu_over_wall=search.cpu_over_wall(got["measured"]),
       target_rel_error=TARGET, max_abs_rel_error=max(errors) if errors else None,
       censored=sorted(s for s, v in result["systems"].items() if v["rel_error"] is None),
       within_target=(len(judged) == len(result["systems"]) and max(errors) <= TARGET
@@ -341,16 +349,6 @@ def run(f: Config, out: pathlib.Path = pathlib.Path(".")) -> Dict:
       versions=provenance.versions(), machine=provenance.machine(),
       code=provenance.code_version())
   return result
-
-
-def _cpu_over_wall(measured: Dict) -> Dict:
-  """CPU over wall seconds of the measured steps, per system and point (every repeat)."""
-  out = {}
-  for s, c in measured.items():
-    reps = c.get("repeats") or []
-    out[s] = {"cpu_over_wall": [r.get("cpu_over_wall") for r in reps],
-              "load_avg": [r.get("load_avg") for r in reps]}
-  return out
 
 
 def plot(result: Dict, path):

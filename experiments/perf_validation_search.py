@@ -377,3 +377,13 @@ def map_samples(done: Dict, fn: Callable) -> Dict:
                                 for k in ("samples", "run_samples") if k in rec})
                 for s, rec in done.get(key, {}).items()}
   return out
+
+
+def cpu_over_wall(measured: Dict) -> Dict:
+  """CPU over wall seconds of the measured steps, per system and point (every repeat)."""
+  out = {}
+  for s, c in measured.items():
+    reps = c.get("repeats") or []
+    out[s] = {"cpu_over_wall": [r.get("cpu_over_wall") for r in reps],
+              "load_avg": [r.get("load_avg") for r in reps]}
+  return out

@@ -1,0 +1,102 @@
+"""`perf_validation --predict=paired`: the model predicts the measured runs themselves.
+
+The searched prediction (`perf_validation_search.predicted_search`) runs its own search on
+the model clock, every step scaled by ONE load factor per system: the measured over
+fitted seconds of all the measured runs around the crossing together. But on a shared
+machine the truth's speed moves from run to run: the same point (Orca(Pow2) at 24 req/s,
+the same stream, one XLA thread, the process on a core: CPU seconds over wall 0.97-1.12)
+took 3.21, 3.61 and 4.37 ms of CPU a step in three back-to-back runs, and near saturation
+a queue multiplies that: 4.45 to 23.0 ms/token. One factor for all of them predicts a
+machine that never ran.
+
+Paired, each measured run at the two rates around the measured crossing (and at the
+unloaded rate, which sets the SLO) is predicted on its own: the same system, rate and
+stream on a `perf.ModelClock` of the fit x THAT run's own load factor
+(`calibration.load_factor` of its recorded steps: the machine's speed while it ran, read
+off the work it did). Each rate's median predicted latency, the SLO from the predicted
+unloaded latencies, and the crossing by the measured search's own rule (the line between
+the judged latencies at the bracket's two ends, `rate_search.find_saturation`) give the
+predicted max rate: the same estimator on the same runs, so what differs is the model's
+step costs and schedule, not the machine's moods. A system whose measured search was
+censored, or whose runs kept no steps (--truth=wall), has no paired prediction.
+
+The crossing is the line's: where the predictions at both ends lie on one side of the
+SLO it is extrapolated ("bracketed": false in the JSON's found record).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Tuple
+
+import numpy as np
+
+from experiments import perf_validation_search as search
+from paged_jax import perf
+from paged_jax.bench import calibration
+from paged_jax.bench import latency
+
+
+def paired_runs(rec: Dict, rates) -> List[Tuple[float, list]]:
+  """[(rate, recorded steps)] of rec's measured runs at `rates`, in run order (a run's
+  "run_samples" entry is appended with its "runs" entry: `search._runner`)."""
+  return [(r, xs) for r, xs in rec.get("run_samples", []) if r in rates]
+
+
+def _predict_runs(f, system: str, stream: Callable, size: Dict, model: perf.DeviceTimeModel,
+                  runs: List[Tuple[float, list]], rec: Dict) -> None:
+  """Predicts each (rate, steps) run at its own load factor into rec ("runs" as the
+  searches keep them, "factors" [rate, factor])."""
+  for rate, steps in runs:
+    factor = calibration.load_factor(model, steps)
+    point = search.predicted_point(f, system, stream(rate, f.seed, f.duration_s), size,
+                                   model, factor)
+    rec["runs"].append([rate, search._summary(point)])  # pylint: disable=protected-access
+    rec["factors"].append([rate, factor])
+
+
+def _median(rec: Dict, rate: float) -> float:
+  return search._median(rec, rate)  # pylint: disable=protected-access
+
+
+def paired_prediction(f, stream: Callable, model: perf.DeviceTimeModel, done: Dict) -> Dict:
+  """{"unloaded", "searches", "slo_s_per_token", "load_factor"} as `predicted_search`
+  returns them (so `search.judge` compares), each rec's runs the paired predictions of
+  the measured runs, its "found" the crossing by the measured search's rule."""
+  from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
+  size = {s: search.sizes(f, s, stream(f.max_rate, f.seed, f.duration_s)) for s in f.systems}
+  new = lambda: {"runs": [], "factors": [], "samples": [], "loads": [], "late": []}
+  out: Dict = {"unloaded": {}, "searches": {}, "load_factor": {}}
+  for s in f.systems:
+    rec = new()
+    runs = paired_runs(done["unloaded"][s], {f.unloaded_rate})
+    if not runs:
+      raise ValueError(f"--predict=paired needs the measured runs' steps (--truth=cpu); "
+                       f"{s}'s unloaded runs kept none")
+    _predict_runs(f, s, stream, size[s], model, runs, rec)
+    rec["latency"] = _median(rec, f.unloaded_rate)
+    out["unloaded"][s] = rec
+  slo = latency.slo_from_unloaded([out["unloaded"][s]["latency"] for s in f.systems],
+                                  f.slo_factor)
+  for s in f.systems:
+    found, rec = done["searches"][s]["found"], new()
+    lo, hi = found.get("max_rate"), found.get("bound")
+    if found["censored"] or lo is None or hi is None:
+      rec["found"] = dict(found, crossing=None)
+    else:
+      _predict_runs(f, s, stream, size[s], model,
+                    paired_runs(done["searches"][s], {lo, hi}), rec)
+      lat_lo, lat_hi = _median(rec, lo), _median(rec, hi)
+      crossing = (lo + (slo - lat_lo) / (lat_hi - lat_lo) * (hi - lo)
+                  if lat_hi != lat_lo else None)
+      rec["found"] = {"max_rate": lo, "bound": hi, "crossing": crossing,
+                      "censored": None if crossing is not None else "flat",
+                      "monotone": lat_hi >= lat_lo,
+                      "bracketed": bool(lat_lo <= slo < lat_hi)}
+    out["searches"][s] = rec
+    factors = [x for _, x in rec["factors"]] or [x for _, x in out["unloaded"][s]["factors"]]
+    out["load_factor"][s] = {"search": float(np.median(factors)),
+                             "unloaded": float(np.median(
+                                 [x for _, x in out["unloaded"][s]["factors"]]))}
+    release_compiled()
+  out["slo_s_per_token"] = slo
+  return out
