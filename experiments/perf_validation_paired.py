@@ -21,7 +21,12 @@ step costs and schedule, not the machine's moods. A system whose measured search
 censored, or whose runs kept no steps (--truth=wall), has no paired prediction.
 
 The crossing is the line's: where the predictions at both ends lie on one side of the
-SLO it is extrapolated ("bracketed": false in the JSON's found record).
+SLO it is extrapolated ("bracketed": false in the JSON's found record). What this can and
+cannot show: with the bracket --rel_tol wide, a prediction whose medians fall on the same
+sides of the SLO as the measured ones lands within about that width of the measured
+crossing whatever its latencies are; the latencies themselves are compared run by run
+("latency_errors": predicted over measured latency - 1 of every paired run, in the
+searches' records and the result's systems), and that is the finer test.
 """
 
 from __future__ import annotations
@@ -42,16 +47,25 @@ def paired_runs(rec: Dict, rates) -> List[Tuple[float, list]]:
   return [(r, xs) for r, xs in rec.get("run_samples", []) if r in rates]
 
 
+def paired_latencies(rec: Dict, rates) -> List[float]:
+  """Measured latencies of rec's runs at `rates` that kept their steps, in run order (the
+  runs `paired_runs` returns: on the CPU clock every run keeps them)."""
+  return [p["normalized_latency_s_per_token"] for r, p in rec["runs"] if r in rates]
+
+
 def _predict_runs(f, system: str, stream: Callable, size: Dict, model: perf.DeviceTimeModel,
-                  runs: List[Tuple[float, list]], rec: Dict) -> None:
+                  runs: List[Tuple[float, list]], rec: Dict,
+                  measured: List[float]) -> None:
   """Predicts each (rate, steps) run at its own load factor into rec ("runs" as the
-  searches keep them, "factors" [rate, factor])."""
-  for rate, steps in runs:
+  searches keep them, "factors" [rate, factor], "latency_errors" [rate, predicted /
+  measured - 1] against `measured`, the same runs' latencies)."""
+  for (rate, steps), lat in zip(runs, measured):
     factor = calibration.load_factor(model, steps)
     point = search.predicted_point(f, system, stream(rate, f.seed, f.duration_s), size,
                                    model, factor)
     rec["runs"].append([rate, search._summary(point)])  # pylint: disable=protected-access
     rec["factors"].append([rate, factor])
+    rec["latency_errors"].append([rate, search._latency(point) / lat - 1])  # pylint: disable=protected-access
 
 
 def _median(rec: Dict, rate: float) -> float:
@@ -64,7 +78,8 @@ def paired_prediction(f, stream: Callable, model: perf.DeviceTimeModel, done: Di
   the measured runs, its "found" the crossing by the measured search's rule."""
   from paged_jax.engine import release_compiled  # pylint: disable=g-import-not-at-top
   size = {s: search.sizes(f, s, stream(f.max_rate, f.seed, f.duration_s)) for s in f.systems}
-  new = lambda: {"runs": [], "factors": [], "samples": [], "loads": [], "late": []}
+  new = lambda: {"runs": [], "factors": [], "latency_errors": [], "samples": [],
+                 "loads": [], "late": []}
   out: Dict = {"unloaded": {}, "searches": {}, "load_factor": {}}
   for s in f.systems:
     rec = new()
@@ -72,7 +87,8 @@ def paired_prediction(f, stream: Callable, model: perf.DeviceTimeModel, done: Di
     if not runs:
       raise ValueError(f"--predict=paired needs the measured runs' steps (--truth=cpu); "
                        f"{s}'s unloaded runs kept none")
-    _predict_runs(f, s, stream, size[s], model, runs, rec)
+    _predict_runs(f, s, stream, size[s], model, runs, rec,
+                  paired_latencies(done["unloaded"][s], {f.unloaded_rate}))
     rec["latency"] = _median(rec, f.unloaded_rate)
     out["unloaded"][s] = rec
   slo = latency.slo_from_unloaded([out["unloaded"][s]["latency"] for s in f.systems],
@@ -83,8 +99,8 @@ def paired_prediction(f, stream: Callable, model: perf.DeviceTimeModel, done: Di
     if found["censored"] or lo is None or hi is None:
       rec["found"] = dict(found, crossing=None)
     else:
-      _predict_runs(f, s, stream, size[s], model,
-                    paired_runs(done["searches"][s], {lo, hi}), rec)
+      _predict_runs(f, s, stream, size[s], model, paired_runs(done["searches"][s], {lo, hi}),
+                    rec, paired_latencies(done["searches"][s], {lo, hi}))
       lat_lo, lat_hi = _median(rec, lo), _median(rec, hi)
       crossing = (lo + (slo - lat_lo) / (lat_hi - lat_lo) * (hi - lo)
                   if lat_hi != lat_lo else None)

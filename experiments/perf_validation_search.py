@@ -363,7 +363,9 @@ def judge(done: Dict, predicted: Dict) -> Dict:
               "measured": mc,
               "predicted": dict(pc, load_factor=[predicted["load_factor"][s]["search"]]),
               "unloaded": {"measured": done["unloaded"][s]["latency"],
-                           "predicted": predicted["unloaded"][s]["latency"]}}
+                           "predicted": predicted["unloaded"][s]["latency"]},
+              **({"paired_latency_errors": p["latency_errors"]} if "latency_errors" in p
+                 else {})}
   return {"systems": out, "measured_slo_s_per_token": done["slo_s_per_token"],
           "predicted_slo_s_per_token": predicted["slo_s_per_token"]}
 

@@ -51,6 +51,7 @@ def _measured(model, factors_lo, factors_hi, factors_unloaded, found=None):
                     "monotone": True}
   point = lambda r: [r, {"normalized_latency_s_per_token": 0.01}]
   return {"unloaded": {"run_samples": [[UNLOADED_RATE, steps(k)] for k in factors_unloaded],
+                       "runs": [point(UNLOADED_RATE) for _ in factors_unloaded],
                        "latency": 0.002},
           "searches": {"found": found, "run_samples": [[20.0, steps(9.0)]] + runs,
                        "runs": [point(20.0)] + [point(r) for r, _ in runs]}}
@@ -78,6 +79,11 @@ def test_each_run_is_charged_its_own_speed_and_the_crossing_follows_the_rule(mod
   assert out["load_factor"]["paged"] == pytest.approx({"search": 1.15, "unloaded": 1.0})
   judged = search.judge(dict(done, slo_s_per_token=slo), out)["systems"]["paged"]
   assert judged["rel_error"] == pytest.approx(found["crossing"] / 30.5 - 1)
+  # Each paired run's latency against the measured run it predicts (0.01 s/token each).
+  errors = judged["paired_latency_errors"]
+  assert [r for r, _ in errors] == [LO] * 3 + [HI] * 3
+  np.testing.assert_allclose([e for _, e in errors], [
+      fake_latency(r, k) / 0.01 - 1 for _, r, k in want[3:]])
 
 
 def test_a_censored_measured_search_has_no_paired_prediction(model_runs):

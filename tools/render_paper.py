@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from render_common import load, table
 
 PAPER_SCALE = "paper_scale"
@@ -111,6 +113,36 @@ def perf_validation(res) -> str:
   return table(rows, ["system", "measured max rate (req/s)", "predicted", "error",
                       "predicted at the measured SLO", "repeats' latency spread",
                       "load factors"])
+
+
+def perf_validation_paired(res) -> str:
+  """`perf_validation --predict=paired`: the measured crossing, the bracket it lies in,
+  the paired prediction's crossing and error, whether the predicted medians fall on the
+  measured sides of the SLO at both ends, and each paired run's latency error."""
+  rows = []
+  for name, v in res["systems"].items():
+    m, p = v["measured"], v["predicted"]
+    lo, hi = (p["rates"] + [None, None])[:2] if len(p["rates"]) == 2 else (None, None)
+    err = v["rel_error"]
+    runs = [e for _, e in v.get("paired_latency_errors") or []]
+    sides = "-"
+    if lo is not None:
+      med = lambda c, r: c["normalized_latency_s_per_token"][c["rates"].index(r)]
+      ms, ps = res["measured_slo_s_per_token"], res["predicted_slo_s_per_token"]
+      sides = "yes" if ((med(m, lo) <= ms) == (med(p, lo) <= ps)
+                        and (med(m, hi) <= ms) == (med(p, hi) <= ps)) else "no"
+    rows.append([_LABEL.get(name, name), f"{v['measured_max_rate']:.3g}",
+                 "-" if lo is None else f"{lo:.4g}-{hi:.4g} ({hi / lo - 1:.1%})",
+                 f"{v['predicted_max_rate']:.3g}",
+                 "-" if err is None else f"{err:+.1%}", sides,
+                 f"{np.median(np.abs(runs)):.0%} ({min(runs):+.0%} to {max(runs):+.0%})"
+                 if runs else "-"])
+  load = res["load_avg"]["during_measured_points"]
+  rows.append(["load", f"{min(load):.1f}-{max(load):.1f}", "", "", "", "",
+               f"XLA_FLAGS: {res.get('xla_flags') or 'default'}"])
+  return table(rows, ["system", "measured max rate (req/s)", "bracket (width)",
+                      "paired prediction", "error", "medians on the measured sides",
+                      "paired runs' latency error: median |x| (range)"])
 
 
 # The paper's stated figures as checks (Kwon et al., SOSP 2023): ranges as stated; a single
