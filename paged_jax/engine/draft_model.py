@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import jax
@@ -54,7 +55,7 @@ from paged_jax import block_manager as bm
 from paged_jax import kv_cache
 from paged_jax.config import OK
 from paged_jax.engine import forward as forward_lib
-from paged_jax.engine.commit import consumed
+from paged_jax.engine.commit import consumed, sigint_deferred
 from pallas_kernels.common import next_pow2
 
 _I32 = jnp.int32
@@ -203,6 +204,13 @@ class DraftModel:
     drafts: seq_id -> (its length then, k draft ids), from the last `prepare`
       (`for_seq` gives them to the planner).
     stats: "dispatches", "catchup_tokens", "drafting_rows".
+    timing: wall seconds, "prepare_s" (all of `prepare`: host work, the dispatch, its
+      sync) and "dispatch_s" (the jitted call until its drafts are on the host).
+
+  Faults: an exception in `prepare` (KeyboardInterrupt included) changes no record but
+  `drafts` (empty) and `computed` (a record may lag the pages: the next catch-up redoes
+  it); if the failed dispatch took the donated pages, they are rebuilt empty and
+  `computed` emptied, so the engine keeps serving (tests/draft_model_faults_test.py).
   """
 
   def __init__(self, model_config, cache_config, options, spec):
@@ -218,6 +226,7 @@ class DraftModel:
     self.computed: Dict[int, Tuple[int, int]] = {}
     self.drafts: Dict[int, tuple] = {}
     self.stats = collections.Counter()
+    self.timing = collections.Counter()
 
   def for_seq(self, seq, k: int) -> tuple:
     """Up to k drafts for `seq`, if the last `prepare` drafted at its current length."""
@@ -227,6 +236,13 @@ class DraftModel:
   def prepare(self, blocks: bm.BlockState, sched) -> None:
     """Drafts for every sequence that may draft in the next plan (one dispatch, one
     sync; none when no sequence may draft)."""
+    t0 = time.perf_counter()
+    try:
+      self._prepare(blocks, sched)
+    finally:
+      self.timing["prepare_s"] += time.perf_counter() - t0
+
+  def _prepare(self, blocks: bm.BlockState, sched) -> None:
     from paged_jax.engine import planning  # pylint: disable=g-import-not-at-top
     from paged_jax.engine.sequence import SeqState  # pylint: disable=g-import-not-at-top
     self.drafts = {}
@@ -268,14 +284,18 @@ class DraftModel:
                token_row=np.asarray(token_row + [-1] * pad, np.int32),
                row_slot=row_slot, row_q_len=row_q_len, row_start=row_start,
                drafting=drafting)
-    try:
-      drafts, ok, pages = self._propose(self.params, self.pages, blocks, inp)
-    except BaseException:   # e.g. KeyboardInterrupt: donated pages may be gone
-      if consumed(self.pages):
-        self.pages, self.computed = kv_cache.init(self.cache_config), {}   # recomputed
-      raise
-    self.pages = pages
+    t0 = time.perf_counter()
+    with sigint_deferred():   # the donated pages and the new ones: never neither held
+      try:
+        drafts, ok, pages = self._propose(self.params, self.pages, blocks, inp)
+      except BaseException:   # e.g. KeyboardInterrupt: donated pages may be gone
+        if consumed(self.pages):   # their record goes too: every sequence catches up anew
+          self.pages, self.computed = kv_cache.init(self.cache_config), {}
+        raise
+      self.pages = pages
+    # The sync, interruptible: the pages above are whole, `computed` then lags them.
     drafts, ok = np.asarray(drafts), np.asarray(ok)
+    self.timing["dispatch_s"] += time.perf_counter() - t0
     self.stats["dispatches"] += 1
     self.stats["catchup_tokens"] += len(tokens)
     for r, (g, q, done, full) in enumerate(rows):
