@@ -56,11 +56,21 @@ class FaultyPropose:
     return out
 
 
+@pytest.fixture
+def sigint_raises():
+  """SIGINT raises KeyboardInterrupt here, also in a process started in the background,
+  which inherits SIGINT ignored (then the engine's deferral would drop it)."""
+  old = signal.signal(signal.SIGINT, signal.default_int_handler)
+  yield
+  signal.signal(signal.SIGINT, old)
+
+
 @pytest.mark.parametrize("kw", [
     dict(),
     dict(caching=True),
     dict(num_blocks=14, preemption_mode="recompute"),
 ], ids=["plain", "caching", "recompute"])
+@pytest.mark.usefixtures("sigint_raises")
 def test_a_failed_draft_dispatch_leaves_the_engine_serving_exact_outputs(monkeypatch, kw):
   engine = oracle_engine(**{**dict(block_size=4, num_blocks=64, max_seqs=4, budget=32), **kw},
                          speculative_config=SELF)
