@@ -12,6 +12,7 @@ The shipped byte-level model (`paged_jax/assets/tiny_byte_llama`, 4 layers) serv
   ngram       prompt lookup (`--lookup_max` / `--lookup_min`), k = `--k`;
   draft_1     method draft_model, the target's first layer as the draft
               (`draft_model.truncated`: its embeddings, norm and head kept), k = `--k`;
+  draft_half  the same with the target's first half of its layers (2 of 4);
   draft_self  method draft_model, the target as its own draft (greedy: acceptance 1; the
               dispatch costs a whole target forward per drafted token).
 
@@ -21,10 +22,11 @@ timed runs, interleaved: each repetition runs every workload and method, the met
 order reversed every other repetition. A run is `Engine.step()` until done: tokens/s on
 `--clock` (cpu: this process's CPU seconds; wall) from the median run; `ratio` = tokens/s /
 off's in the same workload with a bootstrap 90% interval of the ratio of medians
-(experiments.speculative's). Steps are the engine's; `draft share` is the draft's
-`timing["prepare_s"]` (its host work, dispatch and sync) over the engine's
-`timing["step_s"]` (both wall seconds, the median over the timed runs), `dispatch share`
-the jitted call until the drafts are on the host alone. Writes OUT/speculative_draft.json
+(experiments.speculative's). Steps, acceptance and dispatches are the last timed run's
+(the engine-wide back-off state carried over from the runs before it on the same engine);
+`draft share` is the draft's `timing["prepare_s"]` (its host work, dispatch and sync) over
+the engine's `timing["step_s"]` (both wall seconds, the median over the timed runs),
+`dispatch share` the jitted call until the drafts are on the host alone. Writes OUT/speculative_draft.json
 (flags, versions, machine; the load average at the start too).
 """
 
@@ -44,7 +46,7 @@ from paged_jax.engine import Engine, SamplingParams
 from paged_jax.engine import draft_model
 from paged_jax.engine import speculative
 
-METHODS = ("off", "ngram", "draft_1", "draft_self")
+METHODS = ("off", "ngram", "draft_1", "draft_half", "draft_self")
 HEADERS = ("workload", "method", "k", "tokens/s ratio", "90% interval", "steps", "steps off",
            "wall ms / step", "acceptance", "draft dispatches (catch-up tokens)",
            "draft share of step time", "dispatch share")
@@ -66,7 +68,7 @@ class Config(configs.ExperimentConfig):
   plain_len: int = configs.flag(64, "plain: prompt bytes", lower=1)
   max_seqs: int = configs.flag(8, "sequence slots", lower=1)
   max_num_batched_tokens: int = configs.flag(256, "token budget per step", lower=8)
-  repeats: int = configs.flag(3, "timed runs per method and workload", lower=1)
+  repeats: int = configs.flag(7, "timed runs per method and workload", lower=1)
   clock: str = configs.flag("cpu", "what a run's time is: cpu (process CPU seconds) or "
                             "wall", choices=("cpu", "wall"))
   seed: int = configs.flag(0, "seed of the workloads", lower=0)
@@ -88,7 +90,8 @@ def make_engine(f: Config, model, method: str) -> Engine:
   if method == "ngram":
     spec = speculative.SpeculativeConfig("ngram", f.k, f.lookup_max, f.lookup_min)
   elif method.startswith("draft_"):
-    draft = model if method == "draft_self" else draft_model.truncated(mc, params, 1)
+    layers = {"draft_1": 1, "draft_half": max(1, mc.num_layers // 2)}.get(method)
+    draft = model if method == "draft_self" else draft_model.truncated(mc, params, layers)
     spec = speculative.SpeculativeConfig("draft_model", f.k, model=draft)
   return Engine(mc, params, cc, max_num_batched_tokens=f.max_num_batched_tokens,
                 speculative_config=spec)
