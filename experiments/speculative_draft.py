@@ -13,8 +13,8 @@ The shipped byte-level model (`paged_jax/assets/tiny_byte_llama`, 4 layers) serv
   draft_1     method draft_model, the target's first layer as the draft
               (`draft_model.truncated`: its embeddings, norm and head kept), k = `--k`;
   draft_half  the same with the target's first half of its layers (2 of 4);
-  draft_self  method draft_model, the target as its own draft (greedy: acceptance 1; the
-              dispatch costs a whole target forward per drafted token).
+  draft_self  method draft_model, the target as its own draft (greedy: acceptance 1; its
+              dispatch runs the whole target over the catch-up and k - 1 iterations).
 
 One engine per method and workload (shared compiled steps), one untimed warm-up run each
 (compiles; greedy outputs must equal speculation off's, else RuntimeError), then `--repeats`
@@ -22,11 +22,12 @@ timed runs, interleaved: each repetition runs every workload and method, the met
 order reversed every other repetition. A run is `Engine.step()` until done: tokens/s on
 `--clock` (cpu: this process's CPU seconds; wall) from the median run; `ratio` = tokens/s /
 off's in the same workload with a bootstrap 90% interval of the ratio of medians
-(experiments.speculative's). Steps, acceptance and dispatches are the last timed run's
-(the engine-wide back-off state carried over from the runs before it on the same engine);
-`draft share` is the draft's `timing["prepare_s"]` (its host work, dispatch and sync) over
-the engine's `timing["step_s"]` (both wall seconds, the median over the timed runs),
-`dispatch share` the jitted call until the drafts are on the host alone. Writes OUT/speculative_draft.json
+(experiments.speculative's). Steps, dispatches and catch-up tokens are means per timed run,
+acceptance over all of them (each engine's back-off state carries over from its runs
+before); `draft share` is the draft's `timing["prepare_s"]` (its host work, dispatch and
+sync) over the engine's `timing["step_s"]`, `dispatch share` the jitted call until the
+drafts are on the host alone, and `wall ms / dispatch` that call's mean (all wall seconds
+summed over the timed runs). Writes OUT/speculative_draft.json
 (flags, versions, machine; the load average at the start too).
 """
 
@@ -47,9 +48,9 @@ from paged_jax.engine import draft_model
 from paged_jax.engine import speculative
 
 METHODS = ("off", "ngram", "draft_1", "draft_half", "draft_self")
-HEADERS = ("workload", "method", "k", "tokens/s ratio", "90% interval", "steps", "steps off",
-           "wall ms / step", "acceptance", "draft dispatches (catch-up tokens)",
-           "draft share of step time", "dispatch share")
+HEADERS = ("workload", "method", "k", "tokens/s ratio", "90% interval", "steps / run",
+           "steps off", "wall ms / step", "acceptance", "draft dispatches / run (catch-up "
+           "tokens)", "wall ms / dispatch", "draft share of step time", "dispatch share")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +69,7 @@ class Config(configs.ExperimentConfig):
   plain_len: int = configs.flag(64, "plain: prompt bytes", lower=1)
   max_seqs: int = configs.flag(8, "sequence slots", lower=1)
   max_num_batched_tokens: int = configs.flag(256, "token budget per step", lower=8)
-  repeats: int = configs.flag(7, "timed runs per method and workload", lower=1)
+  repeats: int = configs.flag(11, "timed runs per method and workload", lower=1)
   clock: str = configs.flag("cpu", "what a run's time is: cpu (process CPU seconds) or "
                             "wall", choices=("cpu", "wall"))
   seed: int = configs.flag(0, "seed of the workloads", lower=0)
@@ -144,26 +145,30 @@ def run(f: Config) -> Dict:
     for m in methods:
       rs = runs[kind, m]
       seconds = [r["seconds"] for r in rs]
-      last = rs[-1]["metrics"]
-      drafted = last.get("spec_draft_tokens", 0)
-      share = lambda key: statistics.median(
-          r["draft_timing"].get(key, 0.0) / r["timing"]["step_s"] for r in rs)
+      total = lambda part, key: sum(r[part].get(key, 0) for r in rs)   # over the timed runs
+      drafted, dispatches = total("metrics", "spec_draft_tokens"), total("draft_stats",
+                                                                         "dispatches")
+      drafts = m.startswith("draft_")
       rows.append(dict(
           workload=kind, method=m, k=0 if m == "off" else f.k,
           tokens_per_s=tokens / statistics.median(seconds),
           ratio=statistics.median(off) / statistics.median(seconds),
           ratio_ci90=spec_cpu._ratio_ci(off, seconds, f.seed),   # pylint: disable=protected-access
-          seconds=seconds, steps=last["steps"],
-          steps_off=runs[kind, "off"][-1]["metrics"]["steps"],
-          wall_ms_per_step=1e3 * statistics.median(
-              r["timing"]["step_s"] / r["metrics"]["steps"] for r in rs),
-          drafting_steps=last.get("spec_steps", 0), drafted=drafted,
-          accepted=last.get("spec_accepted_tokens", 0),
-          acceptance=last["spec_accepted_tokens"] / drafted if drafted else None,
-          draft_dispatches=rs[-1]["draft_stats"].get("dispatches"),
-          draft_catchup_tokens=rs[-1]["draft_stats"].get("catchup_tokens"),
-          draft_share=share("prepare_s") if m.startswith("draft_") else None,
-          dispatch_share=share("dispatch_s") if m.startswith("draft_") else None))
+          seconds=seconds, steps=total("metrics", "steps") / len(rs),
+          steps_off=sum(r["metrics"]["steps"] for r in runs[kind, "off"]) / len(rs),
+          wall_ms_per_step=1e3 * total("timing", "step_s") / total("metrics", "steps"),
+          drafting_steps=total("metrics", "spec_steps") / len(rs), drafted=drafted,
+          accepted=total("metrics", "spec_accepted_tokens"),
+          acceptance=total("metrics", "spec_accepted_tokens") / drafted if drafted else None,
+          draft_dispatches=dispatches / len(rs) if drafts else None,
+          draft_catchup_tokens=total("draft_stats", "catchup_tokens") / len(rs) if drafts
+          else None,
+          draft_ms_per_dispatch=(1e3 * total("draft_timing", "dispatch_s") / dispatches
+                                 if dispatches else None),
+          draft_share=(total("draft_timing", "prepare_s") / total("timing", "step_s")
+                       if drafts else None),
+          dispatch_share=(total("draft_timing", "dispatch_s") / total("timing", "step_s")
+                          if drafts else None)))
   return {"rows": rows, "load_avg_start_1_5_15": load_start}
 
 
@@ -177,7 +182,8 @@ def summary_rows(result: Dict):
                  r["steps_off"], r["wall_ms_per_step"],
                  "-" if r["acceptance"] is None else r["acceptance"],
                  "-" if r["draft_dispatches"] is None else
-                 f"{r['draft_dispatches']} ({r['draft_catchup_tokens']})",
+                 f"{r['draft_dispatches']:.1f} ({r['draft_catchup_tokens']:.0f})",
+                 "-" if r["draft_ms_per_dispatch"] is None else r["draft_ms_per_dispatch"],
                  pct(r["draft_share"]), pct(r["dispatch_share"])))
   return rows
 
