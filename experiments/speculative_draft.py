@@ -6,7 +6,10 @@ of the step time (issue 39, point 3: "one extra dispatch, measured").
 
 The shipped byte-level model (`paged_jax/assets/tiny_byte_llama`, 4 layers) serves
 `--requests` greedy requests of `--gen` tokens from experiments.speculative's seeded
-`repetitive` and `plain` workloads, under each method of `--methods`:
+`repetitive` and `plain` workloads, or `shared_prefix` (prefix caching on: a story's first
+`--prefix_len` bytes, then `--tail_len` bytes of another story per request; the first
+request's prefill registers the prefix, later ones hit it), under each method of
+`--methods`:
 
   off         no speculation;
   ngram       prompt lookup (`--lookup_max` / `--lookup_min`), k = `--k`;
@@ -14,7 +17,9 @@ The shipped byte-level model (`paged_jax/assets/tiny_byte_llama`, 4 layers) serv
               (`draft_model.truncated`: its embeddings, norm and head kept), k = `--k`;
   draft_half  the same with the target's first half of its layers (2 of 4);
   draft_self  method draft_model, the target as its own draft (greedy: acceptance 1; its
-              dispatch runs the whole target over the catch-up and k - 1 iterations).
+              dispatch runs the whole target over the catch-up and k - 1 iterations);
+  draft_self_noreuse  the same, its catch-up never skipping prefix-hit blocks whose draft
+              K/V are whole (`DraftModel.reuse_prefix` off; differs on shared_prefix only).
 
 One engine per method and workload (shared compiled steps), one untimed warm-up run each
 (compiles; greedy outputs must equal speculation off's, else RuntimeError), then `--repeats`
@@ -27,7 +32,8 @@ acceptance over all of them (each engine's back-off state carries over from its 
 before); `draft share` is the draft's `timing["prepare_s"]` (its host work, dispatch and
 sync) over the engine's `timing["step_s"]`, `dispatch share` the jitted call until the
 drafts are on the host alone, and `wall ms / dispatch` that call's mean (all wall seconds
-summed over the timed runs). Writes OUT/speculative_draft.json
+summed over the timed runs); `reused` the catch-up tokens skipped on prefix hits, per run.
+Writes OUT/speculative_draft.json
 (flags, versions, machine; the load average at the start too).
 """
 
@@ -37,7 +43,7 @@ import dataclasses
 import os
 import statistics
 import time
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
 from experiments import common
 from experiments import configs
@@ -47,17 +53,19 @@ from paged_jax.engine import Engine, SamplingParams
 from paged_jax.engine import draft_model
 from paged_jax.engine import speculative
 
-METHODS = ("off", "ngram", "draft_1", "draft_half", "draft_self")
+METHODS = ("off", "ngram", "draft_1", "draft_half", "draft_self", "draft_self_noreuse")
+WORKLOADS = ("repetitive", "plain", "shared_prefix")
 HEADERS = ("workload", "method", "k", "tokens/s ratio", "90% interval", "steps / run",
            "steps off", "wall ms / step", "acceptance", "draft dispatches / run (catch-up "
-           "tokens)", "wall ms / dispatch", "draft share of step time", "dispatch share")
+           "tokens)", "reused / run", "wall ms / dispatch", "draft share of step time",
+           "dispatch share")
 
 
 @dataclasses.dataclass(frozen=True)
 class Config(configs.ExperimentConfig):
   """Flags of experiments.speculative_draft."""
   workloads: Tuple[str, ...] = configs.flag(("repetitive", "plain"), "workloads to run",
-                                            choices=("repetitive", "plain"))
+                                            choices=WORKLOADS)
   methods: Tuple[str, ...] = configs.flag(METHODS, "methods to run (off always runs)",
                                           choices=METHODS)
   k: int = configs.flag(3, "num_speculative_tokens", lower=1, upper=16)
@@ -67,6 +75,9 @@ class Config(configs.ExperimentConfig):
   gen: int = configs.flag(64, "greedy tokens per request", lower=1)
   echo: int = configs.flag(48, "repetitive: bytes of the story repeated after it", lower=1)
   plain_len: int = configs.flag(64, "plain: prompt bytes", lower=1)
+  prefix_len: int = configs.flag(256, "shared_prefix: shared bytes", lower=1, upper=300)
+  tail_len: int = configs.flag(16, "shared_prefix: own bytes per request", lower=1,
+                               upper=300)
   max_seqs: int = configs.flag(8, "sequence slots", lower=1)
   max_num_batched_tokens: int = configs.flag(256, "token budget per step", lower=8)
   repeats: int = configs.flag(11, "timed runs per method and workload", lower=1)
@@ -81,21 +92,33 @@ class Config(configs.ExperimentConfig):
                        f"{self.lookup_min}")
 
 
-def make_engine(f: Config, model, method: str) -> Engine:
+def prompts_of(f: Config, kind: str) -> List[List[int]]:
+  """Seeded prompts (token ids) of one workload (WORKLOADS)."""
+  if kind != "shared_prefix":
+    return spec_cpu.workload(f, kind)
+  stories = spec_cpu.workload(dataclasses.replace(f, requests=f.requests + 1, echo=1),
+                              "repetitive")   # [BOS] + story + "\n\n" + its first byte
+  return [stories[0][:1 + f.prefix_len] + s[1:1 + f.tail_len] for s in stories[1:]]
+
+
+def make_engine(f: Config, model, method: str, caching: bool = False) -> Engine:
   """The shipped model's engine under `method` (METHODS)."""
   mc, params = model
-  longest = 300 + 2 + f.echo + f.gen + 2
+  longest = 300 + 2 + max(f.echo, f.tail_len) + f.gen + 2
   cc = mc.cache_config(block_size=16, max_seqs=f.max_seqs,
-                       max_blocks_per_seq=-(-longest // 16), enable_prefix_caching=False)
+                       max_blocks_per_seq=-(-longest // 16), enable_prefix_caching=caching)
   spec = None
   if method == "ngram":
     spec = speculative.SpeculativeConfig("ngram", f.k, f.lookup_max, f.lookup_min)
   elif method.startswith("draft_"):
     layers = {"draft_1": 1, "draft_half": max(1, mc.num_layers // 2)}.get(method)
-    draft = model if method == "draft_self" else draft_model.truncated(mc, params, layers)
+    draft = model if layers is None else draft_model.truncated(mc, params, layers)
     spec = speculative.SpeculativeConfig("draft_model", f.k, model=draft)
-  return Engine(mc, params, cc, max_num_batched_tokens=f.max_num_batched_tokens,
-                speculative_config=spec)
+  engine = Engine(mc, params, cc, max_num_batched_tokens=f.max_num_batched_tokens,
+                  speculative_config=spec)
+  if method == "draft_self_noreuse":
+    engine._drafter.reuse_prefix = False   # pylint: disable=protected-access
+  return engine
 
 
 def serve(engine: Engine, prompts, gen: int, clock: str = "wall") -> Dict:
@@ -126,9 +149,9 @@ def run(f: Config) -> Dict:
   methods = ("off",) + tuple(m for m in f.methods if m != "off")
   engines, prompts, base = {}, {}, {}
   for kind in f.workloads:   # warm-up: compiles every shape; greedy outputs checked
-    prompts[kind] = spec_cpu.workload(f, kind)
+    prompts[kind] = prompts_of(f, kind)
     for m in methods:
-      engines[kind, m] = make_engine(f, model, m)
+      engines[kind, m] = make_engine(f, model, m, caching=kind == "shared_prefix")
       outs = serve(engines[kind, m], prompts[kind], f.gen)["outputs"]
       base.setdefault(kind, outs)
       if outs != base[kind]:
@@ -163,6 +186,8 @@ def run(f: Config) -> Dict:
           draft_dispatches=dispatches / len(rs) if drafts else None,
           draft_catchup_tokens=total("draft_stats", "catchup_tokens") / len(rs) if drafts
           else None,
+          reused_tokens=total("draft_stats", "reused_tokens") / len(rs) if drafts else None,
+          prefix_hit_tokens=total("metrics", "prefix_hit_tokens") / len(rs),
           draft_ms_per_dispatch=(1e3 * total("draft_timing", "dispatch_s") / dispatches
                                  if dispatches else None),
           draft_share=(total("draft_timing", "prepare_s") / total("timing", "step_s")
@@ -183,6 +208,7 @@ def summary_rows(result: Dict):
                  "-" if r["acceptance"] is None else r["acceptance"],
                  "-" if r["draft_dispatches"] is None else
                  f"{r['draft_dispatches']:.1f} ({r['draft_catchup_tokens']:.0f})",
+                 "-" if r.get("reused_tokens") is None else f"{r['reused_tokens']:.0f}",
                  "-" if r["draft_ms_per_dispatch"] is None else r["draft_ms_per_dispatch"],
                  pct(r["draft_share"]), pct(r["dispatch_share"])))
   return rows

@@ -37,7 +37,7 @@ class FaultyPropose:
   def __init__(self, real, faults):
     self.real, self.faults, self.calls, self.fired = real, faults, 0, []
 
-  def __call__(self, params, pages, blocks, inp):
+  def __call__(self, params, pages, *rest):
     self.calls += 1
     mode = self.faults.get(self.calls)
     if mode is not None:
@@ -48,7 +48,7 @@ class FaultyPropose:
       for x in jax.tree_util.tree_leaves(pages):
         x.delete()
       raise RuntimeError("injected: the proposal failed after taking its pages")
-    out = self.real(params, pages, blocks, inp)
+    out = self.real(params, pages, *rest)
     if mode == "after":
       raise KeyboardInterrupt
     if mode == "sigint":

@@ -32,3 +32,19 @@ def test_bad_flags_are_one_line_errors():
     with pytest.raises(ValueError) as e:
       speculative_draft.Config(**kw)
     assert name in str(e.value) and "\n" not in str(e.value)
+
+
+def test_shared_prefix_workload_and_the_catchup_the_draft_skips_on_hits():
+  f = speculative_draft.Config(workloads=("shared_prefix",), requests=3, prefix_len=40,
+                               tail_len=6)
+  prompts = speculative_draft.prompts_of(f, "shared_prefix")
+  assert len(prompts) == 3 and all(len(p) == 1 + 40 + 6 for p in prompts)
+  assert all(p[:41] == prompts[0][:41] for p in prompts) and prompts[0][41:] != prompts[1][41:]
+  f = speculative_draft.Config(workloads=("shared_prefix",), requests=3, gen=6, repeats=1,
+                               prefix_len=40, tail_len=6, max_seqs=3,
+                               methods=("draft_self", "draft_self_noreuse"))
+  rows = {r["method"]: r for r in speculative_draft.run(f)["rows"]}
+  on, off = rows["draft_self"], rows["draft_self_noreuse"]
+  assert on["prefix_hit_tokens"] > 0 and on["acceptance"] == off["acceptance"] == 1.0
+  assert on["reused_tokens"] > 0 and off["reused_tokens"] == 0
+  assert off["draft_catchup_tokens"] - on["draft_catchup_tokens"] == on["reused_tokens"]

@@ -94,6 +94,8 @@ SECTIONS: Dict[str, Tuple[object, Callable]] = {
                                              "COUNT_HEADERS")),
     "speculative_draft": ("speculative/draft_model/speculative_draft.json",
                           engine.rows_with("speculative_draft")),
+    "speculative_draft_prefix": ("speculative/draft_model_prefix/speculative_draft.json",
+                                 engine.rows_with("speculative_draft")),
     "speculative_scale": ("speculative_scale/speculative_scale.json",
                           engine.rows_with("speculative_scale")),
     "speculative_scale_kv": (lambda d: {"runs": [
