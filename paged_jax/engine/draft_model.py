@@ -313,14 +313,13 @@ class DraftModel:
     t0 = time.perf_counter()
     with sigint_deferred():   # the donated pages and the new ones: never neither held
       try:
-        valid_in = self.valid_gen
         drafts, ok, pages, valid = self._propose(
             self.params, self.pages, self.valid_gen, blocks,
             None if self.valid_gen is None else state.prefix.cache.block_meta, inp)
       except BaseException:   # e.g. KeyboardInterrupt: donated pages may be gone
         if consumed(self.pages):   # their records go too: every sequence catches up anew
           self.pages, self.computed = kv_cache.init(self.cache_config), {}
-          self.valid_gen = None if self.valid_gen is None else jnp.full_like(valid_in, -1)
+          self.valid_gen = None if self.valid_gen is None else jnp.full_like(self.valid_gen, -1)
         raise
       self.pages, self.valid_gen = pages, valid
     # The sync, interruptible: the pages above are whole, `computed` then lags them.
