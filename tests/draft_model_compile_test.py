@@ -2,7 +2,9 @@
 tokens, then k - 1 single-token iterations on a local copy of group 0's allocator),
 compiled by XLA for a compile-only H200, as gpu_compile_model_test.py does for the engine
 step: no pool-sized buffer or copy, the donated draft pages updated in place, no spill,
-no host readback."""
+no host readback; with prefix caching too (the draft_reuse marks)."""
+
+import dataclasses
 
 import pytest
 
@@ -17,10 +19,12 @@ pytestmark = pytest.mark.skipif(ct.unavailable_reason() is not None,
 
 
 @pytest.mark.slow   # one compile of a 2-layer Llama-8B-shaped draft: ~20 s of CPU or more
-def test_draft_proposal_compiles_for_h200_without_pool_copies_or_spills():
+@pytest.mark.parametrize("caching", [False, True])   # True: it marks whole blocks too
+def test_draft_proposal_compiles_for_h200_without_pool_copies_or_spills(caching):
   from paged_jax.engine import draft_model  # pylint: disable=g-import-not-at-top
   sharding = jax.sharding.SingleDeviceSharding(ct.sm90_device())
-  fn, args = draft_model.propose_for_compile(LLAMA8B_2L, CACHE_4G, k=3, num_tokens=64,
+  cache = dataclasses.replace(CACHE_4G, enable_prefix_caching=caching)
+  fn, args = draft_model.propose_for_compile(LLAMA8B_2L, cache, k=3, num_tokens=64,
                                              sharding=sharding)
   pool = 2 * LLAMA8B_2L.num_layers * layer_pool_bytes(CACHE_4G)
   assert pool >= 4 * 2**30

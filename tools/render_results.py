@@ -92,6 +92,10 @@ SECTIONS: Dict[str, Tuple[object, Callable]] = {
     "speculative_backoff": ("speculative/backoff_counts/speculative.json",
                             engine.rows_with("speculative", None, "count_rows",
                                              "COUNT_HEADERS")),
+    "speculative_draft": ("speculative/draft_model/speculative_draft.json",
+                          engine.rows_with("speculative_draft")),
+    "speculative_draft_prefix": ("speculative/draft_model_prefix/speculative_draft.json",
+                                 engine.rows_with("speculative_draft")),
     "speculative_scale": ("speculative_scale/speculative_scale.json",
                           engine.rows_with("speculative_scale")),
     "speculative_scale_kv": (lambda d: {"runs": [

@@ -19,16 +19,14 @@ sampled rows keep the target's distribution). Positions past the target's comput
 length (the last token, the drafts) need blocks the sequence does not hold yet: the
 dispatch appends all k at once to a local copy of group 0's BlockState (the real one is
 read, not donated, and never changes; a row whose append fails drafts nothing), so that
-scratch K/V goes to blocks free in the real state
-or to the sequence's own partial last block; the next catch-up overwrites it. A
-sequence's `computed` is therefore its target's computed length after a full catch-up
-(the blocks under it are its own and stay so while it runs) and restarts from 0 after a
-preemption (recompute: new blocks). The drafts only steer acceptance: outputs are the
-target's whatever the draft K/V hold (greedy outputs equal speculation off).
-
-Catch-up is chunked: at most `catchup_tokens` tokens a dispatch (the target's token
-budget), in order of the running queue; a sequence whose catch-up does not fit is caught
-up partly and drafts in a later step.
+scratch K/V goes to blocks free in the real state or to the sequence's own partial last
+block; the next catch-up overwrites it. A sequence's `computed` is therefore its target's
+computed length after a full catch-up (the blocks under it are its own and stay so while
+it runs); a new or preempted one starts at 0, or at its leading blocks whose draft K/V are
+whole (prefix caching: `mark_whole`, `reusable`). The drafts only steer acceptance:
+outputs are the target's whatever the draft K/V hold. Catch-up is chunked: at most
+`catchup_tokens` tokens a dispatch (the target's budget), in order of the running queue;
+a sequence that does not fit catches up partly and drafts later.
 
 Not supported (one-line ValueErrors at construction or when a request is added): hybrid
 KV (sliding-window models), preemption_mode "swap", decode_steps_per_sync > 1, n > 1
@@ -43,6 +41,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import jax
@@ -54,7 +53,8 @@ from paged_jax import block_manager as bm
 from paged_jax import kv_cache
 from paged_jax.config import OK
 from paged_jax.engine import forward as forward_lib
-from paged_jax.engine.commit import consumed
+from paged_jax.engine.commit import consumed, sigint_deferred
+from paged_jax.engine.draft_reuse import mark_whole, reusable
 from pallas_kernels.common import next_pow2
 
 _I32 = jnp.int32
@@ -111,15 +111,17 @@ def check_supported(model_config, draft_config, cache_config, options) -> None:
 
 
 def make_propose(apply_fn, k: int):
-  """The jitted proposal: (params, pages, blocks, inp) -> (drafts i32[R, k], ok bool[R],
-  pages). `blocks` is group 0's BlockState (read only); `inp` a dict of
+  """The jitted proposal: (params, pages, valid_gen, blocks, block_meta, inp) -> (drafts
+  i32[R, k], ok bool[R], pages, valid_gen). `blocks` is group 0's BlockState and
+  `block_meta` the prefix cache's (read only; None, and `valid_gen` None, without prefix
+  caching: see `mark_whole`); `inp` a dict of
     tokens, positions, token_row: i32[T] (catch-up tokens, packed by row; -1 rows pad),
     row_slot: i32[R] (S or -1: no row), row_q_len: i32[R], row_start: i32[R] (the row's
     first position), drafting: bool[R] (the row's catch-up ends at its last token: it
     drafts; else it only writes K/V under the target's computed length).
   `pages` is donated."""
 
-  def propose(params, pages, blocks, inp):
+  def propose(params, pages, valid_gen, blocks, block_meta, inp):
     s_max = blocks.max_seqs
     row_slot, drafting = inp["row_slot"], inp["drafting"]
     rows = row_slot.shape[0]
@@ -142,6 +144,8 @@ def make_propose(apply_fn, k: int):
     meta = meta.replace(kv_lens=kv_lens)
     logits, pages = apply_fn(params, inp["tokens"], inp["positions"], pages, meta)
     tok = jnp.argmax(logits, axis=-1).astype(_I32)                     # [R]
+    if block_meta is not None:
+      valid_gen = mark_whole(valid_gen, block_meta, blocks, rs, kv_lens)
 
     # The k - 1 iterations run on the drafting rows packed into the first rows, one token
     # each (ragged layout: a row's tokens start at its cu_q_lens offset). A fixed trip
@@ -170,7 +174,7 @@ def make_propose(apply_fn, k: int):
                                           (pages, tok_p, kv_lens[order], drafts_p))
     inverse = jnp.argsort(order)
     drafts = drafts_p[inverse]
-    return drafts, ok, pages
+    return drafts, ok, pages, valid_gen
 
   return jax.jit(propose, donate_argnums=(1,))
 
@@ -202,7 +206,16 @@ class DraftModel:
       the pages).
     drafts: seq_id -> (its length then, k draft ids), from the last `prepare`
       (`for_seq` gives them to the planner).
-    stats: "dispatches", "catchup_tokens", "drafting_rows".
+    valid_gen: with prefix caching, i32[NB] (`mark_whole`), else None.
+    reuse_prefix: a new sequence's catch-up skips its leading blocks whose draft K/V are
+      whole (`reusable`: one small dispatch and sync a step that has such sequences).
+    stats: "dispatches", "catchup_tokens", "drafting_rows", "reused_tokens".
+    timing: wall seconds, "prepare_s" (all of `prepare`: host work, the dispatch, its
+      sync) and "dispatch_s" (the jitted call until its drafts are on the host).
+
+  Faults (tests/draft_model_faults_test.py): an exception in `prepare` changes no record
+  but `drafts` (emptied) and `computed` (it may lag the pages: redone); if the failed
+  dispatch took the donated pages, they, `computed` and `valid_gen` start empty.
   """
 
   def __init__(self, model_config, cache_config, options, spec):
@@ -213,20 +226,47 @@ class DraftModel:
     self.k = spec.num_speculative_tokens
     self.cache_config = _draft_cache(self.config, cache_config)
     self.pages = kv_cache.init(self.cache_config)
+    self.valid_gen = (jnp.full((cache_config.num_blocks,), -1, _I32)
+                      if cache_config.enable_prefix_caching else None)
+    self.reuse_prefix = True
     self.catchup_tokens = options.max_num_batched_tokens
     self._propose = _proposer(self.config, options.attention_backend, self.k)
     self.computed: Dict[int, Tuple[int, int]] = {}
     self.drafts: Dict[int, tuple] = {}
     self.stats = collections.Counter()
+    self.timing = collections.Counter()
 
   def for_seq(self, seq, k: int) -> tuple:
     """Up to k drafts for `seq`, if the last `prepare` drafted at its current length."""
     length, drafts = self.drafts.get(seq.seq_id, (-1, ()))
     return drafts[:k] if length == len(seq.tokens) else ()
 
-  def prepare(self, blocks: bm.BlockState, sched) -> None:
+  def prepare(self, state, sched) -> None:
     """Drafts for every sequence that may draft in the next plan (one dispatch, one
-    sync; none when no sequence may draft)."""
+    sync; none when no sequence may draft). `state`: the engine's EngineState (read)."""
+    t0 = time.perf_counter()
+    try:
+      self._prepare(state, sched)
+    finally:
+      self.timing["prepare_s"] += time.perf_counter() - t0
+
+  def _reuse(self, state, cand) -> None:
+    """Records, for each candidate the draft holds nothing of, its reusable prefix."""
+    new = [(g, q) for g, q in cand if self.computed.get(q.seq_id, (-1,))[0]
+           != g.num_preemptions and q.num_computed >= self.cache_config.block_size]
+    if not new or self.valid_gen is None or not self.reuse_prefix:
+      return
+    row_slot, limit = (np.full((self.cache_config.max_seqs,), v, np.int32) for v in (-1, 0))
+    for r, (g, q) in enumerate(new):
+      row_slot[r], limit[r] = q.slot, q.num_computed
+    got = np.asarray(reusable(self.valid_gen, state.prefix.cache.block_meta,
+                              state.blocks.block_tables, row_slot, limit,
+                              block_size=self.cache_config.block_size))
+    for r, (g, q) in enumerate(new):
+      self.computed[q.seq_id] = (g.num_preemptions, int(got[r]))
+      self.stats["reused_tokens"] += int(got[r])
+
+  def _prepare(self, state, sched) -> None:
     from paged_jax.engine import planning  # pylint: disable=g-import-not-at-top
     from paged_jax.engine.sequence import SeqState  # pylint: disable=g-import-not-at-top
     self.drafts = {}
@@ -237,6 +277,8 @@ class DraftModel:
       return
     live = {q.seq_id for g in sched.running for q in g.seqs}
     self.computed = {i: v for i, v in self.computed.items() if i in live}
+    self._reuse(state, cand)
+    blocks = state.blocks
     s_max = blocks.block_tables.shape[0]
     tokens: List[int] = []
     positions: List[int] = []
@@ -268,14 +310,21 @@ class DraftModel:
                token_row=np.asarray(token_row + [-1] * pad, np.int32),
                row_slot=row_slot, row_q_len=row_q_len, row_start=row_start,
                drafting=drafting)
-    try:
-      drafts, ok, pages = self._propose(self.params, self.pages, blocks, inp)
-    except BaseException:   # e.g. KeyboardInterrupt: donated pages may be gone
-      if consumed(self.pages):
-        self.pages, self.computed = kv_cache.init(self.cache_config), {}   # recomputed
-      raise
-    self.pages = pages
+    t0 = time.perf_counter()
+    with sigint_deferred():   # the donated pages and the new ones: never neither held
+      try:
+        drafts, ok, pages, valid = self._propose(
+            self.params, self.pages, self.valid_gen, blocks,
+            None if self.valid_gen is None else state.prefix.cache.block_meta, inp)
+      except BaseException:   # e.g. KeyboardInterrupt: donated pages may be gone
+        if consumed(self.pages):   # their records go too: every sequence catches up anew
+          self.pages, self.computed = kv_cache.init(self.cache_config), {}
+          self.valid_gen = None if self.valid_gen is None else jnp.full_like(self.valid_gen, -1)
+        raise
+      self.pages, self.valid_gen = pages, valid
+    # The sync, interruptible: the pages above are whole, `computed` then lags them.
     drafts, ok = np.asarray(drafts), np.asarray(ok)
+    self.timing["dispatch_s"] += time.perf_counter() - t0
     self.stats["dispatches"] += 1
     self.stats["catchup_tokens"] += len(tokens)
     for r, (g, q, done, full) in enumerate(rows):
@@ -312,8 +361,11 @@ def propose_for_compile(draft_config, cache_config, *, k: int, num_tokens: int,
   s = c.max_seqs
   inp = dict(tokens=i32(num_tokens), positions=i32(num_tokens), token_row=i32(num_tokens),
              row_slot=i32(s), row_q_len=i32(s), row_start=i32(s), drafting=i32(s, np.bool_))
+  from paged_jax import prefix_cache  # pylint: disable=g-import-not-at-top
+  valid, meta = ((i32(c.num_blocks), jax.eval_shape(lambda: prefix_cache.init(c)).block_meta)
+                 if c.enable_prefix_caching else (None, None))
   args = (param_shapes(draft_config), jax.eval_shape(lambda: kv_cache.init(draft_cache)),
-          jax.eval_shape(lambda: bm.init(c)), inp)
+          valid, jax.eval_shape(lambda: bm.init(c)), meta, inp)
   if sharding is not None:
     args = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), args)

@@ -221,7 +221,7 @@ class Engine:
     if not sched.has_unfinished():
       return False
     if self._drafter is not None:   # the draft model's dispatch: the plan takes its drafts
-      self._drafter.prepare(self.state.blocks, sched)
+      self._drafter.prepare(self.state, sched)
     batch = sched.schedule()
     if batch.runs_nothing:
       raise RuntimeError(
