@@ -145,6 +145,11 @@ SECTIONS: Dict[str, Tuple[object, Callable]] = {
                                      paper.perf_validation),
     "perf_validation_quiet": ("perf_validation/quiet_load1_5/perf_validation.json",
                               paper.perf_validation),
+    "perf_validation_one_thread": ("perf_validation/one_thread/perf_validation.json",
+                                   paper.perf_validation),
+    "perf_validation_one_thread_paired": (
+        "perf_validation/one_thread/paired/perf_validation.json",
+        paper.perf_validation_paired),
 }
 
 
