@@ -334,7 +334,8 @@ def run(f: Config, out: pathlib.Path = pathlib.Path(".")) -> Dict:
       target_rel_error=TARGET, max_abs_rel_error=max(errors) if errors else None,
       censored=sorted(s for s, v in result["systems"].items() if v["rel_error"] is None),
       within_target=(len(judged) == len(result["systems"]) and max(errors) <= TARGET
-                     and not any(v["predicted_censored"] for v in judged)),
+                     and not any(v["predicted_censored"] for v in judged)
+                     ) if f.predict == "search" else None,   # paired: bracket-bound
       load_avg={"during_measured_points": loads, "mean": float(np.mean(loads)),
                 "cores": os.cpu_count(), "samples": got.get("load_samples"),
                 "samples_rule": "[s since the run began, 1-, 5-, 15-minute load average] "
@@ -391,7 +392,8 @@ def main(f: Config, out):
   print(f"fit: {fit['calibration_steps']} steps in {fit['grouped_steps']} groups, mean "
         f"|error| {fit['mean_abs_rel_error']:.1%}; load {result['load_avg']['mean']:.1f} on "
         f"{result['load_avg']['cores']} cores; target |error| <= {TARGET:.0%}: "
-        f"{'met' if result['within_target'] else 'NOT met'}")
+        + {True: "met", False: "NOT met", None: "not judged (paired)"}[
+            result["within_target"]])
   print(f"wrote {out / 'perf_validation.json'}, {png}")
 
 
