@@ -55,8 +55,7 @@ TARGET = 0.05   # issue 42 (0.15 before: issue 25)
 CALIBRATION_SEED_OFFSET = 1000   # the calibration streams' seed: seed + this
 
 
-# --quick: the flags a short run replaces (two systems, short windows, one run a rate):
-# 180 s on this 2-core machine at load 1.8 (results/perf_validation/quick).
+# --quick's flags (two systems, short windows, one run a rate): 180 s here at load 1.8.
 QUICK = dict(systems=("paged", "orca_max"), duration_s=3.0, calibration_duration_s=1.5,
              repeats=1, max_rates=5, rel_tol=0.10)
 
