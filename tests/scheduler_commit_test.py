@@ -152,10 +152,13 @@ def test_only_update_writes_and_an_update_that_raises_writes_nothing(monkeypatch
   assert want[0] == [dense_greedy(PARAMS, prompts[0], 12)]
 
 
-def test_a_sigint_during_the_commit_is_held_until_it_is_whole(monkeypatch):
+def test_a_sigint_during_the_commit_is_held_until_it_is_whole(monkeypatch, request):
   """SIGINT delivered while the commit writes (the first record's fields) raises
   KeyboardInterrupt only after every write landed; the engine keeps serving and its
   outputs equal an uninterrupted run's."""
+  # A process started in the background (`make test &`) inherits SIGINT ignored.
+  old = signal.signal(signal.SIGINT, signal.default_int_handler)
+  request.addfinalizer(lambda: signal.signal(signal.SIGINT, old))
   prompts, params = workload()
   want = {o.request_id: o.outputs for o in make_engine(False).generate(prompts, params)}
   engine = make_engine(False)
