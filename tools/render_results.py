@@ -152,6 +152,8 @@ SECTIONS: Dict[str, Tuple[object, Callable]] = {
         paper.perf_validation_paired),
     "perf_validation_one_thread_2": ("perf_validation/one_thread_2/perf_validation.json",
                                      paper.perf_validation),
+    "perf_validation_one_thread_3": ("perf_validation/one_thread_3/perf_validation.json",
+                                     paper.perf_validation),
     "perf_validation_one_thread_2_paired": (
         "perf_validation/one_thread_2/paired/perf_validation.json",
         paper.perf_validation_paired),
