@@ -10,8 +10,8 @@ r"""Validation of the device-time model where the truth can be measured: this CP
    roofline that prices an A100 step, on the CPU's nominal peaks);
 3. serves the tiny model on the truth's clock (Poisson arrivals, paged and Orca Max /
    Pow2 / Oracle at equal KV memory), the median of --repeats runs near the SLO. The
-   default truth is `clocks.CpuClock` (each step costs this process's CPU seconds, XLA
-   on one thread: --xla_threads): on this shared 2-core machine wall-clock runs of the
+   default truth is `clocks.CpuClock` (each step costs this process's CPU seconds; XLA
+   on one thread with --xla_threads=one): on this shared 2-core machine wall-clock runs of the
    same point do not repeat, CPU seconds nearly do; --truth=wall measures real time;
 4. predicts the same on a `perf.ModelClock` of the fit (virtual time) and compares each
    system's max rate at the SLO and its latency curve with the measured ones.
@@ -129,8 +129,8 @@ class Config(configs.ExperimentConfig):
   quick: bool = configs.flag(False, "a short run for the demo and tests, replacing "
                              "the flags QUICK names: 2 systems, 3 s arrival windows, one "
                              "run per rate, at most 5 rates, bisection to 10%")
-  xla_threads: str = configs.flag("one", "XLA:CPU threads: one (ONE_THREAD, the process "
-                                  "re-run with it) or all (XLA's pool)", choices=("one", "all"))
+  xla_threads: str = configs.flag("all", "XLA:CPU threads: all (XLA's pool) or one "
+                                  "(ONE_THREAD, the process re-run with it)", choices=("all", "one"))
   out: str = configs.flag("results/perf_validation", "output directory")
 
   def check(self) -> None:

@@ -226,8 +226,8 @@ def test_a_measured_file_from_before_the_truth_flag_reads_as_wall_one_run(tmp_pa
 
 
 def test_one_xla_thread_reruns_the_process_with_the_flag_once(monkeypatch):
-  """--xla_threads=one (the default) re-runs the process with ONE_THREAD appended to
-  XLA_FLAGS (read when the backend starts); with it there, or with =all, it runs."""
+  """--xla_threads=one re-runs the process with ONE_THREAD appended to XLA_FLAGS (read
+  when the backend starts); with it there, or with =all (the default), it runs."""
   calls = []
 
   def execv(path, args):
@@ -238,14 +238,14 @@ def test_one_xla_thread_reruns_the_process_with_the_flag_once(monkeypatch):
       RuntimeError("ran")))
   monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
   monkeypatch.setattr(perf_validation.sys, "argv", ["pv", "--quick"])
+  one = perf_validation.Config(xla_threads="one")
   with pytest.raises(SystemExit):
-    perf_validation.main(perf_validation.Config(), None)
+    perf_validation.main(one, None)
   (path, args, flags), = calls
   assert path == args[0] == perf_validation.sys.executable
   assert args[1:] == ["-m", "experiments.perf_validation", "--quick"]
   assert flags == "--xla_dump_to=/tmp/x " + perf_validation.ONE_THREAD
-  for env, f in ((flags, perf_validation.Config()),
-                 ("", perf_validation.Config(xla_threads="all"))):
+  for env, f in ((flags, one), ("", perf_validation.Config())):
     monkeypatch.setenv("XLA_FLAGS", env)
     with pytest.raises(RuntimeError, match="ran"):
       perf_validation.main(f, None)
