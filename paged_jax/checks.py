@@ -1,14 +1,17 @@
 """Host-side integer checks and block arithmetic, the floor under `paged_jax.config`.
 
 `check_int` is the one validator behind every one-line argument error of the library
-(it names the argument and the allowed range); `cdiv` counts blocks. This module imports
-nothing from paged_jax; `config` re-exports all three names, where callers import them.
+(it names the argument and the allowed range); `cdiv` counts blocks; `consumed` tells
+whether a donating call that failed took its arguments. This module imports nothing
+from paged_jax; `config` re-exports `cdiv`, `check_block_size` and `check_int`, where
+callers import them.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
+import jax
 import numpy as np
 
 
@@ -33,3 +36,10 @@ def check_block_size(block_size: Any) -> None:
   check_int("block_size", block_size, 1, 1024)
   if block_size & (block_size - 1):
     raise ValueError(f"block_size must be a power of two in [1, 1024], got {block_size}")
+
+
+def consumed(tree) -> bool:
+  """Whether a donating call that raised had already taken (deleted) an array of `tree`:
+  then the caller's copy is gone and must be rebuilt, or the caller cannot go on."""
+  return any(getattr(x, "is_deleted", lambda: False)()
+             for x in jax.tree_util.tree_leaves(tree))

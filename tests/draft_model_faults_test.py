@@ -12,7 +12,7 @@ import signal
 import jax
 import pytest
 
-from paged_jax.engine.commit import consumed
+from paged_jax.checks import consumed
 
 from engine_oracle import MC, PARAMS, dense_greedy, greedy, oracle_engine, random_prompts
 

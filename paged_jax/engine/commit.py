@@ -16,8 +16,6 @@ import signal
 import threading
 from typing import Any, Dict, List, Tuple
 
-import jax
-
 
 class Changes:
   """Pending field writes per record, token appends per sequence, counter additions."""
@@ -76,10 +74,3 @@ def sigint_deferred():
     signal.signal(signal.SIGINT, old)
     if caught and callable(old):
       old(*caught[0])
-
-
-def consumed(tree) -> bool:
-  """Whether a donating call that raised had already taken (deleted) an array of `tree`:
-  then the caller's copy is gone and must be rebuilt, or the caller cannot go on."""
-  return any(getattr(x, "is_deleted", lambda: False)()
-             for x in jax.tree_util.tree_leaves(tree))

@@ -53,7 +53,8 @@ from paged_jax import block_manager as bm
 from paged_jax import kv_cache
 from paged_jax.config import OK
 from paged_jax.engine import forward as forward_lib
-from paged_jax.engine.commit import consumed, sigint_deferred
+from paged_jax.checks import consumed
+from paged_jax.engine.commit import sigint_deferred
 from paged_jax.engine.draft_reuse import mark_whole, reusable
 from pallas_kernels.common import next_pow2
 

@@ -43,7 +43,8 @@ from paged_jax.engine.inputs import build_inputs, lookup_len
 from paged_jax.engine.options import EngineOptions
 from paged_jax.engine.params import RequestOutput, SamplingParams
 from paged_jax.engine.requests import Intake
-from paged_jax.engine.commit import consumed, sigint_deferred
+from paged_jax.checks import consumed
+from paged_jax.engine.commit import sigint_deferred
 from paged_jax.engine.scheduler import Scheduler
 from paged_jax.engine.update import partial_output
 from paged_jax.engine.sequence import Batch, DeviceCounts, Group

@@ -51,6 +51,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import numpy as np
 
+from paged_jax.checks import consumed
 from paged_jax.prefix_cache.events import KVEvent
 from pallas_kernels.common import next_pow2
 
@@ -241,8 +242,8 @@ class HostTier:
           self._free.append(e)
           self.depth[e] = -1
           self.events.append(KVEvent("removed", (h,), "host"))
-      if any(getattr(p, "is_deleted", lambda: False)() for p in self.pages.values()):
-        self.clear()                    # `_stash` consumed the pool before it failed
+      if consumed(self.pages):          # `_stash` took the donated pool before it failed
+        self.clear()
         self.pages = self._new_pool()
       raise
 
