@@ -15,7 +15,7 @@ stream on a `perf.ModelClock` of the fit x THAT run's own load factor
 (`calibration.load_factor` of its recorded steps: the machine's speed while it ran, read
 off the work it did). Each rate's median predicted latency, the SLO from the predicted
 unloaded latencies, and the crossing by the measured search's own rule (the line between
-the judged latencies at the bracket's two ends, `rate_search.find_saturation`) give the
+the judged latencies at the bracket's two ends, `rate_search.crossing_rate`) give the
 predicted max rate: the same estimator on the same runs, so what differs is the model's
 step costs and schedule, not the machine's moods. A system whose measured search was
 censored, or whose runs kept no steps (--truth=wall), has no paired prediction.
@@ -39,37 +39,31 @@ from experiments import perf_validation_search as search
 from paged_jax import perf
 from paged_jax.bench import calibration
 from paged_jax.bench import latency
+from paged_jax.bench import rate_search
 
 
-def paired_runs(rec: Dict, rates) -> List[Tuple[float, list]]:
-  """[(rate, recorded steps)] of rec's measured runs at `rates`, in run order (a run's
-  "run_samples" entry is appended with its "runs" entry: `search._runner`)."""
-  return [(r, xs) for r, xs in rec.get("run_samples", []) if r in rates]
-
-
-def paired_latencies(rec: Dict, rates) -> List[float]:
-  """Measured latencies of rec's runs at `rates` that kept their steps, in run order (the
-  runs `paired_runs` returns: on the CPU clock every run keeps them)."""
-  return [p["normalized_latency_s_per_token"] for r, p in rec["runs"] if r in rates]
+def paired_runs(rec: Dict, rates) -> List[Tuple[float, list, float]]:
+  """[(rate, recorded steps, measured latency)] of rec's measured runs at `rates`, in run
+  order: a run's "run_samples" entry is appended with its "runs" entry
+  (`search._runner`), so the two lists pair up (on the CPU clock every run keeps steps)."""
+  steps = [(r, xs) for r, xs in rec.get("run_samples", []) if r in rates]
+  lats = [p["normalized_latency_s_per_token"] for r, p in rec.get("runs", []) if r in rates]
+  return [(r, xs, lat) for (r, xs), lat in zip(steps, lats)]
 
 
 def _predict_runs(f, system: str, stream: Callable, size: Dict, model: perf.DeviceTimeModel,
-                  runs: List[Tuple[float, list]], rec: Dict,
-                  measured: List[float]) -> None:
-  """Predicts each (rate, steps) run at its own load factor into rec ("runs" as the
+                  runs: List[Tuple[float, list, float]], rec: Dict) -> None:
+  """Predicts each `paired_runs` run at its own load factor into rec ("runs" as the
   searches keep them, "factors" [rate, factor], "latency_errors" [rate, predicted /
-  measured - 1] against `measured`, the same runs' latencies)."""
-  for (rate, steps), lat in zip(runs, measured):
+  measured - 1])."""
+  # pylint: disable=protected-access  (the searches' own record format)
+  for rate, steps, lat in runs:
     factor = calibration.load_factor(model, steps)
     point = search.predicted_point(f, system, stream(rate, f.seed, f.duration_s), size,
                                    model, factor)
-    rec["runs"].append([rate, search._summary(point)])  # pylint: disable=protected-access
+    rec["runs"].append([rate, search._summary(point)])
     rec["factors"].append([rate, factor])
-    rec["latency_errors"].append([rate, search._latency(point) / lat - 1])  # pylint: disable=protected-access
-
-
-def _median(rec: Dict, rate: float) -> float:
-  return search._median(rec, rate)  # pylint: disable=protected-access
+    rec["latency_errors"].append([rate, search._latency(point) / lat - 1])
 
 
 def paired_prediction(f, stream: Callable, model: perf.DeviceTimeModel, done: Dict) -> Dict:
@@ -87,9 +81,8 @@ def paired_prediction(f, stream: Callable, model: perf.DeviceTimeModel, done: Di
     if not runs:
       raise ValueError(f"--predict=paired needs the measured runs' steps (--truth=cpu); "
                        f"{s}'s unloaded runs kept none")
-    _predict_runs(f, s, stream, size[s], model, runs, rec,
-                  paired_latencies(done["unloaded"][s], {f.unloaded_rate}))
-    rec["latency"] = _median(rec, f.unloaded_rate)
+    _predict_runs(f, s, stream, size[s], model, runs, rec)
+    rec["latency"] = search._median(rec, f.unloaded_rate)  # pylint: disable=protected-access
     out["unloaded"][s] = rec
   slo = latency.slo_from_unloaded([out["unloaded"][s]["latency"] for s in f.systems],
                                   f.slo_factor)
@@ -100,9 +93,10 @@ def paired_prediction(f, stream: Callable, model: perf.DeviceTimeModel, done: Di
       rec["found"] = dict(found, crossing=None)
     else:
       _predict_runs(f, s, stream, size[s], model, paired_runs(done["searches"][s], {lo, hi}),
-                    rec, paired_latencies(done["searches"][s], {lo, hi}))
-      lat_lo, lat_hi = _median(rec, lo), _median(rec, hi)
-      crossing = (lo + (slo - lat_lo) / (lat_hi - lat_lo) * (hi - lo)
+                    rec)
+      lat_lo, lat_hi = (search._median(rec, r)  # pylint: disable=protected-access
+                        for r in (lo, hi))
+      crossing = (rate_search.crossing_rate(lo, hi, lat_lo, lat_hi, slo)
                   if lat_hi != lat_lo else None)
       rec["found"] = {"max_rate": lo, "bound": hi, "crossing": crossing,
                       "censored": None if crossing is not None else "flat",

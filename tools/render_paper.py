@@ -122,7 +122,7 @@ def perf_validation_paired(res) -> str:
   rows = []
   for name, v in res["systems"].items():
     m, p = v["measured"], v["predicted"]
-    lo, hi = (p["rates"] + [None, None])[:2] if len(p["rates"]) == 2 else (None, None)
+    lo, hi = p["rates"] if len(p["rates"]) == 2 else (None, None)   # the bracket's ends
     err = v["rel_error"]
     runs = [e for _, e in v.get("paired_latency_errors") or []]
     sides = "-"

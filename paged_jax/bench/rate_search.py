@@ -90,6 +90,12 @@ def bracket_and_bisect(measure: Callable[[float], float], start: float, slo: flo
   return sorted(seen.items())
 
 
+def crossing_rate(lo: float, hi: float, lat_lo: float, lat_hi: float, slo: float) -> float:
+  """Where the line through (lo, lat_lo) and (hi, lat_hi) meets `slo` (req/s; lat_hi >
+  lat_lo: the line rises). Outside [lo, hi] when both latencies are on one side."""
+  return lo + (slo - lat_lo) / (lat_hi - lat_lo) * (hi - lo)
+
+
 def find_saturation(measure: Callable[[float], float], start: float, slo: float, *,
                     step: float = 1.5, rel_tol: float = 0.05, max_rates: int = 8,
                     repeats: int = 3, near: Optional[float] = None) -> Dict:
@@ -133,7 +139,7 @@ def find_saturation(measure: Callable[[float], float], start: float, slo: float,
   crossing = None
   if lo is not None and hi is not None:
     lat = dict(pts)
-    crossing = lo + (slo - lat[lo]) / (lat[hi] - lat[lo]) * (hi - lo)
+    crossing = crossing_rate(lo, hi, lat[lo], lat[hi], slo)
   return {"max_rate": lo, "bound": hi, "crossing": crossing,
           "censored": None if lo is not None and hi is not None else
                       ("above" if hi is None else "below"),
