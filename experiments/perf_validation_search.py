@@ -45,6 +45,7 @@ from paged_jax.bench import engines
 from paged_jax.bench import latency
 from paged_jax.bench import rate_search
 from paged_jax.bench import sweep as serving_sweep
+from paged_jax.bench import validation
 from paged_jax.bench.scale import TINY
 
 SEARCH_STEP = 1.5   # the bracket's factor per rate (as --rates=auto's)
@@ -251,13 +252,18 @@ def _crossing_rates(rec: Dict, source: str) -> set:
   return {found.get("max_rate"), found.get("bound")} - {None}
 
 
-def crossing_samples(rec: Dict, source: str = "samples") -> List:
-  """The steps of rec[source] ("samples": the calibration runs; "run_samples": the
-  measured runs themselves) at the judged rates around a search's crossing ("max_rate"
-  and "bound"; every rate when censored, or when a rec has no "found": an unloaded
-  point): the machine's speed where it counts."""
+def crossing_runs(rec: Dict, source: str = "samples") -> List[List]:
+  """Each run's steps in rec[source] ("samples": the calibration runs; "run_samples":
+  the measured runs themselves) at the judged rates around a search's crossing
+  ("max_rate" and "bound"; every rate when censored, or when a rec has no "found": an
+  unloaded point): the machine's speed where it counts."""
   near = _crossing_rates(rec, source)
-  return [x for r, samples in rec.get(source, []) if r in near for x in samples]
+  return [samples for r, samples in rec.get(source, []) if r in near]
+
+
+def crossing_samples(rec: Dict, source: str = "samples") -> List:
+  """`crossing_runs`' steps, in one list."""
+  return [x for samples in crossing_runs(rec, source) for x in samples]
 
 
 def keep_crossing_steps(done: Dict) -> Dict:
@@ -271,7 +277,7 @@ def keep_crossing_steps(done: Dict) -> Dict:
 
 
 def load_factors(f, model: perf.DeviceTimeModel, done: Dict) -> Dict:
-  """{system: {"unloaded", "search"}}: `calibration.load_factor` of the steps
+  """{system: {"unloaded", "search"}}: `calibration.median_load_factor` of the runs
   --load_from names (the measured runs' own, else the calibration runs') at the unloaded
   rate and around the measured crossing; the calibration runs' where the measured runs
   kept no steps (--truth=wall)."""
@@ -280,8 +286,8 @@ def load_factors(f, model: perf.DeviceTimeModel, done: Dict) -> Dict:
     out[system] = {}
     for key, rec in (("unloaded", done["unloaded"][system]),
                      ("search", done["searches"][system])):
-      steps = (crossing_samples(rec, "run_samples") if f.load_from == "measured" else [])
-      out[system][key] = calibration.load_factor(model, steps or crossing_samples(rec))
+      runs = (crossing_runs(rec, "run_samples") if f.load_from == "measured" else [])
+      out[system][key] = calibration.median_load_factor(model, runs or crossing_runs(rec))
   return out
 
 
@@ -360,6 +366,8 @@ def judge(done: Dict, predicted: Dict) -> Dict:
               at_m["interpolated"] or at_m["swept"],
               "measured_repeat_spread": [max(v) / min(v) - 1 if len(v) > 1 else None
                                          for v in mc["latency_runs"]],
+              "measured_single_run_crossings": validation.single_run_crossings(
+                  mc, done["slo_s_per_token"]),
               "measured": mc,
               "predicted": dict(pc, load_factor=[predicted["load_factor"][s]["search"]]),
               "unloaded": {"measured": done["unloaded"][s]["latency"],

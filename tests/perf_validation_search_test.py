@@ -196,6 +196,27 @@ def test_load_factors_read_the_measured_runs_own_steps_around_the_crossing():
       == pytest.approx(3.0)
 
 
+def test_one_run_the_machine_was_taken_from_does_not_set_the_speed():
+  # perf_validation one_thread_3: one of six paged runs at the crossing paid 7x the CPU a
+  # step; pooled, its steps made the model 1.74x slower and the prediction 54% low.
+  from paged_jax.bench import calibration
+  from paged_jax.bench import engines
+  model = calibration.cpu_model(engines.tiny_model()[0])
+  shape = _shapes()[0][0]
+  t = model.step_seconds(shape)
+  steps = lambda k, n=10: [(shape, k * t)] * n
+  found = {"max_rate": 30.0, "bound": 31.0, "censored": None}
+  runs = [[30.0, steps(1.0)], [30.0, steps(1.1)], [30.0, steps(0.9)], [31.0, steps(1.0)],
+          [31.0, steps(7.0)], [31.0, steps(1.05)]]
+  done = {"unloaded": {"paged": {"samples": [], "run_samples": [[8.0, steps(1.0)]]}},
+          "searches": {"paged": {"found": found, "samples": [], "run_samples": runs}}}
+  got = search.load_factors(_config(systems=("paged",)), model, done)["paged"]["search"]
+  assert got == pytest.approx(1.025)            # the median of the six runs' factors
+  pooled = calibration.load_factor(model, search.crossing_samples(done["searches"]["paged"],
+                                                                  "run_samples"))
+  assert pooled == pytest.approx(2.0083, rel=1e-3)   # what the pooled rule read
+
+
 def test_the_measured_file_keeps_run_steps_only_around_the_crossing():
   found = {"max_rate": 30.0, "bound": 31.0, "censored": None}
   rec = {"found": found, "run_samples": [[20.0, [1]], [30.0, [2]], [31.0, [3]], [30.0, [4]]]}

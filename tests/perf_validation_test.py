@@ -169,6 +169,20 @@ def test_median_curve_takes_each_points_median_and_keeps_the_repeats():
   assert validation.repeat_spread(validation.median_curve(runs[:1])) == [None] * 2
 
 
+def test_single_run_crossings_read_each_repeats_own_curve():
+  # Three runs at 30 and 32 req/s, one at 20 (a far-under rate judged by one run); SLO 1.
+  curve = {"rates": [20.0, 30.0, 32.0],
+           "latency_runs": [[0.2], [0.5, 0.9, 3.0], [2.0, 1.1, 5.0]]}
+  got = validation.single_run_crossings(curve, 1.0)
+  # Curve 0: 0.5 at 30, 2.0 at 32 -> 30 + 0.5 / 1.5 x 2; curve 1: 0.9 -> 1.1;
+  # curve 2: 3.0 at 30 is the first miss -> between 20 (0.2) and 30.
+  assert got == pytest.approx([30 + 2 / 3, 31.0, 20 + 0.8 / 2.8 * 10])
+  assert validation.crossing_spread(got) == pytest.approx(
+      (31.0 - (20 + 8 / 2.8)) / (30 + 2 / 3))   # (max - min) / median
+  assert validation.crossing_spread([31.0, None]) is None
+  assert validation.single_run_crossings({"rates": [], "latency_runs": []}, 1.0) == []
+
+
 def test_step_time_errors_use_the_truths_mean_step_when_there():
   measured = {"step_s": [0.002, 0.004], "steps": [100, 100],
               "engine_step_s": [9.0, 9.0]}                # ignored: step_s is the truth's

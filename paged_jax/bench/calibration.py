@@ -247,6 +247,17 @@ def load_factor(model: perf.DeviceTimeModel, samples: Sequence[Sample]) -> float
   return sum(sec for _, sec in samples) / predicted if predicted > 0 else 1.0
 
 
+def median_load_factor(model: perf.DeviceTimeModel, runs: Sequence[Sequence[Sample]]
+                       ) -> float:
+  """The median over `runs` (each a serving run's steps) of each run's `load_factor`:
+  the machine's speed as its typical run saw it. Pooling the steps lets one run the
+  machine was taken from set the speed of all (perf_validation one_thread_3: one of six
+  paged runs at 28 ms a step against 3-4 ms moved the pooled factor to 1.74; the median
+  of the runs' factors stays with the other five). 1.0 without runs."""
+  factors = [load_factor(model, r) for r in runs if r]
+  return float(np.median(factors)) if factors else 1.0
+
+
 def scaled(model: perf.DeviceTimeModel, factor: float) -> perf.DeviceTimeModel:
   """`model` with every step `factor` x as long (the time is homogeneous in theta: each
   1 / efficiency and each latency scaled by `factor`)."""

@@ -9,7 +9,7 @@ sweep is {system: curve}.
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -41,6 +41,30 @@ def repeat_spread(curve: Dict, key: str = "normalized_latency_s_per_token") -> L
     ok = all(v is not None and v > 0 for v in vals)
     out.append(max(vals) / min(vals) - 1 if ok else None)
   return out
+
+
+def single_run_crossings(curve: Dict, slo: float) -> List[Optional[float]]:
+  """Where each repeat's own curve crosses `slo` (req/s): the truth's resolution.
+
+  curve: a search's measured curve ({"rates", "latency_runs": per rate, every run's
+  normalized latency}). Curve j takes each rate's j-th run (a rate run fewer times: its
+  last), and `latency.max_rate_at_slo` reads its crossing (None where it never misses).
+  The median-of-runs crossing the check judges lies among these; how far apart they lie
+  is how far one run of this machine moves it, whatever the model says.
+  """
+  runs = curve.get("latency_runs") or []
+  k = max((len(v) for v in runs), default=0)
+  out = []
+  for j in range(k):
+    lat = [v[min(j, len(v) - 1)] for v in runs]
+    out.append(latency.max_rate_at_slo(curve["rates"], lat, slo)["interpolated"])
+  return out
+
+
+def crossing_spread(crossings: Sequence[Optional[float]]) -> Optional[float]:
+  """(max - min) / median of the crossings found (None with fewer than two)."""
+  xs = [x for x in crossings if x]
+  return (max(xs) - min(xs)) / float(np.median(xs)) if len(xs) > 1 else None
 
 
 def step_time_errors(measured: Dict, predicted: Dict) -> List:
