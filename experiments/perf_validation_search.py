@@ -13,14 +13,15 @@ the SLO: censored) and little on one slower than its second (one point over). He
    x the largest median (`latency.slo_from_unloaded`);
 2. per system, `rate_search.find_saturation` on the truth clock from --start_rate: up by
    x SEARCH_STEP while under the SLO, down while over, then bisection until the bracket
-   is within --rel_tol, at most --max_rates rates; a rate whose first run is within a
-   factor --near of the SLO gets --repeats runs, judged by their median. Before each new
-   rate, a calibration run of it (the samples the fit and the load factors read);
+   is within --rel_tol, at most --max_rates rates; a rate whose first run is not under
+   the SLO / --near gets --repeats runs, judged by their median; then --repeats more at
+   each end of the bracket in turn, whose medians place the crossing (`interleave`).
+   Before each new rate, a calibration run of it (the samples the fit reads);
 3. the fit (`calibration.fit_cpu` over every calibration step), then the same two steps
    on a `perf.ModelClock` of it (the stand-in engine charged the bucketed shapes), each
    system's search from its measured crossing, one run a rate (virtual time repeats),
-   every step scaled by a load factor: measured over fitted seconds of the steps the
-   measured runs themselves took at that system's two rates around its crossing
+   every step scaled by a load factor: the median over the measured runs at that
+   system's two rates around its crossing of each run's measured over fitted seconds
    (--load_from=measured: the machine's speed while they ran; a calibration run minutes
    away ran on another machine, as far as a shared one goes) or of the calibration runs
    there (--load_from=calibration). The fit itself sees the calibration runs only.
@@ -236,7 +237,7 @@ def measured_search(f, stream: Callable, done: Dict, save: Optional[Callable] = 
     rec = new()
     rec["found"] = rate_search.find_saturation(
         runner(system, rec), f.start_rate, slo, step=SEARCH_STEP, rel_tol=f.rel_tol,
-        max_rates=f.max_rates, repeats=f.repeats, near=f.near)
+        max_rates=f.max_rates, repeats=f.repeats, near=f.near, interleave=True)
     done["searches"][system] = rec
     keep_crossing_steps(done)
     if save:

@@ -82,6 +82,49 @@ def test_one_slow_run_far_over_the_slo_does_not_judge_a_rate():
   assert res["bound"] / res["max_rate"] <= 1.04 + 1e-9
 
 
+def _drifting(switch: int, slow: float, fast: float, curve):
+  """A clock whose machine saturates at `slow` req/s for its first `switch` runs, then at
+  `fast`: `curve(rate, saturation)` is the latency."""
+  calls = {"n": 0}
+
+  def measure(rate: float) -> float:
+    calls["n"] += 1
+    return curve(rate, slow if calls["n"] <= switch else fast)
+  return measure
+
+
+@pytest.mark.parametrize("switch", [3, 9])
+def test_interleaved_ends_read_the_crossing_at_one_machine_speed(switch):
+  # Latency rate / saturation (SLO 1: the crossing is the saturation). The machine
+  # speeds up by 9% while the search runs: the 24 req/s runs came before, the 23.5 after.
+  linear = lambda r, sat: r / sat
+  kw = dict(rel_tol=0.04, max_rates=10, repeats=3, near=3.0)
+  plain = find_saturation(_drifting(switch, 22.0, 24.0, linear), 24.0, SLO, **kw)
+  res = find_saturation(_drifting(switch, 22.0, 24.0, linear), 24.0, SLO, interleave=True,
+                        **kw)
+  lo, hi = res["max_rate"], res["bound"]
+  assert res["settled"] and [r for r, _ in res["interleaved"]] == [lo, hi]
+  assert [r for r, _ in res["measurements"][-6:]] == [lo, hi] * 3   # in turn
+  assert res["crossing"] == pytest.approx(24.0)          # the machine as it is now
+  assert plain["crossing"] < 23.7                         # read across the two speeds
+
+
+def test_a_crossing_the_machine_moved_past_an_end_is_searched_again():
+  # The machine doubles its speed after the first nine runs: the bracket found around 15
+  # req/s is stale (both ends now far under the SLO), so the search goes on from its top.
+  hockey = lambda r, sat: 0.5 if r <= sat else 0.5 + 4.0 * (r / sat - 1.0) + 0.6
+  kw = dict(rel_tol=0.04, max_rates=10, repeats=3, near=3.0)
+  plain = find_saturation(_drifting(9, 15.0, 30.0, hockey), 24.0, SLO, **kw)
+  res = find_saturation(_drifting(9, 15.0, 30.0, hockey), 24.0, SLO, interleave=True, **kw)
+  assert plain["bound"] <= 16.0
+  assert res["settled"] and res["max_rate"] <= 30.0 < res["bound"]
+  assert res["bound"] / res["max_rate"] <= 1.04 + 1e-9
+  never = find_saturation(_drifting(10 ** 9, 15.0, 30.0, hockey), 24.0, SLO,
+                          interleave=True, **kw)
+  still = find_saturation(_drifting(10 ** 9, 15.0, 30.0, hockey), 24.0, SLO, **kw)
+  assert never["settled"] and never["crossing"] == pytest.approx(still["crossing"])
+
+
 def test_never_saturating_is_censored_above_with_its_bound():
   res = find_saturation(lambda r: 0.1, 4.0, SLO, max_rates=5, repeats=2)
   assert res["censored"] == "above" and res["bound"] is None and res["crossing"] is None

@@ -40,6 +40,7 @@ from paged_jax.bench.scale import HarnessScale
 UNLOADED_FRACTION = 0.05   # of the probe's rate: the unloaded-latency point
 MIN_REQUESTS = 150         # requests a point serves at least (num_requests=0)
 REQUESTS_PER_SLOT = 4      # ... and this many per request the largest KV memory holds
+REBRACKETS = 2           # find_saturation(interleave=True): searches again at most this often
 PROBE_FACTOR = 2.0         # the first search starts at this x the burst's throughput (a
 #                            burst of N requests fills and drains: it under-reads capacity)
 
@@ -98,7 +99,8 @@ def crossing_rate(lo: float, hi: float, lat_lo: float, lat_hi: float, slo: float
 
 def find_saturation(measure: Callable[[float], float], start: float, slo: float, *,
                     step: float = 1.5, rel_tol: float = 0.05, max_rates: int = 8,
-                    repeats: int = 3, near: Optional[float] = None) -> Dict:
+                    repeats: int = 3, near: Optional[float] = None,
+                    interleave: bool = False) -> Dict:
   """The highest rate whose latency stays within `slo`, found on a noisy clock.
 
   `bracket_and_bisect`'s walk (up by x `step` while under the SLO, down while over, then
@@ -110,6 +112,13 @@ def find_saturation(measure: Callable[[float], float], start: float, slo: float,
   shared machine's noise is: a run the machine was taken from is slow (perf_validation
   one_thread_3: one run at 7x the CPU a step, 33x the SLO, at a rate its two repeats
   sustained within it), never fast, so only a far-under run is safe to take alone.
+  `interleave`: once bracketed, `repeats` more runs at each end, taken in turn (lo, hi,
+  lo, hi, ...), and the crossing read from their medians: the search reaches its two
+  ends minutes apart, and a machine whose speed moves by minutes moves a crossing read
+  across them (perf_validation one_thread's Orca(Max): its 24 req/s runs took 4.2 ms of
+  CPU a step, the 23.5 req/s runs after them 2.7-3.4). Where those medians do not
+  straddle the SLO the machine has moved the crossing past an end, and the search goes
+  on from that end (at most REBRACKETS times; "settled" says whether the last did).
 
   Returns {"max_rate": the highest rate judged within the SLO (None if none was),
   "bound": the lowest rate above it judged over the SLO (None if none was), "censored":
@@ -118,7 +127,8 @@ def find_saturation(measure: Callable[[float], float], start: float, slo: float,
   "bound"), "monotone": False when a rate below "max_rate" was judged over the SLO,
   "judged": [(rate, median latency)] ascending, "measurements": [(rate, latency)] in the
   order taken, "crossing": where the line between the judged latencies at "max_rate" and
-  "bound" meets the SLO (None when censored)}. A censored result has no error to report:
+  "bound" (the interleaved runs' medians, "interleaved" [[rate, median]], when
+  `interleave` settled) meets the SLO (None when censored), "settled"}. A censored result has no error to report:
   never score it as 0%."""
   if repeats < 1:
     raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -133,16 +143,36 @@ def find_saturation(measure: Callable[[float], float], start: float, slo: float,
     taken.extend((rate, v) for v in vals)
     return float(np.median(vals))
 
-  pts = bracket_and_bisect(judged, start, slo, step=step, rel_tol=rel_tol,
-                           max_points=max_rates)
-  within = [r for r, lat in pts if lat <= slo]
-  lo = max(within) if within else None
-  hi = min((r for r, lat in pts if lat > slo and (lo is None or r > lo)), default=None)
+  def bracket(pts):
+    within = [r for r, lat in pts if lat <= slo]
+    lo = max(within) if within else None
+    return lo, min((r for r, lat in pts if lat > slo and (lo is None or r > lo)),
+                   default=None)
+
+  ends, settled, begin = None, not interleave, start
+  for _ in range(1 + REBRACKETS * interleave):
+    pts = bracket_and_bisect(judged, begin, slo, step=step, rel_tol=rel_tol,
+                             max_points=max_rates)
+    lo, hi = bracket(pts)
+    if not interleave or lo is None or hi is None:
+      break
+    runs: Dict[float, List[float]] = {lo: [], hi: []}
+    for _ in range(repeats):
+      for r in (lo, hi):
+        runs[r].append(float(measure(r)))
+        taken.append((r, runs[r][-1]))
+    ends = {r: float(np.median(v)) for r, v in runs.items()}
+    settled = ends[lo] <= slo < ends[hi]
+    if settled:
+      break
+    begin = hi if ends[hi] <= slo else lo   # the side the crossing moved to
   crossing = None
   if lo is not None and hi is not None:
-    lat = dict(pts)
+    lat = ends if settled and ends else dict(pts)
     crossing = crossing_rate(lo, hi, lat[lo], lat[hi], slo)
   return {"max_rate": lo, "bound": hi, "crossing": crossing,
+          "interleaved": ends and [[r, m] for r, m in sorted(ends.items())],
+          "settled": settled,
           "censored": None if lo is not None and hi is not None else
                       ("above" if hi is None else "below"),
           "monotone": lo is None or all(lat <= slo for r, lat in pts if r < lo),
