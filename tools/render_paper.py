@@ -87,9 +87,15 @@ def perf_validation(res) -> str:
   """Measured vs predicted max rate of each system (the tiny model on this CPU, on the
   run's truth clock: CPU seconds or wall): at each sweep's own SLO (the target's figure)
   and at the measured SLO; the largest spread of the measured point's repeats; the load
-  factors the prediction's points were scaled by; then the fit, the truth and the load."""
+  factors the prediction's points were scaled by; the crossing of each repeat's own curve
+  (`validation.single_run_crossings`: how far one run of the machine moves the measured
+  figure); then the fit, the truth and the load."""
+  from paged_jax.bench import validation  # pylint: disable=g-import-not-at-top
   rows = []
   for name, v in res["systems"].items():
+    ones = [x for x in validation.single_run_crossings(v["measured"],
+                                                       res["measured_slo_s_per_token"]) if x]
+    one_spread = validation.crossing_spread(ones)
     err = v["rel_error"]
     at_slo = v.get("predicted_max_rate_at_measured_slo")
     factors = v["predicted"].get("load_factor") or [1.0]
@@ -101,7 +107,9 @@ def perf_validation(res) -> str:
                  "-" if err is None else f"{'>= ' if p_cens and err > 0 else ''}{err:+.1%}",
                  "-" if at_slo is None else f"{at_slo:.3g}",
                  f"{max(spread):.0%}" if spread else "-",
-                 f"{min(factors):.2f}-{max(factors):.2f}"])
+                 f"{min(factors):.2f}-{max(factors):.2f}",
+                 f"{min(ones):.3g}-{max(ones):.3g} ({one_spread:.0%})" if one_spread is not None
+                 else "-"])
   fit = res["fit"]
   load = res["load_avg"]
   truth = res.get("truth", {"clock": "wall", "repeats": 1})
@@ -109,10 +117,10 @@ def perf_validation(res) -> str:
                f"mean step error {fit['mean_abs_rel_error']:.0%}",
                f"{truth['clock']} clock, {truth['repeats']} run(s) a point",
                f"load {min(load['during_measured_points']):.1f}-"
-               f"{max(load['during_measured_points']):.1f}", f"{load['cores']} cores"])
+               f"{max(load['during_measured_points']):.1f}", f"{load['cores']} cores", ""])
   return table(rows, ["system", "measured max rate (req/s)", "predicted", "error",
                       "predicted at the measured SLO", "repeats' latency spread",
-                      "load factors"])
+                      "load factors", "one run's crossing (spread)"])
 
 
 def perf_validation_paired(res) -> str:
@@ -143,6 +151,25 @@ def perf_validation_paired(res) -> str:
   return table(rows, ["system", "measured max rate (req/s)", "bracket (width)",
                       "paired prediction", "error", "medians on the measured sides",
                       "paired runs' latency error: median |x| (range)"])
+
+
+# perf_validation runs re-predicted from their measured files with the median load factor.
+REPREDICTED = (("E", "one_thread"), ("F", "one_thread_2"), ("G", "one_thread_3"),
+               ("H", "quiet_one_thread"))
+
+
+def perf_validation_repredicted(results_dir) -> str:
+  """Each REPREDICTED run's error per system as committed (the pooled load factor) and
+  re-predicted from its measured file with the median factor (DIR/median_factor)."""
+  rows = []
+  for label, run in REPREDICTED:
+    old = load(results_dir, f"perf_validation/{run}/perf_validation.json")["systems"]
+    new = load(results_dir, f"perf_validation/{run}/median_factor/perf_validation.json")
+    cells = [f"{old[s]['rel_error']:+.1%} -> {new['systems'][s]['rel_error']:+.1%}"
+             for s in new["systems"]]
+    rows.append([label, *cells, f"{new['max_abs_rel_error']:.1%}"])
+  return table(rows, ["run", *(_LABEL.get(s, s) for s in new["systems"]),
+                      "worst, median factor"])
 
 
 # The paper's stated figures as checks (Kwon et al., SOSP 2023): ranges as stated; a single

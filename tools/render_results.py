@@ -157,6 +157,9 @@ SECTIONS: Dict[str, Tuple[object, Callable]] = {
     "perf_validation_one_thread_2_paired": (
         "perf_validation/one_thread_2/paired/perf_validation.json",
         paper.perf_validation_paired),
+    "perf_validation_quiet_one_thread": (
+        "perf_validation/quiet_one_thread/perf_validation.json", paper.perf_validation),
+    "perf_validation_median_factor": (_RESULTS_DIR, paper.perf_validation_repredicted),
 }
 
 
