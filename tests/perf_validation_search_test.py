@@ -92,9 +92,13 @@ def test_measured_search_finds_each_known_saturation(fake_runs):
     rates = [r for r, _ in rec["samples"]]
     assert len(rates) == len(set(rates)) == len(found["judged"])
     assert len(rec["loads"]) == len(rec["runs"]) + len(rec["samples"])
-    # repeats only near the SLO: some rate was run once, some three times
+    # a far-under rate run once, others three times; then three more at each end of
+    # the bracket, in turn (interleave)
     counts = {r: sum(1 for q, _ in rec["runs"] if q == r) for r in rates}
-    assert set(counts.values()) <= {1, 3} and 3 in counts.values()
+    lo, hi = found["max_rate"], found["bound"]
+    assert [q for q, _ in rec["runs"][-6:]] == [lo, hi] * 3 and found["settled"]
+    assert counts[lo] - 3 in (1, 3) and counts[hi] == 6
+    assert {c for r, c in counts.items() if r not in (lo, hi)} <= {1, 3}
   assert len(saves) == 4   # after each system's unloaded point and each search
 
 
