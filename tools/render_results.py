@@ -162,6 +162,8 @@ SECTIONS: Dict[str, Tuple[object, Callable]] = {
     "perf_validation_median_factor": (_RESULTS_DIR, paper.perf_validation_repredicted),
     "perf_validation_interleaved_1": ("perf_validation/interleaved_1/perf_validation.json",
                                       paper.perf_validation),
+    "perf_validation_interleaved_2": ("perf_validation/interleaved_2/perf_validation.json",
+                                      paper.perf_validation),
 }
 
 
