@@ -65,9 +65,9 @@ def test_near_repeats_every_rate_not_far_under_the_slo():
 
 def test_one_slow_run_far_over_the_slo_does_not_judge_a_rate():
   # The machine taken away for one run (perf_validation one_thread_3's Orca(Oracle): the
-  # first run at 24 req/s read 4x the SLO, the search turned down and reported 23.6 req/s
-  # for a system whose runs sustain 30). A far-over first run gets its repeats; their
-  # median keeps the rate on its true side, so the crossing stays where the queue's is.
+  # first run at 24 req/s read 3.9x the SLO, so the search turned down and reported 23.6
+  # req/s; runs E and F had it crossing at 29-31). A far-over first run gets its repeats;
+  # their median keeps the rate on its true side, so the crossing stays the queue's.
   calls = {"n": 0}
 
   def measure(rate: float) -> float:
