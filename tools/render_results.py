@@ -164,6 +164,8 @@ SECTIONS: Dict[str, Tuple[object, Callable]] = {
                                       paper.perf_validation),
     "perf_validation_interleaved_2": ("perf_validation/interleaved_2/perf_validation.json",
                                       paper.perf_validation),
+    "perf_validation_interleaved_3_busy": (
+        "perf_validation/interleaved_3_busy/perf_validation.json", paper.perf_validation),
 }
 
 
