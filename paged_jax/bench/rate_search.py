@@ -40,7 +40,7 @@ from paged_jax.bench.scale import HarnessScale
 UNLOADED_FRACTION = 0.05   # of the probe's rate: the unloaded-latency point
 MIN_REQUESTS = 150         # requests a point serves at least (num_requests=0)
 REQUESTS_PER_SLOT = 4      # ... and this many per request the largest KV memory holds
-REBRACKETS = 2           # find_saturation(interleave=True): searches again at most this often
+REBRACKETS = 2             # find_saturation(interleave=True) searches again at most this often
 PROBE_FACTOR = 2.0         # the first search starts at this x the burst's throughput (a
 #                            burst of N requests fills and drains: it under-reads capacity)
 
@@ -128,8 +128,8 @@ def find_saturation(measure: Callable[[float], float], start: float, slo: float,
   "judged": [(rate, median latency)] ascending, "measurements": [(rate, latency)] in the
   order taken, "crossing": where the line between the judged latencies at "max_rate" and
   "bound" (the interleaved runs' medians, "interleaved" [[rate, median]], when
-  `interleave` settled) meets the SLO (None when censored), "settled"}. A censored result has no error to report:
-  never score it as 0%."""
+  `interleave` settled) meets the SLO (None when censored), "settled"}. A censored
+  result has no error to report: never score it as 0%."""
   if repeats < 1:
     raise ValueError(f"repeats must be >= 1, got {repeats}")
   if near is not None and not near > 1:
