@@ -115,10 +115,6 @@ class Config(configs.ExperimentConfig):
       "measured", "with --rates=auto: each prediction's load factor from the measured runs' "
       "own steps around the crossing (measured) or the calibration runs' there",
       choices=("measured", "calibration"))
-  step_noise: str = configs.flag(
-      "none", "with --rates=auto: replay (each predicted step x a measured step's measured / "
-      "fitted ratio, the measured runs' around the crossing, in their order) or none",
-      choices=("none", "replay"))
   predict: str = configs.flag(
       "search", "with --rates=auto: search (the model's own search, one load factor per "
       "system) or paired (each measured run around the crossing predicted at its own "
@@ -299,7 +295,7 @@ def _searched(f: Config, stream, done: Dict, save) -> Dict:
   fit = calibration.fit_cpu(engines.tiny_model()[0], samples, stat=f.group_stat)
   predicted = (paired.paired_prediction if f.predict == "paired" else
                search.predicted_search)(f, stream, fit.model, done)
-  return {"result": search.judge(done, predicted), "samples": samples, "fit": fit,
+  return {"result": search.judge(done, predicted, fit.model), "samples": samples, "fit": fit,
           "measured": {}, "loads": [p["load_avg"] for rec in recs for _, p in rec["runs"]],
           "late": [x for rec in recs for x in rec["late"]],
           "load_samples": sorted(x for rec in recs for x in rec["loads"])}
@@ -383,10 +379,11 @@ def main(f: Config, out):
   result = run(f, out)
   common.write_json(out / "perf_validation.json", result)
   png = plot(result, out / "perf_validation.png")
-  rows = [[s, v["measured_max_rate"], v["predicted_max_rate"],
-           "censored" if v["rel_error"] is None else f"{v['rel_error']:+.1%}"]
-          for s, v in result["systems"].items()]
-  print(common.table(rows, ["system", "measured max rate", "predicted", "error"]))
+  pct = lambda x: "censored" if x is None else f"{x:+.1%}"
+  rows = [[s, v["measured_max_rate"], v["predicted_max_rate"], pct(v["rel_error"]),
+           pct(v.get("rel_error_raw"))] for s, v in result["systems"].items()]
+  print(common.table(rows, ["system", "measured max rate", "predicted", "error",
+                            "error at the search's own crossing"]))
   fit = result["fit"]
   print(f"fit: {fit['calibration_steps']} steps in {fit['grouped_steps']} groups, mean "
         f"|error| {fit['mean_abs_rel_error']:.1%}; load {result['load_avg']['mean']:.1f} on "

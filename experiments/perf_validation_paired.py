@@ -42,18 +42,9 @@ from paged_jax.bench import latency
 from paged_jax.bench import rate_search
 
 
-def paired_runs(rec: Dict, rates) -> List[Tuple[float, list, float]]:
-  """[(rate, recorded steps, measured latency)] of rec's measured runs at `rates`, in run
-  order: a run's "run_samples" entry is appended with its "runs" entry
-  (`search._runner`), so the two lists pair up (on the CPU clock every run keeps steps)."""
-  steps = [(r, xs) for r, xs in rec.get("run_samples", []) if r in rates]
-  lats = [p["normalized_latency_s_per_token"] for r, p in rec.get("runs", []) if r in rates]
-  return [(r, xs, lat) for (r, xs), lat in zip(steps, lats)]
-
-
 def _predict_runs(f, system: str, stream: Callable, size: Dict, model: perf.DeviceTimeModel,
                   runs: List[Tuple[float, list, float]], rec: Dict) -> None:
-  """Predicts each `paired_runs` run at its own load factor into rec ("runs" as the
+  """Predicts each `search.paired_runs` run at its own load factor into rec ("runs" as the
   searches keep them, "factors" [rate, factor], "latency_errors" [rate, predicted /
   measured - 1])."""
   # pylint: disable=protected-access  (the searches' own record format)
@@ -77,7 +68,7 @@ def paired_prediction(f, stream: Callable, model: perf.DeviceTimeModel, done: Di
   out: Dict = {"unloaded": {}, "searches": {}, "load_factor": {}}
   for s in f.systems:
     rec = new()
-    runs = paired_runs(done["unloaded"][s], {f.unloaded_rate})
+    runs = search.paired_runs(done["unloaded"][s], {f.unloaded_rate})
     if not runs:
       raise ValueError(f"--predict=paired needs the measured runs' steps (--truth=cpu); "
                        f"{s}'s unloaded runs kept none")
@@ -92,8 +83,8 @@ def paired_prediction(f, stream: Callable, model: perf.DeviceTimeModel, done: Di
     if found["censored"] or lo is None or hi is None:
       rec["found"] = dict(found, crossing=None)
     else:
-      _predict_runs(f, s, stream, size[s], model, paired_runs(done["searches"][s], {lo, hi}),
-                    rec)
+      _predict_runs(f, s, stream, size[s], model,
+                    search.paired_runs(done["searches"][s], {lo, hi}), rec)
       lat_lo, lat_hi = (search._median(rec, r)  # pylint: disable=protected-access
                         for r in (lo, hi))
       crossing = (rate_search.crossing_rate(lo, hi, lat_lo, lat_hi, slo)

@@ -27,7 +27,10 @@ the SLO: censored) and little on one slower than its second (one point over). He
    there (--load_from=calibration). The fit itself sees the calibration runs only.
 4. per system: rel_error = predicted / measured crossing - 1, or None (censored: a
    search that never bracketed the SLO within --max_rates rates has a bound, not a
-   rate). The load average is sampled before every run.
+   rate). The measured crossing is read from the runs at the bracket's two ends, each
+   mapped to their median speed by its own load factor (`speed_normalized`: this
+   machine's speed moves by minutes, and a search's medians mix its speeds); the search's
+   own crossing is kept beside it. The load average is sampled before every run.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from __future__ import annotations
 import functools
 import os
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -107,45 +110,15 @@ def standin_engine(holder: Dict, **kw):
   return engine
 
 
-class ReplayedNoiseClock(perf.ModelClock):
-  """A ModelClock whose k-th step costs the model's seconds x ratios[(offset + k) % n]:
-  measured over predicted seconds of a measured run's steps, replayed in their order (a
-  shared machine's slow phases last seconds: a queue sees them, not their mean)."""
-
-  def __init__(self, device_model, ratios, offset: int, **kw):
-    self._ratios, self._k = np.asarray(ratios, float), int(offset)
-    super().__init__(device_model, **kw)
-
-  def stepped(self, step=None, **kw) -> float:
-    charged = super().stepped(step, **kw)
-    extra = charged * (self._ratios[self._k % self._ratios.size] - 1.0)
-    self._k += 1
-    self._t += extra
-    self.device_s += extra
-    return charged + extra
-
-
-def noise_ratios(model: perf.DeviceTimeModel, factor: float, steps: List) -> List[float]:
-  """Each measured step's seconds over `model` x `factor`'s, in order (their
-  seconds-weighted mean is 1 when `factor` is `calibration.load_factor` of `steps`)."""
-  return [sec / (factor * model.step_seconds(shape)) for shape, sec in steps]
-
-
 def predicted_point(f, system: str, requests, size: Dict, model: perf.DeviceTimeModel,
-                    factor: float, ratios: Optional[List[float]] = None) -> Dict:
+                    factor: float) -> Dict:
   """The same run on virtual time: the stand-in engine (it schedules as the tiny model
   does) on a ModelClock of `model` x `factor`, each step charged the padded shape the
-  measured engine ran it on (x the replayed `ratios`, from an offset seeded by --seed
-  and the stream's length, when given: `ReplayedNoiseClock`); "model_s" is the clock's seconds (the
-  point's "device_s" is the stand-in's own wall time)."""
+  measured engine ran it on; "model_s" is the clock's seconds (the point's "device_s" is
+  the stand-in's own wall time)."""
   holder: Dict = {}
-  kw = dict(block_size=f.block_size, to_step=lambda rep: holder["to_step"](rep))
-  scaled = calibration.scaled(model, factor)
-  if ratios:
-    offset = int(np.random.default_rng([f.seed, len(requests)]).integers(len(ratios)))
-    clock = ReplayedNoiseClock(scaled, ratios, offset, **kw)
-  else:
-    clock = perf.ModelClock(scaled, **kw)
+  clock = perf.ModelClock(calibration.scaled(model, factor), block_size=f.block_size,
+                          to_step=lambda rep: holder["to_step"](rep))
   with common.progress(total=len(requests), desc=f"predicted {system}") as bar:
     point = serving_sweep.run_point(system, requests, clock=clock, progress=bar,
                                     engine_fn=functools.partial(standin_engine, holder),
@@ -262,14 +235,18 @@ def crossing_runs(rec: Dict, source: str = "samples") -> List[List]:
   return [samples for r, samples in rec.get(source, []) if r in near]
 
 
-def crossing_samples(rec: Dict, source: str = "samples") -> List:
-  """`crossing_runs`' steps, in one list."""
-  return [x for samples in crossing_runs(rec, source) for x in samples]
+def paired_runs(rec: Dict, rates) -> List[Tuple[float, list, float]]:
+  """[(rate, recorded steps, measured latency)] of rec's measured runs at `rates`, in run
+  order: a run's "run_samples" entry is appended with its "runs" entry (`_runner`), so
+  the two lists pair up (on the CPU clock every run keeps steps)."""
+  steps = [(r, xs) for r, xs in rec.get("run_samples", []) if r in rates]
+  lats = [p["normalized_latency_s_per_token"] for r, p in rec.get("runs", []) if r in rates]
+  return [(r, xs, lat) for (r, xs), lat in zip(steps, lats)]
 
 
 def keep_crossing_steps(done: Dict) -> Dict:
   """`done` with each search's measured-run steps ("run_samples") kept only at the rates
-  `crossing_samples` reads (the measured file stays small: a run records ~2,000 steps)."""
+  `crossing_runs` reads (the measured file stays small: a run records ~2,000 steps)."""
   for rec in done.get("searches", {}).values():
     if "run_samples" in rec and "found" in rec:
       near = _crossing_rates(rec, "run_samples")
@@ -303,15 +280,10 @@ def predicted_search(f, stream: Callable, model: perf.DeviceTimeModel, done: Dic
   out: Dict = {"unloaded": {}, "searches": {}, "load_factor": {}}
   factors = load_factors(f, model, done)
 
-  ratios = {s: {k: noise_ratios(model, factors[s][k], crossing_samples(rec, "run_samples"))
-                 if f.step_noise == "replay" else None
-                 for k, rec in (("unloaded", done["unloaded"][s]),
-                                ("search", done["searches"][s]))} for s in f.systems}
-
   def runner(system: str, rec: Dict, key: str) -> Callable[[float], float]:
     return _runner(rec, start, lambda r: predicted_point(
         f, system, stream(r, f.seed, f.duration_s), size[system], model,
-        factors[system][key], ratios[system][key]))
+        factors[system][key]))
   for system in f.systems:
     rec = {"runs": [], "samples": [], "loads": [], "late": []}
     runner(system, rec, "unloaded")(f.unloaded_rate)
@@ -347,20 +319,42 @@ def curve(rec: Dict) -> Dict:
           "latency_runs": per, "runs": rec["runs"]}
 
 
-def judge(done: Dict, predicted: Dict) -> Dict:
-  """Per system: measured and predicted crossings, the error (None when either search is
-  censored: a bound is not a rate, and never a 0% error), censoring, curves."""
+def speed_normalized(model: Optional[perf.DeviceTimeModel], rec: Dict, slo: float
+                     ) -> Optional[Dict]:
+  """`validation.speed_normalized_crossing` of a search's measured runs at the two rates
+  around its crossing, each at its own `calibration.load_factor` (the prediction's factor
+  is their median: `load_factors`); None for a censored search, or runs that kept no
+  steps (--truth=wall)."""
+  runs = paired_runs(rec, _crossing_rates(rec, "run_samples"))
+  if model is None or rec["found"]["censored"] or not runs:
+    return None
+  rates, steps, lats = zip(*runs)
+  return validation.speed_normalized_crossing(
+      rates, lats, [calibration.load_factor(model, xs) for xs in steps], slo)
+
+
+def judge(done: Dict, predicted: Dict, model: Optional[perf.DeviceTimeModel] = None) -> Dict:
+  """Per system: measured and predicted crossings, the error (None when either is
+  censored: a bound is not a rate, and never a 0% error), censoring, curves. With the
+  fit `model`, the measured crossing is `speed_normalized`'s (the runs each mapped to
+  the median run's speed, which the prediction runs at), where the runs kept steps;
+  the search's own (its medians at the bracket's ends) is kept as "measured_raw_crossing",
+  its error as "rel_error_raw"."""
   out = {}
   for s, m in done["searches"].items():
     p = predicted["searches"][s]
-    mv, pv = rate_of(m["found"]), rate_of(p["found"])
+    raw, pv = rate_of(m["found"]), rate_of(p["found"])
+    norm = speed_normalized(model, m, done["slo_s_per_token"])
+    mv = raw if norm is None else norm["crossing"]
     mc, pc = curve(m), curve(p)
     at_m = latency.max_rate_at_slo(pc["rates"], pc["normalized_latency_s_per_token"],
                                    done["slo_s_per_token"])
     out[s] = {"measured_max_rate": mv if mv is not None else m["found"]["max_rate"],
               "predicted_max_rate": pv if pv is not None else p["found"]["max_rate"],
               "rel_error": pv / mv - 1 if mv and pv is not None else None,
-              "measured_censored": m["found"]["censored"],
+              "measured_censored": m["found"]["censored"] or (norm or {}).get("censored"),
+              "measured_raw_crossing": raw, "measured_speed_normalized": norm,
+              "rel_error_raw": pv / raw - 1 if raw and pv is not None else None,
               "predicted_censored": p["found"]["censored"],
               "measured_bound": m["found"]["bound"], "measured_monotone":
               m["found"]["monotone"], "predicted_max_rate_at_measured_slo":

@@ -56,7 +56,7 @@ def fake_runs(monkeypatch):
                                                     {"samples": [("shape", 0.001)],
                                                      "late": []})[1])
   monkeypatch.setattr(search, "predicted_point",
-                      lambda f, s, requests, size, model, factor, ratios=None: point(
+                      lambda f, s, requests, size, model, factor: point(
                           "predicted", s, requests))
   monkeypatch.setattr(search.calibration, "load_factor", lambda model, samples: 1.0)
   return state
@@ -216,8 +216,8 @@ def test_one_run_the_machine_was_taken_from_does_not_set_the_speed():
           "searches": {"paged": {"found": found, "samples": [], "run_samples": runs}}}
   got = search.load_factors(_config(systems=("paged",)), model, done)["paged"]["search"]
   assert got == pytest.approx(1.025)            # the median of the six runs' factors
-  pooled = calibration.load_factor(model, search.crossing_samples(done["searches"]["paged"],
-                                                                  "run_samples"))
+  pooled = calibration.load_factor(model, [x for r in search.crossing_runs(
+      done["searches"]["paged"], "run_samples") for x in r])
   assert pooled == pytest.approx(2.0083, rel=1e-3)   # what the pooled rule read
 
 
@@ -231,25 +231,38 @@ def test_the_measured_file_keeps_run_steps_only_around_the_crossing():
       "run_samples"] == [[20.0, [1]]]
 
 
-def test_replayed_noise_clock_charges_the_measured_ratios_in_order():
-  from paged_jax import perf
+def test_judge_reads_the_measured_crossing_at_the_median_runs_speed():
+  # The machine slowed during the search's last runs: at the bracket's low end two of
+  # three runs took 1.3x the fit's seconds, at the high end two ran at 0.8x. Each run's
+  # latency is what the same queue pays at that speed (time dilation), so the search's
+  # medians read the low end over the SLO and the high end under it, where the machine at
+  # one speed crosses at 30.5 req/s. Read at the median run's speed, the crossing is 30.5.
   from paged_jax.bench import calibration
   from paged_jax.bench import engines
   model = calibration.cpu_model(engines.tiny_model()[0])
   shape = _shapes()[0][0]
-  t = model.step_seconds(shape)
-  steps = [(shape, 3 * t), (shape, 1 * t)]          # measured: a slow step, then a fast one
-  factor = calibration.load_factor(model, steps)    # 2.0: the steps' mean speed
-  ratios = search.noise_ratios(model, factor, steps)
-  assert ratios == pytest.approx([1.5, 0.5])
-  clock = search.ReplayedNoiseClock(calibration.scaled(model, factor), ratios, offset=1)
-  plain = perf.ModelClock(calibration.scaled(model, factor))
-  charged = [clock.stepped(shape) for _ in range(3)]
-  assert charged == pytest.approx([0.5 * 2 * t, 1.5 * 2 * t, 0.5 * 2 * t])
-  plain_charged = [plain.stepped(shape) for _ in range(3)]
-  assert clock.now() == pytest.approx(sum(charged))
-  assert clock.now() != pytest.approx(plain.now())
-  assert sum(plain_charged) == pytest.approx(3 * 2 * t)
+  t, slo, known, slope = model.step_seconds(shape), 0.01, 30.5, 0.3
+  lat = lambda rate, k: k * slo * np.exp(slope * (rate * k - known))   # at speed k
+  plan = [(30.0, 1.3), (31.0, 0.8), (30.0, 1.3), (31.0, 0.8), (30.0, 1.0), (31.0, 1.0)]
+  runs = [[r, {"normalized_latency_s_per_token": lat(r, k)}] for r, k in plan]
+  found = {"max_rate": 30.0, "bound": 31.0, "censored": None, "crossing": 30.2,
+           "monotone": False}
+  rec = {"found": found, "runs": runs,
+         "run_samples": [[r, [(shape, k * t)] * 5] for r, k in plan]}
+  done = {"searches": {"paged": rec}, "slo_s_per_token": slo,
+          "unloaded": {"paged": {"latency": slo / 3}}}
+  pred = {"searches": {"paged": {"found": {"censored": None, "crossing": 31.0, "max_rate":
+                                           30.5}, "runs": [[31.0, runs[0][1]]]}},
+          "load_factor": {"paged": {"search": 1.0}}, "slo_s_per_token": slo,
+          "unloaded": {"paged": {"latency": slo / 3}}}
+  got = search.judge(done, pred, model)["systems"]["paged"]
+  assert got["measured_speed_normalized"]["ref"] == pytest.approx(1.0)
+  assert got["measured_max_rate"] == pytest.approx(known)
+  assert got["rel_error"] == pytest.approx(31.0 / known - 1)
+  assert got["measured_raw_crossing"] == 30.2
+  assert got["rel_error_raw"] == pytest.approx(31.0 / 30.2 - 1)
+  no_model = search.judge(done, pred)["systems"]["paged"]   # --truth=wall's rule
+  assert no_model["measured_max_rate"] == 30.2 and no_model["measured_speed_normalized"] is None
 
 
 def test_quick_replaces_the_flags_it_names_and_records_them():

@@ -264,3 +264,49 @@ def test_one_xla_thread_reruns_the_process_with_the_flag_once(monkeypatch):
     with pytest.raises(RuntimeError, match="ran"):
       perf_validation.main(f, None)
   assert len(calls) == 1
+
+
+def _dilated_runs(plan, known=30.5, slope=0.3, slo=0.01, ref=1.0):
+  """(rates, latencies, factors) of runs at (rate, factor): one queue whose latency at
+  speed `ref` meets `slo` at `known` req/s, run at speed factor (time dilation)."""
+  lat = lambda r, k: k / ref * slo * np.exp(slope * (r * k / ref - known))
+  return [r for r, _ in plan], [lat(r, k) for r, k in plan], [k for _, k in plan]
+
+
+def test_speed_normalized_crossing_recovers_the_crossing_at_the_median_speed():
+  plan = [(30.0, 1.3), (31.0, 0.8), (30.0, 1.3), (31.0, 0.8), (30.0, 1.1), (31.0, 1.1)]
+  rates, lats, factors = _dilated_runs(plan, ref=1.1)
+  got = validation.speed_normalized_crossing(rates, lats, factors, 0.01)
+  assert got["ref"] == pytest.approx(1.1) and got["censored"] is None
+  assert got["crossing"] == pytest.approx(30.5) and got["slope"] == pytest.approx(0.3)
+  assert got["runs"] == 6 and got["dropped"] == 0 and got["extrapolated"] is False
+  # The runs' own latencies (no speed read) put the slow low end over the SLO and the
+  # fast high end under it: the medians do not even rise with the rate.
+  med = lambda r: np.median([x for q, x in zip(rates, lats) if q == r])
+  assert med(30.0) > 0.01 > med(31.0)
+
+
+def test_speed_normalized_crossing_leaves_out_a_run_the_machine_moved_within():
+  plan = [(30.0, 1.0), (31.0, 0.9), (30.0, 1.05), (31.0, 1.0), (31.0, 1.1)]
+  rates, lats, factors = _dilated_runs(plan)
+  # A run at 31 req/s that paid 3.2x a step at its end: its latency is not one speed's.
+  rates, lats, factors = rates + [31.0], lats + [0.5], factors + [3.2]
+  got = validation.speed_normalized_crossing(rates, lats, factors, 0.01)
+  assert got["dropped"] == 1 and got["runs"] == 5
+  ref = got["ref"]   # 1.025: at that speed steps and latencies are 2.5% longer
+  assert got["crossing"] == pytest.approx((30.5 - np.log(ref) / 0.3) / ref)
+  kept_all = validation.speed_normalized_crossing(rates, lats, factors, 0.01, band=10.0)
+  assert kept_all["dropped"] == 0 and abs(kept_all["crossing"] / 30.5 - 1) > 0.05
+
+
+def test_speed_normalized_crossing_censors_what_it_cannot_read():
+  rates, lats, factors = _dilated_runs([(30.0, 1.0), (31.0, 1.0)])
+  assert validation.speed_normalized_crossing(rates, lats, factors, 0.01)["censored"] == \
+      "too few runs"
+  flat = validation.speed_normalized_crossing([30, 31, 30, 31], [0.02, 0.01, 0.02, 0.01],
+                                              [1.0] * 4, 0.015)
+  assert flat["censored"] == "flat" and flat["crossing"] is None
+  with pytest.raises(ValueError, match="factors must be finite numbers > 0"):
+    validation.speed_normalized_crossing([30.0], [0.01], [0.0], 0.01)
+  with pytest.raises(ValueError, match="one entry per run"):
+    validation.speed_normalized_crossing([30.0, 31.0], [0.01], [1.0], 0.01)

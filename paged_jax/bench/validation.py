@@ -2,6 +2,7 @@
 
     curve = median_curve([run_1, run_2])          # point-by-point median of repeated runs
     res = compare(measured, predicted, 3.0)       # per system: max rates, errors, censoring
+    got = speed_normalized_crossing(rates, latencies, factors, slo)   # runs at moving speeds
 
 A curve is `sweep.curve`'s dict ({"rates", "normalized_latency_s_per_token", ...}); a
 sweep is {system: curve}.
@@ -65,6 +66,59 @@ def crossing_spread(crossings: Sequence[Optional[float]]) -> Optional[float]:
   """(max - min) / median of the crossings found (None with fewer than two)."""
   xs = [x for x in crossings if x]
   return (max(xs) - min(xs)) / float(np.median(xs)) if len(xs) > 1 else None
+
+
+SPEED_BAND = 1.5   # a run this far off the median speed: the machine changed within it
+MIN_RUNS = 3
+
+
+def speed_normalized_crossing(rates: Sequence[float], latencies: Sequence[float],
+                              factors: Sequence[float], slo: float, *,
+                              band: float = SPEED_BAND, min_runs: int = MIN_RUNS) -> Dict:
+  """The max rate at `slo` of runs the machine served at different speeds, read at the
+  median run's speed.
+
+  Time dilation: a run at `rate` (req/s) whose steps each took `factor` x the fit's
+  seconds is, on the clock t x ref / factor, a run at rate x factor / ref whose steps
+  take ref x the fit's: the queue sees only arrival gaps over step times. So each run is
+  mapped to ref (the median factor, the speed a prediction at the median factor assumes)
+  as (rate x factor / ref, latency x ref / factor), and a least-squares line of log
+  latency over the mapped rates crosses log(slo) at the rate the machine sustains at ref.
+  (Exact but for the arrival window, which the mapping stretches by ref / factor.) A run
+  whose factor lies outside [ref / band, ref x band] is left out: one number no longer
+  describes a machine that moved that far within a run.
+
+  Args:
+    rates: f64[n] each run's request rate (req/s), > 0.
+    latencies: f64[n] each run's normalized latency (s/token), > 0.
+    factors: f64[n] each run's measured over fitted seconds (`calibration.load_factor`).
+    slo: the latency target (s/token), > 0.
+  Returns:
+    {"crossing": req/s at ref, or None when "censored" says why ("too few runs": under
+    `min_runs` kept or one mapped rate; "flat": latency not rising with rate), "ref",
+    "slope" (d log latency / d req/s), "runs" (kept), "dropped", "extrapolated" (the
+    crossing outside the mapped rates)}.
+  """
+  r, lat, f = (np.asarray(v, np.float64).reshape(-1) for v in (rates, latencies, factors))
+  if not (r.size == lat.size == f.size):
+    raise ValueError(f"rates, latencies and factors must have one entry per run, got "
+                     f"{r.size}, {lat.size}, {f.size}")
+  for name, v in (("rates", r), ("latencies", lat), ("factors", f), ("slo", np.array([slo]))):
+    if not np.all(np.isfinite(v) & (v > 0)):
+      raise ValueError(f"{name} must be finite numbers > 0, got {v.tolist()}")
+  ref = float(np.median(f)) if f.size else 1.0
+  keep = (f >= ref / band) & (f <= ref * band)
+  x, y = r[keep] * f[keep] / ref, np.log(lat[keep] * ref / f[keep])
+  out = {"crossing": None, "ref": ref, "slope": None, "runs": int(keep.sum()),
+         "dropped": int((~keep).sum()), "extrapolated": None, "censored": None}
+  if x.size < min_runs or np.ptp(x) == 0:
+    return dict(out, censored="too few runs")
+  slope, intercept = np.polyfit(x, y, 1)
+  if slope <= 0:
+    return dict(out, slope=float(slope), censored="flat")
+  crossing = float((np.log(slo) - intercept) / slope)
+  return dict(out, crossing=crossing, slope=float(slope),
+              extrapolated=bool(not x.min() <= crossing <= x.max()))
 
 
 def step_time_errors(measured: Dict, predicted: Dict) -> List:
