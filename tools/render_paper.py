@@ -83,13 +83,23 @@ def _rate_cell(rate, censored, bound) -> str:
   return f"{'>= ' if censored else ''}{rate:.3g}"
 
 
+def _raw_cell(v) -> str:
+  """The search's own crossing and the error against it, where the judged crossing is
+  the speed-normalized one (`perf_validation_search.judge` with the fit); else "-"."""
+  raw, err = v.get("measured_raw_crossing"), v.get("rel_error_raw")
+  if v.get("measured_speed_normalized") is None or raw is None:
+    return "-"
+  return f"{raw:.3g} ({'-' if err is None else f'{err:+.1%}'})"
+
+
 def perf_validation(res) -> str:
   """Measured vs predicted max rate of each system (the tiny model on this CPU, on the
   run's truth clock: CPU seconds or wall): at each sweep's own SLO (the target's figure)
   and at the measured SLO; the largest spread of the measured point's repeats; the load
   factors the prediction's points were scaled by; the crossing of each repeat's own curve
   (`validation.single_run_crossings`: how far one run of the machine moves the measured
-  figure); then the fit, the truth and the load."""
+  figure); the search's own crossing where the judged one is read at one speed; then
+  the fit, the truth and the load."""
   from paged_jax.bench import validation  # pylint: disable=g-import-not-at-top
   rows = []
   for name, v in res["systems"].items():
@@ -109,7 +119,7 @@ def perf_validation(res) -> str:
                  f"{max(spread):.0%}" if spread else "-",
                  f"{min(factors):.2f}-{max(factors):.2f}",
                  f"{min(ones):.3g}-{max(ones):.3g} ({one_spread:.0%})" if one_spread is not None
-                 else "-"])
+                 else "-", _raw_cell(v)])
   fit = res["fit"]
   load = res["load_avg"]
   truth = res.get("truth", {"clock": "wall", "repeats": 1})
@@ -117,10 +127,11 @@ def perf_validation(res) -> str:
                f"mean step error {fit['mean_abs_rel_error']:.0%}",
                f"{truth['clock']} clock, {truth['repeats']} run(s) a point",
                f"load {min(load['during_measured_points']):.1f}-"
-               f"{max(load['during_measured_points']):.1f}", f"{load['cores']} cores", ""])
+               f"{max(load['during_measured_points']):.1f}", f"{load['cores']} cores", "", ""])
   return table(rows, ["system", "measured max rate (req/s)", "predicted", "error",
                       "predicted at the measured SLO", "repeats' latency spread",
-                      "load factors", "one run's crossing (spread)"])
+                      "load factors", "one run's crossing (spread)",
+                      "the search's own crossing (error)"])
 
 
 def perf_validation_paired(res) -> str:
@@ -156,6 +167,11 @@ def perf_validation_paired(res) -> str:
 # perf_validation runs re-predicted from their measured files with the median load factor.
 REPREDICTED = (("E", "one_thread"), ("F", "one_thread_2"), ("G", "one_thread_3"),
                ("H", "quiet_one_thread"))
+# ... and every run with run steps kept, re-judged at one speed (DIR/speed_normalized), then
+# the runs made with that rule (their own directory).
+REJUDGED = REPREDICTED + (("I", "interleaved_1"), ("J", "interleaved_2"),
+                          ("K", "interleaved_3_busy"))
+SPEED_NORMALIZED_RUNS = (("L", "normalized_1"),)
 
 
 def perf_validation_repredicted(results_dir) -> str:
@@ -170,6 +186,32 @@ def perf_validation_repredicted(results_dir) -> str:
     rows.append([label, *cells, f"{new['max_abs_rel_error']:.1%}"])
   return table(rows, ["run", *(_LABEL.get(s, s) for s in new["systems"]),
                       "worst, median factor"])
+
+
+def perf_validation_speed_normalized(results_dir) -> str:
+  """Per run (REJUDGED re-judged, then SPEED_NORMALIZED_RUNS): its load, and each
+  system's error against the search's own crossing -> against the crossing read at the
+  median run's speed (runs dropped off it, a crossing outside the mapped rates), the
+  worst, and whether within 5%."""
+  pct = lambda x: "censored" if x is None else f"{x:+.1%}"
+  rows = []
+  runs = ([(label, f"{run}/speed_normalized") for label, run in REJUDGED]
+          + list(SPEED_NORMALIZED_RUNS))
+  for label, path in runs:
+    res = load(results_dir, f"perf_validation/{path}/perf_validation.json")
+    cells = []
+    for v in res["systems"].values():
+      norm = v.get("measured_speed_normalized") or {}
+      notes = ([f"{norm['dropped']} dropped"] if norm.get("dropped") else []) + (
+          ["extrapolated"] if norm.get("extrapolated") else [])
+      cells.append(f"{pct(v['rel_error_raw'])} -> {pct(v['rel_error'])}"
+                   + (f" ({', '.join(notes)})" if notes else ""))
+    worst = res["max_abs_rel_error"]
+    rows.append([label, f"{res['load_avg']['mean']:.1f}", *cells,
+                 "-" if worst is None else f"{worst:.1%}",
+                 "yes" if res["within_target"] else "no"])
+  return table(rows, ["run", "load (mean)", *(_LABEL.get(s, s) for s in res["systems"]),
+                      "worst", "within 5%, none censored"])
 
 
 # The paper's stated figures as checks (Kwon et al., SOSP 2023): ranges as stated; a single

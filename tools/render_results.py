@@ -160,6 +160,9 @@ SECTIONS: Dict[str, Tuple[object, Callable]] = {
     "perf_validation_quiet_one_thread": (
         "perf_validation/quiet_one_thread/perf_validation.json", paper.perf_validation),
     "perf_validation_median_factor": (_RESULTS_DIR, paper.perf_validation_repredicted),
+    "perf_validation_speed_normalized": (_RESULTS_DIR, paper.perf_validation_speed_normalized),
+    "perf_validation_normalized_1": ("perf_validation/normalized_1/perf_validation.json",
+                                     paper.perf_validation),
     "perf_validation_interleaved_1": ("perf_validation/interleaved_1/perf_validation.json",
                                       paper.perf_validation),
     "perf_validation_interleaved_2": ("perf_validation/interleaved_2/perf_validation.json",
