@@ -55,7 +55,7 @@ TARGET = 0.05   # issue 42 (0.15 before: issue 25)
 CALIBRATION_SEED_OFFSET = 1000   # the calibration streams' seed: seed + this
 
 # --quick (two systems, short windows, one run a rate): 180 s at load 1.8 before the ends
-# were re-run in turn (2026-12-06), which adds 2-16 runs a system; not timed since.
+# were re-run in turn; 431 s with them (the slow test, 2026-12-06, beside a full run).
 QUICK = dict(systems=("paged", "orca_max"), duration_s=3.0, calibration_duration_s=1.5,
              repeats=1, max_rates=5, rel_tol=0.10)
 
