@@ -171,7 +171,7 @@ REPREDICTED = (("E", "one_thread"), ("F", "one_thread_2"), ("G", "one_thread_3")
 # the runs made with that rule (their own directory).
 REJUDGED = REPREDICTED + (("I", "interleaved_1"), ("J", "interleaved_2"),
                           ("K", "interleaved_3_busy"))
-SPEED_NORMALIZED_RUNS = (("L", "normalized_1"),)
+SPEED_NORMALIZED_RUNS = (("L", "normalized_1"), ("M", "normalized_2"))
 
 
 def perf_validation_repredicted(results_dir) -> str:

@@ -163,6 +163,8 @@ SECTIONS: Dict[str, Tuple[object, Callable]] = {
     "perf_validation_speed_normalized": (_RESULTS_DIR, paper.perf_validation_speed_normalized),
     "perf_validation_normalized_1": ("perf_validation/normalized_1/perf_validation.json",
                                      paper.perf_validation),
+    "perf_validation_normalized_2": ("perf_validation/normalized_2/perf_validation.json",
+                                     paper.perf_validation),
     "perf_validation_interleaved_1": ("perf_validation/interleaved_1/perf_validation.json",
                                       paper.perf_validation),
     "perf_validation_interleaved_2": ("perf_validation/interleaved_2/perf_validation.json",
