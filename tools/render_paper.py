@@ -169,8 +169,8 @@ REPREDICTED = (("E", "one_thread"), ("F", "one_thread_2"), ("G", "one_thread_3")
                ("H", "quiet_one_thread"))
 # ... and every run with run steps kept, re-judged at one speed (DIR/speed_normalized), then
 # the runs made with that rule (their own directory).
-REJUDGED = REPREDICTED + (("I", "interleaved_1"), ("J", "interleaved_2"),
-                          ("K", "interleaved_3_busy"))
+REJUDGED = (("A", "."), ("B", "repeat")) + REPREDICTED + (
+    ("I", "interleaved_1"), ("J", "interleaved_2"), ("K", "interleaved_3_busy"))
 SPEED_NORMALIZED_RUNS = (("L", "normalized_1"), ("M", "normalized_2"))
 
 
