@@ -319,32 +319,35 @@ def curve(rec: Dict) -> Dict:
           "latency_runs": per, "runs": rec["runs"]}
 
 
-def speed_normalized(model: Optional[perf.DeviceTimeModel], rec: Dict, slo: float
-                     ) -> Optional[Dict]:
+def speed_normalized(model: Optional[perf.DeviceTimeModel], rec: Dict, slo: float,
+                     ref: float) -> Optional[Dict]:
   """`validation.speed_normalized_crossing` of a search's measured runs at the two rates
-  around its crossing, each at its own `calibration.load_factor` (the prediction's factor
-  is their median: `load_factors`); None for a censored search, or runs that kept no
-  steps (--truth=wall)."""
+  around its crossing, each at its own `calibration.load_factor`, read at `ref` (the
+  factor the prediction ran at: `load_factors`, by default these runs' median); None
+  without a model, for a censored search, or for runs that kept no steps (--truth=wall)."""
+  if model is None or rec["found"]["censored"]:
+    return None
   runs = paired_runs(rec, _crossing_rates(rec, "run_samples"))
-  if model is None or rec["found"]["censored"] or not runs:
+  if not runs:
     return None
   rates, steps, lats = zip(*runs)
   return validation.speed_normalized_crossing(
-      rates, lats, [calibration.load_factor(model, xs) for xs in steps], slo)
+      rates, lats, [calibration.load_factor(model, xs) for xs in steps], slo, ref=ref)
 
 
 def judge(done: Dict, predicted: Dict, model: Optional[perf.DeviceTimeModel] = None) -> Dict:
   """Per system: measured and predicted crossings, the error (None when either is
   censored: a bound is not a rate, and never a 0% error), censoring, curves. With the
   fit `model`, the measured crossing is `speed_normalized`'s (the runs each mapped to
-  the median run's speed, which the prediction runs at), where the runs kept steps;
+  the speed the prediction ran at), where the runs kept steps;
   the search's own (its medians at the bracket's ends) is kept as "measured_raw_crossing",
   its error as "rel_error_raw"."""
   out = {}
   for s, m in done["searches"].items():
     p = predicted["searches"][s]
     raw, pv = rate_of(m["found"]), rate_of(p["found"])
-    norm = speed_normalized(model, m, done["slo_s_per_token"])
+    norm = speed_normalized(model, m, done["slo_s_per_token"],
+                            predicted["load_factor"][s]["search"])
     mv = raw if norm is None else norm["crossing"]
     mc, pc = curve(m), curve(p)
     at_m = latency.max_rate_at_slo(pc["rates"], pc["normalized_latency_s_per_token"],

@@ -286,6 +286,21 @@ def test_speed_normalized_crossing_recovers_the_crossing_at_the_median_speed():
   assert med(30.0) > 0.01 > med(31.0)
 
 
+
+def test_speed_normalized_crossing_reads_at_the_speed_it_is_given():
+  # The same queue crosses at 30.5 req/s at speed 1.0; its runs' median speed is 1.1. A
+  # prediction made at 1.0 (--load_from=calibration) is compared with the runs read at 1.0.
+  plan = [(30.0, 1.3), (31.0, 0.8), (30.0, 1.1), (31.0, 1.1), (30.0, 1.2)]
+  rates, lats, factors = _dilated_runs(plan)
+  at_median = validation.speed_normalized_crossing(rates, lats, factors, 0.01)
+  assert at_median["crossing"] == pytest.approx((30.5 - np.log(1.1) / 0.3) / 1.1)
+  at_one = validation.speed_normalized_crossing(rates, lats, factors, 0.01, ref=1.0)
+  assert at_one["ref"] == 1.0 and at_one["crossing"] == pytest.approx(30.5)
+  assert at_one["dropped"] == at_median["dropped"] == 0   # the band is the median's
+  with pytest.raises(ValueError, match="ref must be finite numbers > 0"):
+    validation.speed_normalized_crossing(rates, lats, factors, 0.01, ref=0.0)
+
+
 def test_speed_normalized_crossing_leaves_out_a_run_the_machine_moved_within():
   plan = [(30.0, 1.0), (31.0, 0.9), (30.0, 1.05), (31.0, 1.0), (31.0, 1.1)]
   rates, lats, factors = _dilated_runs(plan)

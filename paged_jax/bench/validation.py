@@ -74,18 +74,19 @@ MIN_RUNS = 3
 
 def speed_normalized_crossing(rates: Sequence[float], latencies: Sequence[float],
                               factors: Sequence[float], slo: float, *,
-                              band: float = SPEED_BAND, min_runs: int = MIN_RUNS) -> Dict:
+                              ref: Optional[float] = None, band: float = SPEED_BAND,
+                              min_runs: int = MIN_RUNS) -> Dict:
   """The max rate at `slo` of runs the machine served at different speeds, read at the
   median run's speed.
 
   Time dilation: a run at `rate` (req/s) whose steps each took `factor` x the fit's
   seconds is, on the clock t x ref / factor, a run at rate x factor / ref whose steps
   take ref x the fit's: the queue sees only arrival gaps over step times. So each run is
-  mapped to ref (the median factor, the speed a prediction at the median factor assumes)
-  as (rate x factor / ref, latency x ref / factor), and a least-squares line of log
-  latency over the mapped rates crosses log(slo) at the rate the machine sustains at ref.
-  (Exact but for the arrival window, which the mapping stretches by ref / factor.) A run
-  whose factor lies outside [ref / band, ref x band] is left out: one number no longer
+  mapped to ref (the speed the prediction runs at; by default the median factor) as
+  (rate x factor / ref, latency x ref / factor), and a least-squares line of log latency
+  over the mapped rates crosses log(slo) at the rate the machine sustains at ref. (Exact
+  but for the arrival window, which the mapping stretches by ref / factor.) A run whose
+  factor lies outside [median / band, median x band] is left out: one number no longer
   describes a machine that moved that far within a run.
 
   Args:
@@ -93,6 +94,7 @@ def speed_normalized_crossing(rates: Sequence[float], latencies: Sequence[float]
     latencies: f64[n] each run's normalized latency (s/token), > 0.
     factors: f64[n] each run's measured over fitted seconds (`calibration.load_factor`).
     slo: the latency target (s/token), > 0.
+    ref: the factor to read the crossing at, > 0 (None: the median of `factors`).
   Returns:
     {"crossing": req/s at ref, or None when "censored" says why ("too few runs": under
     `min_runs` kept or one mapped rate; "flat": latency not rising with rate), "ref",
@@ -103,11 +105,13 @@ def speed_normalized_crossing(rates: Sequence[float], latencies: Sequence[float]
   if not (r.size == lat.size == f.size):
     raise ValueError(f"rates, latencies and factors must have one entry per run, got "
                      f"{r.size}, {lat.size}, {f.size}")
-  for name, v in (("rates", r), ("latencies", lat), ("factors", f), ("slo", np.array([slo]))):
+  median = float(np.median(f)) if f.size else 1.0
+  ref = median if ref is None else ref
+  for name, v in (("rates", r), ("latencies", lat), ("factors", f), ("slo", np.array([slo])),
+                  ("ref", np.array([ref]))):
     if not np.all(np.isfinite(v) & (v > 0)):
       raise ValueError(f"{name} must be finite numbers > 0, got {v.tolist()}")
-  ref = float(np.median(f)) if f.size else 1.0
-  keep = (f >= ref / band) & (f <= ref * band)
+  keep = (f >= median / band) & (f <= median * band)
   x, y = r[keep] * f[keep] / ref, np.log(lat[keep] * ref / f[keep])
   out = {"crossing": None, "ref": ref, "slope": None, "runs": int(keep.sum()),
          "dropped": int((~keep).sum()), "extrapolated": None, "censored": None}
